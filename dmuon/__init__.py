@@ -1,0 +1,24 @@
+"""dmuon: a distributed Muon optimizer native to PyTorch DTensor/FSDP2.
+
+``DMuon`` orthogonalizes each sharded matrix once, on one owner rank, and keeps
+everything elementwise on the local shards. See README.md.
+"""
+
+from dmuon.comm import CommStats
+from dmuon.newton_schulz import KELLER_COEFFICIENTS, NS_COEFFICIENT_SETS, orthogonalize
+from dmuon.optimizer import DMuon
+from dmuon.param_groups import DEFAULT_ADAMW_NAME_PATTERN, default_use_muon
+from dmuon.update_rules import ADJUST_LR_CHOICES, shape_scale
+
+__all__ = [
+    "ADJUST_LR_CHOICES",
+    "CommStats",
+    "DEFAULT_ADAMW_NAME_PATTERN",
+    "DMuon",
+    "KELLER_COEFFICIENTS",
+    "NS_COEFFICIENT_SETS",
+    "default_use_muon",
+    "orthogonalize",
+    "shape_scale",
+]
+__version__ = "0.1.0"

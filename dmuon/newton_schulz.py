@@ -1,0 +1,103 @@
+"""Newton-Schulz orthogonalization: the expensive, pure core of Muon.
+
+Everything here is a function of one tensor. There is no distributed code in this
+module: the distributed step only decides *where* these functions run.
+
+Exactness contract: for a given input tensor (same values, shape and layout) and the
+same number of threads, the output is bitwise reproducible. The distributed step
+relies on that: the owner rank calls :func:`orthogonalize` on exactly the bf16 matrix a
+single process would build, so both get the same bits.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+# Keller Jordan's quintic coefficients (also torch.optim.Muon's default): chosen to
+# maximize the slope at zero, so 5 steps push every singular value into ~[0.7, 1.2].
+KELLER_COEFFICIENTS: tuple[float, float, float] = (3.4445, -4.7750, 2.0315)
+
+# Named coefficient sets accepted by ``DMuon(ns_coefficients=...)``.
+NS_COEFFICIENT_SETS: dict[str, tuple[float, float, float]] = {
+    "keller": KELLER_COEFFICIENTS,
+}
+
+DEFAULT_NS_STEPS = 5
+DEFAULT_NS_EPS = 1e-7
+# torch.optim.Muon refuses 100 or more steps; more never helps the quintic iteration.
+MAX_NS_STEPS = 100
+
+# Newton-Schulz always runs in bf16: it is what Muon is tuned for, and it is the dtype
+# in which matrices travel between ranks.
+NS_DTYPE = torch.bfloat16
+
+
+def matrix_shape(shape: Sequence[int]) -> tuple[int, ...]:
+    """The shape Newton-Schulz sees for a parameter of ``shape``.
+
+    2-D: the matrix itself. 3-D ``[E, A, B]``: a batch of E matrices (MoE experts),
+    orthogonalized one by one in a single batched call. 4-D and more (convolution
+    filters): flattened to ``[out, in * kernel...]``, as in Keller Jordan's Muon.
+    """
+    if len(shape) < 2:
+        raise ValueError(f"Newton-Schulz needs at least 2 dimensions, got shape {tuple(shape)}")
+    if len(shape) <= 3:
+        return tuple(shape)
+    return (shape[0], math.prod(shape[1:]))
+
+
+def orthogonalize(
+    update: torch.Tensor,
+    coefficients: tuple[float, float, float] = KELLER_COEFFICIENTS,
+    steps: int = DEFAULT_NS_STEPS,
+    eps: float = DEFAULT_NS_EPS,
+) -> torch.Tensor:
+    """Approximate the polar factor ``U V^T`` of ``update`` with quintic Newton-Schulz.
+
+    ``update`` is 2-D ``[A, B]`` or batched 3-D ``[E, A, B]`` (see :func:`matrix_shape`).
+    Returns a new bf16 tensor of the same shape; ``update`` is never modified (this
+    avoids torch.optim.Muon's aliasing defect, where ``x.bfloat16()`` of a bf16 buffer
+    is the buffer itself and the in-place normalization corrupts momentum).
+
+    The 2-D case performs exactly torch.optim.Muon's operations, so a plain tensor
+    gets torch's bits.
+    """
+    if update.ndim not in (2, 3):
+        raise ValueError(f"orthogonalize expects a 2-D or 3-D tensor, got shape {tuple(update.shape)}")
+    a, b, c = coefficients
+    x = update.to(NS_DTYPE, copy=True)
+    # Work on the wide orientation (rows <= cols): the Gram matrix X X^T is then the
+    # small one, which makes each step cheaper.
+    tall = x.size(-2) > x.size(-1)
+    if tall:
+        x = x.mT
+    # Frobenius norm bounds the spectral norm, so after this every singular value is <= 1.
+    if x.ndim == 2:
+        x.div_(x.norm().clamp(min=eps))
+        for _ in range(steps):
+            gram = x @ x.T
+            poly = torch.addmm(gram, gram, gram, beta=b, alpha=c)
+            x = torch.addmm(x, poly, x, beta=a)
+    else:
+        x.div_(torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True).clamp(min=eps))
+        for _ in range(steps):
+            gram = x @ x.mT
+            poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
+            x = torch.baddbmm(x, poly, x, beta=a)
+    return x.mT if tall else x
+
+
+def newton_schulz_flops(shape: Sequence[int], steps: int = DEFAULT_NS_STEPS) -> int:
+    """Floating-point operations of :func:`orthogonalize` for a parameter of ``shape``.
+
+    Per step on an ``m x n`` matrix (m <= n): ``X X^T`` costs 2 m^2 n, the polynomial
+    ``b S + c S S`` costs 2 m^3, and the final product costs 2 m^2 n.
+    Used to balance Newton-Schulz work across ranks.
+    """
+    dims = matrix_shape(shape)
+    batch = dims[0] if len(dims) == 3 else 1
+    m, n = sorted(dims[-2:])
+    return batch * steps * (4 * m * m * n + 2 * m * m * m)

@@ -1,0 +1,121 @@
+"""Turning DMuon's ``params`` argument into validated param groups.
+
+Kept apart from the step so that the rules a user meets first (which parameter gets
+which algorithm, which values are legal) read in one place.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from dmuon.newton_schulz import MAX_NS_STEPS, NS_COEFFICIENT_SETS
+from dmuon.update_rules import ADJUST_LR_CHOICES
+
+# By default, a parameter with ndim >= 2 gets Muon unless its name marks it as an
+# embedding or an output head: those are lookup tables / classifiers, not linear maps
+# between hidden states, and Muon's orthogonal update does not suit them.
+DEFAULT_ADAMW_NAME_PATTERN = r"(^|\.)(embed\w*|tok_embeddings|wte|wpe|lm_head|output|head)(\.|$)"
+
+MUON_KEYS = (
+    "lr",
+    "momentum",
+    "nesterov",
+    "weight_decay",
+    "ns_steps",
+    "ns_coefficients",
+    "eps",
+    "adjust_lr",
+    "matched_adamw_rms",
+)
+ADAMW_KEYS = ("lr", "betas", "eps", "weight_decay")
+
+
+def default_use_muon(name: str | None, param: torch.Tensor, adamw_name_pattern: str = DEFAULT_ADAMW_NAME_PATTERN) -> bool:
+    """The default routing: Muon for ndim >= 2, unless ``name`` matches ``adamw_name_pattern``."""
+    if param.ndim < 2:
+        return False
+    return name is None or re.search(adamw_name_pattern, name) is None
+
+
+def resolve_ns_coefficients(value: str | Sequence[float]) -> tuple[float, float, float]:
+    """A named coefficient set, or an explicit ``(a, b, c)``, as a tuple of floats."""
+    if isinstance(value, str):
+        if value not in NS_COEFFICIENT_SETS:
+            raise ValueError(
+                f"unknown ns_coefficients {value!r}; use one of {sorted(NS_COEFFICIENT_SETS)} or a tuple (a, b, c)"
+            )
+        return NS_COEFFICIENT_SETS[value]
+    coefficients = tuple(value)
+    if len(coefficients) != 3 or not all(isinstance(c, (int, float)) and math.isfinite(c) for c in coefficients):
+        raise ValueError(
+            f"ns_coefficients must be a name from {sorted(NS_COEFFICIENT_SETS)} or three finite numbers (a, b, c), got {value!r}"
+        )
+    return tuple(float(c) for c in coefficients)  # type: ignore[return-value]
+
+
+def check_muon_hyperparameters(group: dict[str, Any], where: str) -> None:
+    """Raise ``ValueError`` naming ``where`` for an illegal Muon group value."""
+    _check_range(group, "lr", where, low=0.0)
+    _check_range(group, "weight_decay", where, low=0.0)
+    _check_range(group, "momentum", where, low=0.0, high=1.0, high_open=True)
+    _check_range(group, "eps", where, low=0.0, low_open=True)
+    _check_range(group, "matched_adamw_rms", where, low=0.0, low_open=True)
+    steps = group["ns_steps"]
+    if not isinstance(steps, int) or isinstance(steps, bool) or not 1 <= steps < MAX_NS_STEPS:
+        raise ValueError(f"{where}: ns_steps must be an int in [1, {MAX_NS_STEPS}), got {steps!r}")
+    if group["adjust_lr"] not in ADJUST_LR_CHOICES:
+        raise ValueError(f"{where}: unknown adjust_lr {group['adjust_lr']!r}; use one of {ADJUST_LR_CHOICES}")
+    if not isinstance(group["nesterov"], bool):
+        raise ValueError(f"{where}: nesterov must be a bool, got {group['nesterov']!r}")
+    try:
+        group["ns_coefficients"] = resolve_ns_coefficients(group["ns_coefficients"])
+    except ValueError as error:
+        raise ValueError(f"{where}: {error}") from None
+
+
+def check_adamw_hyperparameters(group: dict[str, Any], where: str) -> None:
+    """Raise ``ValueError`` naming ``where`` for an illegal AdamW group value."""
+    _check_range(group, "lr", where, low=0.0)
+    _check_range(group, "weight_decay", where, low=0.0)
+    _check_range(group, "eps", where, low=0.0)
+    betas = group["betas"]
+    if len(tuple(betas)) != 2 or not all(isinstance(b, (int, float)) and 0.0 <= b < 1.0 for b in betas):
+        raise ValueError(f"{where}: betas must be two numbers in [0, 1), got {betas!r}")
+    group["betas"] = tuple(float(b) for b in betas)
+
+
+def check_muon_param(param: torch.Tensor, name: str) -> None:
+    """Raise for a parameter Muon cannot update, saying what to do instead."""
+    if param.ndim < 2:
+        raise ValueError(
+            f"parameter {name!r} has shape {tuple(param.shape)}: Muon needs ndim >= 2; "
+            "put it in a param group with use_muon=False (AdamW)"
+        )
+    if param.is_complex():
+        raise ValueError(f"parameter {name!r} is complex: Muon supports real tensors only; use use_muon=False")
+    if not param.is_floating_point():
+        raise ValueError(f"parameter {name!r} has dtype {param.dtype}: only floating-point parameters can be optimized")
+
+
+def _check_range(
+    group: dict[str, Any],
+    key: str,
+    where: str,
+    low: float,
+    high: float = math.inf,
+    low_open: bool = False,
+    high_open: bool = False,
+) -> None:
+    value = group[key]
+    if isinstance(value, torch.Tensor):
+        value = value.item()
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value)
+    ok = ok and (value > low if low_open else value >= low) and (value < high if high_open else value <= high)
+    if not ok:
+        bounds = f"{'(' if low_open else '['}{low}, {high}{')' if high_open or high == math.inf else ']'}"
+        raise ValueError(f"{where}: {key} must be in {bounds}, got {value!r}")

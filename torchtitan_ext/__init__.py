@@ -1,0 +1,40 @@
+"""TorchTitan integration of DMuon: name this module in the TOML and set the optimizer.
+
+    [job]
+    custom_config_module = "torchtitan_ext"
+
+    [optimizer]
+    name = "DMuon"
+
+TorchTitan 0.2.x imports this module while parsing the config. Importing it:
+
+1. provides ``JobConfig`` (``config.py``), whose ``[optimizer]`` fields TorchTitan
+   merges into its own, and hooks config validation so bad DMuon settings fail
+   at parse time with the TOML key in the message;
+2. installs the CPU/gloo compatibility layer (``cpu_compat.py``; a no-op when an
+   accelerator exists);
+3. registers the embedded ``pydoc`` / ``pydoc_validation`` datasets (``dataset.py``;
+   tokenizer built on first use by ``tokenizer.py``);
+4. re-registers TorchTitan's built-in model specs so that ``name = "DMuon"``
+   builds a ``DMuonOptimizersContainer`` (``train_specs.py``,
+   ``optimizer_container.py``) while ``Adam``/``AdamW`` stay stock.
+"""
+
+from . import cpu_compat
+from .config import install_config_validation, JobConfig, Optimizer
+from .dataset import register_datasets
+from .optimizer_container import build_dmuon_optimizers, DMuonOptimizersContainer
+from .train_specs import register_builtin_specs, with_dmuon
+
+__all__ = [
+    "JobConfig",
+    "Optimizer",
+    "DMuonOptimizersContainer",
+    "build_dmuon_optimizers",
+    "with_dmuon",
+]
+
+cpu_compat.apply()
+install_config_validation()
+register_datasets()
+register_builtin_specs()

@@ -1,0 +1,169 @@
+"""``[optimizer]`` fields for DMuon, merged into TorchTitan's JobConfig.
+
+TorchTitan 0.2.x imports ``[job] custom_config_module`` while it parses the
+config and merges that module's ``JobConfig`` dataclass into its own, field by
+field. So the ``Optimizer`` dataclass below *adds* keys to ``[optimizer]``; the
+stock keys keep their TorchTitan meaning:
+
+* ``name``: ``"DMuon"`` selects this project's optimizer; ``"Adam"``/``"AdamW"``
+  build exactly what TorchTitan builds (all DMuon keys are then ignored).
+* ``lr``: the Muon learning rate (for matrices); also the AdamW learning rate
+  unless ``adamw_lr`` is set.
+* ``beta1``, ``beta2``, ``eps``: AdamW's betas and epsilon, used for the
+  parameters routed to AdamW (embeddings, output head, norms, biases).
+* ``weight_decay``: decoupled weight decay for both parts.
+* ``implementation``: applies to Adam/AdamW only.
+
+``validate_optimizer_config`` rejects bad values with an error naming the TOML
+key; ``install_config_validation`` makes TorchTitan's ``ConfigManager`` call it
+right after parsing, i.e. before any process group or model exists.
+"""
+
+# No `from __future__ import annotations` here: TorchTitan merges dataclasses by
+# their real field types, which string annotations would hide.
+import functools
+import re
+from dataclasses import dataclass, field
+
+DMUON_NAME = "DMuon"
+
+ADJUST_LR_CHOICES = ("original", "match_rms_adamw", "spectral", "none")
+
+# Parameter names (as ``model.named_parameters()`` prints them, FSDP2 adds no
+# prefix) that AdamW optimizes. Matches the token embeddings (``tok_embeddings``,
+# ``embed_tokens``, ...), the output head (``output``, ``lm_head``) and every
+# norm (``attention_norm``, ``ffn_norm``, ``norm``, ``q_norm``, ...) of the
+# TorchTitan 0.2.2 models. Parameters with fewer than 2 dimensions go to AdamW
+# whatever their name, since Newton-Schulz needs a matrix.
+DEFAULT_ADAMW_PARAM_REGEX = r"embed|(^|\.)output\.|lm_head|norm"
+
+
+@dataclass
+class Optimizer:
+    momentum: float = 0.95
+    """Muon momentum coefficient mu (EMA of gradients). 0.95 is the standard choice."""
+
+    nesterov: bool = True
+    """Use Nesterov momentum (orthogonalize g.lerp(buf, mu) instead of buf)."""
+
+    ns_steps: int = 5
+    """Newton-Schulz iterations per step. 5 is enough for the default coefficients."""
+
+    ns_coefficients: str = "keller"
+    """
+    Name of the Newton-Schulz coefficient set (see ``dmuon.NS_COEFFICIENT_SETS``):
+    "keller" is Keller Jordan's quintic (3.4445, -4.7750, 2.0315).
+    """
+
+    adjust_lr: str = "original"
+    """
+    How the Muon update is scaled for an A x B matrix:
+    "original" sqrt(max(1, A/B)) (Keller Jordan; use lr around 0.02),
+    "match_rms_adamw" matched_adamw_rms * sqrt(max(A, B)) (Moonlight; lets Muon reuse
+    an AdamW lr, around 1e-3 to 4e-3), "spectral" sqrt(A/B), or "none" (no scaling).
+    """
+
+    matched_adamw_rms: float = 0.2
+    """Target update RMS for adjust_lr = "match_rms_adamw" (Moonlight uses 0.2)."""
+
+    adamw_lr: float | None = None
+    """
+    Learning rate of the AdamW part (embeddings, output head, norms, biases).
+    Leave unset to use ``lr`` for both parts (right with "match_rms_adamw").
+    """
+
+    adamw_param_regex: str = DEFAULT_ADAMW_PARAM_REGEX
+    """
+    Python regular expression, searched (re.search) in each parameter's name; matching
+    parameters are optimized by AdamW, the others by Muon. Parameters with fewer than
+    two dimensions always go to AdamW. Default: embeddings, output head and norms.
+    """
+
+    comm: str = "all_to_all"
+    """
+    How DMuon gathers each sharded matrix to the rank that orthogonalizes it:
+    "all_to_all" (batched, fast) or "redistribute" (DTensor reference path).
+    """
+
+
+@dataclass
+class JobConfig:
+    """The part of TorchTitan's JobConfig this extension adds (only ``[optimizer]``)."""
+
+    optimizer: Optimizer = field(default_factory=Optimizer)
+
+
+def known_ns_coefficient_sets() -> tuple[str, ...]:
+    """Names ``ns_coefficients`` may take (read from dmuon when it is importable)."""
+    try:
+        from dmuon import NS_COEFFICIENT_SETS
+
+        return tuple(NS_COEFFICIENT_SETS)
+    except ImportError:
+        return ("keller",)
+
+
+def validate_optimizer_config(optimizer_config) -> None:
+    """Raise ``ValueError`` naming the TOML key if a DMuon setting cannot work.
+
+    Only checks anything when ``[optimizer] name = "DMuon"``.
+    """
+    cfg = optimizer_config
+    if cfg.name != DMUON_NAME:
+        return
+    if cfg.early_step_in_backward:
+        raise ValueError(
+            "[optimizer] early_step_in_backward = true is not supported with "
+            f'name = "{DMUON_NAME}": Muon orthogonalizes whole matrices after the '
+            "backward pass (and gradient clipping), not one parameter inside it. "
+            "Set early_step_in_backward = false."
+        )
+    if cfg.adjust_lr not in ADJUST_LR_CHOICES:
+        raise ValueError(
+            f"[optimizer] adjust_lr = {cfg.adjust_lr!r} is not known. "
+            f"Use one of {', '.join(repr(c) for c in ADJUST_LR_CHOICES)}."
+        )
+    try:
+        re.compile(cfg.adamw_param_regex)
+    except (re.error, TypeError) as e:
+        raise ValueError(
+            f"[optimizer] adamw_param_regex = {cfg.adamw_param_regex!r} is not a valid "
+            f"Python regular expression ({e}). In TOML, write it as a literal string in "
+            "single quotes so backslashes stay as typed."
+        ) from e
+    known_sets = known_ns_coefficient_sets()
+    if cfg.ns_coefficients not in known_sets:
+        raise ValueError(
+            f"[optimizer] ns_coefficients = {cfg.ns_coefficients!r} is not known. "
+            f"Use one of {', '.join(repr(c) for c in known_sets)}."
+        )
+    if cfg.ns_steps < 1:
+        raise ValueError(f"[optimizer] ns_steps = {cfg.ns_steps} must be at least 1.")
+    if not 0.0 <= cfg.momentum < 1.0:
+        raise ValueError(f"[optimizer] momentum = {cfg.momentum} must be in [0, 1).")
+    if cfg.comm not in ("all_to_all", "redistribute"):
+        raise ValueError(
+            f"[optimizer] comm = {cfg.comm!r} is not known. Use 'all_to_all' or 'redistribute'."
+        )
+
+
+def install_config_validation() -> None:
+    """Run ``validate_optimizer_config`` whenever TorchTitan validates a parsed config.
+
+    TorchTitan merges our dataclass fields into a new class based on its own, so a
+    ``__post_init__`` here would never run; hooking ``ConfigManager._validate_config``
+    is the one place that sees every parsed config (TOML and command line).
+    """
+    from torchtitan.config.manager import ConfigManager
+
+    original = ConfigManager._validate_config
+    if getattr(original, "_dmuon_validation", False):
+        return
+
+    @functools.wraps(original)
+    def validate_config(self) -> None:
+        original(self)
+        validate_optimizer_config(self.config.optimizer)
+
+    validate_config._dmuon_validation = True  # type: ignore[attr-defined]
+    ConfigManager._validate_config = validate_config

@@ -1,0 +1,127 @@
+"""CPU/gloo compatibility layer for TorchTitan 0.2.2: lets ``torchrun`` train on CPU.
+
+This module is a *no-op when an accelerator exists* (``torch.accelerator``
+reports one). On a CPU-only machine it patches the few places where TorchTitan
+0.2.2 assumes CUDA. Nothing here changes numerics; it only picks the CPU device
+and the gloo-compatible way to reduce gradients.
+
+What it patches and why:
+
+1. **Device selection.** ``torchtitan.tools.utils`` falls back to
+   ``device_type = "cuda"`` when no accelerator is found, and several modules copy
+   ``device_type`` / ``device_module`` at import time. The first symptom is
+   ``module 'torch._C' has no attribute '_cuda_setDevice'``. We set them to
+   ``"cpu"`` / ``torch.cpu`` in every module that holds a copy. TorchTitan then
+   also picks ``gloo`` as the process-group backend by itself.
+2. **Device memory monitor.** ``components.metrics.build_device_memory_monitor``
+   queries CUDA memory statistics. We substitute a monitor that reports the
+   process's peak resident memory (RSS) instead, so the step lines still show a
+   meaningful "memory" figure.
+3. **Gradient reduction.** TorchTitan sets FSDP2's gradient divide factor to 1.0
+   (the loss is already normalised by the global token count), which makes FSDP2
+   reduce-scatter with ``ReduceOp.PREMUL_SUM``; gloo rejects it (``Cannot use
+   ReduceOp.PREMUL_SUM with Gloo``). ``wrap_parallelize_fn`` calls
+   ``FSDPModule.set_force_sum_reduction_for_comms(True)`` after parallelisation,
+   which reduces with a plain SUM -- mathematically the same with factor 1.0.
+
+No TOML option fixes any of these, hence a code layer. ``apply()`` runs when
+``torchtitan_ext`` is imported, i.e. while TorchTitan parses the config and before
+the Trainer is built.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import os
+import resource
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+
+from torchtitan.tools.logging import logger
+
+# Modules that copy ``device_type`` / ``device_module`` at import time.
+_MODULES_WITH_DEVICE_COPIES = (
+    "torchtitan.tools.utils",
+    "torchtitan.components.metrics",
+    "torchtitan.distributed.parallel_dims",
+    "torchtitan.distributed.utils",
+    "torchtitan.tools.profiling",
+)
+
+_applied = False
+
+
+def needs_cpu_compat() -> bool:
+    """True on a machine without any accelerator (CUDA, ROCm, XPU, MPS, ...)."""
+    return not torch.accelerator.is_available()
+
+
+class _CPUMemoryMonitor:
+    """Stands in for ``DeviceMemoryMonitor``: reports the peak RSS of this process."""
+
+    def __init__(self) -> None:
+        self.device_name = "CPU"
+        self.device_capacity = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        self.device_capacity_gib = self.device_capacity / 2**30
+
+    def get_peak_stats(self):
+        from torchtitan.components.metrics import DeviceMemStats
+
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+        gib, pct = peak / 2**30, 100 * peak / self.device_capacity
+        return DeviceMemStats(gib, pct, gib, pct, 0, 0)
+
+    def reset_peak_stats(self) -> None:
+        pass  # the kernel's peak RSS cannot be reset; it stays a whole-run peak
+
+
+def _build_cpu_memory_monitor() -> _CPUMemoryMonitor:
+    monitor = _CPUMemoryMonitor()
+    logger.info(f"CPU memory: {monitor.device_capacity_gib:.2f}GiB (reporting peak RSS)")
+    return monitor
+
+
+def apply() -> None:
+    """Install patches 1 and 2 above on a CPU-only machine; do nothing otherwise."""
+    global _applied
+    if _applied or not needs_cpu_compat():
+        return
+    for name in _MODULES_WITH_DEVICE_COPIES:
+        module = importlib.import_module(name)
+        if hasattr(module, "device_type"):
+            module.device_type = "cpu"
+        if hasattr(module, "device_module"):
+            module.device_module = torch.cpu
+    metrics = importlib.import_module("torchtitan.components.metrics")
+    metrics.build_device_memory_monitor = _build_cpu_memory_monitor
+    _applied = True
+    logger.info("torchtitan_ext.cpu_compat: no accelerator found, running TorchTitan on CPU/gloo")
+
+
+def force_sum_reduction(model: nn.Module) -> None:
+    """Make every FSDP2 module of ``model`` reduce gradients with SUM (gloo-safe)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_force_sum_reduction_for_comms(True)
+
+
+def wrap_parallelize_fn(parallelize_fn: Callable[..., nn.Module]) -> Callable[..., nn.Module]:
+    """Patch 3: return ``parallelize_fn`` followed by ``force_sum_reduction`` on CPU.
+
+    Returns ``parallelize_fn`` itself when an accelerator exists.
+    """
+    if not needs_cpu_compat():
+        return parallelize_fn
+
+    @functools.wraps(parallelize_fn)
+    def parallelize_then_force_sum(model: nn.Module, *args: Any, **kwargs: Any) -> nn.Module:
+        model = parallelize_fn(model, *args, **kwargs)
+        force_sum_reduction(model)
+        return model
+
+    return parallelize_then_force_sum

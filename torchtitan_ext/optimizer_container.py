@@ -1,0 +1,173 @@
+"""Build TorchTitan's ``OptimizersContainer`` out of DMuon optimizers.
+
+TorchTitan keeps one optimizer per *model part* (one part per pipeline stage;
+one part in total without pipeline parallelism) inside an
+``OptimizersContainer``; checkpointing, LR scheduling and hooks all go through
+that container. We reuse the container class and only change what sits inside:
+one ``dmuon.DMuon`` per part, holding up to two parameter groups:
+
+1. the **Muon group** (``use_muon=True``): every parameter with >= 2 dimensions
+   whose name does not match ``[optimizer] adamw_param_regex``;
+2. the **AdamW group** (``use_muon=False``): the rest -- embeddings, output head,
+   norms by default, plus every 0-D/1-D parameter (biases, scales).
+
+Group layout rule (a choice, explained): TorchTitan saves only the *first*
+stage's LR-scheduler state and loads it into every stage's scheduler, so all
+parts must have the same number and order of groups. We decide the layout once
+for the whole model -- [Muon, AdamW], minus a kind the model has no parameter
+of -- and give every part that layout. A part that would get an empty group
+(an empty group breaks checkpoint loading) is a configuration error we report,
+naming the part and the fix, instead of silently mis-scheduling learning rates.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch.nn as nn
+
+from torchtitan.components.optimizer import OptimizersContainer
+from torchtitan.tools.logging import logger
+
+from .config import validate_optimizer_config
+
+MUON, ADAMW = "muon", "adamw"
+
+
+@dataclass
+class RoutedParameters:
+    """The trainable parameters of one model part, split by optimizer."""
+
+    muon: list[tuple[str, nn.Parameter]] = field(default_factory=list)
+    adamw: list[tuple[str, nn.Parameter]] = field(default_factory=list)
+
+    def of_kind(self, kind: str) -> list[tuple[str, nn.Parameter]]:
+        return self.muon if kind == MUON else self.adamw
+
+
+def goes_to_adamw(name: str, param: nn.Parameter, adamw_regex: re.Pattern[str]) -> bool:
+    """AdamW for names matching the regex and for anything that is not a matrix."""
+    return param.ndim < 2 or adamw_regex.search(name) is not None
+
+
+def route_parameters(model: nn.Module, adamw_param_regex: str) -> RoutedParameters:
+    """Split ``model``'s trainable parameters into Muon and AdamW lists (model order)."""
+    pattern = re.compile(adamw_param_regex)
+    routed = RoutedParameters()
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        kind = ADAMW if goes_to_adamw(name, param, pattern) else MUON
+        routed.of_kind(kind).append((name, param))
+    return routed
+
+
+def group_layout(routed_parts: list[RoutedParameters]) -> list[str]:
+    """The group kinds every part gets, in order (see the module docstring)."""
+    layout = [k for k in (MUON, ADAMW) if any(r.of_kind(k) for r in routed_parts)]
+    if not layout:
+        raise ValueError("DMuon: the model has no trainable parameters.")
+    for index, routed in enumerate(routed_parts):
+        for kind in layout:
+            if not routed.of_kind(kind):
+                raise ValueError(
+                    f"DMuon: model part {index} (pipeline stage) has no parameter for the "
+                    f"{kind} group while other parts do. Every part needs the same param "
+                    "groups (TorchTitan shares one LR-scheduler state across parts). "
+                    "Change the pipeline split ([parallelism] pipeline_parallel_*) or "
+                    "[optimizer] adamw_param_regex."
+                )
+    return layout
+
+
+def dmuon_kwargs(optimizer_config: Any) -> dict[str, Any]:
+    """Map ``[optimizer]`` fields onto ``dmuon.DMuon`` keyword arguments."""
+    cfg = optimizer_config
+    return {
+        "lr": cfg.lr,
+        "momentum": cfg.momentum,
+        "nesterov": cfg.nesterov,
+        "weight_decay": cfg.weight_decay,
+        "ns_steps": cfg.ns_steps,
+        "ns_coefficients": cfg.ns_coefficients,
+        "adjust_lr": None if cfg.adjust_lr == "none" else cfg.adjust_lr,
+        "matched_adamw_rms": cfg.matched_adamw_rms,
+        "adamw_lr": cfg.adamw_lr,
+        "adamw_betas": (cfg.beta1, cfg.beta2),
+        "adamw_eps": cfg.eps,
+        "comm": cfg.comm,
+    }
+
+
+def _numel(params: list[tuple[str, nn.Parameter]]) -> int:
+    return sum(p.numel() for _, p in params)
+
+
+class DMuonOptimizersContainer(OptimizersContainer):
+    """``OptimizersContainer`` with one ``dmuon.DMuon`` per model part.
+
+    Everything else -- ``step``, ``zero_grad``, DCP ``state_dict`` /
+    ``load_state_dict``, step hooks, and being iterated by the LR-scheduler
+    container -- is TorchTitan's own code.
+    """
+
+    def __init__(
+        self,
+        model_parts: list[nn.Module],
+        optimizer_kwargs: dict[str, Any],
+        adamw_param_regex: str,
+    ) -> None:
+        from dmuon import DMuon  # imported here so the config layer works without it
+
+        self.model_parts = model_parts
+        self.optimizers = []
+        routed_parts = [route_parameters(m, adamw_param_regex) for m in model_parts]
+        layout = group_layout(routed_parts)
+        all_params: list[nn.Parameter] = []
+        for index, routed in enumerate(routed_parts):
+            groups = [self._group(kind, routed, optimizer_kwargs) for kind in layout]
+            self.optimizers.append(DMuon(groups, **optimizer_kwargs))
+            all_params.extend(p for g in groups for p in g["params"])
+            logger.info(
+                f"DMuon (model part {index}): {len(routed.muon)} tensors "
+                f"({_numel(routed.muon):,} params) -> Muon, {len(routed.adamw)} tensors "
+                f"({_numel(routed.adamw):,} params) -> AdamW; groups {layout}"
+            )
+        self._validate_length(len(model_parts))
+        # Gives the container its own param_groups and hook machinery, as in
+        # TorchTitan's base class (the inner DMuon instances do the real work).
+        self._post_init(all_params, optimizer_kwargs)
+
+    @staticmethod
+    def _group(kind: str, routed: RoutedParameters, kwargs: dict[str, Any]) -> dict[str, Any]:
+        group: dict[str, Any] = {
+            "params": [p for _, p in routed.of_kind(kind)],
+            "use_muon": kind == MUON,
+        }
+        # Give the AdamW group its lr explicitly: TorchTitan's LambdaLR scales each
+        # group's lr as found at construction, so it must be the AdamW lr already.
+        if kind == ADAMW and kwargs.get("adamw_lr") is not None:
+            group["lr"] = kwargs["adamw_lr"]
+        return group
+
+
+def build_dmuon_optimizers(
+    model_parts: list[nn.Module],
+    optimizer_config: Any,
+    parallel_dims: Any,
+    ft_manager: Any = None,
+) -> DMuonOptimizersContainer:
+    """TorchTitan ``build_optimizers_fn`` for ``[optimizer] name = "DMuon"``.
+
+    Same signature as ``torchtitan.components.optimizer.build_optimizers``.
+    """
+    validate_optimizer_config(optimizer_config)
+    if ft_manager is not None and getattr(ft_manager, "enabled", False):
+        raise NotImplementedError(
+            '[optimizer] name = "DMuon" does not support TorchFT ([fault_tolerance] enable).'
+        )
+    return DMuonOptimizersContainer(
+        model_parts, dmuon_kwargs(optimizer_config), optimizer_config.adamw_param_regex
+    )
