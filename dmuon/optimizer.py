@@ -128,6 +128,9 @@ class DMuon(Optimizer):
         comm: str = ALL_TO_ALL,
         max_batch_numel: int = DEFAULT_BATCH_NUMEL,
     ) -> None:
+        if isinstance(params, (set, frozenset)):
+            # A set's order differs between processes: ranks would plan differently.
+            raise TypeError("DMuon: params must be an ordered collection (list), not a set")
         if comm not in COMM_CHOICES:
             raise ValueError(f"DMuon: unknown comm {comm!r}; use one of {COMM_CHOICES}")
         if not isinstance(max_batch_numel, int) or max_batch_numel < 1:
@@ -160,6 +163,7 @@ class DMuon(Optimizer):
         self.comm_stats = CommStats()
         """Bytes and collectives of the fast path since construction."""
         self._names: dict[torch.Tensor, str] = {}
+        self._groups_added = 0  # groups as the user wrote them, before any split
         self._mesh_plans: list[_MeshPlan] | None = None
         self._paths: dict[torch.Tensor, str] = {}
         defaults = dict(muon_defaults, adamw_lr=adamw_lr, adamw_betas=adamw_betas, adamw_eps=adamw_eps,
@@ -179,21 +183,34 @@ class DMuon(Optimizer):
             raw = [raw]
         elif isinstance(raw, set):
             raise TypeError("DMuon: params must be an ordered collection (list), not a set")
-        named = [self._name_param(item, len(self.param_groups), i) for i, item in enumerate(raw)]
+        user_group = self._groups_added
+        self._groups_added += 1
+        named = [self._name_param(item, user_group, i) for i, item in enumerate(raw)]
         if not named:
-            raise ValueError(f"DMuon: param group {len(self.param_groups)} is empty")
+            raise ValueError(f"DMuon: param group {user_group} is empty")
+        seen: set[int] = set()
+        for name, param in named:
+            if id(param) in seen:
+                raise ValueError(f"DMuon: parameter {name!r} appears twice in param group {user_group}")
+            seen.add(id(param))
         options = {k: v for k, v in param_group.items() if k != "params"}
         use_muon = options.pop("use_muon", None)
+        where = f"DMuon param group {user_group}"
         if use_muon is None:
-            muon = [(n, p) for n, p in named if default_use_muon(n, p)]
-            adamw = [(n, p) for n, p in named if not default_use_muon(n, p)]
-            for members, flag in ((muon, True), (adamw, False)):
+            # Split by the default routing; each half takes the options it knows
+            # (shared keys such as lr and weight_decay go to both).
+            unknown = set(options) - set(MUON_KEYS) - set(ADAMW_KEYS) - {"initial_lr"}
+            if unknown:
+                raise ValueError(f"{where}: unknown option(s) {sorted(unknown)}; known: {sorted(set(MUON_KEYS) | set(ADAMW_KEYS))}")
+            for flag, keys in ((True, MUON_KEYS), (False, ADAMW_KEYS)):
+                members = [(n, p) for n, p in named if default_use_muon(n, p) == flag]
                 if members:
-                    self._append_group(members, flag, options)
+                    kept = {k: v for k, v in options.items() if k in keys or k == "initial_lr"}
+                    self._append_group(members, flag, kept, where)
         elif isinstance(use_muon, bool):
-            self._append_group(named, use_muon, options)
+            self._append_group(named, use_muon, options, where)
         else:
-            raise TypeError(f"DMuon: use_muon must be a bool, got {use_muon!r}")
+            raise TypeError(f"{where}: use_muon must be a bool, got {use_muon!r}")
         self._mesh_plans = None  # the plan covers every Muon parameter: rebuild it
 
     def _name_param(self, item: Any, group_index: int, index: int) -> tuple[str, torch.Tensor]:
@@ -210,8 +227,9 @@ class DMuon(Optimizer):
                 raise ValueError(f"DMuon: parameter {name!r} appears in more than one param group")
         return name, param
 
-    def _append_group(self, members: list[tuple[str, torch.Tensor]], use_muon: bool, options: dict[str, Any]) -> None:
-        where = f"DMuon param group {len(self.param_groups)}"
+    def _append_group(
+        self, members: list[tuple[str, torch.Tensor]], use_muon: bool, options: dict[str, Any], where: str
+    ) -> None:
         if use_muon:
             group = {key: options.get(key, self._muon_defaults[key]) for key in MUON_KEYS}
             check_muon_hyperparameters(group, where)
@@ -301,19 +319,17 @@ class DMuon(Optimizer):
         return loss
 
     def _muon_momentum(self) -> dict[torch.Tensor, _MuonWork]:
-        """Agree on the grad set, then run momentum on local shards for every Muon param with a grad."""
+        """Check every grad and agree on the grad set, then run momentum on the local
+        shards of every Muon parameter with a grad. Nothing is modified before the checks
+        pass, so a rejected step leaves parameters and state as they were."""
         problems: dict[torch.Tensor, str] = {}
         for group in self.param_groups:
-            if group["use_muon"]:
-                for param in group["params"]:
-                    if param.grad is not None:
-                        problem = self._grad_problem(param)
-                        if problem:
-                            problems[param] = problem
+            for param in group["params"]:
+                if param.grad is not None:
+                    problem = _grad_problem(param, group["use_muon"])
+                    if problem:
+                        problems[param] = problem
         self._agree_on_grads(problems)
-        if problems:  # only plain-tensor problems reach here: no collective is pending
-            param, problem = next(iter(problems.items()))
-            raise ValueError(f"DMuon: parameter {self.param_name(param)!r}: {problem}")
         work: dict[torch.Tensor, _MuonWork] = {}
         for group in self.param_groups:
             if not group["use_muon"]:
@@ -333,18 +349,6 @@ class DMuon(Optimizer):
                 work[param] = _MuonWork(param, group, update)
         return work
 
-    def _grad_problem(self, param: torch.Tensor) -> str | None:
-        grad = param.grad
-        if grad.is_sparse:
-            return "sparse gradients are not supported"
-        if grad.is_complex():
-            return "complex gradients are not supported by Muon"
-        if grad.shape != param.shape:
-            return f"gradient shape {tuple(grad.shape)} differs from the parameter's {tuple(param.shape)}"
-        if isinstance(param, DTensor) != isinstance(grad, DTensor):
-            return "the parameter and its gradient must both be DTensors or both plain tensors"
-        return None
-
     def _agree_on_grads(self, problems: dict[torch.Tensor, str]) -> None:
         """One ``all_reduce`` per mesh: every rank must see the same distributed grads.
 
@@ -356,19 +360,18 @@ class DMuon(Optimizer):
         for param, path in self._paths.items():
             if path != LOCAL:
                 by_mesh.setdefault(param.device_mesh, []).append(param)
+        local_problem = next(iter(problems.items()), None)
         for mesh, params in by_mesh.items():
             counts = torch.tensor(
-                [int(p.grad is not None) for p in params] + [int(any(p in problems for p in params))],
+                [int(p.grad is not None) for p in params] + [int(local_problem is not None)],
                 dtype=torch.int32,
                 device=params[0].to_local().device,
             )
             for dim in range(mesh.ndim):  # summing over each mesh dim sums over the whole mesh
                 dist.all_reduce(counts, group=mesh.get_group(dim))
             *have, bad = counts.tolist()
-            local_problem = next(((p, problems.pop(p)) for p in params if p in problems), None)
             if local_problem:
-                param, problem = local_problem
-                raise ValueError(f"DMuon: parameter {self.param_name(param)!r}: {problem}")
+                break
             if bad:
                 raise ValueError(f"DMuon: {bad} rank(s) found an invalid gradient; see their error message")
             uneven = [self.param_name(p) for p, n in zip(params, have) if n not in (0, mesh.size())]
@@ -378,6 +381,9 @@ class DMuon(Optimizer):
                     f"some ranks of {mesh} but not on others. Every rank must produce the same set of "
                     "grads (set unused grads to zeros, or to None on every rank)."
                 )
+        if local_problem:
+            param, problem = local_problem
+            raise ValueError(f"DMuon: parameter {self.param_name(param)!r}: {problem}")
 
     def _orthogonalize_and_update(self, work: dict[torch.Tensor, _MuonWork]) -> None:
         for mesh_plan in self._ensure_plans():
@@ -442,8 +448,6 @@ class DMuon(Optimizer):
         for param in group["params"]:
             if param.grad is None:
                 continue
-            if param.grad.is_sparse:
-                raise ValueError(f"DMuon: parameter {self.param_name(param)!r}: sparse gradients are not supported")
             state = self.state[param]
             if not state:
                 state["step"] = torch.tensor(0.0, dtype=_get_scalar_dtype())
@@ -460,6 +464,22 @@ class DMuon(Optimizer):
                 lr=group["lr"], betas=group["betas"], eps=group["eps"], weight_decay=group["weight_decay"],
                 has_complex=any(p.is_complex() for p in params),
             )
+
+
+def _grad_problem(param: torch.Tensor, use_muon: bool) -> str | None:
+    """Why ``param.grad`` cannot be used, or None."""
+    grad = param.grad
+    if grad.is_sparse:
+        return "sparse gradients are not supported"
+    if not use_muon:
+        return None
+    if grad.is_complex():
+        return "complex gradients are not supported by Muon"
+    if grad.shape != param.shape:
+        return f"gradient shape {tuple(grad.shape)} differs from the parameter's {tuple(param.shape)}"
+    if isinstance(param, DTensor) != isinstance(grad, DTensor):
+        return "the parameter and its gradient must both be DTensors or both plain tensors"
+    return None
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

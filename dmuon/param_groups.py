@@ -18,8 +18,10 @@ from dmuon.update_rules import ADJUST_LR_CHOICES
 
 # By default, a parameter with ndim >= 2 gets Muon unless its name marks it as an
 # embedding or an output head: those are lookup tables / classifiers, not linear maps
-# between hidden states, and Muon's orthogonal update does not suit them.
-DEFAULT_ADAMW_NAME_PATTERN = r"(^|\.)(embed\w*|tok_embeddings|wte|wpe|lm_head|output|head)(\.|$)"
+# between hidden states, and Muon's orthogonal update does not suit them. The head is
+# matched only as the last module (``output.weight``, ``lm_head.weight``), so hidden
+# layers such as BERT's ``attention.output.dense.weight`` keep Muon.
+DEFAULT_ADAMW_NAME_PATTERN = r"(^|\.)(embed\w*|tok_embeddings|wte|wpe)\.|(^|\.)(output|lm_head|head)\.(weight|bias)$"
 
 MUON_KEYS = (
     "lr",
@@ -36,8 +38,9 @@ ADAMW_KEYS = ("lr", "betas", "eps", "weight_decay")
 
 
 def default_use_muon(name: str | None, param: torch.Tensor, adamw_name_pattern: str = DEFAULT_ADAMW_NAME_PATTERN) -> bool:
-    """The default routing: Muon for ndim >= 2, unless ``name`` matches ``adamw_name_pattern``."""
-    if param.ndim < 2:
+    """The default routing: Muon for real ndim >= 2 tensors, unless ``name`` matches
+    ``adamw_name_pattern``."""
+    if param.ndim < 2 or param.is_complex():
         return False
     return name is None or re.search(adamw_name_pattern, name) is None
 
@@ -50,7 +53,10 @@ def resolve_ns_coefficients(value: str | Sequence[float]) -> tuple[float, float,
                 f"unknown ns_coefficients {value!r}; use one of {sorted(NS_COEFFICIENT_SETS)} or a tuple (a, b, c)"
             )
         return NS_COEFFICIENT_SETS[value]
-    coefficients = tuple(value)
+    try:
+        coefficients = tuple(value)
+    except TypeError:
+        coefficients = ()
     if len(coefficients) != 3 or not all(isinstance(c, (int, float)) and math.isfinite(c) for c in coefficients):
         raise ValueError(
             f"ns_coefficients must be a name from {sorted(NS_COEFFICIENT_SETS)} or three finite numbers (a, b, c), got {value!r}"
@@ -84,7 +90,7 @@ def check_adamw_hyperparameters(group: dict[str, Any], where: str) -> None:
     _check_range(group, "weight_decay", where, low=0.0)
     _check_range(group, "eps", where, low=0.0)
     betas = group["betas"]
-    if len(tuple(betas)) != 2 or not all(isinstance(b, (int, float)) and 0.0 <= b < 1.0 for b in betas):
+    if not isinstance(betas, (tuple, list)) or len(betas) != 2 or not all(isinstance(b, (int, float)) and 0.0 <= b < 1.0 for b in betas):
         raise ValueError(f"{where}: betas must be two numbers in [0, 1), got {betas!r}")
     group["betas"] = tuple(float(b) for b in betas)
 

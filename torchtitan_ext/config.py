@@ -27,15 +27,19 @@ from dataclasses import dataclass, field
 
 DMUON_NAME = "DMuon"
 
-ADJUST_LR_CHOICES = ("original", "match_rms_adamw", "spectral", "none")
+from dmuon import ADJUST_LR_CHOICES as _DMUON_ADJUST_LR_CHOICES
+from dmuon import DEFAULT_ADAMW_NAME_PATTERN, NS_COEFFICIENT_SETS
 
-# Parameter names (as ``model.named_parameters()`` prints them, FSDP2 adds no
-# prefix) that AdamW optimizes. Matches the token embeddings (``tok_embeddings``,
-# ``embed_tokens``, ...), the output head (``output``, ``lm_head``) and every
-# norm (``attention_norm``, ``ffn_norm``, ``norm``, ``q_norm``, ...) of the
-# TorchTitan 0.2.2 models. Parameters with fewer than 2 dimensions go to AdamW
-# whatever their name, since Newton-Schulz needs a matrix.
-DEFAULT_ADAMW_PARAM_REGEX = r"embed|(^|\.)output\.|lm_head|norm"
+# TOML has no null, so "none" stands for DMuon's adjust_lr=None (no scaling).
+ADJUST_LR_CHOICES = tuple("none" if c is None else c for c in _DMUON_ADJUST_LR_CHOICES)
+
+# Parameter names (as ``model.named_parameters()`` prints them; FSDP2 adds no
+# prefix) that AdamW optimizes: dmuon's own default (token embeddings such as
+# ``tok_embeddings``/``embed_tokens``/``wte``, output heads ``output``/``lm_head``)
+# plus every norm (``attention_norm``, ``ffn_norm``, ``norm``, ``q_norm``, ...).
+# Parameters with fewer than 2 dimensions go to AdamW whatever their name, since
+# Newton-Schulz needs a matrix.
+DEFAULT_ADAMW_PARAM_REGEX = DEFAULT_ADAMW_NAME_PATTERN + "|norm"
 
 
 @dataclass
@@ -93,16 +97,6 @@ class JobConfig:
     optimizer: Optimizer = field(default_factory=Optimizer)
 
 
-def known_ns_coefficient_sets() -> tuple[str, ...]:
-    """Names ``ns_coefficients`` may take (read from dmuon when it is importable)."""
-    try:
-        from dmuon import NS_COEFFICIENT_SETS
-
-        return tuple(NS_COEFFICIENT_SETS)
-    except ImportError:
-        return ("keller",)
-
-
 def validate_optimizer_config(optimizer_config) -> None:
     """Raise ``ValueError`` naming the TOML key if a DMuon setting cannot work.
 
@@ -131,7 +125,7 @@ def validate_optimizer_config(optimizer_config) -> None:
             f"Python regular expression ({e}). In TOML, write it as a literal string in "
             "single quotes so backslashes stay as typed."
         ) from e
-    known_sets = known_ns_coefficient_sets()
+    known_sets = tuple(NS_COEFFICIENT_SETS)
     if cfg.ns_coefficients not in known_sets:
         raise ValueError(
             f"[optimizer] ns_coefficients = {cfg.ns_coefficients!r} is not known. "

@@ -11,8 +11,12 @@ What it patches and why:
    ``device_type = "cuda"`` when no accelerator is found, and several modules copy
    ``device_type`` / ``device_module`` at import time. The first symptom is
    ``module 'torch._C' has no attribute '_cuda_setDevice'``. We set them to
-   ``"cpu"`` / ``torch.cpu`` in every module that holds a copy. TorchTitan then
-   also picks ``gloo`` as the process-group backend by itself.
+   ``"cpu"`` / a ``torch.cpu`` stand-in in every module that holds a copy.
+   TorchTitan then also picks ``gloo`` as the process-group backend by itself.
+   The stand-in differs from ``torch.cpu`` in one call: ``current_device()``
+   returns the index 0 instead of the string ``"cpu"``, because TorchTitan passes
+   it to ``dist.barrier(device_ids=[...])``, which only accepts integers (gloo
+   ignores the value).
 2. **Device memory monitor.** ``components.metrics.build_device_memory_monitor``
    queries CUDA memory statistics. We substitute a monitor that reports the
    process's peak resident memory (RSS) instead, so the step lines still show a
@@ -52,6 +56,17 @@ _MODULES_WITH_DEVICE_COPIES = (
 )
 
 _applied = False
+
+
+class _CPUDeviceModule:
+    """``torch.cpu`` with an integer ``current_device()`` (see patch 1)."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch.cpu, name)
+
+    @staticmethod
+    def current_device() -> int:
+        return 0
 
 
 def needs_cpu_compat() -> bool:
@@ -94,7 +109,7 @@ def apply() -> None:
         if hasattr(module, "device_type"):
             module.device_type = "cpu"
         if hasattr(module, "device_module"):
-            module.device_module = torch.cpu
+            module.device_module = _CPUDeviceModule()
     metrics = importlib.import_module("torchtitan.components.metrics")
     metrics.build_device_memory_monitor = _build_cpu_memory_monitor
     _applied = True

@@ -129,7 +129,7 @@ class DMuonOptimizersContainer(OptimizersContainer):
         for index, routed in enumerate(routed_parts):
             groups = [self._group(kind, routed, optimizer_kwargs) for kind in layout]
             self.optimizers.append(DMuon(groups, **optimizer_kwargs))
-            all_params.extend(p for g in groups for p in g["params"])
+            all_params.extend(p for g in groups for _, p in g["params"])
             logger.info(
                 f"DMuon (model part {index}): {len(routed.muon)} tensors "
                 f"({_numel(routed.muon):,} params) -> Muon, {len(routed.adamw)} tensors "
@@ -143,7 +143,8 @@ class DMuonOptimizersContainer(OptimizersContainer):
     @staticmethod
     def _group(kind: str, routed: RoutedParameters, kwargs: dict[str, Any]) -> dict[str, Any]:
         group: dict[str, Any] = {
-            "params": [p for _, p in routed.of_kind(kind)],
+            # (name, tensor) pairs: DMuon reports problems by parameter name.
+            "params": list(routed.of_kind(kind)),
             "use_muon": kind == MUON,
         }
         # Give the AdamW group its lr explicitly: TorchTitan's LambdaLR scales each

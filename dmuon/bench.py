@@ -1,0 +1,319 @@
+"""Optimizer-step benchmark on a llama-like stack of FSDP2-sharded matrices.
+
+Run::
+
+    torchrun --nproc-per-node 2 -m dmuon.bench [--json PATH] [--dim 512 --layers 4]
+
+Every optimizer steps the same model (``fully_shard``-ed, so parameters are
+``Shard(0)`` DTensors) with the same gradients:
+
+- ``dmuon``: DMuon's owner-computed fast path (``comm="all_to_all"``);
+- ``redistribute``: DMuon's reference path (every rank gathers every matrix);
+- ``vanilla``: ``torch.optim.Muon`` applied directly to the DTensors;
+- ``adamw``: ``torch.optim.AdamW(foreach=True)`` on the shards;
+- ``single``: rank 0 alone runs DMuon on full plain tensors while the others wait;
+  ``single / (P * dmuon)`` is the parallel efficiency of the fast path.
+
+Step time is the median, over timed steps after warm-up, of the slowest rank's time.
+Bytes sent per rank: DMuon's own exact counters for ``dmuon``; for the others, the
+collectives the profiler sees at the backend (gloo/NCCL) level, costed as ring
+algorithms (all-reduce ``2(P-1)/P n``, all-gather ``(P-1) n_in``, reduce-scatter and
+all-to-all ``(P-1)/P n_in``). The Muon matrices need at least ``4 N (P-1) / P^2`` bytes
+per rank with owner-computed Newton-Schulz (bf16, both directions).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+from dmuon.optimizer import DMuon
+
+OPTIMIZERS = ("dmuon", "redistribute", "vanilla", "adamw", "single")
+LR = 0.02
+
+
+@dataclass
+class BenchConfig:
+    dim: int = 512
+    """Model width: attention matrices are dim x dim."""
+    layers: int = 4
+    """Transformer blocks, 7 matrices each (wq, wk, wv, wo, w1, w2, w3)."""
+    steps: int = 10
+    """Timed steps per optimizer."""
+    warmup: int = 3
+    """Untimed steps before timing."""
+    threads: int = 1
+    """torch threads per rank (CPU)."""
+    optimizers: tuple[str, ...] = OPTIMIZERS
+    json: str | None = None
+    """Write the results here as JSON."""
+
+
+def ffn_hidden(dim: int, multiple_of: int = 256) -> int:
+    """Llama's SwiGLU hidden size: 2/3 of 4 * dim, rounded up to ``multiple_of``."""
+    hidden = int(2 * (4 * dim) / 3)
+    return multiple_of * -(-hidden // multiple_of)
+
+
+class Block(nn.Module):
+    """The matrices of one llama block (no norms: they hold no Muon work)."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        hidden = ffn_hidden(dim)
+        for name in ("wq", "wk", "wv", "wo"):
+            setattr(self, name, nn.Linear(dim, dim, bias=False))
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+
+
+def build_model(cfg: BenchConfig, mesh: DeviceMesh, device: torch.device) -> nn.Module:
+    torch.manual_seed(0)
+    model = nn.Sequential(*(Block(cfg.dim) for _ in range(cfg.layers))).to(device)
+    for block in model:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def make_grads(model: nn.Module, mesh: DeviceMesh) -> list[DTensor]:
+    """Deterministic full gradients, sharded like the parameters."""
+    generator = torch.Generator().manual_seed(1)
+    grads = []
+    for param in model.parameters():
+        full = torch.randn(param.shape, generator=generator).to(param.device)
+        grads.append(distribute_tensor(full, mesh, param.placements, src_data_rank=None))
+    return grads
+
+
+def time_steps(step: Callable[[], None], cfg: BenchConfig, device: torch.device, label: str) -> float:
+    """Median over timed steps of the slowest rank's step time, in ms."""
+    times = []
+    for i in range(cfg.warmup + cfg.steps):
+        dist.barrier()
+        _sync(device)
+        start = time.perf_counter()
+        step()
+        _sync(device)
+        elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        if i >= cfg.warmup:
+            times.append(elapsed.item() * 1e3)
+        _log(f"  {label}: step {i + 1}/{cfg.warmup + cfg.steps} {elapsed.item() * 1e3:8.1f} ms"
+             f"{'  (warm-up)' if i < cfg.warmup else ''}")
+    return statistics.median(times)
+
+
+def profiled_bytes_sent(step: Callable[[], None], world_size: int) -> int:
+    """Bytes this rank sends in one ``step()``, from the backend collectives the profiler records."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
+        step()
+    total = 0.0
+    for event in prof.events():
+        backend, _, op = event.name.partition(":")
+        if backend not in ("gloo", "nccl") or not event.input_shapes or not event.input_shapes[0]:
+            continue
+        numel = 1
+        for size in event.input_shapes[0]:
+            numel *= size
+        dtypes = getattr(event, "input_dtypes", None) or ["float"]
+        nbytes = numel * _element_size(dtypes[0])
+        p = world_size
+        if "all_reduce" in op or "allreduce" in op:
+            total += 2 * (p - 1) / p * nbytes
+        elif "all_gather" in op or "allgather" in op:
+            total += (p - 1) * nbytes
+        elif "reduce_scatter" in op or "all_to_all" in op or "alltoall" in op:
+            total += (p - 1) / p * nbytes
+        elif "broadcast" in op or "scatter" in op:
+            total += (p - 1) / p * nbytes
+    return int(total)
+
+
+def _element_size(dtype_name: str) -> int:
+    name = str(dtype_name).lower()
+    if any(k in name for k in ("bfloat16", "half", "float16", "short", "int16")):
+        return 2
+    if any(k in name for k in ("double", "int64", "long")):
+        return 8
+    if any(k in name for k in ("char", "int8", "bool", "byte")):
+        return 1
+    return 4
+
+
+def run_benchmark(cfg: BenchConfig) -> dict:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = _device()
+    mesh = init_device_mesh(device.type, (world,))
+    results: dict[str, dict[str, float]] = {}
+    muon_elements = sum(p.numel() for p in build_model(cfg, mesh, device).parameters())
+    _log(f"dmuon.bench: {world} rank(s) on {device.type}, {cfg.threads} thread(s) each; "
+         f"{cfg.layers} blocks of width {cfg.dim}: {7 * cfg.layers} matrices, {muon_elements / 1e6:.1f}M elements")
+
+    for name in cfg.optimizers:
+        if name == "single":
+            results[name] = _bench_single(cfg, mesh, device)
+            continue
+        model = build_model(cfg, mesh, device)
+        params = list(model.parameters())
+        grads = make_grads(model, mesh)
+        optimizer = _make_optimizer(name, params)
+
+        def step() -> None:
+            for param, grad in zip(params, grads):
+                param.grad = grad
+            optimizer.step()
+
+        step_ms = time_steps(step, cfg, device, name)
+        if isinstance(optimizer, DMuon) and name == "dmuon":
+            before = optimizer.comm_stats.bytes_sent
+            step()
+            sent = optimizer.comm_stats.bytes_sent - before
+        else:
+            sent = profiled_bytes_sent(step, world)
+        sent_all = torch.tensor([sent], dtype=torch.float64)
+        dist.all_reduce(sent_all, op=dist.ReduceOp.MAX)
+        results[name] = {"step_ms": step_ms, "bytes_sent_per_rank": int(sent_all.item())}
+        del optimizer, model, params, grads
+
+    report = {
+        "world_size": world,
+        "muon_elements": muon_elements,
+        "device": _device_name(device),
+        "threads_per_rank": cfg.threads,
+        "min_bytes_per_rank": int(4 * muon_elements * (world - 1) / world**2),
+        "results": results,
+    }
+    if "single" in results and "dmuon" in results:
+        report["parallel_efficiency"] = results["single"]["step_ms"] / (world * results["dmuon"]["step_ms"])
+    if "vanilla" in results and "dmuon" in results:
+        report["speedup_vs_vanilla"] = results["vanilla"]["step_ms"] / results["dmuon"]["step_ms"]
+    if rank == 0:
+        print(format_table(report), flush=True)
+        if cfg.json:
+            with open(cfg.json, "w") as f:
+                json.dump(report, f, indent=2)
+            print(f"wrote {cfg.json}", flush=True)
+    return report
+
+
+def _bench_single(cfg: BenchConfig, mesh: DeviceMesh, device: torch.device) -> dict[str, float]:
+    """Rank 0 alone: DMuon on full plain tensors (the P = 1 baseline); others wait."""
+    model = build_model(cfg, mesh, device)
+    grads = [g.full_tensor() for g in make_grads(model, mesh)]
+    params = [nn.Parameter(p.full_tensor()) for p in model.parameters()]
+    optimizer = DMuon(params, lr=LR)
+
+    def step() -> None:
+        if dist.get_rank() == 0:
+            for param, grad in zip(params, grads):
+                param.grad = grad
+            optimizer.step()
+
+    return {"step_ms": time_steps(step, cfg, device, "single"), "bytes_sent_per_rank": 0}
+
+
+def _make_optimizer(name: str, params: list[torch.Tensor]) -> torch.optim.Optimizer:
+    if name == "dmuon":
+        return DMuon(params, lr=LR, comm="all_to_all")
+    if name == "redistribute":
+        return DMuon(params, lr=LR, comm="redistribute")
+    if name == "vanilla":
+        return torch.optim.Muon(params, lr=LR)
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=LR, foreach=True)
+    raise ValueError(f"unknown optimizer {name!r}; choose from {OPTIMIZERS}")
+
+
+def format_table(report: dict) -> str:
+    """A plain-text table of a benchmark report."""
+    results = report["results"]
+    vanilla = results.get("vanilla", {}).get("step_ms")
+    lines = [
+        f"world size {report['world_size']}, {report['device']}, {report['threads_per_rank']} thread(s)/rank, "
+        f"Muon elements N = {report['muon_elements']:,}",
+        f"{'optimizer':<14}{'step ms':>10}{'vs vanilla':>12}{'bytes sent/rank':>18}",
+    ]
+    for name, row in results.items():
+        speedup = f"{vanilla / row['step_ms']:.2f}x" if vanilla else "-"
+        lines.append(f"{name:<14}{row['step_ms']:>10.1f}{speedup:>12}{row['bytes_sent_per_rank']:>18,}")
+    lines.append(f"owner-computed minimum 4N(P-1)/P^2 = {report['min_bytes_per_rank']:,} bytes/rank")
+    if "parallel_efficiency" in report:
+        lines.append(f"parallel efficiency single / (P * dmuon) = {report['parallel_efficiency']:.2f}")
+    return "\n".join(lines)
+
+
+def _device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu ({os.cpu_count()} cores)"
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _log(message: str) -> None:
+    if dist.get_rank() == 0:
+        print(message, flush=True)
+
+
+def parse_args(argv: list[str] | None = None) -> BenchConfig:
+    parser = argparse.ArgumentParser(prog="python -m dmuon.bench", description=__doc__.split("\n\n")[0])
+    defaults = BenchConfig()
+    parser.add_argument("--dim", type=int, default=defaults.dim, help="model width (default %(default)s)")
+    parser.add_argument("--layers", type=int, default=defaults.layers, help="blocks of 7 matrices (default %(default)s)")
+    parser.add_argument("--steps", type=int, default=defaults.steps, help="timed steps (default %(default)s)")
+    parser.add_argument("--warmup", type=int, default=defaults.warmup, help="untimed steps (default %(default)s)")
+    parser.add_argument("--threads", type=int, default=defaults.threads, help="torch threads per rank (default %(default)s)")
+    parser.add_argument("--optimizers", default=",".join(OPTIMIZERS), help="comma-separated subset of %(default)s")
+    parser.add_argument("--json", default=None, help="write the results to this JSON file")
+    args = parser.parse_args(argv)
+    chosen = tuple(name for name in args.optimizers.split(",") if name)
+    unknown = set(chosen) - set(OPTIMIZERS)
+    if unknown:
+        parser.error(f"unknown optimizer(s) {sorted(unknown)}; choose from {OPTIMIZERS}")
+    return BenchConfig(args.dim, args.layers, args.steps, args.warmup, args.threads, chosen, args.json)
+
+
+def main(argv: list[str] | None = None) -> None:
+    cfg = parse_args(argv)
+    torch.set_num_threads(cfg.threads)
+    # Also runnable as plain `python -m dmuon.bench`: a one-rank group.
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29517")
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if torch.cuda.is_available():
+        torch.cuda.set_device(_device())
+    dist.init_process_group(backend)
+    try:
+        run_benchmark(cfg)
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

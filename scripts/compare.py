@@ -1,0 +1,106 @@
+"""Plot and summarise a DMuon run against its AdamW baseline from TorchTitan logs.
+
+    python scripts/compare.py --dmuon outputs/demo/dmuon.log --adamw outputs/demo/adamw.log \
+        --out outputs/demo
+
+Writes ``<out>/loss_dmuon_vs_adamw.png`` (training and validation loss of both
+runs) and ``<out>/summary.txt`` (final losses and steps/s), and prints the summary.
+Each log is the console output of one ``torchrun --local-ranks-filter 0`` run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # no display needed
+import matplotlib.pyplot as plt
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _load_titan_log():
+    # Load the parser by path: importing the torchtitan_ext package would pull in
+    # all of TorchTitan (seconds) just to read two text files.
+    spec = importlib.util.spec_from_file_location("titan_log", REPO / "torchtitan_ext/titan_log.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["titan_log"] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def _smooth(values: list[float], alpha: float = 0.2) -> list[float]:
+    """Exponential moving average, to read trends through per-batch noise."""
+    out, ema = [], None
+    for v in values:
+        ema = v if ema is None else (1 - alpha) * ema + alpha * v
+        out.append(ema)
+    return out
+
+
+def summarise(runs: dict) -> str:
+    lines = []
+    for name, log in runs.items():
+        last = max(log.train_loss)
+        val = f"{log.val_loss[max(log.val_loss)]:.4f} (step {max(log.val_loss)})" if log.val_loss else "n/a"
+        lines.append(
+            f"{name:6s} final train loss {log.train_loss[last]:.4f} (step {last})  "
+            f"final val loss {val}  {log.steps_per_second():.3f} steps/s"
+        )
+    if {"DMuon", "AdamW"} <= runs.keys():
+        d, a = runs["DMuon"], runs["AdamW"]
+        if d.val_loss and a.val_loss:
+            diff = d.val_loss[max(d.val_loss)] - a.val_loss[max(a.val_loss)]
+            lines.append(f"DMuon - AdamW final val loss: {diff:+.4f}")
+        lines.append(f"DMuon / AdamW speed: {d.steps_per_second() / a.steps_per_second():.2f}x")
+    return "\n".join(lines)
+
+
+def plot(runs: dict, path: Path) -> None:
+    fig, (ax_train, ax_val) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for (name, log), color in zip(runs.items(), ("tab:blue", "tab:orange")):
+        steps = sorted(log.train_loss)
+        losses = [log.train_loss[s] for s in steps]
+        ax_train.plot(steps, losses, color=color, alpha=0.25, linewidth=0.8)
+        ax_train.plot(steps, _smooth(losses), color=color, label=f"{name} (EMA)")
+        vsteps = sorted(log.val_loss)
+        ax_val.plot(vsteps, [log.val_loss[s] for s in vsteps], "o-", color=color, label=name)
+    ax_train.set(title="training loss", xlabel="step", ylabel="cross-entropy (nats/token)")
+    ax_val.set(title="validation loss (held-out pydoc split)", xlabel="step")
+    for ax in (ax_train, ax_val):
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle("llama3 debug model, 2 CPU ranks (FSDP2/gloo): DMuon vs AdamW")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="Compare a DMuon and an AdamW TorchTitan run.")
+    parser.add_argument("--dmuon", type=Path, required=True, help="log of the DMuon run")
+    parser.add_argument("--adamw", type=Path, required=True, help="log of the AdamW run")
+    parser.add_argument("--out", type=Path, required=True, help="folder for the PNG and summary")
+    args = parser.parse_args()
+
+    titan_log = _load_titan_log()
+    runs = {
+        "DMuon": titan_log.parse_log(args.dmuon.read_text()),
+        "AdamW": titan_log.parse_log(args.adamw.read_text()),
+    }
+    for name, log in runs.items():
+        if not log.train_loss:
+            raise SystemExit(f"no step lines found in the {name} log; did the run fail?")
+    args.out.mkdir(parents=True, exist_ok=True)
+    png = args.out / "loss_dmuon_vs_adamw.png"
+    plot(runs, png)
+    summary = summarise(runs) + f"\nplot: {png}\n"
+    (args.out / "summary.txt").write_text(summary)
+    print(summary, end="")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,87 @@
+#!/usr/bin/env bash
+# CPU demo of DMuon inside TorchTitan: the llama3 debug model on 2 CPU ranks.
+#
+#   bash scripts/demo.sh              # set up if needed, then train with DMuon (~200 steps)
+#   bash scripts/demo.sh --compare    # also train the AdamW baseline on identical data and
+#                                     # write outputs/demo/loss_dmuon_vs_adamw.png + summary.txt
+#
+# Options:
+#   --steps N      train N steps instead of the TOML's 200 (both runs in --compare)
+#   --setup        run scripts/setup.sh even if the packages already import
+#   -h, --help     this text
+#
+# Everything written goes under outputs/ (git-ignored: the script drops a
+# .gitignore there). Needs no GPU and no network once the packages are installed.
+set -euo pipefail
+
+usage() { sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'; }
+
+compare=0
+force_setup=0
+steps=""
+while [[ $# -gt 0 ]]; do
+    case "$1" in
+        --compare) compare=1 ;;
+        --setup) force_setup=1 ;;
+        --steps) steps="$2"; shift ;;
+        -h|--help) usage; exit 0 ;;
+        *) echo "unknown option: $1" >&2; usage >&2; exit 2 ;;
+    esac
+    shift
+done
+
+cd "$(dirname "$0")/.."   # repository root: the TOMLs use paths relative to it
+PYTHON="${PYTHON:-python}"
+
+# 1. Packages: torch, torchtitan, dmuon and this repo's extension.
+if [[ $force_setup == 1 ]] || ! "$PYTHON" -c "import torch, torchtitan, dmuon, torchtitan_ext" >/dev/null 2>&1; then
+    echo "== installing (scripts/setup.sh)"
+    bash scripts/setup.sh
+fi
+
+# 2. Output folder, never committed.
+mkdir -p outputs/demo
+[[ -f outputs/.gitignore ]] || echo '*' > outputs/.gitignore
+
+# Two ranks on a 2-core machine: one intra-op thread each avoids oversubscription.
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+
+# Pass every line through except training step lines other than step 1 and every 10th.
+show_every_10th_step() {
+    awk '{
+        if ($0 !~ /validate/ && match($0, / step: *[0-9]+ +loss/)) {
+            step = substr($0, RSTART, RLENGTH); gsub(/[^0-9]/, "", step)
+            if (step != 1 && step % 10 != 0) next
+        }
+        print; fflush()
+    }'
+}
+
+# train NAME TOML [extra TorchTitan args...]: full rank-0 log to outputs/demo/NAME.log;
+# the console shows it too, minus the per-step lines between every 10th step.
+train() {
+    local name="$1" toml="$2"
+    shift 2
+    local extra=("$@")
+    [[ -n "$steps" ]] && extra+=(--training.steps "$steps")
+    echo "== training with $name ($toml)"
+    local status=0
+    torchrun --standalone --nproc-per-node 2 --local-ranks-filter 0 \
+        -m torchtitan.train --job.config_file "$toml" "${extra[@]}" 2>&1 \
+        | tee "outputs/demo/$name.log" | show_every_10th_step || status=$?
+    if [[ $status != 0 ]]; then
+        echo "$name run failed (exit $status); see outputs/demo/$name.log" >&2
+        exit 1
+    fi
+}
+
+if [[ $compare == 0 ]]; then
+    train dmuon train_configs/llama3_debug_dmuon.toml
+    exit 0
+fi
+
+# --compare: per-step loss lines for smooth curves; same data, seed and schedule for both.
+train dmuon train_configs/llama3_debug_dmuon.toml --metrics.log_freq 1
+train adamw train_configs/llama3_debug_adamw.toml --metrics.log_freq 1
+echo "== comparison"
+"$PYTHON" scripts/compare.py --dmuon outputs/demo/dmuon.log --adamw outputs/demo/adamw.log --out outputs/demo

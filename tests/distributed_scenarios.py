@@ -1,0 +1,299 @@
+"""Worker functions for the multi-rank tests (run by tests/multiprocess.py).
+
+Each function runs on every rank of a gloo group, does several things, and returns
+plain Python values (rank 0's are what the tests read). The tests stay one behaviour
+each; the workers batch the process start-up, which dominates their cost.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.placement_types import _StridedShard
+
+from dmuon import DMuon
+
+STEPS = 3
+# (name, shape, group): the cases the exactness tests name. Rows are chosen so that
+# 4 ranks give uneven and empty shards: 10 rows -> 3,3,3,1; 3 rows -> 1,1,1,0.
+CASES: list[tuple[str, tuple[int, ...], str]] = [
+    ("square", (32, 32), "muon_a"),
+    ("tall", (48, 16), "muon_a"),
+    ("wide", (16, 48), "muon_b"),
+    ("uneven", (10, 24), "muon_b"),
+    ("empty_shard", (3, 8), "muon_a"),
+    ("experts_3d", (3, 8, 12), "muon_b"),
+    ("norm.weight", (24,), "adamw"),
+    ("tok_embeddings.weight", (50, 16), "adamw"),
+]
+GROUP_OPTIONS = {
+    "muon_a": {"use_muon": True, "lr": 0.05, "momentum": 0.95},
+    "muon_b": {"use_muon": True, "lr": 0.02, "momentum": 0.9, "weight_decay": 0.1},
+    "adamw": {"use_muon": False, "lr": 0.01},
+}
+
+
+def _case_tensors(seed: int) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return {name: torch.randn(shape, generator=generator) for name, shape, _ in CASES}
+
+
+def _groups(params: dict[str, torch.Tensor]) -> list[dict[str, Any]]:
+    return [
+        {"params": [(name, params[name]) for name, _, g in CASES if g == group], **options}
+        for group, options in GROUP_OPTIONS.items()
+    ]
+
+
+def _run(params: dict[str, torch.Tensor], grads_for_step, **kwargs: Any) -> DMuon:
+    optimizer = DMuon(_groups(params), weight_decay=0.01, **kwargs)
+    for step in range(STEPS):
+        for name, grad in grads_for_step(step).items():
+            params[name].grad = grad
+        optimizer.step()
+    return optimizer
+
+
+def single_process_params() -> dict[str, torch.Tensor]:
+    """The oracle: DMuon on full plain tensors, in this process, one thread."""
+    params = {n: nn.Parameter(t) for n, t in _case_tensors(0).items()}
+    _run(params, lambda step: _case_tensors(100 + step))
+    return {n: p.detach() for n, p in params.items()}
+
+
+def exactness(placements_by_layout: dict[str, str] | None = None) -> dict[str, Any]:
+    """Fast and reference paths on Shard(0) (and 2-D meshes at 4 ranks) vs the oracle.
+
+    Returns ``{(layout, comm): {case: bitwise_equal}}`` plus paths and byte counts.
+    """
+    world = dist.get_world_size()
+    oracle = single_process_params()
+    layouts = {"fsdp": (init_device_mesh("cpu", (world,)), [Shard(0)])}
+    if world == 4:
+        mesh_2d = init_device_mesh("cpu", (2, 2))
+        layouts["hsdp"] = (mesh_2d, [Replicate(), Shard(0)])
+        layouts["fsdp_tp"] = (mesh_2d, [_StridedShard(0, split_factor=2), Shard(0)])
+    out: dict[Any, Any] = {}
+    for layout, (mesh, placements) in layouts.items():
+        for comm in ("all_to_all", "redistribute"):
+            def shard(t: torch.Tensor) -> DTensor:
+                return distribute_tensor(t, mesh, placements, src_data_rank=None)
+
+            params = {n: nn.Parameter(shard(t)) for n, t in _case_tensors(0).items()}
+            optimizer = _run(params, lambda step: {n: shard(t) for n, t in _case_tensors(100 + step).items()}, comm=comm)
+            out[(layout, comm)] = {n: torch.equal(params[n].full_tensor(), oracle[n]) for n in oracle}
+            out[(layout, comm, "paths")] = optimizer.comm_paths()
+            out[(layout, comm, "bytes")] = optimizer.comm_stats.bytes_sent
+            out[(layout, comm, "local_rows")] = {n: p.to_local().shape[0] for n, p in params.items()}
+    return out
+
+
+class _TinyLM(nn.Module):
+    def __init__(self, vocab: int = 40, dim: int = 24, hidden: int = 40) -> None:
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(vocab, dim)
+        self.up = nn.Linear(dim, hidden, bias=False)
+        self.down = nn.Linear(hidden, dim, bias=False)
+        self.norm = nn.LayerNorm(dim)
+        self.output = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(tokens)
+        h = h + self.down(torch.relu(self.up(h)))
+        return self.output(self.norm(h))
+
+
+def fsdp2_training() -> dict[str, bool]:
+    """A real fully_shard model trained a few steps vs the oracle on the gathered grads."""
+    from torch.distributed.fsdp import fully_shard
+
+    world = dist.get_world_size()
+    torch.manual_seed(0)
+    reference = _TinyLM()
+    model = _TinyLM()
+    model.load_state_dict(reference.state_dict())
+    fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
+    sharded_opt = DMuon(model.named_parameters(), lr=0.03, weight_decay=0.1)
+    reference_opt = DMuon(reference.named_parameters(), lr=0.03, weight_decay=0.1)
+    generator = torch.Generator().manual_seed(dist.get_rank())
+    for _ in range(STEPS):
+        tokens = torch.randint(0, 40, (2, 8), generator=generator)
+        model(tokens).logsumexp(-1).mean().backward()
+        full_grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+        for name, param in reference.named_parameters():
+            param.grad = full_grads[name]
+        sharded_opt.step()
+        reference_opt.step()
+        sharded_opt.zero_grad()
+    return {n: torch.equal(p.full_tensor(), dict(reference.named_parameters())[n].detach())
+            for n, p in model.named_parameters()}
+
+
+def _sharded_model(world: int, seed: int = 0) -> tuple[dict[str, nn.Parameter], Any]:
+    mesh = init_device_mesh("cpu", (world,))
+    return ({n: nn.Parameter(distribute_tensor(t, mesh, [Shard(0)], src_data_rank=None))
+             for n, t in _case_tensors(seed).items()}, mesh)
+
+
+def _set_grads(params: dict[str, nn.Parameter], mesh: Any, seed: int) -> None:
+    for name, full in _case_tensors(seed).items():
+        params[name].grad = distribute_tensor(full, mesh, [Shard(0)], src_data_rank=None)
+
+
+def _error(fn) -> str | None:
+    try:
+        fn()
+    except Exception as error:  # noqa: BLE001 - the test reads the type and message
+        return f"{type(error).__name__}: {error}"
+    return None
+
+
+def robustness() -> dict[str, Any]:
+    """None grads, disagreeing ranks, invalid grads, NaN, and the zero-grad lr=0 step."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    out: dict[str, Any] = {}
+
+    # A grad that is None on every rank is skipped: no change, no state, no hang.
+    params, mesh = _sharded_model(world)
+    optimizer = DMuon(_groups(params))
+    before = params["wide"].detach().full_tensor().clone()
+    _set_grads(params, mesh, 1)
+    params["wide"].grad = None
+    optimizer.step()
+    out["none_everywhere_unchanged"] = torch.equal(params["wide"].full_tensor(), before)
+    out["none_everywhere_no_state"] = params["wide"] not in optimizer.state
+    out["none_everywhere_others_stepped"] = "momentum_buffer" in optimizer.state[params["square"]]
+
+    # Ranks that disagree: every rank raises the same clear error.
+    _set_grads(params, mesh, 2)
+    if rank == 0:
+        params["uneven"].grad = None
+    out["disagree_error"] = _error(optimizer.step)
+
+    # An invalid grad on one rank only: every rank raises, none waits.
+    _set_grads(params, mesh, 3)
+    if rank == world - 1:
+        local = params["square"].grad.to_local()
+        params["square"].grad_dtype = None  # let autograd's dtype check through
+        params["square"].grad = DTensor.from_local(local.to(torch.complex64), mesh, [Shard(0)], run_check=False)
+    out["invalid_error"] = _error(optimizer.step)
+
+    # The optimizer is still usable afterwards (no collective was left half done).
+    _set_grads(params, mesh, 4)
+    out["usable_after_errors"] = _error(optimizer.step) is None
+
+    # NaN in one rank's shard: no hang; that matrix becomes NaN everywhere, others stay finite.
+    params, mesh = _sharded_model(world)
+    optimizer = DMuon(_groups(params))
+    _set_grads(params, mesh, 5)
+    if rank == 0:
+        params["tall"].grad.to_local()[0, 0] = float("nan")
+    out["nan_error"] = _error(optimizer.step)
+    out["nan_matrix_all_nan"] = bool(params["tall"].full_tensor().isnan().all())
+    out["nan_others_finite"] = all(bool(p.full_tensor().isfinite().all()) for n, p in params.items() if n != "tall")
+
+    # The step DCP runs to create state: zero grads, lr = 0.
+    params, mesh = _sharded_model(world)
+    optimizer = DMuon(_groups(params))
+    before = {n: p.detach().full_tensor().clone() for n, p in params.items()}
+    for param in params.values():
+        param.grad = torch.zeros_like(param)
+    for group in optimizer.param_groups:
+        group["lr"] = 0.0
+    optimizer.step()
+    out["lr0_unchanged"] = all(torch.equal(p.full_tensor(), before[n]) for n, p in params.items())
+    out["lr0_state_keys"] = {n: sorted(optimizer.state[p]) for n, p in params.items()}
+    out["lr0_state_placements"] = {
+        n: [str(v.placements) for k, v in sorted(optimizer.state[p].items()) if isinstance(v, DTensor)]
+        for n, p in params.items()
+    }
+    out["lr0_state_finite"] = all(
+        bool(v.full_tensor().isfinite().all()) for p in params.values() for v in optimizer.state[p].values()
+        if isinstance(v, DTensor)
+    )
+    return out
+
+
+def state_dict_resume() -> dict[str, bool]:
+    """state_dict / load_state_dict and DCP save/load resume bitwise like an uninterrupted run."""
+    import shutil
+    import tempfile
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    world = dist.get_world_size()
+    out: dict[str, bool] = {}
+
+    # Uninterrupted: 4 steps.
+    params, mesh = _sharded_model(world)
+    optimizer = DMuon(_groups(params))
+    for step in range(4):
+        _set_grads(params, mesh, 10 + step)
+        optimizer.step()
+    uninterrupted = {n: p.full_tensor() for n, p in params.items()}
+
+    def resumed(load) -> dict[str, torch.Tensor]:
+        params, mesh = _sharded_model(world)
+        optimizer = DMuon(_groups(params))
+        for step in range(2):
+            _set_grads(params, mesh, 10 + step)
+            optimizer.step()
+        new_params = {n: nn.Parameter(p.detach().clone()) for n, p in params.items()}
+        new_optimizer = DMuon(_groups(new_params))
+        load(params, optimizer, new_params, new_optimizer)
+        for step in range(2, 4):
+            _set_grads(new_params, mesh, 10 + step)
+            new_optimizer.step()
+        return {n: p.full_tensor() for n, p in new_params.items()}
+
+    def plain(_old_params, old, _new_params, new) -> None:
+        new.load_state_dict(old.state_dict())
+
+    def as_module(params: dict[str, nn.Parameter]) -> nn.Module:
+        return nn.ParameterDict({n.replace(".", "_"): p for n, p in params.items()})
+
+    checkpoint_dir = [tempfile.mkdtemp() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(checkpoint_dir, src=0)
+
+    def through_dcp(old_params, old, new_params, new) -> None:
+        dcp.save({"optim": get_optimizer_state_dict(as_module(old_params), old)}, checkpoint_id=checkpoint_dir[0])
+        # A fresh optimizer has no state: this runs DCP's zero-grad, lr = 0 step.
+        target = {"optim": get_optimizer_state_dict(as_module(new_params), new)}
+        dcp.load(target, checkpoint_id=checkpoint_dir[0])
+        set_optimizer_state_dict(as_module(new_params), new, target["optim"])
+
+    out["state_dict"] = all(torch.equal(t, uninterrupted[n]) for n, t in resumed(plain).items())
+    out["dcp"] = all(torch.equal(t, uninterrupted[n]) for n, t in resumed(through_dcp).items())
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(checkpoint_dir[0], ignore_errors=True)
+    return out
+
+
+def path_log() -> list[str]:
+    """The log lines DMuon emits about paths, over two steps."""
+    records: list[str] = []
+
+    class Capture(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record.getMessage())
+
+    logger = logging.getLogger("dmuon")
+    logger.addHandler(Capture())
+    logger.setLevel(logging.INFO)
+    world = dist.get_world_size()
+    params, mesh = _sharded_model(world)
+    hsdp_like = nn.Parameter(distribute_tensor(torch.randn(8, 6), mesh, [Shard(1)], src_data_rank=None))
+    optimizer = DMuon([*_groups(params), {"params": [("col_sharded", hsdp_like)], "use_muon": True}])
+    for seed in (1, 2):
+        _set_grads(params, mesh, seed)
+        hsdp_like.grad = distribute_tensor(torch.randn(8, 6), mesh, [Shard(1)], src_data_rank=None)
+        optimizer.step()
+    return records

@@ -1,0 +1,62 @@
+"""DMuon on P gloo ranks equals single-process DMuon on the full tensors, bit for bit.
+
+The oracle runs in the worker too (one thread, plain tensors), after the distributed
+run. Cases: square, tall and wide matrices, an uneven split, a matrix with an empty
+shard on the last rank (at P = 4), a 3-D expert weight, two Muon groups with different
+lr and momentum, and an AdamW group, all in one optimizer.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests import distributed_scenarios as scenarios
+from tests.multiprocess import run_on_ranks
+
+WORLD_SIZES = (1, 2, 4)
+CASE_NAMES = [name for name, _, _ in scenarios.CASES]
+
+
+@pytest.fixture(scope="module")
+def results() -> dict[int, dict]:
+    return {world: run_on_ranks(scenarios.exactness, world)[0] for world in WORLD_SIZES}
+
+
+@pytest.mark.parametrize("case", CASE_NAMES)
+@pytest.mark.parametrize("world", WORLD_SIZES)
+def test_fast_path_is_bitwise_equal_to_single_process(results, world, case):
+    assert results[world][("fsdp", "all_to_all")][case]
+
+
+@pytest.mark.parametrize("case", CASE_NAMES)
+@pytest.mark.parametrize("world", WORLD_SIZES)
+def test_reference_path_is_bitwise_equal_to_single_process(results, world, case):
+    assert results[world][("fsdp", "redistribute")][case]
+
+
+@pytest.mark.parametrize("layout", ["hsdp", "fsdp_tp"])
+def test_hsdp_and_fsdp_tp_are_bitwise_equal_through_the_reference_path(results, layout):
+    for comm in ("all_to_all", "redistribute"):
+        assert all(results[4][(layout, comm)].values()), results[4][(layout, comm)]
+        assert set(results[4][(layout, comm, "paths")].values()) == {"redistribute"}
+
+
+def test_the_cases_include_an_empty_shard_at_four_ranks(results):
+    rows = results[4][("fsdp", "all_to_all", "local_rows")]
+    assert rows["empty_shard"] == 1 and rows["experts_3d"] == 1  # rank 0 of (1, 1, 1, 0)
+
+
+def test_shard0_matrices_take_the_fast_path_on_several_ranks(results):
+    assert set(results[2][("fsdp", "all_to_all", "paths")].values()) == {"all_to_all"}
+    assert set(results[1][("fsdp", "all_to_all", "paths")].values()) == {"local"}
+
+
+def test_only_the_fast_path_sends_owner_traffic(results):
+    assert results[2][("fsdp", "all_to_all", "bytes")] > 0
+    assert results[2][("fsdp", "redistribute", "bytes")] == 0
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_real_fully_shard_training_matches_single_process(world):
+    equal = run_on_ranks(scenarios.fsdp2_training, world)[0]
+    assert all(equal.values()), equal

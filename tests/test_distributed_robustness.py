@@ -1,0 +1,63 @@
+"""Missing, disagreeing, invalid and non-finite grads on 2 gloo ranks: clear outcomes, no hang.
+
+Every launch has a timeout (tests/multiprocess.py), so a hang fails the test.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests import distributed_scenarios as scenarios
+from tests.multiprocess import run_on_ranks
+
+
+@pytest.fixture(scope="module")
+def ranks() -> list[dict]:
+    return run_on_ranks(scenarios.robustness, 2, timeout=120)
+
+
+def test_grad_none_on_every_rank_skips_the_parameter(ranks):
+    for rank in ranks:
+        assert rank["none_everywhere_unchanged"]
+        assert rank["none_everywhere_no_state"]
+        assert rank["none_everywhere_others_stepped"]
+
+
+def test_ranks_disagreeing_about_a_grad_all_raise_an_error_naming_it(ranks):
+    for rank in ranks:
+        assert rank["disagree_error"].startswith("RuntimeError: DMuon: ranks disagree")
+        assert "'uneven'" in rank["disagree_error"]
+
+
+def test_an_invalid_grad_on_one_rank_makes_every_rank_raise(ranks):
+    assert ranks[1]["invalid_error"] == "ValueError: DMuon: parameter 'square': complex gradients are not supported by Muon"
+    assert ranks[0]["invalid_error"].startswith("ValueError: DMuon: 1 rank(s) found an invalid gradient")
+
+
+def test_the_optimizer_keeps_working_after_a_consistent_error(ranks):
+    assert all(rank["usable_after_errors"] for rank in ranks)
+
+
+def test_a_nan_in_one_shard_poisons_only_its_matrix_on_every_rank(ranks):
+    for rank in ranks:
+        assert rank["nan_error"] is None
+        assert rank["nan_matrix_all_nan"]
+        assert rank["nan_others_finite"]
+
+
+def test_zero_grad_lr0_step_leaves_params_unchanged(ranks):
+    assert all(rank["lr0_unchanged"] for rank in ranks)
+
+
+def test_zero_grad_lr0_step_creates_the_same_full_state_on_every_rank(ranks):
+    keys = ranks[0]["lr0_state_keys"]
+    assert keys == ranks[1]["lr0_state_keys"]
+    assert keys["square"] == ["momentum_buffer"]
+    assert keys["norm.weight"] == ["exp_avg", "exp_avg_sq", "step"]
+    assert all(rank["lr0_state_finite"] for rank in ranks)
+
+
+def test_state_tensors_are_dtensors_with_the_parameter_placement(ranks):
+    placements = ranks[0]["lr0_state_placements"]
+    assert placements["empty_shard"] == ["(Shard(dim=0),)"]
+    assert placements["tok_embeddings.weight"] == ["(Shard(dim=0),)", "(Shard(dim=0),)"]

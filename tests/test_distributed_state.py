@@ -1,0 +1,29 @@
+"""Resuming on 2 gloo ranks, through state_dict and through DCP, continues bit for bit."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests import distributed_scenarios as scenarios
+from tests.multiprocess import run_on_ranks
+
+
+@pytest.fixture(scope="module")
+def resumed() -> dict[str, bool]:
+    return run_on_ranks(scenarios.state_dict_resume, 2)[0]
+
+
+def test_load_state_dict_resumes_bitwise(resumed):
+    assert resumed["state_dict"]
+
+
+def test_dcp_save_and_load_resumes_bitwise(resumed):
+    assert resumed["dcp"]
+
+
+def test_each_path_is_logged_once_with_its_parameters():
+    lines = run_on_ranks(scenarios.path_log, 2)[0]
+    assert lines == [
+        "DMuon: 6 Muon parameter(s) use the all_to_all path: square, tall, empty_shard, wide, uneven, experts_3d",
+        "DMuon: 1 Muon parameter(s) use the redistribute path: col_sharded",
+    ]

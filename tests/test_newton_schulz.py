@@ -1,0 +1,128 @@
+"""Newton-Schulz orthogonalization (dmuon.newton_schulz): the pure math core."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dmuon.newton_schulz import KELLER_COEFFICIENTS, matrix_shape, newton_schulz_flops, orthogonalize
+
+
+def _randn(*shape: int, seed: int = 0, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=generator).to(dtype)
+
+
+# ------------------------------------------------------------------ orthogonalize
+
+
+@pytest.mark.parametrize("shape", [(16, 48), (48, 16), (24, 24), (3, 8, 20), (3, 20, 8)])
+def test_orthogonalize_returns_bf16_with_input_shape(shape):
+    result = orthogonalize(_randn(*shape))
+    assert result.dtype == torch.bfloat16
+    assert result.shape == torch.Size(shape)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(16, 48), (48, 16), (3, 20, 8)])
+def test_orthogonalize_never_modifies_its_input(shape, dtype):
+    """A bf16 input is the torch.optim.Muon aliasing defect: ``x.bfloat16()`` is ``x``."""
+    update = _randn(*shape, dtype=dtype)
+    before = update.clone()
+    result = orthogonalize(update)
+    assert torch.equal(update, before)
+    assert result.data_ptr() != update.data_ptr()
+
+
+@pytest.mark.parametrize("shape", [(32, 64), (64, 32), (128, 16)])
+def test_singular_values_of_result_lie_near_one(shape):
+    singular_values = torch.linalg.svdvals(orthogonalize(_randn(*shape)).float())
+    assert singular_values.min() > 0.5
+    assert singular_values.max() < 1.5
+
+
+def test_tall_input_is_orthogonalized_as_the_transpose_of_its_wide_form():
+    tall = _randn(48, 16)
+    assert torch.equal(orthogonalize(tall), orthogonalize(tall.T.contiguous()).T)
+
+
+@pytest.mark.parametrize("shape", [(4, 12, 20), (4, 20, 12)])
+def test_batched_3d_input_matches_per_matrix_results(shape):
+    batch = _randn(*shape)
+    batched = orthogonalize(batch).float()
+    one_by_one = torch.stack([orthogonalize(matrix) for matrix in batch]).float()
+    torch.testing.assert_close(batched, one_by_one, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("shape", [(8, 12), (12, 8), (2, 8, 12)])
+def test_zero_matrix_gives_zeros_without_nan(shape):
+    result = orthogonalize(torch.zeros(*shape))
+    assert torch.equal(result, torch.zeros(*shape, dtype=torch.bfloat16))
+
+
+def test_result_does_not_depend_on_input_scale():
+    """The Frobenius normalization makes NS scale-invariant (up to bf16 rounding)."""
+    update = _randn(16, 32)
+    torch.testing.assert_close(
+        orthogonalize(update).float(), orthogonalize(update * 1000).float(), atol=2e-2, rtol=2e-2
+    )
+
+
+def test_2d_result_is_bitwise_torch_optim_muon_newton_schulz():
+    from torch.optim._muon import _zeropower_via_newtonschulz
+
+    for shape in [(16, 48), (48, 16)]:
+        update = _randn(*shape)
+        expected = _zeropower_via_newtonschulz(update, KELLER_COEFFICIENTS, 5, 1e-7)
+        assert torch.equal(orthogonalize(update), expected)
+
+
+def test_1d_or_4d_input_to_orthogonalize_raises():
+    with pytest.raises(ValueError, match="2-D or 3-D"):
+        orthogonalize(torch.zeros(8))
+    with pytest.raises(ValueError, match="2-D or 3-D"):
+        orthogonalize(torch.zeros(2, 2, 3, 3))
+
+
+# ------------------------------------------------------------------ flops
+
+
+@pytest.mark.parametrize(
+    "shape, steps, expected",
+    [
+        ((2, 3), 1, 4 * 2 * 2 * 3 + 2 * 2**3),  # m=2, n=3: 48 + 16
+        ((3, 2), 1, 4 * 2 * 2 * 3 + 2 * 2**3),  # tall: same as its transpose
+        ((64, 256), 5, 5 * (4 * 64 * 64 * 256 + 2 * 64**3)),
+        ((4, 8, 16), 5, 4 * 5 * (4 * 8 * 8 * 16 + 2 * 8**3)),  # a batch of 4 experts
+        ((16, 4, 3, 3), 2, 2 * (4 * 16 * 16 * 36 + 2 * 16**3)),  # conv: [16, 4*3*3]
+    ],
+)
+def test_newton_schulz_flops_formula(shape, steps, expected):
+    assert newton_schulz_flops(shape, steps) == expected
+
+
+def test_newton_schulz_flops_default_is_five_steps():
+    assert newton_schulz_flops((8, 16)) == newton_schulz_flops((8, 16), 5) == 5 * newton_schulz_flops((8, 16), 1)
+
+
+# ------------------------------------------------------------------ matrix_shape
+
+
+@pytest.mark.parametrize(
+    "shape, expected",
+    [
+        ((5, 7), (5, 7)),
+        ((3, 5, 7), (3, 5, 7)),
+        ((16, 4, 3, 3), (16, 36)),
+        ((2, 3, 4, 5, 6), (2, 360)),
+    ],
+)
+def test_matrix_shape(shape, expected):
+    assert matrix_shape(shape) == expected
+    assert matrix_shape(torch.Size(shape)) == expected
+
+
+@pytest.mark.parametrize("shape", [(7,), ()])
+def test_matrix_shape_rejects_fewer_than_two_dims(shape):
+    with pytest.raises(ValueError, match="at least 2 dimensions"):
+        matrix_shape(shape)

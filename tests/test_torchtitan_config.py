@@ -1,0 +1,94 @@
+"""Specification of the ``[optimizer]`` extension as TorchTitan's config parser sees it.
+
+In-process and fast: these parse configs with TorchTitan's own ``ConfigManager``,
+exactly as ``torchtitan.train`` does, without launching training.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from torchtitan.config import ConfigManager
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIGS = REPO / "train_configs"
+EXT = ["--job.custom_config_module", "torchtitan_ext"]
+
+
+def parse(*args: str):
+    return ConfigManager().parse_args(list(args))
+
+
+def toml_with(tmp_path: Path, old: str, new: str, base: str = "llama3_debug_dmuon.toml") -> Path:
+    """A copy of a shipped TOML with one line replaced."""
+    text = (CONFIGS / base).read_text()
+    assert old in text, f"{old!r} not in {base}"
+    path = tmp_path / "job.toml"
+    path.write_text(text.replace(old, new))
+    return path
+
+
+def test_dmuon_fields_are_added_to_the_optimizer_section_with_defaults():
+    cfg = parse(*EXT).optimizer
+    assert (cfg.momentum, cfg.nesterov, cfg.ns_steps) == (0.95, True, 5)
+    assert (cfg.ns_coefficients, cfg.adjust_lr, cfg.matched_adamw_rms) == ("keller", "original", 0.2)
+    assert cfg.adamw_lr is None
+    assert cfg.comm == "all_to_all"
+    assert cfg.name == "AdamW"  # TorchTitan's own default is untouched
+
+
+def test_stock_optimizer_fields_keep_their_torchtitan_defaults():
+    cfg = parse(*EXT).optimizer
+    assert (cfg.lr, cfg.beta1, cfg.beta2, cfg.eps, cfg.weight_decay) == (8e-4, 0.9, 0.95, 1e-8, 0.1)
+
+
+@pytest.mark.parametrize("name", ["llama3_debug_dmuon.toml", "llama3_debug_adamw.toml", "llama3_8b_dmuon.toml"])
+def test_every_shipped_config_parses(name):
+    cfg = parse("--job.config_file", str(CONFIGS / name))
+    assert cfg.job.custom_config_module == "torchtitan_ext"
+
+
+def test_the_demo_toml_sets_the_dmuon_fields():
+    cfg = parse("--job.config_file", str(CONFIGS / "llama3_debug_dmuon.toml")).optimizer
+    assert cfg.name == "DMuon"
+    assert (cfg.lr, cfg.adamw_lr) == (0.02, 2e-3)
+
+
+def test_command_line_overrides_a_dmuon_field():
+    cfg = parse("--job.config_file", str(CONFIGS / "llama3_debug_dmuon.toml"), "--optimizer.ns_steps", "4")
+    assert cfg.optimizer.ns_steps == 4
+
+
+def test_unknown_adjust_lr_is_rejected_naming_the_toml_key(tmp_path):
+    path = toml_with(tmp_path, 'adjust_lr = "original"', 'adjust_lr = "sqrt"')
+    with pytest.raises(ValueError, match=r"\[optimizer\] adjust_lr = 'sqrt'"):
+        parse("--job.config_file", str(path))
+
+
+def test_invalid_regex_is_rejected_naming_the_toml_key(tmp_path):
+    path = toml_with(tmp_path, "adamw_param_regex = '", "adamw_param_regex = '(unclosed|")
+    with pytest.raises(ValueError, match=r"\[optimizer\] adamw_param_regex = .* is not a valid"):
+        parse("--job.config_file", str(path))
+
+
+def test_early_step_in_backward_is_rejected_with_dmuon(tmp_path):
+    path = toml_with(tmp_path, 'name = "DMuon"', 'name = "DMuon"\nearly_step_in_backward = true')
+    with pytest.raises(ValueError, match=r"\[optimizer\] early_step_in_backward = true"):
+        parse("--job.config_file", str(path))
+
+
+def test_early_step_in_backward_stays_allowed_for_adamw():
+    cfg = parse(*EXT, "--optimizer.name", "AdamW", "--optimizer.early_step_in_backward")
+    assert cfg.optimizer.early_step_in_backward
+
+
+def test_unknown_ns_coefficient_set_is_rejected_naming_the_toml_key():
+    with pytest.raises(ValueError, match=r"\[optimizer\] ns_coefficients = 'nope'"):
+        parse(*EXT, "--optimizer.name", "DMuon", "--optimizer.ns_coefficients", "nope")
+
+
+def test_dmuon_settings_are_not_checked_when_another_optimizer_is_chosen():
+    cfg = parse(*EXT, "--optimizer.name", "AdamW", "--optimizer.adjust_lr", "whatever")
+    assert cfg.optimizer.adjust_lr == "whatever"
