@@ -297,3 +297,10 @@ def path_log() -> list[str]:
         hsdp_like.grad = distribute_tensor(torch.randn(8, 6), mesh, [Shard(1)], src_data_rank=None)
         optimizer.step()
     return records
+
+
+def small_benchmark(json_path: str) -> dict[str, Any]:
+    """dmuon.bench end to end on a tiny stack (structure, not speed)."""
+    from dmuon.bench import BenchConfig, run_benchmark
+
+    return run_benchmark(BenchConfig(dim=64, layers=2, steps=1, warmup=1, json=json_path))

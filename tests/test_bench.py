@@ -1,0 +1,56 @@
+"""dmuon.bench runs end to end and reports what the README promises (not speed:
+speed lives in the benchmark itself)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dmuon.bench import OPTIMIZERS, ffn_hidden, format_table, parse_args
+from tests import distributed_scenarios as scenarios
+from tests.multiprocess import run_on_ranks
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory) -> dict:
+    path = tmp_path_factory.mktemp("bench") / "bench.json"
+    run_on_ranks(scenarios.small_benchmark, 2, str(path))
+    return json.loads(path.read_text())
+
+
+def test_json_has_the_documented_shape(report):
+    assert report["world_size"] == 2
+    assert report["muon_elements"] == 2 * (4 * 64 * 64 + 3 * 64 * ffn_hidden(64))
+    assert set(report["results"]) == set(OPTIMIZERS)
+    for row in report["results"].values():
+        assert row["step_ms"] > 0
+        assert isinstance(row["bytes_sent_per_rank"], int)
+
+
+def test_dmuon_sends_exactly_the_owner_computed_minimum(report):
+    n, p = report["muon_elements"], report["world_size"]
+    assert report["results"]["dmuon"]["bytes_sent_per_rank"] == 4 * n * (p - 1) // p**2
+
+
+def test_vanilla_muon_sends_more_than_dmuon(report):
+    assert report["results"]["vanilla"]["bytes_sent_per_rank"] > report["results"]["dmuon"]["bytes_sent_per_rank"]
+
+
+def test_adamw_sends_nothing_in_its_step(report):
+    assert report["results"]["adamw"]["bytes_sent_per_rank"] == 0
+
+
+def test_table_shows_every_optimizer_and_the_efficiency(report):
+    table = format_table(report)
+    assert all(name in table for name in OPTIMIZERS)
+    assert "parallel efficiency" in table
+
+
+def test_llama_ffn_hidden_size_is_rounded_up():
+    assert ffn_hidden(512) == 1536
+
+
+def test_unknown_optimizer_name_is_rejected():
+    with pytest.raises(SystemExit):
+        parse_args(["--optimizers", "dmuon,sgd"])
