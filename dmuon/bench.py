@@ -60,6 +60,8 @@ class BenchConfig:
     optimizers: tuple[str, ...] = OPTIMIZERS
     json: str | None = None
     """Write the results here as JSON."""
+    plot: str | None = None
+    """Write a PNG bar chart of step time and bytes sent here (needs matplotlib)."""
 
 
 def ffn_hidden(dim: int, multiple_of: int = 256) -> int:
@@ -208,6 +210,9 @@ def run_benchmark(cfg: BenchConfig) -> dict:
             with open(cfg.json, "w") as f:
                 json.dump(report, f, indent=2)
             print(f"wrote {cfg.json}", flush=True)
+        if cfg.plot:
+            plot_report(report, cfg.plot)
+            print(f"wrote {cfg.plot}", flush=True)
     return report
 
 
@@ -257,6 +262,33 @@ def format_table(report: dict) -> str:
     return "\n".join(lines)
 
 
+def plot_report(report: dict, path: str) -> None:
+    """Two bar charts side by side: median step time and bytes sent per rank."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(report["results"])
+    step_ms = [report["results"][n]["step_ms"] for n in names]
+    mbytes = [report["results"][n]["bytes_sent_per_rank"] / 1e6 for n in names]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.8))
+    left.bar(names, step_ms, color="tab:blue")
+    left.set_ylabel("median step (ms, slowest rank)")
+    right.bar(names, mbytes, color="tab:orange")
+    right.axhline(report["min_bytes_per_rank"] / 1e6, color="black", linestyle="--", linewidth=1,
+                  label="owner-computed minimum 4N(P-1)/P²")
+    right.set_ylabel("MB sent per rank per step")
+    right.legend(fontsize=8, loc="upper left")
+    for axis in (left, right):
+        axis.tick_params(axis="x", rotation=20)
+    fig.suptitle(f"dmuon.bench: {report['world_size']} rank(s), {report['device']}, "
+                 f"N = {report['muon_elements'] / 1e6:.1f}M Muon elements", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def _device() -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
@@ -289,12 +321,13 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
     parser.add_argument("--threads", type=int, default=defaults.threads, help="torch threads per rank (default %(default)s)")
     parser.add_argument("--optimizers", default=",".join(OPTIMIZERS), help="comma-separated subset of %(default)s")
     parser.add_argument("--json", default=None, help="write the results to this JSON file")
+    parser.add_argument("--plot", default=None, help="write a PNG bar chart to this path (needs matplotlib)")
     args = parser.parse_args(argv)
     chosen = tuple(name for name in args.optimizers.split(",") if name)
     unknown = set(chosen) - set(OPTIMIZERS)
     if unknown:
         parser.error(f"unknown optimizer(s) {sorted(unknown)}; choose from {OPTIMIZERS}")
-    return BenchConfig(args.dim, args.layers, args.steps, args.warmup, args.threads, chosen, args.json)
+    return BenchConfig(args.dim, args.layers, args.steps, args.warmup, args.threads, chosen, args.json, args.plot)
 
 
 def main(argv: list[str] | None = None) -> None:
