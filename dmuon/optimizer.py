@@ -280,14 +280,7 @@ class DMuon(Optimizer):
         for mesh, params in by_mesh.items():
             ns_steps = max(self._group_of(p)["ns_steps"] for p in params)
             plan = make_owner_plan([tuple(p.shape) for p in params], mesh.size(), ns_steps, self.max_batch_numel)
-            rank = mesh.get_local_rank()
-            for param, layout in zip(params, plan.layouts):
-                if param.to_local().shape[0] != layout.rows[rank]:
-                    raise ValueError(
-                        f"DMuon: parameter {self.param_name(param)!r} holds {param.to_local().shape[0]} rows on "
-                        f"rank {rank}, but Shard(0) over {mesh.size()} ranks gives {layout.rows[rank]}; "
-                        "use comm='redistribute' for this sharding"
-                    )
+            self._check_rows_agree_with_plan(mesh, params, plan)
             plans.append(_MeshPlan(mesh, params, plan))
         self._mesh_plans = plans
         for path in (ALL_TO_ALL, REDISTRIBUTE, LOCAL):
@@ -295,6 +288,24 @@ class DMuon(Optimizer):
             if names:
                 logger.info("DMuon: %d Muon parameter(s) use the %s path: %s", len(names), path, ", ".join(names))
         return plans
+
+    def _check_rows_agree_with_plan(self, mesh: DeviceMesh, params: list[torch.Tensor], plan: OwnerPlan) -> None:
+        """Every rank's local rows must be the ``torch.chunk`` split the plan assumes.
+
+        DTensors built by FSDP2 or ``distribute_tensor`` always are; one built by
+        ``DTensor.from_local`` with custom uneven shards may not be. The check is one
+        ``all_reduce`` at planning time, so a mismatch on any rank stops every rank.
+        """
+        rank = mesh.get_local_rank()
+        wrong = [p for p, layout in zip(params, plan.layouts) if p.to_local().shape[0] != layout.rows[rank]]
+        count = torch.tensor([len(wrong)], dtype=torch.int32, device=params[0].to_local().device)
+        dist.all_reduce(count, group=mesh.get_group())
+        if count.item():
+            mine = f" here: {[self.param_name(p) for p in wrong]}" if wrong else ""
+            raise ValueError(
+                f"DMuon: {count.item()} Shard(0) parameter shard(s) on {mesh} do not follow torch.chunk's row "
+                f"split{mine}. Shard them with FSDP2 or distribute_tensor, or pass use_muon=False for them."
+            )
 
     def _group_of(self, param: torch.Tensor) -> dict[str, Any]:
         for group in self.param_groups:

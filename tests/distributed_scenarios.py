@@ -304,3 +304,14 @@ def small_benchmark(json_path: str) -> dict[str, Any]:
     from dmuon.bench import BenchConfig, run_benchmark
 
     return run_benchmark(BenchConfig(dim=64, layers=2, steps=1, warmup=1, json=json_path))
+
+
+def custom_uneven_shards() -> str | None:
+    """Shard(0) DTensors whose rows are not torch.chunk's split: every rank raises."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    mesh = init_device_mesh("cpu", (world,))
+    rows = 1 if rank == 0 else 5  # torch.chunk would give 3, 3 for 6 rows on 2 ranks
+    local = torch.randn(rows, 4)
+    param = nn.Parameter(DTensor.from_local(local, mesh, [Shard(0)], shape=torch.Size([6, 4]), stride=(4, 1)))
+    param.grad = DTensor.from_local(torch.randn(rows, 4), mesh, [Shard(0)], shape=torch.Size([6, 4]), stride=(4, 1))
+    return _error(DMuon([{"params": [("odd", param)], "use_muon": True}]).step)

@@ -61,3 +61,9 @@ def test_state_tensors_are_dtensors_with_the_parameter_placement(ranks):
     placements = ranks[0]["lr0_state_placements"]
     assert placements["empty_shard"] == ["(Shard(dim=0),)"]
     assert placements["tok_embeddings.weight"] == ["(Shard(dim=0),)", "(Shard(dim=0),)"]
+
+
+def test_shards_that_are_not_torch_chunk_splits_make_every_rank_raise():
+    errors = run_on_ranks(scenarios.custom_uneven_shards, 2, timeout=120)
+    assert all(e and "do not follow torch.chunk's row split" in e for e in errors), errors
+    assert "'odd'" in errors[0]
