@@ -96,13 +96,16 @@ def main() -> None:
     sources = [(f"pydoc:{k}", topics[k]) for k in sorted(topics)]
     sources += [(f"docstrings:{m}", _module_docstrings(m)) for m in STDLIB_MODULES]
 
-    records = []
+    records, seen = [], set()
     for source, text in sources:
         for piece in _chunks(text, args.chunk_chars):
+            if piece in seen:  # some reference sections are repeated verbatim
+                continue       # across topics; keep one copy so no text is in both splits
+            seen.add(piece)
             records.append({"id": len(records), "source": source, "text": piece})
 
-    # mtime=0 keeps the gzip bytes identical between regenerations.
-    with open(args.out, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as f:
+    # No file name and mtime=0 in the gzip header: regenerating gives identical bytes.
+    with open(args.out, "wb") as raw, gzip.GzipFile(filename="", fileobj=raw, mode="wb", mtime=0) as f:
         for r in records:
             f.write((json.dumps(r, ensure_ascii=False) + "\n").encode())
     n_chars = sum(len(r["text"]) for r in records)

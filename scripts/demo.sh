@@ -31,7 +31,7 @@ while [[ $# -gt 0 ]]; do
 done
 
 cd "$(dirname "$0")/.."   # repository root: the TOMLs use paths relative to it
-PYTHON="${PYTHON:-python}"
+PYTHON="${PYTHON:-python3}"   # the interpreter scripts/setup.sh installs into
 
 # 1. Packages: torch, torchtitan, dmuon and this repo's extension.
 if [[ $force_setup == 1 ]] || ! "$PYTHON" -c "import torch, torchtitan, dmuon, torchtitan_ext" >/dev/null 2>&1; then
@@ -57,8 +57,8 @@ show_every_10th_step() {
     }'
 }
 
-# train NAME TOML [extra TorchTitan args...]: full rank-0 log to outputs/demo/NAME.log;
-# the console shows it too, minus the per-step lines between every 10th step.
+# train NAME TOML [extra TorchTitan args...]: rank 0's output to outputs/demo/NAME.log and
+# to the console (minus the step lines between every 10th step).
 train() {
     local name="$1" toml="$2"
     shift 2
@@ -66,11 +66,14 @@ train() {
     [[ -n "$steps" ]] && extra+=(--training.steps "$steps")
     echo "== training with $name ($toml)"
     local status=0
-    torchrun --standalone --nproc-per-node 2 --local-ranks-filter 0 \
+    rm -rf "outputs/demo/${name}_ranks"
+    # Console: rank 0 only. Every rank's full output also goes to outputs/demo/NAME_ranks/.
+    "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node 2 --local-ranks-filter 0 \
+        --log-dir "outputs/demo/${name}_ranks" --redirects 3 --tee 3 \
         -m torchtitan.train --job.config_file "$toml" "${extra[@]}" 2>&1 \
         | tee "outputs/demo/$name.log" | show_every_10th_step || status=$?
     if [[ $status != 0 ]]; then
-        echo "$name run failed (exit $status); see outputs/demo/$name.log" >&2
+        echo "$name run failed (exit $status); see outputs/demo/$name.log and outputs/demo/${name}_ranks/" >&2
         exit 1
     fi
 }

@@ -92,3 +92,11 @@ def test_unknown_ns_coefficient_set_is_rejected_naming_the_toml_key():
 def test_dmuon_settings_are_not_checked_when_another_optimizer_is_chosen():
     cfg = parse(*EXT, "--optimizer.name", "AdamW", "--optimizer.adjust_lr", "whatever")
     assert cfg.optimizer.adjust_lr == "whatever"
+
+
+@pytest.mark.parametrize("name", ["llama3_debug_dmuon.toml", "llama3_8b_dmuon.toml"])
+def test_shipped_configs_spell_out_the_default_adamw_regex(name):
+    from torchtitan_ext.config import DEFAULT_ADAMW_PARAM_REGEX
+
+    cfg = parse("--job.config_file", str(CONFIGS / name)).optimizer
+    assert cfg.adamw_param_regex == DEFAULT_ADAMW_PARAM_REGEX

@@ -24,11 +24,12 @@ right after parsing, i.e. before any process group or model exists.
 import functools
 import re
 from dataclasses import dataclass, field
-
-DMUON_NAME = "DMuon"
+from typing import Any
 
 from dmuon import ADJUST_LR_CHOICES as _DMUON_ADJUST_LR_CHOICES
 from dmuon import DEFAULT_ADAMW_NAME_PATTERN, NS_COEFFICIENT_SETS
+
+DMUON_NAME = "DMuon"
 
 # TOML has no null, so "none" stands for DMuon's adjust_lr=None (no scaling).
 ADJUST_LR_CHOICES = tuple("none" if c is None else c for c in _DMUON_ADJUST_LR_CHOICES)
@@ -97,7 +98,7 @@ class JobConfig:
     optimizer: Optimizer = field(default_factory=Optimizer)
 
 
-def validate_optimizer_config(optimizer_config) -> None:
+def validate_optimizer_config(optimizer_config: Any) -> None:
     """Raise ``ValueError`` naming the TOML key if a DMuon setting cannot work.
 
     Only checks anything when ``[optimizer] name = "DMuon"``.

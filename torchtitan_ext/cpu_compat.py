@@ -27,6 +27,7 @@ What it patches and why:
    ReduceOp.PREMUL_SUM with Gloo``). ``wrap_parallelize_fn`` calls
    ``FSDPModule.set_force_sum_reduction_for_comms(True)`` after parallelisation,
    which reduces with a plain SUM -- mathematically the same with factor 1.0.
+   ``train_specs.with_dmuon`` applies this wrapper to every spec it registers.
 
 No TOML option fixes any of these, hence a code layer. ``apply()`` runs when
 ``torchtitan_ext`` is imported, i.e. while TorchTitan parses the config and before

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch.nn as nn
+from dmuon import DMuon
 
 from torchtitan.components.optimizer import OptimizersContainer
 from torchtitan.tools.logging import logger
@@ -119,8 +120,6 @@ class DMuonOptimizersContainer(OptimizersContainer):
         optimizer_kwargs: dict[str, Any],
         adamw_param_regex: str,
     ) -> None:
-        from dmuon import DMuon  # imported here so the config layer works without it
-
         self.model_parts = model_parts
         self.optimizers = []
         routed_parts = [route_parameters(m, adamw_param_regex) for m in model_parts]

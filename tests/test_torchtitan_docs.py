@@ -1,0 +1,33 @@
+"""The FSDP2 example in docs/torchtitan.md runs as written, on 2 CPU ranks."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+DOC = REPO / "docs" / "torchtitan.md"
+
+
+def test_the_fsdp2_example_in_the_docs_trains_on_two_cpu_ranks(tmp_path):
+    (example,) = re.findall(r"```python\n(.*?)```", DOC.read_text(), re.S)
+    script = tmp_path / "fsdp2_dmuon.py"
+    script.write_text(example)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           "--local-ranks-filter=0", str(script)]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=180)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # the whole torchrun process group
+        out, _ = proc.communicate()
+        raise AssertionError(f"example timed out:\n{out[-4000:]}")
+    assert proc.returncode == 0, out[-4000:]
+    losses = [float(x) for x in re.findall(r"step \d+: loss ([0-9.]+)", out)]
+    assert len(losses) == 3 and losses[-1] < losses[0] / 2, out[-2000:]
