@@ -279,7 +279,7 @@ def plot_report(report: dict, path: str) -> None:
     right.axhline(report["min_bytes_per_rank"] / 1e6, color="black", linestyle="--", linewidth=1,
                   label="owner-computed minimum 4N(P-1)/P²")
     right.set_ylabel("MB sent per rank per step")
-    right.legend(fontsize=8, loc="upper left")
+    right.legend(fontsize=8, loc="center left")
     for axis in (left, right):
         axis.tick_params(axis="x", rotation=20)
     fig.suptitle(f"dmuon.bench: {report['world_size']} rank(s), {report['device']}, "
