@@ -315,3 +315,22 @@ def custom_uneven_shards() -> str | None:
     param = nn.Parameter(DTensor.from_local(local, mesh, [Shard(0)], shape=torch.Size([6, 4]), stride=(4, 1)))
     param.grad = DTensor.from_local(torch.randn(rows, 4), mesh, [Shard(0)], shape=torch.Size([6, 4]), stride=(4, 1))
     return _error(DMuon([{"params": [("odd", param)], "use_muon": True}]).step)
+
+
+def collective_sequences() -> list[str]:
+    """The backend collectives one rank runs over three awkward steps: uneven and empty
+    shards, a grad None on every rank, and a NaN in one rank's shard."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    params, mesh = _sharded_model(world)
+    optimizer = DMuon(_groups(params))
+    names: list[str] = []
+    for step in range(3):
+        _set_grads(params, mesh, 20 + step)
+        if step == 1:
+            params["wide"].grad = None
+        if step == 2 and rank == 0:
+            params["tall"].grad.to_local()[0, 0] = float("nan")
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            optimizer.step()
+        names += [e.name for e in sorted(prof.events(), key=lambda e: e.time_range.start) if e.name.startswith("gloo:")]
+    return names

@@ -67,3 +67,9 @@ def test_shards_that_are_not_torch_chunk_splits_make_every_rank_raise():
     errors = run_on_ranks(scenarios.custom_uneven_shards, 2, timeout=120)
     assert all(e and "do not follow torch.chunk's row split" in e for e in errors), errors
     assert "'odd'" in errors[0]
+
+
+def test_every_rank_runs_the_same_collectives_whatever_its_grads():
+    sequences = run_on_ranks(scenarios.collective_sequences, 4, timeout=120)
+    assert "gloo:all_to_all" in sequences[0], sequences[0]
+    assert all(seq == sequences[0] for seq in sequences), sequences
