@@ -162,7 +162,7 @@ def run_benchmark(cfg: BenchConfig) -> dict:
     device = _device()
     mesh = init_device_mesh(device.type, (world,))
     results: dict[str, dict[str, float]] = {}
-    muon_elements = sum(p.numel() for p in build_model(cfg, mesh, device).parameters())
+    muon_elements = cfg.layers * sum(p.numel() for p in Block(cfg.dim).parameters())
     _log(f"dmuon.bench: {world} rank(s) on {device.type}, {cfg.threads} thread(s) each; "
          f"{cfg.layers} blocks of width {cfg.dim}: {7 * cfg.layers} matrices, {muon_elements / 1e6:.1f}M elements")
 
@@ -181,7 +181,7 @@ def run_benchmark(cfg: BenchConfig) -> dict:
             optimizer.step()
 
         step_ms = time_steps(step, cfg, device, name)
-        if isinstance(optimizer, DMuon) and name == "dmuon":
+        if name == "dmuon":  # its own exact counters
             before = optimizer.comm_stats.bytes_sent
             step()
             sent = optimizer.comm_stats.bytes_sent - before

@@ -113,6 +113,7 @@ class Exchange:
         group_rank: int,
         stats: CommStats,
     ) -> None:
+        self.send_splits, self.recv_splits = send_splits, recv_splits
         self.recv = torch.empty(sum(recv_splits), dtype=WIRE_DTYPE, device=send.device)
         # Keep the send buffer alive until the collective is done.
         self._send = send

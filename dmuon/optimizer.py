@@ -166,6 +166,8 @@ class DMuon(Optimizer):
         self._groups_added = 0  # groups as the user wrote them, before any split
         self._mesh_plans: list[_MeshPlan] | None = None
         self._paths: dict[torch.Tensor, str] = {}
+        # Muon parameters whose path runs collectives, by mesh: what ranks must agree on.
+        self._distributed_by_mesh: dict[DeviceMesh, list[torch.Tensor]] = {}
         defaults = dict(muon_defaults, adamw_lr=adamw_lr, adamw_betas=adamw_betas, adamw_eps=adamw_eps,
                         adamw_weight_decay=adamw_weight_decay, comm=comm)
         super().__init__(params, defaults)
@@ -188,8 +190,11 @@ class DMuon(Optimizer):
         named = [self._name_param(item, user_group, i) for i, item in enumerate(raw)]
         if not named:
             raise ValueError(f"DMuon: param group {user_group} is empty")
+        in_other_groups = {id(p) for group in self.param_groups for p in group["params"]}
         seen: set[int] = set()
         for name, param in named:
+            if id(param) in in_other_groups:
+                raise ValueError(f"DMuon: parameter {name!r} appears in more than one param group")
             if id(param) in seen:
                 raise ValueError(f"DMuon: parameter {name!r} appears twice in param group {user_group}")
             seen.add(id(param))
@@ -222,9 +227,6 @@ class DMuon(Optimizer):
             raise TypeError(f"DMuon: parameter {name!r} is a {type(param).__name__}, expected a torch.Tensor")
         if not param.is_leaf:
             raise ValueError(f"DMuon: parameter {name!r} is not a leaf tensor; pass model parameters")
-        for group in self.param_groups:
-            if any(param is p for p in group["params"]):
-                raise ValueError(f"DMuon: parameter {name!r} appears in more than one param group")
         return name, param
 
     def _append_group(
@@ -264,7 +266,9 @@ class DMuon(Optimizer):
         if self._mesh_plans is not None:
             return self._mesh_plans
         self._paths = {}
+        self._distributed_by_mesh = {}
         by_mesh: dict[DeviceMesh, list[torch.Tensor]] = {}
+        ns_steps: dict[DeviceMesh, int] = {}  # costs use the largest ns_steps on the mesh
         for group in self.param_groups:
             if not group["use_muon"]:
                 continue
@@ -274,12 +278,14 @@ class DMuon(Optimizer):
                 except ValueError as error:
                     raise ValueError(f"DMuon: parameter {self.param_name(param)!r}: {error}") from None
                 self._paths[param] = path
+                if path != LOCAL:
+                    self._distributed_by_mesh.setdefault(param.device_mesh, []).append(param)
                 if path == ALL_TO_ALL:
                     by_mesh.setdefault(param.device_mesh, []).append(param)
+                    ns_steps[param.device_mesh] = max(ns_steps.get(param.device_mesh, 0), group["ns_steps"])
         plans = []
         for mesh, params in by_mesh.items():
-            ns_steps = max(self._group_of(p)["ns_steps"] for p in params)
-            plan = make_owner_plan([tuple(p.shape) for p in params], mesh.size(), ns_steps, self.max_batch_numel)
+            plan = make_owner_plan([tuple(p.shape) for p in params], mesh.size(), ns_steps[mesh], self.max_batch_numel)
             self._check_rows_agree_with_plan(mesh, params, plan)
             plans.append(_MeshPlan(mesh, params, plan))
         self._mesh_plans = plans
@@ -306,12 +312,6 @@ class DMuon(Optimizer):
                 f"DMuon: {count.item()} Shard(0) parameter shard(s) on {mesh} do not follow torch.chunk's row "
                 f"split{mine}. Shard them with FSDP2 or distribute_tensor, or pass use_muon=False for them."
             )
-
-    def _group_of(self, param: torch.Tensor) -> dict[str, Any]:
-        for group in self.param_groups:
-            if any(param is p for p in group["params"]):
-                return group
-        raise KeyError(self.param_name(param))
 
     # ------------------------------------------------------------------ step
 
@@ -367,12 +367,8 @@ class DMuon(Optimizer):
         invalid grad. Every rank sees the same sums, so every rank raises the same
         error or none does: no rank is left waiting in a collective.
         """
-        by_mesh: dict[DeviceMesh, list[torch.Tensor]] = {}
-        for param, path in self._paths.items():
-            if path != LOCAL:
-                by_mesh.setdefault(param.device_mesh, []).append(param)
         local_problem = next(iter(problems.items()), None)
-        for mesh, params in by_mesh.items():
+        for mesh, params in self._distributed_by_mesh.items():
             counts = torch.tensor(
                 [int(p.grad is not None) for p in params] + [int(local_problem is not None)],
                 dtype=torch.int32,
@@ -421,19 +417,20 @@ class DMuon(Optimizer):
 
         def start_gather(batch: list[int]) -> Exchange:
             send = pack_gather(plan, batch, rank, {i: work[params[i]].update for i in batch})
-            splits_send, splits_recv = plan.gather_splits(batch, rank)
-            return Exchange(send, splits_send, splits_recv, group, rank, self.comm_stats)
+            return Exchange(send, *plan.gather_splits(batch, rank), group, rank, self.comm_stats)
 
         scatters: list[tuple[list[int], Exchange]] = []
         pending = start_gather(batches[0])
         for k, batch in enumerate(batches):
-            full = unpack_gather(plan, batch, rank, pending.wait())
+            gather = pending
+            full = unpack_gather(plan, batch, rank, gather.wait())
             if k + 1 < len(batches):
                 pending = start_gather(batches[k + 1])
             results = {i: _orthogonalize_param(m, work[params[i]].group) for i, m in full.items()}
-            splits_send, splits_recv = plan.gather_splits(batch, rank)
             send = pack_scatter(plan, batch, rank, results)
-            scatters.append((batch, Exchange(send, splits_recv, splits_send, group, rank, self.comm_stats)))
+            # The scatter is the gather reversed: it sends what the gather received.
+            scatter = Exchange(send, gather.recv_splits, gather.send_splits, group, rank, self.comm_stats)
+            scatters.append((batch, scatter))
         for batch, exchange in scatters:
             local = unpack_scatter(plan, batch, rank, exchange.wait())
             for i in batch:

@@ -67,7 +67,7 @@ def single_process_params() -> dict[str, torch.Tensor]:
     return {n: p.detach() for n, p in params.items()}
 
 
-def exactness(placements_by_layout: dict[str, str] | None = None) -> dict[str, Any]:
+def exactness() -> dict[str, Any]:
     """Fast and reference paths on Shard(0) (and 2-D meshes at 4 ranks) vs the oracle.
 
     Returns ``{(layout, comm): {case: bitwise_equal}}`` plus paths and byte counts.
