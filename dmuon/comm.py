@@ -1,19 +1,21 @@
-"""Execute an :class:`~dmuon.plan.OwnerPlan` with collectives.
+"""Move the blocks of an :class:`~dmuon.plan.OwnerPlan` with collectives.
 
 One batch is two ``all_to_all_single`` calls on flat bf16 buffers:
 
-- *gather*: every rank sends its rows of each matrix to the matrix's owner, and the
-  owner concatenates the pieces in rank order into the full matrix (the same bf16
-  values a single process would hold);
-- *scatter*: each owner sends every rank its rows of the orthogonalized matrix.
+- *gather*: every rank sends its block of each travelling unit to the unit's owner,
+  and the owner concatenates the blocks in rank order into the whole matrix (the same
+  bf16 values a single process would hold);
+- *scatter*: each owner sends every holder its block of the orthogonalized matrix.
 
 Packing and unpacking are plain tensor code, separate from the collective, so they
-can be tested by routing buffers between simulated ranks in one process.
+can be tested by routing buffers between simulated ranks in one process (also on the
+``meta`` device). Every buffer is created on the device the caller names, which is
+the mesh's device: NCCL rejects a CPU tensor where gloo would quietly accept it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -32,77 +34,125 @@ class CommStats:
     """Bytes sent to other ranks (the share a rank keeps for itself does not count)."""
     collectives: int = 0
     """Number of ``all_to_all_single`` calls."""
+    ns_flops: int = 0
+    """Newton-Schulz flops run on this rank (every path), as ``newton_schulz_flops`` counts them."""
+
+
+class ScratchMeter:
+    """Live and peak bytes of the scratch tensors the step's schedule holds.
+
+    The step calls ``track(t)`` when it makes a scratch tensor and ``free(t)`` where the
+    schedule lets go of it, so ``peak_bytes`` is exactly what the plan's
+    ``peak_scratch_bytes`` predicts. (Counting Python object lifetimes instead would be
+    racy: gloo's and NCCL's workers release a finished collective's tensors a moment
+    after ``wait()`` returns.)
+    """
+
+    def __init__(self) -> None:
+        self.live_bytes = 0
+        self.peak_bytes = 0
+        self._sizes: dict[int, int] = {}
+
+    def track(self, tensor: torch.Tensor) -> torch.Tensor:
+        nbytes = tensor.numel() * tensor.element_size()
+        self._sizes[id(tensor)] = nbytes
+        self.live_bytes += nbytes
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+        return tensor
+
+    def free(self, tensor: torch.Tensor) -> None:
+        self.live_bytes -= self._sizes.pop(id(tensor))
+
+    def reset_peak(self) -> None:
+        self.peak_bytes = self.live_bytes
+
+
+def gather_send_order(plan: OwnerPlan, batch: Sequence[int], rank: int) -> list[int]:
+    """Units whose block ``rank`` sends, in send-buffer order: by owner, then batch order."""
+    mine = [i for i in plan.travelling(batch) if plan.units[i].extents[rank]]
+    return sorted(mine, key=lambda i: plan.units[i].owner)  # stable: batch order within an owner
 
 
 def pack_gather(
-    plan: OwnerPlan, matrices: Sequence[int], rank: int, local_rows: Mapping[int, torch.Tensor]
+    plan: OwnerPlan,
+    batch: Sequence[int],
+    rank: int,
+    block_of: Callable[[int], torch.Tensor],
+    device: torch.device,
+    meter: ScratchMeter | None = None,
 ) -> torch.Tensor:
-    """Flat send buffer for the gather: by owner rank, then in ``matrices`` order."""
-    pieces: list[torch.Tensor] = []
-    for owner in range(plan.world_size):
-        pieces.extend(local_rows[i].reshape(-1) for i in matrices if plan.owners[i] == owner)
-    return _concat(pieces, local_rows)
+    """The gather's send buffer. ``block_of(unit)`` makes this rank's bf16 block of a
+    unit; blocks are made one at a time and copied in, so only one lives at once."""
+    send = _track(meter, torch.empty(sum(plan.gather_splits(batch, rank)[0]), dtype=WIRE_DTYPE, device=device))
+    offset = 0
+    for i in gather_send_order(plan, batch, rank):
+        block = block_of(i)
+        numel = block.numel()
+        send[offset : offset + numel].copy_(block.reshape(-1))
+        offset += numel
+        _free(meter, block)
+    return send
 
 
 def unpack_gather(
-    plan: OwnerPlan, matrices: Sequence[int], rank: int, recv: torch.Tensor
+    plan: OwnerPlan, batch: Sequence[int], rank: int, recv: torch.Tensor, meter: ScratchMeter | None = None
 ) -> dict[int, torch.Tensor]:
-    """Full matrices this rank owns, rebuilt from the gather's receive buffer."""
-    owned = [i for i in matrices if plan.owners[i] == rank]
-    pieces: dict[int, list[torch.Tensor]] = {i: [] for i in owned}
+    """Whole matrices of the travelling units ``rank`` owns, from the gather's receive
+    buffer (by source rank, then batch order), each a new tensor."""
+    owned = [i for i in plan.travelling(batch) if plan.units[i].owner == rank]
+    blocks: dict[int, list[torch.Tensor]] = {i: [] for i in owned}
     offset = 0
     for source in range(plan.world_size):
         for i in owned:
-            layout = plan.layouts[i]
-            numel = layout.rows[source] * layout.row_numel
-            pieces[i].append(recv[offset : offset + numel])
+            unit = plan.units[i]
+            numel = unit.block_numel(source)
+            blocks[i].append(recv[offset : offset + numel].view(unit.block_shape(source)))
             offset += numel
-    return {i: torch.cat(pieces[i]).view(plan.layouts[i].shape) for i in owned}
+    return {i: _track(meter, torch.cat(blocks[i], dim=plan.units[i].cat_dim)) for i in owned}
 
 
 def pack_scatter(
-    plan: OwnerPlan, matrices: Sequence[int], rank: int, results: Mapping[int, torch.Tensor]
+    plan: OwnerPlan,
+    batch: Sequence[int],
+    rank: int,
+    results: Mapping[int, torch.Tensor],
+    device: torch.device,
+    meter: ScratchMeter | None = None,
 ) -> torch.Tensor:
-    """Flat send buffer for the scatter: by destination rank, then in ``matrices`` order,
-    that rank's rows of each matrix this rank owns."""
-    owned = [i for i in matrices if plan.owners[i] == rank]
-    # Row-major 2-D views, made contiguous once (a tall matrix comes back transposed).
-    by_rows = {i: results[i].contiguous().view(-1, plan.layouts[i].row_numel) for i in owned}
-    pieces: list[torch.Tensor] = []
+    """The scatter's send buffer: by destination rank, then batch order, that rank's
+    block of each result this rank owns."""
+    owned = [i for i in plan.travelling(batch) if plan.units[i].owner == rank]
+    send = _track(meter, torch.empty(sum(plan.gather_splits(batch, rank)[1]), dtype=WIRE_DTYPE, device=device))
+    offset = 0
     for dest in range(plan.world_size):
         for i in owned:
-            rows = plan.layouts[i].rows
-            start = sum(rows[:dest])
-            pieces.append(by_rows[i][start : start + rows[dest]].reshape(-1))
-    return _concat(pieces, results)
+            unit = plan.units[i]
+            numel = unit.block_numel(dest)
+            if numel:
+                block = results[i].narrow(unit.cat_dim, plan.block_offset(unit, dest), unit.extents[dest])
+                send[offset : offset + numel].view(block.shape).copy_(block)
+                offset += numel
+    return send
 
 
-def unpack_scatter(
-    plan: OwnerPlan, matrices: Sequence[int], rank: int, recv: torch.Tensor
-) -> dict[int, torch.Tensor]:
-    """This rank's rows of every matrix in ``matrices``, from the scatter's receive buffer."""
+def unpack_scatter(plan: OwnerPlan, batch: Sequence[int], rank: int, recv: torch.Tensor) -> dict[int, torch.Tensor]:
+    """``rank``'s block (a view of ``recv``) of every travelling unit it holds."""
     local: dict[int, torch.Tensor] = {}
     offset = 0
-    for owner in range(plan.world_size):
-        for i in matrices:
-            if plan.owners[i] != owner:
-                continue
-            layout = plan.layouts[i]
-            numel = layout.rows[rank] * layout.row_numel
-            local[i] = recv[offset : offset + numel].view((layout.rows[rank],) + layout.shape[1:])
-            offset += numel
+    for i in gather_send_order(plan, batch, rank):  # the gather's send order, reversed route
+        unit = plan.units[i]
+        numel = unit.block_numel(rank)
+        local[i] = recv[offset : offset + numel].view(unit.block_shape(rank))
+        offset += numel
     return local
 
 
-def _concat(pieces: list[torch.Tensor], like: Mapping[int, torch.Tensor]) -> torch.Tensor:
-    if pieces:
-        return torch.cat(pieces)
-    device = next(iter(like.values())).device if like else torch.device("cpu")
-    return torch.empty(0, dtype=WIRE_DTYPE, device=device)
-
-
 class Exchange:
-    """An ``all_to_all_single`` in flight: ``wait()`` returns the receive buffer."""
+    """An ``all_to_all_single`` in flight: ``wait()`` hands over the receive buffer.
+
+    Both buffers must be on the mesh's device type; the check runs before the
+    collective, so a wrong device fails here, with a message, on every backend.
+    """
 
     def __init__(
         self,
@@ -112,20 +162,41 @@ class Exchange:
         group: dist.ProcessGroup,
         group_rank: int,
         stats: CommStats,
+        device: torch.device,
+        meter: ScratchMeter | None = None,
     ) -> None:
         self.send_splits, self.recv_splits = send_splits, recv_splits
-        self.recv = torch.empty(sum(recv_splits), dtype=WIRE_DTYPE, device=send.device)
-        # Keep the send buffer alive until the collective is done.
-        self._send = send
-        self._work = dist.all_to_all_single(
-            self.recv, send, recv_splits, send_splits, group=group, async_op=True
-        )
+        recv = _track(meter, torch.empty(sum(recv_splits), dtype=WIRE_DTYPE, device=device))
+        for name, buffer in (("send", send), ("receive", recv)):
+            if buffer.device.type != device.type:
+                raise RuntimeError(
+                    f"DMuon: the all_to_all {name} buffer is on {buffer.device}, but the mesh's device is "
+                    f"{device.type}: every buffer must live on the mesh's device"
+                )
+        self._send: torch.Tensor | None = send  # kept alive until the collective is done
+        self._recv: torch.Tensor | None = recv
+        self._meter = meter
+        self._work = dist.all_to_all_single(recv, send, recv_splits, send_splits, group=group, async_op=True)
         stats.collectives += 1
         stats.bytes_sent += (sum(send_splits) - send_splits[group_rank]) * send.element_size()
 
     def wait(self) -> torch.Tensor:
+        """Wait, free the send buffer, and return the receive buffer (only once)."""
         if self._work is not None:
             self._work.wait()
             self._work = None
-            self._send = None
-        return self.recv
+        _free(self._meter, self._send)
+        self._send = None
+        recv, self._recv = self._recv, None
+        if recv is None:
+            raise RuntimeError("Exchange.wait() was called twice")
+        return recv
+
+
+def _track(meter: ScratchMeter | None, tensor: torch.Tensor) -> torch.Tensor:
+    return tensor if meter is None else meter.track(tensor)
+
+
+def _free(meter: ScratchMeter | None, tensor: torch.Tensor | None) -> None:
+    if meter is not None and tensor is not None:
+        meter.free(tensor)

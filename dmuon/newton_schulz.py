@@ -38,8 +38,8 @@ NS_DTYPE = torch.bfloat16
 def matrix_shape(shape: Sequence[int]) -> tuple[int, ...]:
     """The shape Newton-Schulz sees for a parameter of ``shape``.
 
-    2-D: the matrix itself. 3-D ``[E, A, B]``: a batch of E matrices (MoE experts),
-    orthogonalized one by one in a single batched call. 4-D and more (convolution
+    2-D: the matrix itself. 3-D ``[E, A, B]``: a stack of E independent matrices (MoE
+    experts), orthogonalized one by one. 4-D and more (convolution
     filters): flattened to ``[out, in * kernel...]``, as in Keller Jordan's Muon.
     """
     if len(shape) < 2:
@@ -57,37 +57,37 @@ def orthogonalize(
 ) -> torch.Tensor:
     """Approximate the polar factor ``U V^T`` of ``update`` with quintic Newton-Schulz.
 
-    ``update`` is 2-D ``[A, B]`` or batched 3-D ``[E, A, B]`` (see :func:`matrix_shape`).
+    ``update`` is 2-D ``[A, B]`` or a 3-D stack ``[E, A, B]`` (see :func:`matrix_shape`).
     Returns a new bf16 tensor of the same shape; ``update`` is never modified (this
     avoids torch.optim.Muon's aliasing defect, where ``x.bfloat16()`` of a bf16 buffer
     is the buffer itself and the in-place normalization corrupts momentum).
 
+    A 3-D stack is E independent matrices, each orthogonalized on its own by the 2-D
+    routine. That makes expert ``e`` of the result a function of expert ``e`` alone,
+    bit for bit, so the distributed step may orthogonalize experts on different ranks
+    (a batched matmul gives no such guarantee across batch sizes).
+
     The 2-D case performs exactly torch.optim.Muon's operations, so a plain tensor
     gets torch's bits.
     """
-    if update.ndim not in (2, 3):
+    if update.ndim == 3:
+        return torch.stack([orthogonalize(matrix, coefficients, steps, eps) for matrix in update])
+    if update.ndim != 2:
         raise ValueError(f"orthogonalize expects a 2-D or 3-D tensor, got shape {tuple(update.shape)}")
     a, b, c = coefficients
     x = update.to(NS_DTYPE, copy=True)
     # Work on the wide orientation (rows <= cols): the Gram matrix X X^T is then the
     # small one, which makes each step cheaper.
-    tall = x.size(-2) > x.size(-1)
+    tall = x.size(0) > x.size(1)
     if tall:
-        x = x.mT
+        x = x.T
     # Frobenius norm bounds the spectral norm, so after this every singular value is <= 1.
-    if x.ndim == 2:
-        x.div_(x.norm().clamp(min=eps))
-        for _ in range(steps):
-            gram = x @ x.T
-            poly = torch.addmm(gram, gram, gram, beta=b, alpha=c)
-            x = torch.addmm(x, poly, x, beta=a)
-    else:
-        x.div_(torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True).clamp(min=eps))
-        for _ in range(steps):
-            gram = x @ x.mT
-            poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
-            x = torch.baddbmm(x, poly, x, beta=a)
-    return x.mT if tall else x
+    x.div_(x.norm().clamp(min=eps))
+    for _ in range(steps):
+        gram = x @ x.T
+        poly = torch.addmm(gram, gram, gram, beta=b, alpha=c)
+        x = torch.addmm(x, poly, x, beta=a)
+    return x.T if tall else x
 
 
 def newton_schulz_flops(shape: Sequence[int], steps: int = DEFAULT_NS_STEPS) -> int:

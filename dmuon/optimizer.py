@@ -4,11 +4,12 @@ One ``step()``:
 
 1. every rank agrees, with one small ``all_reduce`` per mesh, on which distributed
    Muon parameters have a grad (and whether any rank found an invalid grad);
-2. momentum and Nesterov run on the local shards;
-3. each matrix is orthogonalized once, on its owner rank (``all_to_all`` fast path),
-   on every rank (``redistribute`` reference path), or locally (plain tensors);
-4. weight decay and the scaled update land on the local shards;
-5. AdamW groups take a ``torch.optim.AdamW`` step.
+2. each matrix is orthogonalized once: on its owner rank, batch by batch
+   (``all_to_all`` fast path, ``dmuon.owner_step``), on every rank (``redistribute``
+   reference path), or where it lives (``local``: plain tensors, replicas); momentum
+   runs on the local shards just before, and weight decay and the scaled update land
+   on them just after, so scratch memory is bounded per batch (or per parameter);
+3. AdamW groups take a ``torch.optim.AdamW`` step.
 
 The collectives a rank runs depend only on the parameters and on the agreed grad
 set, never on local values, so ranks cannot fall out of step.
@@ -27,8 +28,16 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 from torch.optim.optimizer import Optimizer, _get_scalar_dtype
 
-from dmuon.comm import CommStats, Exchange, pack_gather, pack_scatter, unpack_gather, unpack_scatter
-from dmuon.newton_schulz import DEFAULT_NS_EPS, DEFAULT_NS_STEPS, KELLER_COEFFICIENTS, matrix_shape, orthogonalize
+from dmuon.comm import CommStats, ScratchMeter
+from dmuon.newton_schulz import (
+    DEFAULT_NS_EPS,
+    DEFAULT_NS_STEPS,
+    KELLER_COEFFICIENTS,
+    matrix_shape,
+    newton_schulz_flops,
+    orthogonalize,
+)
+from dmuon.owner_step import run_owner_plan
 from dmuon.param_groups import (
     ADAMW_KEYS,
     MUON_KEYS,
@@ -44,8 +53,10 @@ from dmuon.plan import (
     LOCAL,
     REDISTRIBUTE,
     OwnerPlan,
+    ParamSpec,
     comm_path,
     make_owner_plan,
+    shard_sizes,
 )
 from dmuon.update_rules import DEFAULT_MATCHED_ADAMW_RMS, adamw_step_, apply_muon_update_, muon_momentum_, shape_scale
 
@@ -61,16 +72,8 @@ class _MeshPlan:
     mesh: DeviceMesh
     params: list[torch.Tensor]
     plan: OwnerPlan
-
-
-@dataclass
-class _MuonWork:
-    """One Muon parameter during a step."""
-
-    param: torch.Tensor
-    group: dict[str, Any]
-    update: torch.Tensor
-    """Local bf16 rows of the tensor to orthogonalize (the whole tensor if local)."""
+    device: torch.device
+    """Where this rank's buffers for the mesh live."""
 
 
 class DMuon(Optimizer):
@@ -100,7 +103,9 @@ class DMuon(Optimizer):
         comm: ``"all_to_all"`` (owner-computed fast path where the placement allows it)
             or ``"redistribute"`` (reference path: every rank gathers and
             orthogonalizes every distributed matrix).
-        max_batch_numel: matrix elements per communication batch (bounds buffers).
+        max_batch_numel: elements of travelling matrices a rank owns in one batch of
+            the fast path, unless one matrix is larger; bounds the scratch memory
+            (``OwnerPlan.peak_scratch_bytes``).
 
     Non-finite gradients are not filtered: like ``torch.optim.Muon``, a NaN or inf in a
     matrix's gradient makes that whole matrix (every shard of it) non-finite after the
@@ -164,10 +169,10 @@ class DMuon(Optimizer):
         """Bytes and collectives of the fast path since construction."""
         self._names: dict[torch.Tensor, str] = {}
         self._groups_added = 0  # groups as the user wrote them, before any split
+        self.scratch_stats = ScratchMeter()
+        """Live and peak bytes of the fast path's scratch; the peak is reset each step."""
         self._mesh_plans: list[_MeshPlan] | None = None
-        self._paths: dict[torch.Tensor, str] = {}
-        # Muon parameters whose path runs collectives, by mesh: what ranks must agree on.
-        self._distributed_by_mesh: dict[DeviceMesh, list[torch.Tensor]] = {}
+        self._paths: dict[torch.Tensor, str] | None = None
         defaults = dict(muon_defaults, adamw_lr=adamw_lr, adamw_betas=adamw_betas, adamw_eps=adamw_eps,
                         adamw_weight_decay=adamw_weight_decay, comm=comm)
         super().__init__(params, defaults)
@@ -216,7 +221,8 @@ class DMuon(Optimizer):
             self._append_group(named, use_muon, options, where)
         else:
             raise TypeError(f"{where}: use_muon must be a bool, got {use_muon!r}")
-        self._mesh_plans = None  # the plan covers every Muon parameter: rebuild it
+        # Paths and plans cover every Muon parameter: rebuild them.
+        self._paths, self._mesh_plans = None, None
 
     def _name_param(self, item: Any, group_index: int, index: int) -> tuple[str, torch.Tensor]:
         if isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str):
@@ -255,39 +261,55 @@ class DMuon(Optimizer):
         return self._names.get(param, "<unnamed parameter>")
 
     def comm_paths(self) -> dict[str, str]:
-        """Name -> path (``local``, ``all_to_all`` or ``redistribute``) of every Muon parameter."""
-        self._ensure_plans()
-        return {self.param_name(p): path for p, path in self._paths.items()}
+        """Name -> path (``local``, ``all_to_all`` or ``redistribute``) of every Muon parameter.
+
+        A pure query (no collective): safe to call on one rank only, e.g. in logging code.
+        """
+        return {self.param_name(p): path for p, path in self._ensure_paths().items()}
+
+    def owner_plans(self) -> list[OwnerPlan]:
+        """The fast path's plan of each mesh (made at the first ``step()``; empty before)."""
+        return [mesh_plan.plan for mesh_plan in self._mesh_plans or ()]
 
     # ------------------------------------------------------------------ planning
 
-    def _ensure_plans(self) -> list[_MeshPlan]:
-        """Choose each Muon parameter's path and plan the fast path, once."""
-        if self._mesh_plans is not None:
-            return self._mesh_plans
-        self._paths = {}
-        self._distributed_by_mesh = {}
-        by_mesh: dict[DeviceMesh, list[torch.Tensor]] = {}
-        ns_steps: dict[DeviceMesh, int] = {}  # costs use the largest ns_steps on the mesh
+    def _ensure_paths(self) -> dict[torch.Tensor, str]:
+        """Each Muon parameter's path, from its type and placement alone (no collective)."""
+        if self._paths is not None:
+            return self._paths
+        paths: dict[torch.Tensor, str] = {}
         for group in self.param_groups:
             if not group["use_muon"]:
                 continue
             for param in group["params"]:
                 try:
-                    path = comm_path(param, self.comm)
+                    paths[param] = comm_path(param, self.comm)
                 except ValueError as error:
                     raise ValueError(f"DMuon: parameter {self.param_name(param)!r}: {error}") from None
-                self._paths[param] = path
-                if path != LOCAL:
-                    self._distributed_by_mesh.setdefault(param.device_mesh, []).append(param)
-                if path == ALL_TO_ALL:
-                    by_mesh.setdefault(param.device_mesh, []).append(param)
-                    ns_steps[param.device_mesh] = max(ns_steps.get(param.device_mesh, 0), group["ns_steps"])
+        self._paths = paths
+        return paths
+
+    def _ensure_plans(self) -> list[_MeshPlan]:
+        """Plan the fast path of every mesh, once, at the first step.
+
+        Every rank runs this at the same point (its first ``step()``), so the one
+        collective it needs (checking that local shards follow ``torch.chunk``) is
+        matched on every rank. Queries such as :meth:`comm_paths` never plan.
+        """
+        if self._mesh_plans is not None:
+            return self._mesh_plans
+        by_mesh: dict[DeviceMesh, list[tuple[torch.Tensor, dict[str, Any]]]] = {}
+        for group in self.param_groups:
+            for param in group["params"] if group["use_muon"] else ():
+                if self._ensure_paths()[param] == ALL_TO_ALL:
+                    by_mesh.setdefault(param.device_mesh, []).append((param, group))
         plans = []
-        for mesh, params in by_mesh.items():
-            plan = make_owner_plan([tuple(p.shape) for p in params], mesh.size(), ns_steps[mesh], self.max_batch_numel)
-            self._check_rows_agree_with_plan(mesh, params, plan)
-            plans.append(_MeshPlan(mesh, params, plan))
+        for mesh, members in by_mesh.items():
+            specs = [ParamSpec(tuple(p.shape), p.placements[0].dim, g["ns_steps"]) for p, g in members]
+            plan = make_owner_plan(specs, mesh.size(), self.max_batch_numel)
+            params = [p for p, _ in members]
+            self._check_shards_agree_with_plan(mesh, params, plan)
+            plans.append(_MeshPlan(mesh, params, plan, mesh_device(mesh)))
         self._mesh_plans = plans
         for path in (ALL_TO_ALL, REDISTRIBUTE, LOCAL):
             names = [self.param_name(p) for p, chosen in self._paths.items() if chosen == path]
@@ -295,21 +317,26 @@ class DMuon(Optimizer):
                 logger.info("DMuon: %d Muon parameter(s) use the %s path: %s", len(names), path, ", ".join(names))
         return plans
 
-    def _check_rows_agree_with_plan(self, mesh: DeviceMesh, params: list[torch.Tensor], plan: OwnerPlan) -> None:
-        """Every rank's local rows must be the ``torch.chunk`` split the plan assumes.
+    def _check_shards_agree_with_plan(self, mesh: DeviceMesh, params: list[torch.Tensor], plan: OwnerPlan) -> None:
+        """Every rank's local shard must be the ``torch.chunk`` split the plan assumes.
 
         DTensors built by FSDP2 or ``distribute_tensor`` always are; one built by
         ``DTensor.from_local`` with custom uneven shards may not be. The check is one
         ``all_reduce`` at planning time, so a mismatch on any rank stops every rank.
         """
         rank = mesh.get_local_rank()
-        wrong = [p for p, layout in zip(params, plan.layouts) if p.to_local().shape[0] != layout.rows[rank]]
-        count = torch.tensor([len(wrong)], dtype=torch.int32, device=params[0].to_local().device)
+        wrong = []
+        for param, spec in zip(params, plan.params):
+            expected = list(spec.shape)
+            expected[spec.shard_dim] = shard_sizes(spec.shape[spec.shard_dim], mesh.size())[rank]
+            if list(param.to_local().shape) != expected:
+                wrong.append(param)
+        count = torch.tensor([len(wrong)], dtype=torch.int32, device=mesh_device(mesh))
         dist.all_reduce(count, group=mesh.get_group())
         if count.item():
             mine = f" here: {[self.param_name(p) for p in wrong]}" if wrong else ""
             raise ValueError(
-                f"DMuon: {count.item()} Shard(0) parameter shard(s) on {mesh} do not follow torch.chunk's row "
+                f"DMuon: {count.item()} sharded parameter shard(s) on {mesh} do not follow torch.chunk's "
                 f"split{mine}. Shard them with FSDP2 or distribute_tensor, or pass use_muon=False for them."
             )
 
@@ -321,18 +348,26 @@ class DMuon(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._ensure_plans()
-        work = self._muon_momentum()
-        self._orthogonalize_and_update(work)
+        self._ensure_paths()
+        mesh_plans = self._ensure_plans()
+        grads = self._checked_grads()
+        self.scratch_stats.reset_peak()
+        for mesh_plan in mesh_plans:
+            self._owner_computed(mesh_plan, grads)
+        for group in self.param_groups:
+            for param in group["params"] if group["use_muon"] else ():
+                path = self._paths[param]
+                if param in grads and path != ALL_TO_ALL:
+                    self._whole_tensor_step(param, grads[param], group, path)
         for group in self.param_groups:
             if not group["use_muon"]:
                 self._adamw_group_step(group)
         return loss
 
-    def _muon_momentum(self) -> dict[torch.Tensor, _MuonWork]:
-        """Check every grad and agree on the grad set, then run momentum on the local
-        shards of every Muon parameter with a grad. Nothing is modified before the checks
-        pass, so a rejected step leaves parameters and state as they were."""
+    def _checked_grads(self) -> dict[torch.Tensor, torch.Tensor]:
+        """Check every grad and agree on the grad set; then return each Muon parameter's
+        grad, laid out like the parameter. Nothing is modified before the checks pass,
+        so a rejected step leaves parameters and state as they were."""
         problems: dict[torch.Tensor, str] = {}
         for group in self.param_groups:
             for param in group["params"]:
@@ -341,115 +376,112 @@ class DMuon(Optimizer):
                     if problem:
                         problems[param] = problem
         self._agree_on_grads(problems)
-        work: dict[torch.Tensor, _MuonWork] = {}
+        grads: dict[torch.Tensor, torch.Tensor] = {}
         for group in self.param_groups:
-            if not group["use_muon"]:
-                continue
-            for param in group["params"]:
-                if param.grad is None:
-                    continue
+            for param in group["params"] if group["use_muon"] else ():
                 grad = param.grad
+                if grad is None:
+                    continue
                 if isinstance(param, DTensor) and grad.placements != param.placements:
+                    # A collective; safe here: every rank agreed this grad exists.
                     grad = grad.redistribute(param.device_mesh, param.placements)
-                state = self.state[param]
-                if "momentum_buffer" not in state:
-                    state["momentum_buffer"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-                update = muon_momentum_(
-                    _local(grad), _local(state["momentum_buffer"]), group["momentum"], group["nesterov"]
-                )
-                work[param] = _MuonWork(param, group, update)
-        return work
+                grads[param] = grad
+                if "momentum_buffer" not in self.state[param]:
+                    self.state[param]["momentum_buffer"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+        return grads
 
     def _agree_on_grads(self, problems: dict[torch.Tensor, str]) -> None:
         """One ``all_reduce`` per mesh: every rank must see the same distributed grads.
 
-        Counts, per parameter, the ranks that have a grad, plus the ranks that found an
-        invalid grad. Every rank sees the same sums, so every rank raises the same
+        Counts, per DTensor Muon parameter, the ranks that have a grad, plus the ranks
+        that found an invalid grad anywhere. Every rank runs every mesh's reduction
+        before deciding anything, and sees the same sums, so every rank raises the same
         error or none does: no rank is left waiting in a collective.
         """
         local_problem = next(iter(problems.items()), None)
-        for mesh, params in self._distributed_by_mesh.items():
+        bad_ranks = 0
+        uneven: list[str] = []
+        for mesh, params in self._distributed_by_mesh().items():
             counts = torch.tensor(
                 [int(p.grad is not None) for p in params] + [int(local_problem is not None)],
                 dtype=torch.int32,
-                device=params[0].to_local().device,
+                device=mesh_device(mesh),
             )
             for dim in range(mesh.ndim):  # summing over each mesh dim sums over the whole mesh
                 dist.all_reduce(counts, group=mesh.get_group(dim))
             *have, bad = counts.tolist()
-            if local_problem:
-                break
-            if bad:
-                raise ValueError(f"DMuon: {bad} rank(s) found an invalid gradient; see their error message")
-            uneven = [self.param_name(p) for p, n in zip(params, have) if n not in (0, mesh.size())]
-            if uneven:
-                raise RuntimeError(
-                    f"DMuon: ranks disagree on which parameters have gradients: {uneven} have a grad on "
-                    f"some ranks of {mesh} but not on others. Every rank must produce the same set of "
-                    "grads (set unused grads to zeros, or to None on every rank)."
-                )
+            bad_ranks = max(bad_ranks, bad)
+            uneven += [self.param_name(p) for p, n in zip(params, have) if n not in (0, mesh.size())]
         if local_problem:
             param, problem = local_problem
             raise ValueError(f"DMuon: parameter {self.param_name(param)!r}: {problem}")
+        if bad_ranks:
+            raise ValueError(f"DMuon: {bad_ranks} rank(s) found an invalid gradient; see their error message")
+        if uneven:
+            raise RuntimeError(
+                f"DMuon: ranks disagree on which parameters have gradients: {uneven} have a grad on "
+                "some ranks but not on others. Every rank must produce the same set of grads "
+                "(set unused grads to zeros, or to None on every rank)."
+            )
 
-    def _orthogonalize_and_update(self, work: dict[torch.Tensor, _MuonWork]) -> None:
-        for mesh_plan in self._ensure_plans():
-            self._owner_computed(mesh_plan, work)
-        for param, item in work.items():
-            path = self._paths[param]
-            if path == REDISTRIBUTE:
-                self._apply(item, self._redistributed_orthogonalize(param, item.update, item.group))
-            elif path == LOCAL:
-                self._apply(item, _orthogonalize_param(item.update, item.group))
+    def _distributed_by_mesh(self) -> dict[DeviceMesh, list[torch.Tensor]]:
+        """DTensor Muon parameters by mesh: their step may run collectives, so every
+        rank of the mesh must agree on their grads (whatever their path)."""
+        by_mesh: dict[DeviceMesh, list[torch.Tensor]] = {}
+        for param in self._ensure_paths():
+            if isinstance(param, DTensor) and param.device_mesh.size() > 1:
+                by_mesh.setdefault(param.device_mesh, []).append(param)
+        return by_mesh
 
-    def _owner_computed(self, mesh_plan: _MeshPlan, work: dict[torch.Tensor, _MuonWork]) -> None:
-        """The fast path: per batch, gather to owners, orthogonalize owned, scatter back.
+    def _owner_computed(self, mesh_plan: _MeshPlan, grads: dict[torch.Tensor, torch.Tensor]) -> None:
+        """The fast path on one mesh: see ``dmuon.owner_step`` for the schedule."""
+        params = mesh_plan.params
+        groups = {p: g for g in self.param_groups if g["use_muon"] for p in g["params"]}
+        local_grads = {j: _local(grads[p]) for j, p in enumerate(params) if p in grads}
+        local_bufs = {j: _local(self.state[params[j]]["momentum_buffer"]) for j in local_grads}
+        local_params = {j: _local(params[j]) for j in local_grads}
 
-        The next batch's gather is started before this batch's Newton-Schulz so the
-        two can overlap; every rank issues the same collectives in the same order.
-        """
-        plan, params = mesh_plan.plan, mesh_plan.params
-        group, rank = mesh_plan.mesh.get_group(), mesh_plan.mesh.get_local_rank()
-        batches = [[i for i in batch if params[i] in work] for batch in plan.batches]
-        batches = [batch for batch in batches if batch]
-        if not batches:
-            return
+        def update_block(j: int, lo: int, hi: int, shape: tuple[int, int]) -> torch.Tensor:
+            group = groups[params[j]]
+            update = muon_momentum_(local_grads[j][lo:hi], local_bufs[j][lo:hi], group["momentum"], group["nesterov"])
+            return update.view(shape)
 
-        def start_gather(batch: list[int]) -> Exchange:
-            send = pack_gather(plan, batch, rank, {i: work[params[i]].update for i in batch})
-            return Exchange(send, *plan.gather_splits(batch, rank), group, rank, self.comm_stats)
+        def orthogonalize_unit(j: int, matrix: torch.Tensor) -> torch.Tensor:
+            return self._orthogonalize(matrix, groups[params[j]])
 
-        scatters: list[tuple[list[int], Exchange]] = []
-        pending = start_gather(batches[0])
-        for k, batch in enumerate(batches):
-            gather = pending
-            full = unpack_gather(plan, batch, rank, gather.wait())
-            if k + 1 < len(batches):
-                pending = start_gather(batches[k + 1])
-            results = {i: _orthogonalize_param(m, work[params[i]].group) for i, m in full.items()}
-            send = pack_scatter(plan, batch, rank, results)
-            # The scatter is the gather reversed: it sends what the gather received.
-            scatter = Exchange(send, gather.recv_splits, gather.send_splits, group, rank, self.comm_stats)
-            scatters.append((batch, scatter))
-        for batch, exchange in scatters:
-            local = unpack_scatter(plan, batch, rank, exchange.wait())
-            for i in batch:
-                self._apply(work[params[i]], local[i])
+        def apply_block(j: int, lo: int, hi: int, ortho: torch.Tensor) -> None:
+            self._apply(params[j], local_params[j][lo:hi].view(ortho.shape), ortho, groups[params[j]])
 
-    def _redistributed_orthogonalize(
-        self, param: DTensor, update: torch.Tensor, group: dict[str, Any]
-    ) -> torch.Tensor:
-        """The reference path: all-gather the bf16 update, orthogonalize it on every
-        rank, keep this rank's part (a local slice, no communication)."""
-        mesh, placements = param.device_mesh, param.placements
-        full = DTensor.from_local(update, mesh, placements, shape=param.shape, stride=param.stride()).full_tensor()
-        ortho = _orthogonalize_param(full, group)
-        return distribute_tensor(ortho, mesh, placements, src_data_rank=None).to_local()
+        run_owner_plan(
+            mesh_plan.plan, local_grads.keys(),
+            group=mesh_plan.mesh.get_group(), rank=mesh_plan.mesh.get_local_rank(), device=mesh_plan.device,
+            update_block=update_block, orthogonalize=orthogonalize_unit, apply_block=apply_block,
+            stats=self.comm_stats, meter=self.scratch_stats,
+        )
 
-    def _apply(self, item: _MuonWork, ortho_local: torch.Tensor) -> None:
-        group = item.group
-        scale = shape_scale(item.param.shape, group["adjust_lr"], group["matched_adamw_rms"])
-        apply_muon_update_(_local(item.param), ortho_local, group["lr"], group["weight_decay"], scale)
+    def _whole_tensor_step(self, param: torch.Tensor, grad: torch.Tensor, group: dict[str, Any], path: str) -> None:
+        """Momentum, Newton-Schulz and update of one parameter that is whole on this rank
+        (``local``), or gathered whole on every rank (``redistribute``, the reference path:
+        all-gather the bf16 update, orthogonalize everywhere, keep this rank's part)."""
+        update = muon_momentum_(_local(grad), _local(self.state[param]["momentum_buffer"]), group["momentum"],
+                                group["nesterov"])
+        if path == REDISTRIBUTE:
+            mesh, placements = param.device_mesh, param.placements
+            full = DTensor.from_local(update, mesh, placements, shape=param.shape, stride=param.stride()).full_tensor()
+            ortho = self._orthogonalize(full.view(matrix_shape(param.shape)), group).view(param.shape)
+            ortho = distribute_tensor(ortho, mesh, placements, src_data_rank=None).to_local()
+        else:
+            ortho = self._orthogonalize(update.view(matrix_shape(param.shape)), group).view(update.shape)
+        self._apply(param, _local(param), ortho, group)
+
+    def _orthogonalize(self, matrix: torch.Tensor, group: dict[str, Any]) -> torch.Tensor:
+        """Newton-Schulz with the group's settings; counts the flops run on this rank."""
+        self.comm_stats.ns_flops += newton_schulz_flops(matrix.shape, group["ns_steps"])
+        return orthogonalize(matrix, group["ns_coefficients"], group["ns_steps"], group["eps"])
+
+    def _apply(self, param: torch.Tensor, target: torch.Tensor, ortho: torch.Tensor, group: dict[str, Any]) -> None:
+        scale = shape_scale(param.shape, group["adjust_lr"], group["matched_adamw_rms"])
+        apply_muon_update_(target, ortho, group["lr"], group["weight_decay"], scale)
 
     def _adamw_group_step(self, group: dict[str, Any]) -> None:
         params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
@@ -474,6 +506,13 @@ class DMuon(Optimizer):
             )
 
 
+def mesh_device(mesh: DeviceMesh) -> torch.device:
+    """The device this rank's buffers for ``mesh`` live on (``cuda:<current>`` for CUDA)."""
+    if mesh.device_type in ("cpu", "meta"):
+        return torch.device(mesh.device_type)
+    return torch.device(mesh.device_type, torch.get_device_module(mesh.device_type).current_device())
+
+
 def _grad_problem(param: torch.Tensor, use_muon: bool) -> str | None:
     """Why ``param.grad`` cannot be used, or None."""
     grad = param.grad
@@ -493,12 +532,3 @@ def _grad_problem(param: torch.Tensor, use_muon: bool) -> str | None:
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     """The rank's own data: the local shard of a DTensor, or the tensor itself."""
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
-
-def _orthogonalize_param(update: torch.Tensor, group: dict[str, Any]) -> torch.Tensor:
-    """Orthogonalize a whole parameter-shaped bf16 tensor (any ndim >= 2)."""
-    shape = update.shape
-    ortho = orthogonalize(
-        update.reshape(matrix_shape(shape)), group["ns_coefficients"], group["ns_steps"], group["eps"]
-    )
-    return ortho.reshape(shape)

@@ -1,38 +1,59 @@
-"""Who orthogonalizes which matrix, and which rows travel where.
+"""Who orthogonalizes which matrix, in which batch, and which blocks travel where.
 
 Pure functions of shapes, placements and world sizes: no process group is touched,
-so everything here is testable without processes.
+so everything here is testable (and ``plan_report`` runs at P = 1024) without processes.
 
-The fast path handles matrices row-sharded across one mesh dimension (FSDP2's
-``Shard(0)``): rank ``r`` holds rows ``[start_r, end_r)`` of every matrix, split the
-way ``torch.chunk`` splits (FSDP2's rule: uneven, possibly empty on the last ranks).
-Each matrix gets one *owner* rank. In one batch, every rank sends its rows of each
-matrix to that matrix's owner (one ``all_to_all_single``), owners orthogonalize, and
-the rows go back the same way (a second ``all_to_all_single``).
+Vocabulary:
+
+- a *unit* is one matrix Newton-Schulz runs on: a 2-D parameter, one expert of a 3-D
+  ``[E, A, B]`` stack, or a 4-D+ parameter seen as ``[shape[0], prod(rest)]``;
+- on a 1-D mesh with placement ``Shard(d)``, rank ``r`` holds one *block* of every unit
+  it touches: a slice of the unit along one matrix dimension (rows for FSDP2's
+  ``Shard(0)``, columns for a ``Shard(1)`` weight), cut the way ``torch.chunk`` cuts
+  (DTensor's rule: uneven, possibly empty on the last ranks);
+- each unit has one *owner* rank. A unit whose blocks all live on one rank (an expert
+  that rank holds whole) is owned there and never travels. The others travel: every
+  holder sends its block to the owner (*gather*), the owner rebuilds exactly the bf16
+  matrix a single process would hold, orthogonalizes it, and sends each holder its
+  block of the result (*scatter*). Each gather and scatter is one ``all_to_all_single``
+  per *batch*.
+
+Planning is two steps. Owners: longest-processing-time (LPT) over the whole step, by
+Newton-Schulz flops, so every rank carries the same cost. Batches: cut only so that
+communication overlaps Newton-Schulz and scratch memory stays bounded; each batch is a
+"shelf" whose height is the largest remaining unit, filled by every rank up to that
+height, so every rank has work in every batch and the step's critical path (the sum of
+the batches' slowest ranks) stays close to the whole-step LPT bound.
 """
 
 from __future__ import annotations
 
 import heapq
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from functools import cached_property
 
 import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-from dmuon.newton_schulz import newton_schulz_flops
+from dmuon.newton_schulz import DEFAULT_NS_STEPS, matrix_shape, newton_schulz_flops
 
 # How a Muon parameter reaches Newton-Schulz.
 LOCAL = "local"  # the rank already holds the whole matrix: plain tensor or Replicate
-ALL_TO_ALL = "all_to_all"  # fast path: 1-D mesh, Shard(0), owner-computed
+ALL_TO_ALL = "all_to_all"  # fast path: 1-D mesh, Shard(d), owner-computed
 REDISTRIBUTE = "redistribute"  # reference path: all-gather to every rank, slice back
 COMM_CHOICES = (ALL_TO_ALL, REDISTRIBUTE)
 
-# A batch holds at most this many matrix elements (all matrices together) unless a
-# single matrix is larger. It bounds the bf16 buffers each rank holds at once (about
-# 2 * 2 bytes * this / world_size) and lets a batch's Newton-Schulz overlap the next
-# batch's communication.
+# Each rank owns at most max(this, the largest travelling matrix) elements of
+# travelling matrices in one batch. It bounds the per-batch scratch buffers; see
+# ``OwnerPlan.peak_scratch_bytes``.
 DEFAULT_BATCH_NUMEL = 1 << 27
+# Shelves are merged into about this many batches when memory allows: enough for the
+# next batch's gather and the previous batch's scatter to hide behind Newton-Schulz,
+# few enough to keep the number of collectives small.
+OVERLAP_BATCHES = 4
+# Wire dtype size: blocks travel in bf16.
+WIRE_BYTES = 2
 
 
 def comm_path(param: torch.Tensor, comm: str) -> str:
@@ -47,132 +68,379 @@ def comm_path(param: torch.Tensor, comm: str) -> str:
         raise ValueError(f"a Partial placement {placements} cannot hold a parameter")
     if all(isinstance(p, Replicate) for p in placements):
         return LOCAL
-    fast = (
-        comm == ALL_TO_ALL
-        and param.device_mesh.ndim == 1
-        # exactly Shard(0): _StridedShard (FSDP + TP) subclasses Shard and reorders rows
-        and type(placements[0]) is Shard
-        and placements[0].dim == 0
-    )
-    if fast and param.device_mesh.size() == 1:
-        return LOCAL
-    return ALL_TO_ALL if fast else REDISTRIBUTE
+    if comm == REDISTRIBUTE or param.device_mesh.ndim != 1:
+        return REDISTRIBUTE
+    placement = placements[0]
+    # Exactly Shard: _StridedShard (FSDP + TP) subclasses Shard and reorders rows.
+    if type(placement) is not Shard or cat_dim(param.ndim, placement.dim) is None:
+        return REDISTRIBUTE
+    return LOCAL if param.device_mesh.size() == 1 else ALL_TO_ALL
 
 
-def shard_rows(num_rows: int, world_size: int) -> tuple[int, ...]:
-    """Rows each rank holds under ``Shard(0)`` (``torch.chunk``'s split, as FSDP2 uses).
+def cat_dim(ndim: int, shard_dim: int) -> int | None:
+    """The unit-matrix dimension along which ``Shard(shard_dim)`` cuts a parameter of
+    ``ndim`` dims into blocks, or None when a block is not a slice of the matrix
+    (a 4-D+ weight sharded past dim 0: its flattened columns interleave)."""
+    if shard_dim == 0:
+        return 0
+    if ndim == 2 and shard_dim == 1:
+        return 1
+    if ndim == 3 and shard_dim in (1, 2):
+        return shard_dim - 1  # [E, A, B]: dim 1 cuts an expert's rows, dim 2 its columns
+    return None
 
-    ``shard_rows(10, 4) == (3, 3, 3, 1)`` and ``shard_rows(3, 4) == (1, 1, 1, 0)``.
+
+def shard_sizes(size: int, world_size: int) -> tuple[int, ...]:
+    """Extent each rank holds of a dim of ``size`` under ``Shard`` (``torch.chunk``'s split).
+
+    ``shard_sizes(10, 4) == (3, 3, 3, 1)`` and ``shard_sizes(3, 4) == (1, 1, 1, 0)``.
     """
-    chunk = -(-num_rows // world_size)  # ceil division
-    return tuple(max(0, min(num_rows, (r + 1) * chunk) - r * chunk) for r in range(world_size))
+    chunk = -(-size // world_size)  # ceil division
+    return tuple(max(0, min(size, (r + 1) * chunk) - r * chunk) for r in range(world_size))
 
 
-def assign_owners(costs: Sequence[int], world_size: int) -> tuple[int, ...]:
+def assign_owners(costs: Sequence[int], world_size: int, loads: Sequence[int] | None = None) -> tuple[int, ...]:
     """Balance costs over ranks: longest job first, each to the least-loaded rank.
 
-    Ties (equal cost, equal load) go to the lower index and the lower rank, so every
-    rank computes the same assignment. For equal costs this is round-robin.
+    ``loads`` are costs the ranks already carry. Ties (equal cost, equal load) go to
+    the lower index and the lower rank, so every rank computes the same assignment.
+    For equal costs on idle ranks this is round-robin.
     """
     owners = [0] * len(costs)
-    loads = [(0, rank) for rank in range(world_size)]  # min-heap of (load, rank)
+    heap = [(0 if loads is None else loads[rank], rank) for rank in range(world_size)]
+    heapq.heapify(heap)
     for index in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
-        load, rank = heapq.heappop(loads)
+        load, rank = heapq.heappop(heap)
         owners[index] = rank
-        heapq.heappush(loads, (load + costs[index], rank))
+        heapq.heappush(heap, (load + costs[index], rank))
     return tuple(owners)
 
 
-def split_into_batches(numels: Sequence[int], max_batch_numel: int) -> tuple[tuple[int, ...], ...]:
-    """Consecutive runs of matrix indices with at most ``max_batch_numel`` elements each
-    (a single larger matrix forms a batch of its own)."""
-    batches: list[tuple[int, ...]] = []
-    current: list[int] = []
-    total = 0
-    for index, numel in enumerate(numels):
-        if current and total + numel > max_batch_numel:
-            batches.append(tuple(current))
-            current, total = [], 0
-        current.append(index)
-        total += numel
-    if current:
-        batches.append(tuple(current))
-    return tuple(batches)
+@dataclass(frozen=True)
+class ParamSpec:
+    """One Muon parameter as the planner sees it."""
+
+    shape: tuple[int, ...]
+    """Global shape."""
+    shard_dim: int = 0
+    """The dim ``Shard`` cuts over the mesh."""
+    ns_steps: int = DEFAULT_NS_STEPS
+    """Newton-Schulz iterations of its group (the cost model)."""
+
+    @property
+    def unit_rows(self) -> int:
+        """Indices of dim 0 per unit: one expert of a 3-D stack, else the whole parameter."""
+        return 1 if len(self.shape) == 3 else self.shape[0]
+
+    @property
+    def num_units(self) -> int:
+        return self.shape[0] // self.unit_rows if self.shape[0] else 0
 
 
 @dataclass(frozen=True)
-class MatrixLayout:
-    """A row-sharded matrix (or stack of matrices) as the plan sees it."""
+class Unit:
+    """One matrix of the plan and where its blocks live."""
 
-    shape: tuple[int, ...]
-    """Global shape; dim 0 is the sharded one."""
-    rows: tuple[int, ...]
-    """Rows of dim 0 held by each rank, in rank order."""
+    param: int
+    """Index of its parameter in ``OwnerPlan.params``."""
+    dim0: tuple[int, int]
+    """The ``[start, stop)`` range of its parameter's dim 0 it covers."""
+    matrix: tuple[int, int]
+    """The 2-D shape Newton-Schulz sees."""
+    cat_dim: int
+    """Matrix dim along which the ranks' blocks are concatenated."""
+    extents: tuple[int, ...]
+    """Each rank's block size along ``cat_dim`` (0: the rank holds none of it)."""
+    cost: int
+    """Newton-Schulz flops."""
+    owner: int = 0
+    batch: int = 0
 
     @property
-    def row_numel(self) -> int:
-        """Elements in one row of dim 0."""
-        numel = 1
-        for size in self.shape[1:]:
-            numel *= size
-        return numel
+    def numel(self) -> int:
+        return self.matrix[0] * self.matrix[1]
+
+    def block_numel(self, rank: int) -> int:
+        return self.extents[rank] * self.matrix[1 - self.cat_dim]
+
+    def block_shape(self, rank: int) -> tuple[int, int]:
+        shape = list(self.matrix)
+        shape[self.cat_dim] = self.extents[rank]
+        return (shape[0], shape[1])
+
+    @property
+    def travels(self) -> bool:
+        """False when one rank holds the whole matrix (it is then the owner)."""
+        return sum(1 for e in self.extents if e) > 1
 
 
 @dataclass(frozen=True)
 class OwnerPlan:
-    """Owners and batches for the row-sharded Muon matrices of one 1-D mesh."""
+    """Owners and batches for the Muon units of one 1-D mesh."""
 
     world_size: int
-    layouts: tuple[MatrixLayout, ...]
-    owners: tuple[int, ...]
-    """Owner rank of each matrix."""
+    params: tuple[ParamSpec, ...]
+    units: tuple[Unit, ...]
     batches: tuple[tuple[int, ...], ...]
-    """Matrix indices of each batch; each batch is one gather and one scatter."""
+    """Unit indices of each batch, in execution order (each a gather and a scatter)."""
 
-    def gather_splits(self, matrices: Sequence[int], rank: int) -> tuple[list[int], list[int]]:
-        """Element counts ``(send, recv)`` per peer rank for gathering ``matrices`` to owners.
+    # ------------------------------------------------------------ where blocks live
 
-        Send buffer layout: by destination rank, then in ``matrices`` order, this rank's
-        rows of each matrix that destination owns. Receive layout: by source rank, then
-        in ``matrices`` order, the source's rows of each matrix this rank owns.
-        The scatter back uses the same counts with send and receive swapped.
+    def local_dim0(self, unit: Unit, rank: int) -> tuple[int, int] | None:
+        """The ``[lo, hi)`` slice of dim 0 of ``rank``'s local tensor that holds its block
+        of ``unit`` (the block is that slice reshaped to ``unit.block_shape(rank)``),
+        or None when the rank holds none of it."""
+        if not unit.extents[rank]:
+            return None
+        spec = self.params[unit.param]
+        if spec.shard_dim != 0:  # every rank holds all of dim 0
+            return unit.dim0
+        start = sum(shard_sizes(spec.shape[0], self.world_size)[:rank])
+        lo, hi = max(unit.dim0[0], start), min(unit.dim0[1], start + shard_sizes(spec.shape[0], self.world_size)[rank])
+        return (lo - start, hi - start)
+
+    def block_offset(self, unit: Unit, rank: int) -> int:
+        """Where ``rank``'s block starts along ``unit.cat_dim`` of the whole matrix."""
+        return sum(unit.extents[:rank])
+
+    # ------------------------------------------------------------ per-batch queries
+
+    def travelling(self, batch: Sequence[int]) -> list[int]:
+        return [i for i in batch if self.units[i].travels]
+
+    def kept_local(self, batch: Sequence[int], rank: int) -> list[int]:
+        """Units of ``batch`` that ``rank`` holds whole and orthogonalizes in place."""
+        return [i for i in batch if not self.units[i].travels and self.units[i].owner == rank]
+
+    def gather_splits(self, batch: Sequence[int], rank: int) -> tuple[list[int], list[int]]:
+        """Element counts ``(send, recv)`` per peer rank for gathering ``batch`` to owners.
+
+        Send buffer layout: by owner rank, then in ``batch`` order, this rank's block of
+        each travelling unit that owner owns. Receive layout: by source rank, then in
+        ``batch`` order, the source's block of each travelling unit this rank owns.
+        The scatter uses the same counts with send and receive swapped.
         """
         send = [0] * self.world_size
         recv = [0] * self.world_size
-        for index in matrices:
-            layout, owner = self.layouts[index], self.owners[index]
-            send[owner] += layout.rows[rank] * layout.row_numel
-            if owner == rank:
+        for index in self.travelling(batch):
+            unit = self.units[index]
+            send[unit.owner] += unit.block_numel(rank)
+            if unit.owner == rank:
                 for peer in range(self.world_size):
-                    recv[peer] += layout.rows[peer] * layout.row_numel
+                    recv[peer] += unit.block_numel(peer)
         return send, recv
 
-    def bytes_sent(self, rank: int, element_size: int = 2) -> int:
-        """Bytes this rank sends to other ranks in one full step (gathers and scatters)."""
+    # ------------------------------------------------------------ what it costs
+
+    def bytes_sent(self, rank: int, element_size: int = WIRE_BYTES) -> int:
+        """Bytes ``rank`` sends to other ranks in one full step (gathers and scatters)."""
         total = 0
         for batch in self.batches:
             send, recv = self.gather_splits(batch, rank)
-            # Scatter sends what the gather received; nothing counts for oneself.
+            # The scatter sends what the gather received; nothing counts for oneself.
             total += sum(send) - send[rank] + sum(recv) - recv[rank]
         return total * element_size
 
+    def ns_flops(self, rank: int, batch: Sequence[int] | None = None) -> int:
+        """Newton-Schulz flops ``rank`` runs in ``batch`` (default: the whole step)."""
+        indices = range(len(self.units)) if batch is None else batch
+        return sum(self.units[i].cost for i in indices if self.units[i].owner == rank)
+
+    @cached_property
+    def ns_critical_path_flops(self) -> int:
+        """Sum over batches of the largest per-rank Newton-Schulz flops in that batch."""
+        return sum(max(self.ns_flops(r, b) for r in range(self.world_size)) for b in self.batches)
+
+    def peak_scratch_bytes(self, rank: int) -> int:
+        """The most bytes of step scratch ``rank`` holds at once: bf16 send, receive,
+        full-matrix and result buffers and update copies, as the step allocates and
+        frees them (see :func:`scratch_events`). Newton-Schulz's own workspace (about
+        ``2 (m n + m^2)`` bf16 elements for the matrix in hand) comes on top."""
+        live = peak = 0
+        for numel in scratch_events(self, rank):
+            live += numel
+            peak = max(peak, live)
+        return peak * WIRE_BYTES
+
+
+def scratch_events(plan: OwnerPlan, rank: int) -> list[int]:
+    """The step's scratch allocations (+numel) and frees (-numel) on ``rank``, in order.
+
+    This is the schedule ``dmuon.owner_step`` executes, written as arithmetic:
+
+    - start gather(b): send buffer; per travelling block: update copy, packed, freed;
+      receive buffer;
+    - for each batch b: gather(b) done (send freed); the owned full matrices are cut
+      from the receive buffer (receive freed); start gather(b + 1); units kept local:
+      update copy, result, both freed; owned travelling units: result, full matrix
+      freed; scatter send packed from the results (results freed); scatter receive;
+      scatter(b - 1) done: send freed, blocks applied, receive freed.
+    """
+    events: list[int] = []
+    sizes = []
+    for batch in plan.batches:
+        send, recv = plan.gather_splits(batch, rank)
+        blocks = [plan.units[i].block_numel(rank) for i in plan.travelling(batch) if plan.units[i].extents[rank]]
+        owned = [plan.units[i].numel for i in plan.travelling(batch) if plan.units[i].owner == rank]
+        local = [plan.units[i].numel for i in plan.kept_local(batch, rank)]
+        sizes.append((sum(send), sum(recv), blocks, owned, local))
+
+    def start_gather(b: int) -> None:
+        send, recv, blocks, _, _ = sizes[b]
+        events.append(send)
+        for block in blocks:
+            events.extend((block, -block))
+        events.append(recv)
+
+    if not sizes:
+        return events
+    start_gather(0)
+    for b, (send, recv, _, owned, local) in enumerate(sizes):
+        events.extend((-send, sum(owned), -recv))
+        if b + 1 < len(sizes):
+            start_gather(b + 1)
+        for numel in local:
+            events.extend((numel, numel, -numel, -numel))
+        for numel in owned:
+            events.extend((numel, -numel))
+        events.extend((sum(owned), -sum(owned), send))  # scatter send, results freed, scatter receive
+        if b > 0:
+            previous_send, _, _, previous_owned, _ = sizes[b - 1]
+            events.extend((-sum(previous_owned), -previous_send))
+    last_send, _, _, last_owned, _ = sizes[-1]
+    events.extend((-sum(last_owned), -last_send))
+    return events
+
+
+def make_units(params: Sequence[ParamSpec], world_size: int) -> list[Unit]:
+    """Every parameter cut into units, with each rank's block extent."""
+    units = []
+    for index, spec in enumerate(params):
+        ndim = len(spec.shape)
+        dim = cat_dim(ndim, spec.shard_dim)
+        if dim is None:
+            raise ValueError(f"a {ndim}-D parameter sharded on dim {spec.shard_dim} has no block layout")
+        rows_per_index = spec.shape[1] if ndim == 3 else 1  # matrix rows per index of dim 0
+        sizes = shard_sizes(spec.shape[spec.shard_dim], world_size)
+        starts = [sum(sizes[:r]) for r in range(world_size)]
+        for u in range(spec.num_units):
+            lo, hi = u * spec.unit_rows, (u + 1) * spec.unit_rows
+            matrix = matrix_shape((hi - lo,) + spec.shape[1:])[-2:]
+            if spec.shard_dim == 0:  # a rank's block is its share of this unit's dim-0 range
+                extents = tuple(
+                    max(0, min(hi, s + n) - max(lo, s)) * rows_per_index for s, n in zip(starts, sizes)
+                )
+            else:
+                extents = sizes
+            cost = newton_schulz_flops(matrix, spec.ns_steps)
+            units.append(Unit(index, (lo, hi), (matrix[0], matrix[1]), dim, extents, cost))
+    return units
+
 
 def make_owner_plan(
-    shapes: Sequence[Sequence[int]],
+    params: Sequence[ParamSpec | Sequence[int]],
     world_size: int,
-    ns_steps: int,
     max_batch_numel: int = DEFAULT_BATCH_NUMEL,
 ) -> OwnerPlan:
-    """Plan owners and batches for matrices of ``shapes`` row-sharded over ``world_size`` ranks.
+    """Plan owners and batches for ``params`` (specs, or plain shapes row-sharded with
+    ``Shard(0)``) on a 1-D mesh of ``world_size`` ranks."""
+    specs = tuple(p if isinstance(p, ParamSpec) else ParamSpec(tuple(p)) for p in params)
+    units = make_units(specs, world_size)
+    owners = _whole_step_owners(units, world_size)
+    units = [replace(u, owner=o) for u, o in zip(units, owners)]
+    batches = _batches(units, world_size, max_batch_numel)
+    for b, batch in enumerate(batches):
+        for i in batch:
+            units[i] = replace(units[i], batch=b)
+    return OwnerPlan(world_size, specs, tuple(units), batches)
 
-    Ownership is balanced by Newton-Schulz flops within each batch, so every batch keeps
-    all ranks equally busy.
-    """
-    layouts = tuple(MatrixLayout(tuple(s), shard_rows(s[0], world_size)) for s in shapes)
-    batches = split_into_batches([s[0] * l.row_numel for s, l in zip(shapes, layouts)], max_batch_numel)
-    owners = [0] * len(layouts)
-    for batch in batches:
-        costs = [newton_schulz_flops(layouts[i].shape, ns_steps) for i in batch]
-        for index, owner in zip(batch, assign_owners(costs, world_size)):
-            owners[index] = owner
-    return OwnerPlan(world_size, layouts, tuple(owners), batches)
+
+def lpt_bound_flops(plan: OwnerPlan) -> int:
+    """The largest per-rank Newton-Schulz load of a whole-step LPT assignment with no
+    batching: the best any whole-matrix ownership can do (rank loads are the plan's)."""
+    return max(plan.ns_flops(r) for r in range(plan.world_size)) if plan.units else 0
+
+
+def _whole_step_owners(units: Sequence[Unit], world_size: int) -> tuple[int, ...]:
+    """A unit held whole by one rank stays there; the rest go LPT over the whole step."""
+    owners = [0] * len(units)
+    loads = [0] * world_size
+    free: list[int] = []
+    for i, unit in enumerate(units):
+        if unit.travels:
+            free.append(i)
+        else:  # an empty unit (no elements) also lands here, on rank 0: it costs nothing
+            holder = next((r for r, e in enumerate(unit.extents) if e), 0)
+            owners[i] = holder
+            loads[holder] += unit.cost
+    for i, owner in zip(free, assign_owners([units[i].cost for i in free], world_size, loads)):
+        owners[i] = owner
+    return tuple(owners)
+
+
+def _batches(units: Sequence[Unit], world_size: int, max_batch_numel: int) -> tuple[tuple[int, ...], ...]:
+    """Shelves (every rank fills each up to its tallest unit), merged under the memory cap."""
+    # The largest travelling matrix must fit in some batch whatever the cap, so it sets
+    # the floor of the per-rank bound (and of the peak scratch).
+    cap = max(max_batch_numel, max((u.numel for u in units if u.travels), default=0))
+    shelves = _shelves(units, world_size, cap)
+    if not shelves:
+        return ()
+    heights = [max(_load(units, shelf, r) for r in range(world_size)) for shelf in shelves]
+    target = sum(heights) / OVERLAP_BATCHES
+    batches: list[list[int]] = []
+    height = 0
+    for shelf, shelf_height in zip(shelves, heights):
+        merged = (batches[-1] + shelf) if batches else None
+        if merged is not None and height + shelf_height <= target and _fits(units, merged, world_size, cap):
+            batches[-1] = merged
+            height += shelf_height
+        else:
+            batches.append(list(shelf))
+            height = shelf_height
+    return tuple(tuple(sorted(batch)) for batch in batches)
+
+
+def _shelves(units: Sequence[Unit], world_size: int, cap: int) -> list[list[int]]:
+    """First-fit decreasing shelves: each shelf's height is the largest unit any rank
+    has left; every rank then packs its own remaining units (largest first) into the
+    shelf while they fit under that height and its travelling elements stay within
+    ``cap``."""
+    queues: list[list[int]] = [[] for _ in range(world_size)]
+    for i in sorted(range(len(units)), key=lambda i: (-units[i].cost, i)):
+        queues[units[i].owner].append(i)
+    shelves = []
+    while any(queues):
+        height = max(units[q[0]].cost for q in queues if q)
+        shelf: list[int] = []
+        for r, queue in enumerate(queues):
+            load = numel = 0
+            rest = []
+            for position, i in enumerate(queue):
+                unit = units[i]
+                size = unit.numel if unit.travels else 0
+                fits = load + unit.cost <= height and numel + size <= cap
+                if position == 0 or fits:
+                    shelf.append(i)
+                    load += unit.cost
+                    numel += size
+                else:
+                    rest.append(i)
+                    if load + units[queue[-1]].cost > height:  # not even the smallest fits
+                        rest.extend(queue[position + 1 :])
+                        break
+            queues[r] = rest
+        shelves.append(shelf)
+    return shelves
+
+
+def _load(units: Sequence[Unit], batch: Sequence[int], rank: int) -> int:
+    return sum(units[i].cost for i in batch if units[i].owner == rank)
+
+
+def _fits(units: Sequence[Unit], batch: Sequence[int], world_size: int, cap: int) -> bool:
+    owned = [0] * world_size
+    for i in batch:
+        if units[i].travels:
+            owned[units[i].owner] += units[i].numel
+    return max(owned) <= cap

@@ -290,11 +290,14 @@ def path_log() -> list[str]:
     logger.setLevel(logging.INFO)
     world = dist.get_world_size()
     params, mesh = _sharded_model(world)
-    hsdp_like = nn.Parameter(distribute_tensor(torch.randn(8, 6), mesh, [Shard(1)], src_data_rank=None))
-    optimizer = DMuon([*_groups(params), {"params": [("col_sharded", hsdp_like)], "use_muon": True}])
+    # Columns of a 2-D weight are blocks (fast path); a 4-D filter cut past dim 0 is not.
+    col_sharded = nn.Parameter(distribute_tensor(torch.randn(8, 6), mesh, [Shard(1)], src_data_rank=None))
+    conv = nn.Parameter(distribute_tensor(torch.randn(4, 6, 3, 3), mesh, [Shard(1)], src_data_rank=None))
+    optimizer = DMuon([*_groups(params), {"params": [("col_sharded", col_sharded), ("conv", conv)], "use_muon": True}])
     for seed in (1, 2):
         _set_grads(params, mesh, seed)
-        hsdp_like.grad = distribute_tensor(torch.randn(8, 6), mesh, [Shard(1)], src_data_rank=None)
+        for param in (col_sharded, conv):
+            param.grad = distribute_tensor(torch.randn(param.shape), mesh, [Shard(1)], src_data_rank=None)
         optimizer.step()
     return records
 
@@ -334,3 +337,72 @@ def collective_sequences() -> list[str]:
             optimizer.step()
         names += [e.name for e in sorted(prof.events(), key=lambda e: e.time_range.start) if e.name.startswith("gloo:")]
     return names
+
+
+# (name, shape, shard_dim): layouts the scale-out plan must keep exact.
+LAYOUT_CASES: list[tuple[str, tuple[int, ...], int]] = [
+    ("rows", (10, 24), 0),
+    ("tall", (48, 16), 0),
+    ("columns", (16, 10), 1),  # TP row-parallel weight: Shard(1)
+    ("experts_whole", (4, 8, 12), 0),  # each expert whole on one rank
+    ("experts_split_rows", (3, 10, 12), 1),  # each expert's rows split across ranks
+    ("experts_split_cols", (2, 8, 10), 2),
+]
+
+
+def _layout_tensors(seed: int, cases: list[tuple[str, tuple[int, ...], int]]) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return {name: torch.randn(shape, generator=generator) for name, shape, _ in cases}
+
+
+def layout_exactness(case_names: list[str], max_batch_numel: int) -> dict[str, Any]:
+    """The cases named, each sharded on its dim, vs single-process DMuon; plus bytes and
+    each case's bytes alone (from the plan)."""
+    world = dist.get_world_size()
+    cases = [c for c in LAYOUT_CASES if c[0] in case_names]
+    mesh = init_device_mesh("cpu", (world,))
+    options = dict(lr=0.03, momentum=0.9, weight_decay=0.05, max_batch_numel=max_batch_numel)
+
+    def shard(name: str, t: torch.Tensor) -> DTensor:
+        dim = next(d for n, _, d in cases if n == name)
+        return distribute_tensor(t, mesh, [Shard(dim)], src_data_rank=None)
+
+    params = {n: nn.Parameter(shard(n, t)) for n, t in _layout_tensors(0, cases).items()}
+    oracle = {n: nn.Parameter(t) for n, t in _layout_tensors(0, cases).items()}
+    optimizer = DMuon([{"params": list(params.items()), "use_muon": True}], **options)
+    reference = DMuon([{"params": list(oracle.items()), "use_muon": True}], **options)
+    for step in range(STEPS):
+        for name, grad in _layout_tensors(100 + step, cases).items():
+            params[name].grad = shard(name, grad)
+            oracle[name].grad = grad
+        optimizer.step()
+        reference.step()
+    (plan,) = optimizer.owner_plans() or (None,)
+    return {
+        "equal": {n: torch.equal(p.full_tensor(), oracle[n].detach()) for n, p in params.items()},
+        "paths": optimizer.comm_paths(),
+        "bytes": optimizer.comm_stats.bytes_sent,
+        "batches": [] if plan is None else [list(b) for b in plan.batches],
+        "idle_in_some_batch": plan is not None and any(
+            plan.ns_flops(r, b) == 0 for b in plan.batches for r in range(world)
+        ),
+        "ns_flops": optimizer.comm_stats.ns_flops,
+    }
+
+
+def measured_scratch(max_batch_numel: int) -> dict[str, int]:
+    """The scratch a real step allocates on this rank vs what its plan predicts."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    cases = LAYOUT_CASES
+    mesh = init_device_mesh("cpu", (world,))
+    params = {n: nn.Parameter(distribute_tensor(t, mesh, [Shard(d)], src_data_rank=None))
+              for (n, _, d), t in zip(cases, _layout_tensors(0, cases).values())}
+    optimizer = DMuon([{"params": list(params.items()), "use_muon": True}], max_batch_numel=max_batch_numel)
+    peaks = []
+    for step in range(2):
+        for (name, _, dim), grad in zip(cases, _layout_tensors(10 + step, cases).values()):
+            params[name].grad = distribute_tensor(grad, mesh, [Shard(dim)], src_data_rank=None)
+        optimizer.step()
+        peaks.append(optimizer.scratch_stats.peak_bytes)
+    (plan,) = optimizer.owner_plans()
+    return {"measured": peaks, "predicted": plan.peak_scratch_bytes(rank), "live_after": optimizer.scratch_stats.live_bytes}

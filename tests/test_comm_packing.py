@@ -7,53 +7,82 @@ what it receives in source-rank order.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
-from dmuon.comm import WIRE_DTYPE, pack_gather, pack_scatter, unpack_gather, unpack_scatter
-from dmuon.newton_schulz import matrix_shape, orthogonalize
-from dmuon.plan import OwnerPlan, make_owner_plan
+from dmuon.comm import (
+    WIRE_DTYPE,
+    CommStats,
+    Exchange,
+    ScratchMeter,
+    pack_gather,
+    pack_scatter,
+    unpack_gather,
+    unpack_scatter,
+)
+from dmuon.newton_schulz import orthogonalize
+from dmuon.plan import OwnerPlan, ParamSpec, make_owner_plan
 
-# Uneven shards (10 rows over 4), empty shards (3 rows over 4, 2 rows over 4),
-# a 3-D expert stack and a tall matrix (its orthogonalized form is a transposed view).
-SHAPES = [(10, 6), (3, 5), (4, 2, 3), (16, 4), (2, 9), (5, 5)]
+CPU = torch.device("cpu")
+# Uneven shards (10 rows over 4), empty shards (3 rows over 4, 2 rows over 4), a tall
+# matrix (its orthogonalized form is a transposed view), a column-sharded matrix, and
+# expert stacks sharded on each of their three dims.
+SPECS = [
+    ParamSpec((10, 6)),
+    ParamSpec((3, 5)),
+    ParamSpec((16, 4)),
+    ParamSpec((2, 9)),
+    ParamSpec((5, 11), shard_dim=1),
+    ParamSpec((4, 2, 3)),
+    ParamSpec((3, 6, 5), shard_dim=1),
+    ParamSpec((2, 5, 7), shard_dim=2),
+]
 
 
 def _all_to_all(sends: list[torch.Tensor], send_splits: list[list[int]]) -> list[torch.Tensor]:
     world_size = len(sends)
-    pieces = [list(torch.split(send, splits)) for send, splits in zip(sends, send_splits)]
     for send, splits in zip(sends, send_splits):
         assert send.numel() == sum(splits)
+    pieces = [list(torch.split(send, splits)) for send, splits in zip(sends, send_splits)]
     return [torch.cat([pieces[source][dest] for source in range(world_size)]) for dest in range(world_size)]
 
 
-def _full_matrices(shapes: list[tuple[int, ...]]) -> list[torch.Tensor]:
+def _full_params(specs: list[ParamSpec]) -> list[torch.Tensor]:
     generator = torch.Generator().manual_seed(0)
-    return [torch.randn(shape, generator=generator).to(WIRE_DTYPE) for shape in shapes]
+    return [torch.randn(spec.shape, generator=generator).to(WIRE_DTYPE) for spec in specs]
 
 
-def _local_rows(plan: OwnerPlan, full: list[torch.Tensor], rank: int) -> dict[int, torch.Tensor]:
-    """Rank ``rank``'s rows of every matrix, as FSDP2's Shard(0) would hold them."""
-    local = {}
-    for i, matrix in enumerate(full):
-        rows = plan.layouts[i].rows
-        start = sum(rows[:rank])
-        local[i] = matrix[start : start + rows[rank]]
-    return local
+def _local_shard(spec: ParamSpec, full: torch.Tensor, world_size: int, rank: int) -> torch.Tensor:
+    """What DTensor's ``Shard(spec.shard_dim)`` gives ``rank`` (torch.chunk, empty at the end)."""
+    chunks = list(full.chunk(world_size, dim=spec.shard_dim))
+    if rank < len(chunks):
+        return chunks[rank]
+    empty = list(full.shape)
+    empty[spec.shard_dim] = 0
+    return full.new_empty(empty)
 
 
-def _orthogonalize_param(matrix: torch.Tensor) -> torch.Tensor:
-    return orthogonalize(matrix.reshape(matrix_shape(matrix.shape))).reshape(matrix.shape)
+def _unit_matrix(plan: OwnerPlan, i: int, full: list[torch.Tensor]) -> torch.Tensor:
+    unit = plan.units[i]
+    return full[unit.param][unit.dim0[0] : unit.dim0[1]].reshape(unit.matrix)
+
+
+def _block_of(plan: OwnerPlan, full: list[torch.Tensor], rank: int):
+    def block_of(i: int) -> torch.Tensor:
+        unit = plan.units[i]
+        local = _local_shard(plan.params[unit.param], full[unit.param], plan.world_size, rank)
+        lo, hi = plan.local_dim0(unit, rank)
+        return local[lo:hi].reshape(unit.block_shape(rank))
+
+    return block_of
 
 
 def _gather(plan: OwnerPlan, batch: list[int], full: list[torch.Tensor]) -> list[dict[int, torch.Tensor]]:
     world_size = plan.world_size
-    sends = [
-        pack_gather(plan, batch, rank, {i: _local_rows(plan, full, rank)[i] for i in batch})
-        for rank in range(world_size)
-    ]
-    send_splits = [plan.gather_splits(batch, rank)[0] for rank in range(world_size)]
-    recvs = _all_to_all(sends, send_splits)
+    sends = [pack_gather(plan, batch, rank, _block_of(plan, full, rank), CPU) for rank in range(world_size)]
+    recvs = _all_to_all(sends, [plan.gather_splits(batch, rank)[0] for rank in range(world_size)])
     for rank in range(world_size):
         assert recvs[rank].numel() == sum(plan.gather_splits(batch, rank)[1])
     return [unpack_gather(plan, batch, rank, recvs[rank]) for rank in range(world_size)]
@@ -61,63 +90,60 @@ def _gather(plan: OwnerPlan, batch: list[int], full: list[torch.Tensor]) -> list
 
 def _scatter(plan: OwnerPlan, batch: list[int], owned: list[dict[int, torch.Tensor]]) -> list[dict[int, torch.Tensor]]:
     world_size = plan.world_size
-    sends = [pack_scatter(plan, batch, rank, owned[rank]) for rank in range(world_size)]
+    sends = [pack_scatter(plan, batch, rank, owned[rank], CPU) for rank in range(world_size)]
     # The scatter sends what the gather received: the gather's receive splits.
-    send_splits = [plan.gather_splits(batch, rank)[1] for rank in range(world_size)]
-    recvs = _all_to_all(sends, send_splits)
+    recvs = _all_to_all(sends, [plan.gather_splits(batch, rank)[1] for rank in range(world_size)])
     return [unpack_scatter(plan, batch, rank, recvs[rank]) for rank in range(world_size)]
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 @pytest.mark.parametrize("max_batch_numel", [40, 1 << 27])
-def test_gather_gives_each_owner_exactly_its_full_matrices(world_size, max_batch_numel):
-    plan = make_owner_plan(SHAPES, world_size, ns_steps=5, max_batch_numel=max_batch_numel)
-    full = _full_matrices(SHAPES)
+def test_gather_gives_each_owner_exactly_its_whole_matrices(world_size, max_batch_numel):
+    plan = make_owner_plan(SPECS, world_size, max_batch_numel=max_batch_numel)
+    full = _full_params(SPECS)
     for batch in plan.batches:
         received = _gather(plan, list(batch), full)
         for rank in range(world_size):
-            assert sorted(received[rank]) == sorted(i for i in batch if plan.owners[i] == rank)
+            assert sorted(received[rank]) == [i for i in plan.travelling(batch) if plan.units[i].owner == rank]
             for i, matrix in received[rank].items():
-                assert matrix.shape == full[i].shape
-                assert torch.equal(matrix, full[i])
+                assert torch.equal(matrix, _unit_matrix(plan, i, full))
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 @pytest.mark.parametrize("max_batch_numel", [40, 1 << 27])
-def test_scatter_gives_each_rank_exactly_its_rows_of_the_results(world_size, max_batch_numel):
-    plan = make_owner_plan(SHAPES, world_size, ns_steps=5, max_batch_numel=max_batch_numel)
-    full = _full_matrices(SHAPES)
-    results = [_orthogonalize_param(matrix) for matrix in full]
+def test_scatter_gives_each_holder_exactly_its_block_of_the_results(world_size, max_batch_numel):
+    plan = make_owner_plan(SPECS, world_size, max_batch_numel=max_batch_numel)
+    full = _full_params(SPECS)
+    results = [orthogonalize(_unit_matrix(plan, i, full)) for i in range(len(plan.units))]
     for batch in plan.batches:
-        owned = [
-            {i: _orthogonalize_param(m) for i, m in gathered.items()} for gathered in _gather(plan, list(batch), full)
-        ]
+        owned = [{i: orthogonalize(m) for i, m in gathered.items()} for gathered in _gather(plan, list(batch), full)]
         local = _scatter(plan, list(batch), owned)
         for rank in range(world_size):
-            expected = _local_rows(plan, results, rank)
-            assert sorted(local[rank]) == sorted(batch)
-            for i in batch:
-                assert local[rank][i].shape == expected[i].shape
-                assert torch.equal(local[rank][i], expected[i])
+            held = [i for i in plan.travelling(batch) if plan.units[i].extents[rank]]
+            assert sorted(local[rank]) == held
+            for i in held:
+                unit = plan.units[i]
+                expected = results[i].narrow(unit.cat_dim, plan.block_offset(unit, rank), unit.extents[rank])
+                assert torch.equal(local[rank][i], expected)
 
 
 def test_scatter_accepts_non_contiguous_results():
     """A tall matrix comes back from Newton-Schulz as a transposed view."""
-    plan = make_owner_plan([(16, 4)], 2, ns_steps=5)
+    plan = make_owner_plan([(16, 4)], 2)
     result = torch.randn(4, 16).to(WIRE_DTYPE).T
     assert not result.is_contiguous()
-    local = _scatter(plan, [0], [{0: result} if plan.owners[0] == rank else {} for rank in range(2)])
+    local = _scatter(plan, [0], [{0: result} if plan.units[0].owner == rank else {} for rank in range(2)])
     assert torch.equal(local[0][0], result[:8])
     assert torch.equal(local[1][0], result[8:])
 
 
 def test_rank_with_no_rows_and_no_owned_matrix_sends_and_receives_nothing():
     """3 rows over 4 ranks: rank 3 holds no rows; one matrix means ranks 1-3 own nothing."""
-    plan = make_owner_plan([(3, 5)], 4, ns_steps=5)
-    assert plan.owners == (0,) and plan.layouts[0].rows == (1, 1, 1, 0)
-    full = _full_matrices([(3, 5)])
+    plan = make_owner_plan([(3, 5)], 4)
+    assert plan.units[0].owner == 0 and plan.units[0].extents == (1, 1, 1, 0)
+    full = _full_params([ParamSpec((3, 5))])
 
-    send = pack_gather(plan, [0], 3, _local_rows(plan, full, 3))
+    send = pack_gather(plan, [0], 3, _block_of(plan, full, 3), CPU)
     assert send.numel() == 0 and send.dtype == WIRE_DTYPE
     assert plan.gather_splits([0], 3) == ([0, 0, 0, 0], [0, 0, 0, 0])
 
@@ -126,28 +152,72 @@ def test_rank_with_no_rows_and_no_owned_matrix_sends_and_receives_nothing():
     assert received[1] == received[2] == received[3] == {}
 
     local = _scatter(plan, [0], [{0: full[0] * 2}, {}, {}, {}])
-    assert local[3][0].shape == (0, 5)
+    assert 0 not in local[3]
     assert torch.equal(local[1][0], full[0][1:2] * 2)
 
 
-def test_empty_batch_packs_empty_bf16_buffers_and_unpacks_to_nothing():
-    plan = make_owner_plan(SHAPES, 3, ns_steps=5)
-    empty = torch.empty(0, dtype=WIRE_DTYPE)
-    for rank in range(3):
-        for send in (pack_gather(plan, [], rank, {}), pack_scatter(plan, [], rank, {})):
-            assert send.numel() == 0 and send.dtype == WIRE_DTYPE
-        assert unpack_gather(plan, [], rank, empty) == {}
-        assert unpack_scatter(plan, [], rank, empty) == {}
-        assert plan.gather_splits([], rank) == ([0, 0, 0], [0, 0, 0])
-
-
 def test_gather_buffer_is_ordered_by_owner_then_batch_order():
-    plan = OwnerPlan(
-        world_size=2,
-        layouts=make_owner_plan([(2, 2)] * 3, 2, ns_steps=5).layouts,
-        owners=(1, 0, 1),
-        batches=((0, 1, 2),),
-    )
-    local = {i: torch.full((1, 2), float(i), dtype=WIRE_DTYPE) for i in range(3)}
-    send = pack_gather(plan, [0, 1, 2], 0, local)
+    plan = make_owner_plan([(2, 2)] * 3, 2)
+    units = tuple(dataclasses.replace(u, owner=owner) for u, owner in zip(plan.units, (1, 0, 1)))
+    plan = OwnerPlan(2, plan.params, units, ((0, 1, 2),))
+    send = pack_gather(plan, [0, 1, 2], 0, lambda i: torch.full((1, 2), float(i), dtype=WIRE_DTYPE), CPU)
     assert send.tolist() == [1.0, 1.0, 0.0, 0.0, 2.0, 2.0]  # owner 0: matrix 1; owner 1: matrices 0, 2
+
+
+# ------------------------------------------------------------------ devices
+
+
+def test_empty_buffers_are_made_on_the_device_asked_for():
+    """A rank with nothing to send must still hand NCCL a buffer on the GPU, not the CPU."""
+    meta = torch.device("meta")
+    plan = make_owner_plan([(3, 5)], 4)
+    assert pack_gather(plan, [0], 3, lambda i: pytest.fail("rank 3 holds no block"), meta).device == meta
+    assert pack_scatter(plan, [0], 3, {}, meta).device == meta
+    assert pack_gather(plan, [], 0, lambda i: pytest.fail("empty batch"), meta).device == meta
+
+
+def test_pack_and_unpack_run_on_meta_tensors_of_every_layout():
+    meta = torch.device("meta")
+    plan = make_owner_plan(SPECS, 4, max_batch_numel=40)
+    for batch in plan.batches:
+        for rank in range(4):
+            send = pack_gather(plan, batch, rank, lambda i: torch.empty(plan.units[i].block_shape(rank),
+                                                                        dtype=WIRE_DTYPE, device=meta), meta)
+            assert send.device == meta and send.numel() == sum(plan.gather_splits(batch, rank)[0])
+            recv = torch.empty(sum(plan.gather_splits(batch, rank)[1]), dtype=WIRE_DTYPE, device=meta)
+            full = unpack_gather(plan, batch, rank, recv)
+            assert all(m.device == meta and m.shape == plan.units[i].matrix for i, m in full.items())
+            back = pack_scatter(plan, batch, rank, full, meta)
+            assert back.device == meta and back.numel() == recv.numel()
+            blocks = unpack_scatter(plan, batch, rank, torch.empty(send.numel(), dtype=WIRE_DTYPE, device=meta))
+            assert all(b.device == meta for b in blocks.values())
+
+
+def test_exchange_refuses_a_buffer_off_the_mesh_device_before_any_collective():
+    send = torch.empty(0, dtype=WIRE_DTYPE)  # CPU, while the mesh is on "meta"
+    with pytest.raises(RuntimeError, match="mesh's device"):
+        Exchange(send, [0], [0], group=None, group_rank=0, stats=CommStats(), device=torch.device("meta"))
+
+
+# ------------------------------------------------------------------ scratch meter
+
+
+def test_scratch_meter_counts_tensors_from_track_to_free():
+    meter = ScratchMeter()
+    a = meter.track(torch.empty(10, dtype=WIRE_DTYPE))
+    b = meter.track(torch.empty(5, dtype=WIRE_DTYPE))
+    assert meter.live_bytes == meter.peak_bytes == 30
+    meter.free(a)
+    assert meter.live_bytes == 10 and meter.peak_bytes == 30
+    meter.reset_peak()
+    assert meter.peak_bytes == 10
+    meter.free(b)
+    assert meter.live_bytes == 0
+
+
+def test_scratch_meter_refuses_to_free_a_tensor_twice():
+    meter = ScratchMeter()
+    a = meter.track(torch.empty(4, dtype=WIRE_DTYPE))
+    meter.free(a)
+    with pytest.raises(KeyError):
+        meter.free(a)

@@ -24,6 +24,7 @@ def test_dcp_save_and_load_resumes_bitwise(resumed):
 def test_each_path_is_logged_once_with_its_parameters():
     lines = run_on_ranks(scenarios.path_log, 2)[0]
     assert lines == [
-        "DMuon: 6 Muon parameter(s) use the all_to_all path: square, tall, empty_shard, wide, uneven, experts_3d",
-        "DMuon: 1 Muon parameter(s) use the redistribute path: col_sharded",
+        "DMuon: 7 Muon parameter(s) use the all_to_all path: square, tall, empty_shard, wide, uneven, experts_3d, "
+        "col_sharded",
+        "DMuon: 1 Muon parameter(s) use the redistribute path: conv",
     ]

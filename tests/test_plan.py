@@ -1,4 +1,4 @@
-"""Owner and batch planning (dmuon.plan): pure functions of shapes and world sizes."""
+"""Owner and batch planning (dmuon.plan): pure functions of shapes, placements and world sizes."""
 
 from __future__ import annotations
 
@@ -13,18 +13,22 @@ from dmuon.plan import (
     ALL_TO_ALL,
     LOCAL,
     REDISTRIBUTE,
+    ParamSpec,
     assign_owners,
+    cat_dim,
     comm_path,
+    lpt_bound_flops,
     make_owner_plan,
-    shard_rows,
-    split_into_batches,
+    make_units,
+    scratch_events,
+    shard_sizes,
 )
 
-# ------------------------------------------------------------------ shard_rows
+# ------------------------------------------------------------------ shard_sizes
 
 
 @pytest.mark.parametrize(
-    "num_rows, world_size, expected",
+    "size, world_size, expected",
     [
         (8, 2, (4, 4)),
         (8, 4, (2, 2, 2, 2)),
@@ -34,22 +38,21 @@ from dmuon.plan import (
         (7, 1, (7,)),
     ],
 )
-def test_shard_rows(num_rows, world_size, expected):
-    assert shard_rows(num_rows, world_size) == expected
+def test_shard_sizes(size, world_size, expected):
+    assert shard_sizes(size, world_size) == expected
 
 
-@pytest.mark.parametrize("num_rows, world_size", [(3, 4), (1, 8), (0, 3)])
-def test_shard_rows_with_more_ranks_than_rows_gives_trailing_zeros(num_rows, world_size):
-    rows = shard_rows(num_rows, world_size)
-    assert rows == (1,) * num_rows + (0,) * (world_size - num_rows)
+@pytest.mark.parametrize("size, world_size", [(3, 4), (1, 8), (0, 3)])
+def test_shard_sizes_with_more_ranks_than_rows_gives_trailing_zeros(size, world_size):
+    assert shard_sizes(size, world_size) == (1,) * size + (0,) * (world_size - size)
 
 
-def test_shard_rows_follows_torch_chunk_like_fsdp2():
+def test_shard_sizes_follow_torch_chunk_like_dtensor_and_fsdp2():
     for world_size in range(1, 9):
-        for num_rows in range(0, 30):
-            chunks = [len(c) for c in torch.arange(num_rows).chunk(world_size)] if num_rows else []
+        for size in range(0, 30):
+            chunks = [len(c) for c in torch.arange(size).chunk(world_size)] if size else []
             expected = tuple(chunks) + (0,) * (world_size - len(chunks))
-            assert shard_rows(num_rows, world_size) == expected, (num_rows, world_size)
+            assert shard_sizes(size, world_size) == expected, (size, world_size)
 
 
 # ------------------------------------------------------------------ assign_owners
@@ -63,6 +66,10 @@ def test_assign_owners_is_deterministic():
 def test_assign_owners_is_longest_processing_time_first():
     # 5 -> r0, 4 -> r1, 3 -> r1 (4 < 5), 3 -> r0 (5 < 7), 3 -> r1 (7 < 8)
     assert assign_owners([5, 4, 3, 3, 3], 2) == (0, 1, 1, 0, 1)
+
+
+def test_assign_owners_starts_from_the_loads_ranks_already_carry():
+    assert assign_owners([4, 4], 2, loads=[10, 0]) == (1, 1)
 
 
 def test_assign_owners_balances_loads_within_one_largest_cost():
@@ -83,36 +90,7 @@ def test_assign_owners_with_fewer_matrices_than_ranks_uses_the_lowest_ranks():
     assert assign_owners([], 4) == ()
 
 
-# ------------------------------------------------------------------ split_into_batches
-
-
-def test_split_into_batches_respects_the_cap():
-    numels = [3, 3, 3, 3, 5, 1]
-    batches = split_into_batches(numels, 6)
-    assert batches == ((0, 1), (2, 3), (4, 5))
-    assert all(sum(numels[i] for i in batch) <= 6 for batch in batches)
-
-
-def test_split_into_batches_keeps_every_index_once_in_order():
-    numels = [4, 1, 7, 2, 2, 9, 3]
-    batches = split_into_batches(numels, 8)
-    assert [i for batch in batches for i in batch] == list(range(len(numels)))
-
-
-def test_split_into_batches_puts_an_oversized_matrix_alone():
-    assert split_into_batches([2, 10, 2], 5) == ((0,), (1,), (2,))
-    assert split_into_batches([2, 2, 10], 5) == ((0, 1), (2,))
-
-
-def test_split_into_batches_of_nothing_is_empty():
-    assert split_into_batches([], 5) == ()
-
-
-def test_one_batch_when_everything_fits():
-    assert split_into_batches([1, 2, 3], 6) == ((0, 1, 2),)
-
-
-# ------------------------------------------------------------------ make_owner_plan
+# ------------------------------------------------------------------ units and blocks
 
 # Uneven shards, empty shards (3 rows over 4 ranks) and a 3-D expert stack.
 MIXED_SHAPES = [(10, 6), (3, 5), (4, 2, 3), (7, 7), (16, 4), (2, 9)]
@@ -123,11 +101,61 @@ def _llama_like(layers: int, dim: int, hidden: int) -> list[tuple[int, int]]:
     return per_layer * layers
 
 
+def test_a_2d_parameter_is_one_unit_whose_blocks_are_its_row_shards():
+    (unit,) = make_units([ParamSpec((10, 6))], 4)
+    assert unit.matrix == (10, 6) and unit.cat_dim == 0
+    assert unit.extents == shard_sizes(10, 4) == (3, 3, 3, 1)
+    assert unit.travels
+
+
+def test_a_column_sharded_2d_parameter_has_column_blocks():
+    (unit,) = make_units([ParamSpec((6, 10), shard_dim=1)], 4)
+    assert unit.cat_dim == 1 and unit.extents == (3, 3, 3, 1)
+    assert unit.block_shape(3) == (6, 1)
+
+
+def test_a_3d_stack_is_one_unit_per_expert():
+    units = make_units([ParamSpec((4, 2, 3))], 2)
+    assert [u.dim0 for u in units] == [(0, 1), (1, 2), (2, 3), (3, 4)]
+    assert all(u.matrix == (2, 3) for u in units)
+    assert all(u.cost == newton_schulz_flops((2, 3), 5) for u in units)
+
+
+def test_experts_sharded_on_dim_0_are_whole_on_one_rank_and_do_not_travel():
+    units = make_units([ParamSpec((4, 2, 3))], 2)
+    assert [u.extents for u in units] == [(2, 0), (2, 0), (0, 2), (0, 2)]
+    assert not any(u.travels for u in units)
+
+
+@pytest.mark.parametrize("shard_dim, cat_dim", [(1, 0), (2, 1)])
+def test_experts_sharded_inside_the_matrix_travel_as_blocks(shard_dim, cat_dim):
+    units = make_units([ParamSpec((3, 8, 12), shard_dim=shard_dim)], 4)
+    assert all(u.travels and u.cat_dim == cat_dim for u in units)
+    assert units[0].extents == shard_sizes((8, 12)[cat_dim], 4)
+
+
+def test_a_4d_parameter_sharded_past_dim_0_has_no_block_layout():
+    assert cat_dim(4, 0) == 0 and cat_dim(4, 1) is None
+    with pytest.raises(ValueError, match="no block layout"):
+        make_units([ParamSpec((4, 6, 3, 3), shard_dim=1)], 2)
+
+
+def test_local_dim0_locates_each_rank_s_block_in_its_own_shard():
+    plan = make_owner_plan([ParamSpec((10, 6)), ParamSpec((4, 2, 3)), ParamSpec((6, 10), shard_dim=1)], 4)
+    row_unit, *experts, col_unit = plan.units
+    assert [plan.local_dim0(row_unit, r) for r in range(4)] == [(0, 3), (0, 3), (0, 3), (0, 1)]
+    assert [plan.local_dim0(experts[2], r) for r in range(4)] == [None, None, (0, 1), None]
+    assert [plan.local_dim0(col_unit, r) for r in range(4)] == [(0, 6)] * 4
+
+
+# ------------------------------------------------------------------ owners and batches
+
+
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 @pytest.mark.parametrize("max_batch_numel", [40, 1 << 27])
 def test_gather_splits_agree_between_senders_and_owners(world_size, max_batch_numel):
     """What rank r sends to owner o is exactly what o expects to receive from r."""
-    plan = make_owner_plan(MIXED_SHAPES, world_size, ns_steps=5, max_batch_numel=max_batch_numel)
+    plan = make_owner_plan(MIXED_SHAPES, world_size, max_batch_numel=max_batch_numel)
     for batch in plan.batches:
         splits = [plan.gather_splits(batch, rank) for rank in range(world_size)]
         for sender in range(world_size):
@@ -136,38 +164,82 @@ def test_gather_splits_agree_between_senders_and_owners(world_size, max_batch_nu
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
-def test_gather_splits_deliver_every_element_once(world_size):
-    plan = make_owner_plan(MIXED_SHAPES, world_size, ns_steps=5, max_batch_numel=40)
+def test_gather_splits_deliver_every_travelling_element_once(world_size):
+    plan = make_owner_plan(MIXED_SHAPES, world_size, max_batch_numel=40)
     for batch in plan.batches:
         sent = sum(sum(plan.gather_splits(batch, rank)[0]) for rank in range(world_size))
         received_by_owner = [sum(plan.gather_splits(batch, rank)[1]) for rank in range(world_size)]
-        owned_numel = [
-            sum(torch.Size(plan.layouts[i].shape).numel() for i in batch if plan.owners[i] == rank)
-            for rank in range(world_size)
-        ]
+        travelling = plan.travelling(batch)
+        owned_numel = [sum(plan.units[i].numel for i in travelling if plan.units[i].owner == r) for r in range(world_size)]
         assert received_by_owner == owned_numel
-        assert sent == sum(torch.Size(plan.layouts[i].shape).numel() for i in batch)
+        assert sent == sum(plan.units[i].numel for i in travelling)
 
 
-def test_plan_layouts_use_shard_rows():
-    plan = make_owner_plan(MIXED_SHAPES, 4, ns_steps=5)
-    assert [layout.rows for layout in plan.layouts] == [shard_rows(s[0], 4) for s in MIXED_SHAPES]
-    assert plan.layouts[2].row_numel == 6  # (4, 2, 3): one row of dim 0 is 2 x 3
+def test_every_unit_is_in_exactly_one_batch():
+    plan = make_owner_plan(MIXED_SHAPES * 3, 3, max_batch_numel=40)
+    indices = [i for batch in plan.batches for i in batch]
+    assert sorted(indices) == list(range(len(plan.units)))
+    assert all(plan.units[i].batch == b for b, batch in enumerate(plan.batches) for i in batch)
 
 
-def test_plan_balances_owners_by_newton_schulz_flops_within_each_batch():
-    plan = make_owner_plan(MIXED_SHAPES, 3, ns_steps=5, max_batch_numel=40)
-    for batch in plan.batches:
-        costs = [newton_schulz_flops(MIXED_SHAPES[i], 5) for i in batch]
-        assert tuple(plan.owners[i] for i in batch) == assign_owners(costs, 3)
+def test_owners_are_a_whole_step_lpt_assignment_of_the_travelling_units():
+    shapes = _llama_like(layers=4, dim=64, hidden=160)
+    plan = make_owner_plan(shapes, 3, max_batch_numel=1)  # many batches: owners must not depend on them
+    costs = [u.cost for u in plan.units]
+    assert tuple(u.owner for u in plan.units) == assign_owners(costs, 3)
 
 
-def test_plan_respects_max_batch_numel():
-    plan = make_owner_plan(MIXED_SHAPES, 2, ns_steps=5, max_batch_numel=40)
+def test_units_held_whole_by_one_rank_are_owned_there():
+    plan = make_owner_plan([ParamSpec((4, 8, 8)), (8, 8)], 2)
+    assert [u.owner for u in plan.units[:4]] == [0, 0, 1, 1]
+
+
+def test_whole_experts_cost_nothing_on_the_wire():
+    plan = make_owner_plan([ParamSpec((6, 16, 16))], 3)
+    assert all(plan.bytes_sent(rank) == 0 for rank in range(3))
+    assert all(plan.ns_flops(rank) == 2 * newton_schulz_flops((16, 16), 5) for rank in range(3))
+
+
+@pytest.mark.parametrize("world_size", [2, 4, 8])
+def test_every_rank_has_work_in_every_batch_when_it_owns_enough_units(world_size):
+    shapes = _llama_like(layers=8, dim=64, hidden=160)
+    plan = make_owner_plan(shapes, world_size, max_batch_numel=64 * 160)
     assert len(plan.batches) > 1
     for batch in plan.batches:
-        numel = sum(torch.Size(MIXED_SHAPES[i]).numel() for i in batch)
-        assert numel <= 40 or len(batch) == 1
+        assert all(plan.ns_flops(rank, batch) > 0 for rank in range(world_size)), batch
+
+
+def test_batches_respect_max_batch_numel_per_rank():
+    shapes = _llama_like(layers=4, dim=64, hidden=160)
+    cap = 2 * 64 * 160
+    plan = make_owner_plan(shapes, 2, max_batch_numel=cap)
+    for batch in plan.batches:
+        for rank in range(2):
+            owned = [plan.units[i].numel for i in plan.travelling(batch) if plan.units[i].owner == rank]
+            assert sum(owned) <= cap or len(owned) == 1
+
+
+def test_a_matrix_larger_than_the_cap_forms_a_batch_of_its_own_on_its_owner():
+    plan = make_owner_plan([(8, 8), (64, 64), (8, 8)], 2, max_batch_numel=10)
+    big = next(b for b, batch in enumerate(plan.batches) if 1 in batch)
+    owner = plan.units[1].owner
+    assert [i for i in plan.batches[big] if plan.units[i].owner == owner] == [1]
+
+
+def test_critical_path_stays_at_the_lpt_bound_when_batches_follow_shelves():
+    shapes = _llama_like(layers=8, dim=64, hidden=160)
+    for world_size in (2, 4, 8, 16):
+        plan = make_owner_plan(shapes, world_size, max_batch_numel=64 * 160)
+        assert plan.ns_critical_path_flops <= 1.1 * lpt_bound_flops(plan), world_size
+
+
+def test_more_ranks_than_matrices_leaves_the_extra_ranks_without_newton_schulz():
+    plan = make_owner_plan([(8, 8), (8, 8)], 4)
+    assert sorted(u.owner for u in plan.units) == [0, 1]
+    assert plan.ns_flops(2) == plan.ns_flops(3) == 0
+
+
+# ------------------------------------------------------------------ bytes and memory
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
@@ -175,7 +247,7 @@ def test_bytes_sent_is_a_pth_of_an_all_gather_for_a_balanced_stack(world_size):
     """4 * N * (P - 1) / P^2 bytes per rank: bf16 rows to owners and back, 1/P of an all-gather."""
     shapes = _llama_like(layers=4, dim=64, hidden=128)
     total = sum(rows * cols for rows, cols in shapes)
-    plan = make_owner_plan(shapes, world_size, ns_steps=5)
+    plan = make_owner_plan(shapes, world_size)
     expected = 4 * total * (world_size - 1) // world_size**2
     assert 4 * total * (world_size - 1) % world_size**2 == 0
     for rank in range(world_size):
@@ -183,14 +255,43 @@ def test_bytes_sent_is_a_pth_of_an_all_gather_for_a_balanced_stack(world_size):
 
 
 def test_bytes_sent_counts_element_size():
-    plan = make_owner_plan(_llama_like(2, 32, 64), 2, ns_steps=5)
+    plan = make_owner_plan(_llama_like(2, 32, 64), 2)
     assert plan.bytes_sent(0, element_size=4) == 2 * plan.bytes_sent(0, element_size=2)
 
 
 def test_bytes_sent_on_one_rank_is_zero():
-    plan = make_owner_plan(MIXED_SHAPES, 1, ns_steps=5)
+    plan = make_owner_plan(MIXED_SHAPES, 1)
     assert plan.bytes_sent(0) == 0
-    assert set(plan.owners) == {0}
+    assert {u.owner for u in plan.units} == {0}
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_scratch_events_free_everything_they_allocate(world_size):
+    plan = make_owner_plan(MIXED_SHAPES * 2, world_size, max_batch_numel=40)
+    for rank in range(world_size):
+        assert sum(scratch_events(plan, rank)) == 0
+
+
+def test_peak_scratch_is_bounded_by_three_batches_of_buffers():
+    """The documented bound: 2 bytes x (two full copies of a batch's owned matrices,
+    plus send and receive buffers of the batches before and after it, plus one block)."""
+    plan = make_owner_plan(_llama_like(layers=6, dim=64, hidden=160), 4, max_batch_numel=64 * 160)
+    for rank in range(4):
+        per_batch = []
+        for batch in plan.batches:
+            send, recv = plan.gather_splits(batch, rank)
+            per_batch.append(sum(send) + sum(recv))
+        owned_max = max(sum(plan.gather_splits(b, rank)[1]) for b in plan.batches)
+        bound = 2 * (2 * owned_max + 2 * max(per_batch) + max(u.numel for u in plan.units))
+        assert 0 < plan.peak_scratch_bytes(rank) <= bound
+
+
+def test_smaller_batches_need_less_scratch():
+    shapes = _llama_like(layers=8, dim=64, hidden=160)
+    big = make_owner_plan(shapes, 2)
+    small = make_owner_plan(shapes, 2, max_batch_numel=64 * 160)
+    assert len(small.batches) > len(big.batches)
+    assert small.peak_scratch_bytes(0) < big.peak_scratch_bytes(0)
 
 
 # ------------------------------------------------------------------ comm_path
@@ -248,10 +349,20 @@ def test_sharded_dtensor_with_comm_redistribute_takes_the_redistribute_path():
 
 
 @pytest.mark.usefixtures("one_rank_group")
-def test_column_sharded_dtensor_takes_the_redistribute_path():
+def test_column_sharded_matrix_has_a_block_layout():
     from torch.distributed.tensor import Shard
 
-    assert comm_path(_dtensor((1,), [Shard(1)]), ALL_TO_ALL) == REDISTRIBUTE
+    assert comm_path(_dtensor((1,), [Shard(1)]), ALL_TO_ALL) == LOCAL  # fast path; one rank moves nothing
+    assert cat_dim(2, 1) == 1
+
+
+@pytest.mark.usefixtures("one_rank_group")
+def test_4d_weight_sharded_past_dim_0_takes_the_redistribute_path():
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    conv = DTensor.from_local(torch.randn(4, 6, 3, 3), init_device_mesh("cpu", (1,)), [Shard(1)])
+    assert comm_path(conv, ALL_TO_ALL) == REDISTRIBUTE
 
 
 @pytest.mark.usefixtures("one_rank_group")

@@ -1,0 +1,62 @@
+"""The whole-step owner plan on real gloo ranks: still bit for bit equal to a single
+process, whatever the batches, the rank count or the block layout; and the scratch a
+real step allocates is what the plan predicts."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests import distributed_scenarios as scenarios
+from tests.multiprocess import run_on_ranks
+
+ALL = [name for name, _, _ in scenarios.LAYOUT_CASES]
+DEFAULT_CAP = 1 << 27
+
+
+@pytest.fixture(scope="module")
+def every_layout() -> dict[int, dict]:
+    return {world: run_on_ranks(scenarios.layout_exactness, world, ALL, DEFAULT_CAP)[0] for world in (1, 2, 4)}
+
+
+@pytest.mark.parametrize("case", ALL)
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_every_block_layout_is_bitwise_equal_to_single_process(every_layout, world, case):
+    assert every_layout[world]["equal"][case]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_every_block_layout_takes_the_fast_path(every_layout, world):
+    assert set(every_layout[world]["paths"].values()) == {"all_to_all"}
+
+
+def test_tiny_batches_leave_some_rank_idle_and_stay_bitwise():
+    result = run_on_ranks(scenarios.layout_exactness, 4, ALL, 64)[0]
+    assert len(result["batches"]) > 1
+    assert result["idle_in_some_batch"]
+    assert all(result["equal"].values()), result["equal"]
+
+
+def test_more_ranks_than_matrices_stays_bitwise():
+    result = run_on_ranks(scenarios.layout_exactness, 4, ["rows", "tall"], DEFAULT_CAP)[0]
+    assert all(result["equal"].values()), result["equal"]
+
+
+def test_experts_split_across_ranks_travel_and_stay_bitwise(every_layout):
+    split = run_on_ranks(scenarios.layout_exactness, 4, ["experts_split_rows", "experts_split_cols"], DEFAULT_CAP)
+    assert all(rank["bytes"] > 0 for rank in split)
+    assert all(split[0]["equal"].values())
+
+
+def test_experts_whole_on_each_rank_are_orthogonalized_in_place_without_bytes():
+    ranks = run_on_ranks(scenarios.layout_exactness, 4, ["experts_whole"], DEFAULT_CAP)
+    assert [rank["bytes"] for rank in ranks] == [0, 0, 0, 0]
+    assert all(rank["ns_flops"] > 0 for rank in ranks)  # each rank ran its own expert
+    assert ranks[0]["equal"] == {"experts_whole": True}
+
+
+def test_a_real_step_allocates_exactly_the_scratch_the_plan_predicts():
+    ranks = run_on_ranks(scenarios.measured_scratch, 4, 600)
+    for rank in ranks:
+        assert rank["predicted"] > 0
+        assert rank["measured"] == [rank["predicted"]] * 2, rank
+        assert rank["live_after"] == 0
