@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Sequence
+from itertools import accumulate
 from dataclasses import dataclass, replace
 from functools import cached_property
 
@@ -99,6 +100,11 @@ def shard_sizes(size: int, world_size: int) -> tuple[int, ...]:
     return tuple(max(0, min(size, (r + 1) * chunk) - r * chunk) for r in range(world_size))
 
 
+def shard_starts(sizes: Sequence[int]) -> tuple[int, ...]:
+    """Where each rank's shard begins: the prefix sums of ``sizes``."""
+    return (0, *accumulate(sizes))[: len(sizes)]
+
+
 def assign_owners(costs: Sequence[int], world_size: int, loads: Sequence[int] | None = None) -> tuple[int, ...]:
     """Balance costs over ranks: longest job first, each to the least-loaded rank.
 
@@ -153,6 +159,8 @@ class Unit:
     """Each rank's block size along ``cat_dim`` (0: the rank holds none of it)."""
     cost: int
     """Newton-Schulz flops."""
+    travels: bool
+    """False when one rank holds the whole matrix (it is then the owner, and nothing moves)."""
     owner: int = 0
     batch: int = 0
 
@@ -167,11 +175,6 @@ class Unit:
         shape = list(self.matrix)
         shape[self.cat_dim] = self.extents[rank]
         return (shape[0], shape[1])
-
-    @property
-    def travels(self) -> bool:
-        """False when one rank holds the whole matrix (it is then the owner)."""
-        return sum(1 for e in self.extents if e) > 1
 
 
 @dataclass(frozen=True)
@@ -192,16 +195,23 @@ class OwnerPlan:
         or None when the rank holds none of it."""
         if not unit.extents[rank]:
             return None
-        spec = self.params[unit.param]
-        if spec.shard_dim != 0:  # every rank holds all of dim 0
+        if self.params[unit.param].shard_dim != 0:  # every rank holds all of dim 0
             return unit.dim0
-        start = sum(shard_sizes(spec.shape[0], self.world_size)[:rank])
-        lo, hi = max(unit.dim0[0], start), min(unit.dim0[1], start + shard_sizes(spec.shape[0], self.world_size)[rank])
-        return (lo - start, hi - start)
+        start, size = self._dim0_shards[unit.param][rank]
+        return (max(unit.dim0[0], start) - start, min(unit.dim0[1], start + size) - start)
 
     def block_offset(self, unit: Unit, rank: int) -> int:
         """Where ``rank``'s block starts along ``unit.cat_dim`` of the whole matrix."""
         return sum(unit.extents[:rank])
+
+    @cached_property
+    def _dim0_shards(self) -> list[list[tuple[int, int]]]:
+        """Per parameter, each rank's ``(start, size)`` along dim 0."""
+        shards = []
+        for spec in self.params:
+            sizes = shard_sizes(spec.shape[0], self.world_size)
+            shards.append(list(zip(shard_starts(sizes), sizes)))
+        return shards
 
     # ------------------------------------------------------------ per-batch queries
 
@@ -322,7 +332,7 @@ def make_units(params: Sequence[ParamSpec], world_size: int) -> list[Unit]:
             raise ValueError(f"a {ndim}-D parameter sharded on dim {spec.shard_dim} has no block layout")
         rows_per_index = spec.shape[1] if ndim == 3 else 1  # matrix rows per index of dim 0
         sizes = shard_sizes(spec.shape[spec.shard_dim], world_size)
-        starts = [sum(sizes[:r]) for r in range(world_size)]
+        starts = shard_starts(sizes)
         for u in range(spec.num_units):
             lo, hi = u * spec.unit_rows, (u + 1) * spec.unit_rows
             matrix = matrix_shape((hi - lo,) + spec.shape[1:])[-2:]
@@ -333,7 +343,8 @@ def make_units(params: Sequence[ParamSpec], world_size: int) -> list[Unit]:
             else:
                 extents = sizes
             cost = newton_schulz_flops(matrix, spec.ns_steps)
-            units.append(Unit(index, (lo, hi), (matrix[0], matrix[1]), dim, extents, cost))
+            travels = sum(1 for e in extents if e) > 1
+            units.append(Unit(index, (lo, hi), (matrix[0], matrix[1]), dim, extents, cost, travels))
     return units
 
 

@@ -4,6 +4,8 @@ real step allocates is what the plan predicts."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from tests import distributed_scenarios as scenarios
@@ -54,9 +56,24 @@ def test_experts_whole_on_each_rank_are_orthogonalized_in_place_without_bytes():
     assert ranks[0]["equal"] == {"experts_whole": True}
 
 
-def test_a_real_step_allocates_exactly_the_scratch_the_plan_predicts():
-    ranks = run_on_ranks(scenarios.measured_scratch, 4, 600)
-    for rank in ranks:
+@pytest.fixture(scope="module")
+def scratch_at_four_ranks() -> list[dict]:
+    return run_on_ranks(scenarios.measured_scratch, 4, 600)
+
+
+def test_a_real_step_allocates_exactly_the_scratch_the_plan_predicts(scratch_at_four_ranks):
+    for rank in scratch_at_four_ranks:
         assert rank["predicted"] > 0
         assert rank["measured"] == [rank["predicted"]] * 2, rank
         assert rank["live_after"] == 0
+
+
+def test_plan_report_predicts_the_scratch_measured_in_a_real_step(scratch_at_four_ranks, tmp_path, capsys):
+    from dmuon.plan_report import main
+
+    shapes = tmp_path / "layouts.json"
+    shapes.write_text(json.dumps([{"shape": list(shape), "shard_dim": dim} for _, shape, dim in scenarios.LAYOUT_CASES]))
+    main(["--shapes", str(shapes), "--world-size", "4", "--max-batch-numel", "600", "--json"])
+    predicted = json.loads(capsys.readouterr().out)["peak_scratch_bytes_per_rank"]
+    measured = [max(rank["measured"]) for rank in scratch_at_four_ranks]
+    assert predicted == max(measured)

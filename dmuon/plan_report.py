@@ -1,0 +1,225 @@
+"""What DMuon's fast path does at scale, from shapes alone (no processes, no GPU).
+
+Run::
+
+    python -m dmuon.plan_report --model llama3-8b --world-size 8 64 256 1024
+    python -m dmuon.plan_report --model llama3-70b --world-size 64 --json
+    python -m dmuon.plan_report --shapes shapes.json --world-size 16
+
+It builds the optimizer's own owner plan (``dmuon.plan.make_owner_plan``) for the Muon
+matrices of a model, FSDP2-sharded (``Shard(0)``) over P ranks, and reports the balance
+of Newton-Schulz work, the bytes each rank sends, the scratch memory, and a predicted
+time from a simple cost model:
+
+- Newton-Schulz of batch ``b`` takes ``NS_b = max_r flops(r, b) / (peak * ns_mfu)``;
+- its gather and scatter take ``G_b``, ``S_b`` = the most bytes a rank sends in them
+  divided by the per-rank link bandwidth;
+- the step overlaps batch ``b``'s Newton-Schulz with gather ``b + 1`` and scatter
+  ``b - 1`` (``dmuon.owner_step``), so
+  ``optimizer_ms = G_0 + sum_b max(NS_b, G_{b+1} + S_{b-1}) + S_{last}``;
+- ``train_step_ms = 6 * params * tokens_per_rank / (train_mfu * peak)`` (forward and
+  backward of a dense model), and ``optimizer_fraction = optimizer / (train + optimizer)``.
+
+Left out of the model: the elementwise momentum and update (memory-bound, about 30
+bytes of HBM traffic per local element: a few ms at most), collective latency, and
+Newton-Schulz kernels running below ``ns_mfu`` on small matrices.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from dmuon.newton_schulz import DEFAULT_NS_STEPS, newton_schulz_flops
+from dmuon.plan import DEFAULT_BATCH_NUMEL, WIRE_BYTES, OwnerPlan, ParamSpec, lpt_bound_flops, make_owner_plan
+
+H100_BF16_DENSE_TFLOPS = 989.0
+
+
+@dataclass(frozen=True)
+class Llama3:
+    """The shapes that decide Muon's work in a llama3 model."""
+
+    dim: int
+    ffn: int
+    kv: int
+    layers: int
+    vocab: int = 128256
+
+    def matrices(self) -> list[tuple[int, int]]:
+        """Hidden matrices per layer: wq, wk, wv, wo, w1, w2, w3 (nn.Linear: out x in)."""
+        d, f, kv = self.dim, self.ffn, self.kv
+        return [(d, d), (kv, d), (kv, d), (d, d), (f, d), (d, f), (f, d)] * self.layers
+
+    def params(self) -> int:
+        """All parameters: the matrices, embeddings, output head and RMSNorm weights."""
+        return sum(a * b for a, b in self.matrices()) + 2 * self.vocab * self.dim + (2 * self.layers + 1) * self.dim
+
+
+PRESETS = {
+    "llama3-8b": Llama3(dim=4096, ffn=14336, kv=1024, layers=32),
+    "llama3-70b": Llama3(dim=8192, ffn=28672, kv=1024, layers=80),
+    "llama3-405b": Llama3(dim=16384, ffn=53248, kv=1024, layers=126),
+}
+
+
+@dataclass(frozen=True)
+class CostModel:
+    peak_tflops: float = H100_BF16_DENSE_TFLOPS
+    """Dense bf16 peak of one GPU, TFLOP/s (H100 SXM: 989)."""
+    ns_mfu: float = 0.6
+    """Fraction of peak Newton-Schulz's matmuls reach."""
+    link_gbps: float = 400.0
+    """Per-rank network bandwidth, Gbit/s (one 400G NIC per GPU)."""
+    tokens_per_rank: int = 8192
+    """Tokens each rank processes per training step."""
+    train_mfu: float = 0.4
+    """Model FLOPs utilization of forward and backward."""
+
+
+def report(name: str, specs: Sequence[ParamSpec], params: int, world_size: int, cost: CostModel,
+           max_batch_numel: int = DEFAULT_BATCH_NUMEL) -> dict:
+    """The plan's figures and predicted times, as ``--json`` prints them."""
+    plan = make_owner_plan(specs, world_size, max_batch_numel)
+    ranks = range(world_size)
+    total = sum(u.cost for u in plan.units)
+    muon_elements = sum(math.prod(s.shape) for s in specs)
+    critical = plan.ns_critical_path_flops
+    per_rank_ideal = total / world_size
+    flops_per_ms = cost.peak_tflops * 1e9 * cost.ns_mfu
+    bytes_per_ms = cost.link_gbps * 1e9 / 8 / 1e3
+    ns = [max(plan.ns_flops(r, b) for r in ranks) / flops_per_ms for b in plan.batches]
+    gather, scatter = _exchange_ms(plan, bytes_per_ms)
+    optimizer_ms = _overlapped_ms(ns, gather, scatter)
+    train_ms = 6 * params * cost.tokens_per_rank / (cost.train_mfu * cost.peak_tflops * 1e9)
+    return {
+        "model": name,
+        "world_size": world_size,
+        "matrices": len(plan.units),
+        "muon_elements": muon_elements,
+        "ns_flops_total": total,
+        "ns_flops_per_rank_max": max(plan.ns_flops(r) for r in ranks),
+        "ns_critical_path_flops": critical,
+        "ns_efficiency": per_rank_ideal / critical if critical else 1.0,
+        "lpt_bound_efficiency": per_rank_ideal / lpt_bound_flops(plan) if total else 1.0,
+        "batches": len(plan.batches),
+        "bytes_sent_per_rank_max": max(plan.bytes_sent(r) for r in ranks),
+        "bytes_minimum": 4 * muon_elements * (world_size - 1) // world_size**2,
+        "peak_scratch_bytes_per_rank": max(plan.peak_scratch_bytes(r) for r in ranks),
+        "predicted": {
+            "ns_ms": sum(ns),
+            "comm_ms": sum(gather) + sum(scatter),
+            "optimizer_ms": optimizer_ms,
+            "train_step_ms": train_ms,
+            "optimizer_fraction": optimizer_ms / (train_ms + optimizer_ms),
+        },
+    }
+
+
+def _exchange_ms(plan: OwnerPlan, bytes_per_ms: float) -> tuple[list[float], list[float]]:
+    """Per batch: the slowest rank's gather and scatter time (bytes to other ranks / bandwidth)."""
+    gather, scatter = [], []
+    for batch in plan.batches:
+        sent_g = sent_s = 0
+        for rank in range(plan.world_size):
+            send, recv = plan.gather_splits(batch, rank)
+            sent_g = max(sent_g, sum(send) - send[rank])
+            sent_s = max(sent_s, sum(recv) - recv[rank])
+        gather.append(sent_g * WIRE_BYTES / bytes_per_ms)
+        scatter.append(sent_s * WIRE_BYTES / bytes_per_ms)
+    return gather, scatter
+
+
+def _overlapped_ms(ns: list[float], gather: list[float], scatter: list[float]) -> float:
+    """``G_0 + sum_b max(NS_b, G_{b+1} + S_{b-1}) + S_last``: the schedule of dmuon.owner_step."""
+    if not ns:
+        return 0.0
+    total = gather[0] + scatter[-1]
+    for b, ns_ms in enumerate(ns):
+        hidden = (gather[b + 1] if b + 1 < len(ns) else 0.0) + (scatter[b - 1] if b else 0.0)
+        total += max(ns_ms, hidden)
+    return total
+
+
+def limit(row: dict) -> str:
+    """What bounds a row: matrix granularity, the network, or nothing (balanced)."""
+    if row["lpt_bound_efficiency"] < 0.9:
+        return f"granularity: {row['matrices']} matrices on {row['world_size']} ranks"
+    predicted = row["predicted"]
+    if predicted["optimizer_ms"] > 1.2 * predicted["ns_ms"]:
+        return "network: exposed communication"
+    return "balanced"
+
+
+def format_table(rows: list[dict]) -> str:
+    header = (f"{'model':<12}{'P':>6}{'mats':>6}{'batch':>6}{'NS eff':>8}{'LPT':>6}{'bytes/min':>10}"
+              f"{'scratch MB':>11}{'NS ms':>8}{'comm ms':>9}{'opt ms':>8}{'train ms':>10}{'opt %':>7}  limit")
+    lines = [header]
+    for row in rows:
+        p = row["predicted"]
+        ratio = row["bytes_sent_per_rank_max"] / row["bytes_minimum"] if row["bytes_minimum"] else 1.0
+        lines.append(
+            f"{row['model']:<12}{row['world_size']:>6}{row['matrices']:>6}{row['batches']:>6}"
+            f"{row['ns_efficiency']:>8.3f}{row['lpt_bound_efficiency']:>6.3f}{ratio:>10.3f}"
+            f"{row['peak_scratch_bytes_per_rank'] / 2**20:>11.0f}{p['ns_ms']:>8.1f}{p['comm_ms']:>9.1f}"
+            f"{p['optimizer_ms']:>8.1f}{p['train_step_ms']:>10.1f}{100 * p['optimizer_fraction']:>7.2f}  {limit(row)}"
+        )
+    return "\n".join(lines)
+
+
+def load_shapes(path: Path) -> tuple[list[ParamSpec], int]:
+    """``[[A, B], [E, A, B], ...]``, or ``{"shapes": [...], "params": N}``; an entry may also be
+    ``{"shape": [...], "shard_dim": d, "ns_steps": k}``. ``params`` (for the train-step
+    model) defaults to the elements of the shapes."""
+    data = json.loads(path.read_text())
+    entries, params = (data["shapes"], data.get("params")) if isinstance(data, dict) else (data, None)
+    specs = []
+    for entry in entries:
+        if isinstance(entry, dict):
+            specs.append(ParamSpec(tuple(entry["shape"]), entry.get("shard_dim", 0),
+                                   entry.get("ns_steps", DEFAULT_NS_STEPS)))
+        else:
+            specs.append(ParamSpec(tuple(entry)))
+    return specs, params if params is not None else sum(math.prod(s.shape) for s in specs)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m dmuon.plan_report", description=__doc__.split("\n\n")[0])
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--model", nargs="+", choices=sorted(PRESETS), help="llama3 preset(s)")
+    source.add_argument("--shapes", type=Path, help="JSON file of Muon matrix shapes")
+    parser.add_argument("--world-size", type=int, nargs="+", required=True, help="rank count(s) P")
+    parser.add_argument("--max-batch-numel", type=int, default=DEFAULT_BATCH_NUMEL,
+                        help="DMuon's max_batch_numel (default %(default)s)")
+    defaults = CostModel()
+    parser.add_argument("--peak-tflops", type=float, default=defaults.peak_tflops, help="bf16 peak (default %(default)s)")
+    parser.add_argument("--ns-mfu", type=float, default=defaults.ns_mfu, help="default %(default)s")
+    parser.add_argument("--link-gbps", type=float, default=defaults.link_gbps, help="per-rank Gbit/s (default %(default)s)")
+    parser.add_argument("--tokens-per-rank", type=int, default=defaults.tokens_per_rank, help="default %(default)s")
+    parser.add_argument("--train-mfu", type=float, default=defaults.train_mfu, help="default %(default)s")
+    parser.add_argument("--json", action="store_true", help="print JSON (one object, or a list for several rows)")
+    args = parser.parse_args(argv)
+    if any(p < 1 for p in args.world_size):
+        parser.error("--world-size must be positive")
+    cost = CostModel(args.peak_tflops, args.ns_mfu, args.link_gbps, args.tokens_per_rank, args.train_mfu)
+    if args.shapes:
+        specs, params = load_shapes(args.shapes)
+        models = [(args.shapes.stem, specs, params)]
+    else:
+        models = [(name, [ParamSpec(s) for s in PRESETS[name].matrices()], PRESETS[name].params()) for name in args.model]
+    rows = [report(name, specs, params, p, cost, args.max_batch_numel)
+            for name, specs, params in models for p in args.world_size]
+    if args.json:
+        json.dump(rows[0] if len(rows) == 1 else rows, sys.stdout, indent=2)
+        print()
+    else:
+        print(format_table(rows))
+
+
+if __name__ == "__main__":
+    main()

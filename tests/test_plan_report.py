@@ -1,0 +1,81 @@
+"""python -m dmuon.plan_report: the optimizer's own planner at P up to 1024, from shapes alone."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dmuon.newton_schulz import newton_schulz_flops
+from dmuon.plan_report import PRESETS, main
+
+KEYS = {
+    "model", "world_size", "matrices", "muon_elements", "ns_flops_total", "ns_flops_per_rank_max",
+    "ns_critical_path_flops", "ns_efficiency", "lpt_bound_efficiency", "batches", "bytes_sent_per_rank_max",
+    "bytes_minimum", "peak_scratch_bytes_per_rank", "predicted",
+}
+PREDICTED_KEYS = {"ns_ms", "comm_ms", "optimizer_ms", "train_step_ms", "optimizer_fraction"}
+
+
+def _report(capsys, *args: str) -> dict | list:
+    main([*args, "--json"])
+    return json.loads(capsys.readouterr().out)
+
+
+@pytest.mark.parametrize("model, world_size", [
+    ("llama3-8b", 8), ("llama3-8b", 64), ("llama3-70b", 64), ("llama3-70b", 256), ("llama3-405b", 512),
+])
+def test_the_plan_keeps_every_rank_busy_and_sends_near_the_minimum(capsys, model, world_size):
+    row = _report(capsys, "--model", model, "--world-size", str(world_size))
+    assert row["ns_efficiency"] >= 0.9 * row["lpt_bound_efficiency"]
+    assert row["ns_flops_total"] == sum(newton_schulz_flops(s) for s in PRESETS[model].matrices())
+    assert row["bytes_sent_per_rank_max"] <= 1.25 * row["bytes_minimum"]
+    assert row["bytes_minimum"] == 4 * row["muon_elements"] * (world_size - 1) // world_size**2
+
+
+def test_json_has_exactly_the_documented_keys(capsys):
+    row = _report(capsys, "--model", "llama3-8b", "--world-size", "64")
+    assert set(row) == KEYS and set(row["predicted"]) == PREDICTED_KEYS
+    assert row["model"] == "llama3-8b" and row["matrices"] == 224 and row["muon_elements"] == 6979321856
+
+
+def test_several_rows_print_a_json_list(capsys):
+    rows = _report(capsys, "--model", "llama3-8b", "llama3-70b", "--world-size", "8", "64")
+    assert [(r["model"], r["world_size"]) for r in rows] == [
+        ("llama3-8b", 8), ("llama3-8b", 64), ("llama3-70b", 8), ("llama3-70b", 64)]
+
+
+def test_the_readable_table_names_what_limits_each_row(capsys):
+    main(["--model", "llama3-8b", "--world-size", "8", "1024"])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split()[:2] == ["model", "P"]
+    assert "granularity: 224 matrices on 1024 ranks" in lines[2]
+
+
+def test_train_step_follows_six_params_tokens_over_mfu_peak(capsys):
+    row = _report(capsys, "--model", "llama3-8b", "--world-size", "8", "--peak-tflops", "1000",
+                  "--train-mfu", "0.5", "--tokens-per-rank", "1000")
+    expected_ms = 6 * PRESETS["llama3-8b"].params() * 1000 / (0.5 * 1000e12) * 1e3
+    assert row["predicted"]["train_step_ms"] == pytest.approx(expected_ms)
+    assert 8.0e9 < PRESETS["llama3-8b"].params() < 8.1e9
+
+
+def test_more_bandwidth_never_slows_the_predicted_step(capsys):
+    slow = _report(capsys, "--model", "llama3-70b", "--world-size", "64", "--link-gbps", "100")
+    fast = _report(capsys, "--model", "llama3-70b", "--world-size", "64", "--link-gbps", "1600")
+    assert fast["predicted"]["optimizer_ms"] <= slow["predicted"]["optimizer_ms"]
+    assert fast["predicted"]["ns_ms"] == slow["predicted"]["ns_ms"]
+
+
+def test_a_shapes_file_takes_plain_shapes_and_block_layouts(capsys, tmp_path):
+    path = tmp_path / "mine.json"
+    path.write_text(json.dumps({"params": 1000, "shapes": [[64, 32], [32, 64], {"shape": [4, 16, 16], "shard_dim": 1}]}))
+    row = _report(capsys, "--shapes", str(path), "--world-size", "4")
+    assert row["model"] == "mine" and row["matrices"] == 2 + 4
+    assert row["ns_flops_total"] == 2 * newton_schulz_flops((64, 32)) + 4 * newton_schulz_flops((16, 16))
+
+
+def test_one_rank_moves_nothing(capsys):
+    row = _report(capsys, "--model", "llama3-8b", "--world-size", "1")
+    assert row["bytes_sent_per_rank_max"] == row["bytes_minimum"] == 0
+    assert row["ns_efficiency"] == pytest.approx(1.0)
