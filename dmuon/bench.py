@@ -3,6 +3,7 @@
 Run::
 
     torchrun --nproc-per-node 2 -m dmuon.bench [--json PATH] [--dim 512 --layers 4]
+        [--max-batch-numel N] [--device auto|cpu|cuda]
 
 Every optimizer steps the same model (``fully_shard``-ed, so parameters are
 ``Shard(0)`` DTensors) with the same gradients:
@@ -40,6 +41,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from dmuon.optimizer import DMuon
+from dmuon.plan import DEFAULT_BATCH_NUMEL
 
 OPTIMIZERS = ("dmuon", "redistribute", "vanilla", "adamw", "single")
 LR = 0.02
@@ -58,6 +60,10 @@ class BenchConfig:
     threads: int = 1
     """torch threads per rank (CPU)."""
     optimizers: tuple[str, ...] = OPTIMIZERS
+    max_batch_numel: int = DEFAULT_BATCH_NUMEL
+    """DMuon's max_batch_numel (small values: one matrix per batch)."""
+    device: str = "auto"
+    """"cuda" (one GPU per rank, NCCL), "cpu" (gloo), or "auto": cuda when available."""
     json: str | None = None
     """Write the results here as JSON."""
     plot: str | None = None
@@ -159,7 +165,7 @@ def _element_size(dtype_name: str) -> int:
 
 def run_benchmark(cfg: BenchConfig) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
-    device = _device()
+    device = _device(cfg.device)
     mesh = init_device_mesh(device.type, (world,))
     results: dict[str, dict[str, float]] = {}
     muon_elements = cfg.layers * sum(p.numel() for p in Block(cfg.dim).parameters())
@@ -173,7 +179,7 @@ def run_benchmark(cfg: BenchConfig) -> dict:
         model = build_model(cfg, mesh, device)
         params = list(model.parameters())
         grads = make_grads(model, mesh)
-        optimizer = _make_optimizer(name, params)
+        optimizer = _make_optimizer(name, params, cfg.max_batch_numel)
 
         def step() -> None:
             for param, grad in zip(params, grads):
@@ -181,15 +187,20 @@ def run_benchmark(cfg: BenchConfig) -> dict:
             optimizer.step()
 
         step_ms = time_steps(step, cfg, device, name)
+        ns_flops = 0
         if name == "dmuon":  # its own exact counters
-            before = optimizer.comm_stats.bytes_sent
+            before, flops_before = optimizer.comm_stats.bytes_sent, optimizer.comm_stats.ns_flops
             step()
             sent = optimizer.comm_stats.bytes_sent - before
+            ns_flops = optimizer.comm_stats.ns_flops - flops_before
         else:
             sent = profiled_bytes_sent(step, world)
-        sent_all = torch.tensor([sent], dtype=torch.float64)
-        dist.all_reduce(sent_all, op=dist.ReduceOp.MAX)
-        results[name] = {"step_ms": step_ms, "bytes_sent_per_rank": int(sent_all.item())}
+        maxima = torch.tensor([sent, ns_flops], dtype=torch.float64)
+        dist.all_reduce(maxima, op=dist.ReduceOp.MAX)
+        results[name] = {"step_ms": step_ms, "bytes_sent_per_rank": int(maxima[0].item())}
+        if name == "dmuon":
+            results[name]["ns_flops_per_rank_max"] = int(maxima[1].item())
+            results[name]["batches"] = len(optimizer.owner_plans()[0].batches) if world > 1 else 0
         del optimizer, model, params, grads
 
     report = {
@@ -198,6 +209,7 @@ def run_benchmark(cfg: BenchConfig) -> dict:
         "device": _device_name(device),
         "threads_per_rank": cfg.threads,
         "min_bytes_per_rank": int(4 * muon_elements * (world - 1) / world**2),
+        "max_batch_numel": cfg.max_batch_numel,
         "results": results,
     }
     if "single" in results and "dmuon" in results:
@@ -232,9 +244,9 @@ def _bench_single(cfg: BenchConfig, mesh: DeviceMesh, device: torch.device) -> d
     return {"step_ms": time_steps(step, cfg, device, "single"), "bytes_sent_per_rank": 0}
 
 
-def _make_optimizer(name: str, params: list[torch.Tensor]) -> torch.optim.Optimizer:
+def _make_optimizer(name: str, params: list[torch.Tensor], max_batch_numel: int) -> torch.optim.Optimizer:
     if name == "dmuon":
-        return DMuon(params, lr=LR, comm="all_to_all")
+        return DMuon(params, lr=LR, comm="all_to_all", max_batch_numel=max_batch_numel)
     if name == "redistribute":
         return DMuon(params, lr=LR, comm="redistribute")
     if name == "vanilla":
@@ -257,6 +269,10 @@ def format_table(report: dict) -> str:
         speedup = f"{vanilla / row['step_ms']:.2f}x" if vanilla else "-"
         lines.append(f"{name:<14}{row['step_ms']:>10.1f}{speedup:>12}{row['bytes_sent_per_rank']:>18,}")
     lines.append(f"owner-computed minimum 4N(P-1)/P^2 = {report['min_bytes_per_rank']:,} bytes/rank")
+    dmuon = results.get("dmuon", {})
+    if "ns_flops_per_rank_max" in dmuon:
+        lines.append(f"dmuon: {dmuon['batches']} batch(es) (max_batch_numel {report['max_batch_numel']:,}), "
+                     f"Newton-Schulz GFLOP on the busiest rank {dmuon['ns_flops_per_rank_max'] / 1e9:.2f}")
     if "parallel_efficiency" in report:
         lines.append(f"parallel efficiency single / (P * dmuon) = {report['parallel_efficiency']:.2f}")
     return "\n".join(lines)
@@ -289,8 +305,8 @@ def plot_report(report: dict, path: str) -> None:
     plt.close(fig)
 
 
-def _device() -> torch.device:
-    if torch.cuda.is_available():
+def _device(choice: str = "auto") -> torch.device:
+    if choice == "cuda" or (choice == "auto" and torch.cuda.is_available()):
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
     return torch.device("cpu")
 
@@ -320,6 +336,10 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
     parser.add_argument("--warmup", type=int, default=defaults.warmup, help="untimed steps (default %(default)s)")
     parser.add_argument("--threads", type=int, default=defaults.threads, help="torch threads per rank (default %(default)s)")
     parser.add_argument("--optimizers", default=",".join(OPTIMIZERS), help="comma-separated subset of %(default)s")
+    parser.add_argument("--max-batch-numel", type=int, default=defaults.max_batch_numel,
+                        help="DMuon's max_batch_numel (default %(default)s)")
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default=defaults.device,
+                        help="cuda: one GPU per rank with NCCL (default %(default)s)")
     parser.add_argument("--json", default=None, help="write the results to this JSON file")
     parser.add_argument("--plot", default=None, help="write a PNG bar chart to this path (needs matplotlib)")
     args = parser.parse_args(argv)
@@ -327,7 +347,10 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
     unknown = set(chosen) - set(OPTIMIZERS)
     if unknown:
         parser.error(f"unknown optimizer(s) {sorted(unknown)}; choose from {OPTIMIZERS}")
-    return BenchConfig(args.dim, args.layers, args.steps, args.warmup, args.threads, chosen, args.json, args.plot)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device is visible")
+    return BenchConfig(args.dim, args.layers, args.steps, args.warmup, args.threads, chosen, args.max_batch_numel,
+                       args.device, args.json, args.plot)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -338,9 +361,10 @@ def main(argv: list[str] | None = None) -> None:
     os.environ.setdefault("WORLD_SIZE", "1")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29517")
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if torch.cuda.is_available():
-        torch.cuda.set_device(_device())
+    device = _device(cfg.device)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     dist.init_process_group(backend)
     try:
         run_benchmark(cfg)

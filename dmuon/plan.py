@@ -45,8 +45,9 @@ ALL_TO_ALL = "all_to_all"  # fast path: 1-D mesh, Shard(d), owner-computed
 REDISTRIBUTE = "redistribute"  # reference path: all-gather to every rank, slice back
 COMM_CHOICES = (ALL_TO_ALL, REDISTRIBUTE)
 
-# Each rank owns at most max(this, the largest travelling matrix) elements of
-# travelling matrices in one batch. It bounds the per-batch scratch buffers; see
+# Each rank owns at most this many elements of travelling matrices in one batch, or
+# as many as the batch's tallest matrix when that one is larger (its owner needs that
+# much anyway). It bounds the per-batch scratch buffers; see
 # ``OwnerPlan.peak_scratch_bytes``.
 DEFAULT_BATCH_NUMEL = 1 << 27
 # Shelves are merged into about this many batches when memory allows: enough for the
@@ -391,10 +392,7 @@ def _whole_step_owners(units: Sequence[Unit], world_size: int) -> tuple[int, ...
 
 def _batches(units: Sequence[Unit], world_size: int, max_batch_numel: int) -> tuple[tuple[int, ...], ...]:
     """Shelves (every rank fills each up to its tallest unit), merged under the memory cap."""
-    # The largest travelling matrix must fit in some batch whatever the cap, so it sets
-    # the floor of the per-rank bound (and of the peak scratch).
-    cap = max(max_batch_numel, max((u.numel for u in units if u.travels), default=0))
-    shelves = _shelves(units, world_size, cap)
+    shelves = _shelves(units, world_size, max_batch_numel)
     if not shelves:
         return ()
     heights = [max(_load(units, shelf, r) for r in range(world_size)) for shelf in shelves]
@@ -403,7 +401,7 @@ def _batches(units: Sequence[Unit], world_size: int, max_batch_numel: int) -> tu
     height = 0
     for shelf, shelf_height in zip(shelves, heights):
         merged = (batches[-1] + shelf) if batches else None
-        if merged is not None and height + shelf_height <= target and _fits(units, merged, world_size, cap):
+        if merged is not None and height + shelf_height <= target and _fits(units, merged, world_size, max_batch_numel):
             batches[-1] = merged
             height += shelf_height
         else:
@@ -412,17 +410,21 @@ def _batches(units: Sequence[Unit], world_size: int, max_batch_numel: int) -> tu
     return tuple(tuple(sorted(batch)) for batch in batches)
 
 
-def _shelves(units: Sequence[Unit], world_size: int, cap: int) -> list[list[int]]:
-    """First-fit decreasing shelves: each shelf's height is the largest unit any rank
+def _shelves(units: Sequence[Unit], world_size: int, max_batch_numel: int) -> list[list[int]]:
+    """First-fit decreasing shelves: each shelf's height is the tallest unit any rank
     has left; every rank then packs its own remaining units (largest first) into the
     shelf while they fit under that height and its travelling elements stay within
-    ``cap``."""
+    ``max(max_batch_numel, the tallest unit's elements)``: that unit's owner needs that
+    much scratch for the shelf anyway, and a rank with several smaller units then runs
+    them in the tallest unit's shadow instead of in extra batches."""
     queues: list[list[int]] = [[] for _ in range(world_size)]
     for i in sorted(range(len(units)), key=lambda i: (-units[i].cost, i)):
         queues[units[i].owner].append(i)
     shelves = []
     while any(queues):
-        height = max(units[q[0]].cost for q in queues if q)
+        tallest = units[max((q[0] for q in queues if q), key=lambda i: (units[i].cost, -i))]
+        height = tallest.cost
+        allowance = max(max_batch_numel, tallest.numel if tallest.travels else 0)
         shelf: list[int] = []
         for r, queue in enumerate(queues):
             load = numel = 0
@@ -430,7 +432,7 @@ def _shelves(units: Sequence[Unit], world_size: int, cap: int) -> list[list[int]
             for position, i in enumerate(queue):
                 unit = units[i]
                 size = unit.numel if unit.travels else 0
-                fits = load + unit.cost <= height and numel + size <= cap
+                fits = load + unit.cost <= height and numel + size <= allowance
                 if position == 0 or fits:
                     shelf.append(i)
                     load += unit.cost

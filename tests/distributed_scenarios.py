@@ -39,9 +39,18 @@ GROUP_OPTIONS = {
 }
 
 
+def device_type() -> str:
+    """Where this group's tensors live: "cuda" under NCCL (tests/test_cuda.py), else "cpu"."""
+    return "cuda" if dist.get_backend() == "nccl" else "cpu"
+
+
+def _device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if device_type() == "cuda" else torch.device("cpu")
+
+
 def _case_tensors(seed: int) -> dict[str, torch.Tensor]:
     generator = torch.Generator().manual_seed(seed)
-    return {name: torch.randn(shape, generator=generator) for name, shape, _ in CASES}
+    return {name: torch.randn(shape, generator=generator).to(_device()) for name, shape, _ in CASES}
 
 
 def _groups(params: dict[str, torch.Tensor]) -> list[dict[str, Any]]:
@@ -74,9 +83,9 @@ def exactness() -> dict[str, Any]:
     """
     world = dist.get_world_size()
     oracle = single_process_params()
-    layouts = {"fsdp": (init_device_mesh("cpu", (world,)), [Shard(0)])}
+    layouts = {"fsdp": (init_device_mesh(device_type(), (world,)), [Shard(0)])}
     if world == 4:
-        mesh_2d = init_device_mesh("cpu", (2, 2))
+        mesh_2d = init_device_mesh(device_type(), (2, 2))
         layouts["hsdp"] = (mesh_2d, [Replicate(), Shard(0)])
         layouts["fsdp_tp"] = (mesh_2d, [_StridedShard(0, split_factor=2), Shard(0)])
     out: dict[Any, Any] = {}
@@ -115,15 +124,15 @@ def fsdp2_training() -> dict[str, bool]:
 
     world = dist.get_world_size()
     torch.manual_seed(0)
-    reference = _TinyLM()
-    model = _TinyLM()
+    reference = _TinyLM().to(_device())
+    model = _TinyLM().to(_device())
     model.load_state_dict(reference.state_dict())
-    fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
+    fully_shard(model, mesh=init_device_mesh(device_type(), (world,)))
     sharded_opt = DMuon(model.named_parameters(), lr=0.03, weight_decay=0.1)
     reference_opt = DMuon(reference.named_parameters(), lr=0.03, weight_decay=0.1)
     generator = torch.Generator().manual_seed(dist.get_rank())
     for _ in range(STEPS):
-        tokens = torch.randint(0, 40, (2, 8), generator=generator)
+        tokens = torch.randint(0, 40, (2, 8), generator=generator).to(_device())
         model(tokens).logsumexp(-1).mean().backward()
         full_grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
         for name, param in reference.named_parameters():
@@ -136,7 +145,7 @@ def fsdp2_training() -> dict[str, bool]:
 
 
 def _sharded_model(world: int, seed: int = 0) -> tuple[dict[str, nn.Parameter], Any]:
-    mesh = init_device_mesh("cpu", (world,))
+    mesh = init_device_mesh(device_type(), (world,))
     return ({n: nn.Parameter(distribute_tensor(t, mesh, [Shard(0)], src_data_rank=None))
              for n, t in _case_tensors(seed).items()}, mesh)
 
@@ -291,32 +300,38 @@ def path_log() -> list[str]:
     world = dist.get_world_size()
     params, mesh = _sharded_model(world)
     # Columns of a 2-D weight are blocks (fast path); a 4-D filter cut past dim 0 is not.
-    col_sharded = nn.Parameter(distribute_tensor(torch.randn(8, 6), mesh, [Shard(1)], src_data_rank=None))
-    conv = nn.Parameter(distribute_tensor(torch.randn(4, 6, 3, 3), mesh, [Shard(1)], src_data_rank=None))
+    col_sharded = nn.Parameter(distribute_tensor(torch.randn(8, 6, device=_device()), mesh, [Shard(1)], src_data_rank=None))
+    conv = nn.Parameter(distribute_tensor(torch.randn(4, 6, 3, 3, device=_device()), mesh, [Shard(1)], src_data_rank=None))
     optimizer = DMuon([*_groups(params), {"params": [("col_sharded", col_sharded), ("conv", conv)], "use_muon": True}])
     for seed in (1, 2):
         _set_grads(params, mesh, seed)
         for param in (col_sharded, conv):
-            param.grad = distribute_tensor(torch.randn(param.shape), mesh, [Shard(1)], src_data_rank=None)
+            param.grad = distribute_tensor(torch.randn(param.shape, device=_device()), mesh, [Shard(1)],
+                                           src_data_rank=None)
         optimizer.step()
     return records
 
 
-def small_benchmark(json_path: str) -> dict[str, Any]:
+def small_benchmark(json_path: str, **options: Any) -> dict[str, Any]:
     """dmuon.bench end to end on a tiny stack (structure, not speed)."""
     from dmuon.bench import BenchConfig, run_benchmark
 
-    return run_benchmark(BenchConfig(dim=64, layers=2, steps=1, warmup=1, json=json_path))
+    return run_benchmark(BenchConfig(dim=64, layers=2, steps=1, warmup=1, json=json_path, **options))
+
+
+def small_batches_benchmark(json_path: str) -> dict[str, Any]:
+    """dmuon alone, with batches of one matrix per rank."""
+    return small_benchmark(json_path, optimizers=("dmuon",), max_batch_numel=1)
 
 
 def custom_uneven_shards() -> str | None:
     """Shard(0) DTensors whose rows are not torch.chunk's split: every rank raises."""
     world, rank = dist.get_world_size(), dist.get_rank()
-    mesh = init_device_mesh("cpu", (world,))
+    mesh = init_device_mesh(device_type(), (world,))
     rows = 1 if rank == 0 else 5  # torch.chunk would give 3, 3 for 6 rows on 2 ranks
-    local = torch.randn(rows, 4)
+    local = torch.randn(rows, 4, device=_device())
     param = nn.Parameter(DTensor.from_local(local, mesh, [Shard(0)], shape=torch.Size([6, 4]), stride=(4, 1)))
-    param.grad = DTensor.from_local(torch.randn(rows, 4), mesh, [Shard(0)], shape=torch.Size([6, 4]), stride=(4, 1))
+    param.grad = DTensor.from_local(torch.randn(rows, 4, device=_device()), mesh, [Shard(0)], shape=torch.Size([6, 4]), stride=(4, 1))
     return _error(DMuon([{"params": [("odd", param)], "use_muon": True}]).step)
 
 
@@ -335,7 +350,8 @@ def collective_sequences() -> list[str]:
             params["tall"].grad.to_local()[0, 0] = float("nan")
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
             optimizer.step()
-        names += [e.name for e in sorted(prof.events(), key=lambda e: e.time_range.start) if e.name.startswith("gloo:")]
+        backend = f"{dist.get_backend()}:"
+        names += [e.name for e in sorted(prof.events(), key=lambda e: e.time_range.start) if e.name.startswith(backend)]
     return names
 
 
@@ -352,7 +368,7 @@ LAYOUT_CASES: list[tuple[str, tuple[int, ...], int]] = [
 
 def _layout_tensors(seed: int, cases: list[tuple[str, tuple[int, ...], int]]) -> dict[str, torch.Tensor]:
     generator = torch.Generator().manual_seed(seed)
-    return {name: torch.randn(shape, generator=generator) for name, shape, _ in cases}
+    return {name: torch.randn(shape, generator=generator).to(_device()) for name, shape, _ in cases}
 
 
 def layout_exactness(case_names: list[str], max_batch_numel: int) -> dict[str, Any]:
@@ -360,7 +376,7 @@ def layout_exactness(case_names: list[str], max_batch_numel: int) -> dict[str, A
     each case's bytes alone (from the plan)."""
     world = dist.get_world_size()
     cases = [c for c in LAYOUT_CASES if c[0] in case_names]
-    mesh = init_device_mesh("cpu", (world,))
+    mesh = init_device_mesh(device_type(), (world,))
     options = dict(lr=0.03, momentum=0.9, weight_decay=0.05, max_batch_numel=max_batch_numel)
 
     def shard(name: str, t: torch.Tensor) -> DTensor:
@@ -394,7 +410,7 @@ def measured_scratch(max_batch_numel: int) -> dict[str, int]:
     """The scratch a real step allocates on this rank vs what its plan predicts."""
     world, rank = dist.get_world_size(), dist.get_rank()
     cases = LAYOUT_CASES
-    mesh = init_device_mesh("cpu", (world,))
+    mesh = init_device_mesh(device_type(), (world,))
     params = {n: nn.Parameter(distribute_tensor(t, mesh, [Shard(d)], src_data_rank=None))
               for (n, _, d), t in zip(cases, _layout_tensors(0, cases).values())}
     optimizer = DMuon([{"params": list(params.items()), "use_muon": True}], max_batch_numel=max_batch_numel)

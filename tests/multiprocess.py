@@ -1,8 +1,8 @@
-"""Run a function on P real gloo ranks (spawned processes, one thread each).
+"""Run a function on P real ranks (spawned processes, one thread each).
 
 ``run_on_ranks(fn, world_size, *args)`` starts ``world_size`` processes on a free
-localhost port, runs ``fn(*args)`` in each after ``init_process_group("gloo")`` and
-returns the per-rank results. A worker's exception is re-raised in the caller with
+localhost port, runs ``fn(*args)`` in each after ``init_process_group("gloo")`` (or
+``backend="nccl"``: one GPU per rank) and returns the per-rank results. A worker's exception is re-raised in the caller with
 its traceback; a run that outlives ``timeout`` is killed, every process of it, and
 raises ``TimeoutError`` so a hang fails the test instead of stalling CI.
 """
@@ -27,7 +27,8 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _worker(rank: int, world_size: int, port: int, fn: Callable[..., Any], args: tuple, results: Any) -> None:
+def _worker(rank: int, world_size: int, port: int, backend: str, fn: Callable[..., Any], args: tuple,
+            results: Any) -> None:
     import torch
     import torch.distributed as dist
 
@@ -35,7 +36,9 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable[..., Any], args:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, rank=rank, world_size=world_size)
         value = fn(*args)
         results.put((rank, "ok", value))
     except BaseException:  # report everything, including KeyboardInterrupt, to the parent
@@ -45,12 +48,13 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable[..., Any], args:
             dist.destroy_process_group()
 
 
-def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = DEFAULT_TIMEOUT_S) -> list[Any]:
+def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = DEFAULT_TIMEOUT_S,
+                 backend: str = "gloo") -> list[Any]:
     """``[fn(*args) on rank 0, ..., on rank world_size - 1]``."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, results), daemon=True)
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, backend, fn, args, results), daemon=True)
              for r in range(world_size)]
     for proc in procs:
         proc.start()

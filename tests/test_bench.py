@@ -33,6 +33,24 @@ def test_dmuon_sends_exactly_the_owner_computed_minimum(report):
     assert report["results"]["dmuon"]["bytes_sent_per_rank"] == 4 * n * (p - 1) // p**2
 
 
+def test_one_matrix_per_batch_still_sends_exactly_the_minimum(tmp_path):
+    path = tmp_path / "bench.json"
+    run_on_ranks(scenarios.small_batches_benchmark, 2, str(path))
+    report = json.loads(path.read_text())
+    n, p = report["muon_elements"], report["world_size"]
+    dmuon = report["results"]["dmuon"]
+    assert dmuon["batches"] == 7  # 14 matrices, one per rank per batch
+    assert dmuon["bytes_sent_per_rank"] == 4 * n * (p - 1) // p**2
+
+
+def test_newton_schulz_work_is_split_evenly_between_the_ranks(report):
+    from dmuon.newton_schulz import newton_schulz_flops
+
+    hidden = ffn_hidden(64)
+    total = 2 * (4 * newton_schulz_flops((64, 64)) + 3 * newton_schulz_flops((hidden, 64)))
+    assert report["results"]["dmuon"]["ns_flops_per_rank_max"] <= 1.1 * total / 2
+
+
 def test_vanilla_muon_sends_more_than_dmuon(report):
     assert report["results"]["vanilla"]["bytes_sent_per_rank"] > report["results"]["dmuon"]["bytes_sent_per_rank"]
 

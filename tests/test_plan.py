@@ -209,14 +209,21 @@ def test_every_rank_has_work_in_every_batch_when_it_owns_enough_units(world_size
         assert all(plan.ns_flops(rank, batch) > 0 for rank in range(world_size)), batch
 
 
-def test_batches_respect_max_batch_numel_per_rank():
+@pytest.mark.parametrize("cap", [1, 64 * 64, 2 * 64 * 160])
+def test_a_rank_owns_at_most_the_cap_or_the_batch_s_tallest_matrix_per_batch(cap):
     shapes = _llama_like(layers=4, dim=64, hidden=160)
-    cap = 2 * 64 * 160
     plan = make_owner_plan(shapes, 2, max_batch_numel=cap)
     for batch in plan.batches:
+        tallest = max((plan.units[i] for i in batch), key=lambda u: u.cost)
         for rank in range(2):
             owned = [plan.units[i].numel for i in plan.travelling(batch) if plan.units[i].owner == rank]
-            assert sum(owned) <= cap or len(owned) == 1
+            assert sum(owned) <= max(cap, tallest.numel)
+
+
+def test_a_cap_below_every_matrix_gives_one_matrix_per_rank_per_batch():
+    plan = make_owner_plan(_llama_like(layers=2, dim=64, hidden=160), 2, max_batch_numel=1)
+    for batch in plan.batches:
+        assert all(sum(1 for i in batch if plan.units[i].owner == r) <= 1 for r in range(2))
 
 
 def test_a_matrix_larger_than_the_cap_forms_a_batch_of_its_own_on_its_owner():

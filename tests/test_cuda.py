@@ -1,0 +1,103 @@
+"""The exactness and robustness scenarios on CUDA with NCCL.
+
+Skipped without a GPU (CI has none). With one GPU: the single-process checks; with two
+or more: the multi-rank scenarios on NCCL, which, unlike gloo, rejects any buffer that
+is not on the GPU. Run them with ``bash scripts/test.sh tests/test_cuda.py`` on a GPU
+machine (README, "CUDA").
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from tests import distributed_scenarios as scenarios
+from tests.multiprocess import run_on_ranks
+
+GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+pytestmark = pytest.mark.skipif(GPUS == 0, reason="no CUDA device")
+needs_two = pytest.mark.skipif(GPUS < 2, reason="needs 2 or more GPUs")
+WORLDS = [w for w in (2, 4) if w <= GPUS]
+ALL_LAYOUTS = [name for name, _, _ in scenarios.LAYOUT_CASES]
+
+
+def _nccl(fn, world: int, *args):
+    return run_on_ranks(fn, world, *args, backend="nccl", timeout=300)
+
+
+# ------------------------------------------------------------------ one GPU
+
+
+def test_dmuon_on_one_gpu_is_bitwise_equal_to_torch_muon():
+    from dmuon import DMuon
+
+    generator = torch.Generator().manual_seed(0)
+    weights = [torch.randn(shape, generator=generator).cuda() for shape in ((64, 32), (32, 96), (48, 48))]
+    grads = [[torch.randn(w.shape, generator=generator).cuda() for w in weights] for _ in range(3)]
+    ours = [nn.Parameter(w.clone()) for w in weights]
+    theirs = [nn.Parameter(w.clone()) for w in weights]
+    dmuon = DMuon([{"params": ours, "use_muon": True}], lr=0.02, weight_decay=0.1)
+    muon = torch.optim.Muon(theirs, lr=0.02, weight_decay=0.1)
+    for step_grads in grads:
+        for a, b, g in zip(ours, theirs, step_grads):
+            a.grad, b.grad = g.clone(), g.clone()
+        dmuon.step()
+        muon.step()
+    assert all(torch.equal(a, b) for a, b in zip(ours, theirs))
+
+
+def test_one_rank_nccl_group_runs_every_layout_locally():
+    result = _nccl(scenarios.layout_exactness, 1, ALL_LAYOUTS, 1 << 27)[0]
+    assert all(result["equal"].values()), result["equal"]
+
+
+# ------------------------------------------------------------------ several GPUs
+
+
+@needs_two
+@pytest.mark.parametrize("world", WORLDS)
+def test_every_layout_is_bitwise_equal_to_one_gpu_on_nccl(world):
+    result = _nccl(scenarios.layout_exactness, world, ALL_LAYOUTS, 1 << 27)[0]
+    assert all(result["equal"].values()), result["equal"]
+    assert set(result["paths"].values()) == {"all_to_all"}
+
+
+@needs_two
+def test_ranks_that_own_nothing_in_a_batch_still_hand_nccl_gpu_buffers():
+    """The landed planner's crash: empty send buffers fell back to the CPU."""
+    world = max(WORLDS)
+    result = _nccl(scenarios.layout_exactness, world, ALL_LAYOUTS, 64)[0]
+    assert result["idle_in_some_batch"]
+    assert all(result["equal"].values()), result["equal"]
+
+
+@needs_two
+def test_fast_and_reference_paths_match_one_gpu_on_nccl():
+    world = max(WORLDS)
+    results = _nccl(scenarios.exactness, world)[0]
+    for comm in ("all_to_all", "redistribute"):
+        assert all(results[("fsdp", comm)].values()), results[("fsdp", comm)]
+
+
+@needs_two
+def test_real_fully_shard_training_matches_one_gpu_on_nccl():
+    equal = _nccl(scenarios.fsdp2_training, max(WORLDS))[0]
+    assert all(equal.values()), equal
+
+
+@needs_two
+def test_awkward_grads_give_the_same_outcome_on_every_gpu():
+    ranks = _nccl(scenarios.robustness, 2)
+    for rank in ranks:
+        assert rank["none_everywhere_unchanged"] and rank["none_everywhere_no_state"]
+        assert rank["disagree_error"].startswith("RuntimeError: DMuon: ranks disagree")
+        assert rank["usable_after_errors"]
+        assert rank["nan_error"] is None and rank["nan_matrix_all_nan"] and rank["nan_others_finite"]
+        assert rank["lr0_unchanged"]
+
+
+@needs_two
+def test_every_gpu_runs_the_same_collectives_whatever_its_grads():
+    sequences = _nccl(scenarios.collective_sequences, max(WORLDS))
+    assert all(seq == sequences[0] for seq in sequences)
