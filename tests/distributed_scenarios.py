@@ -422,3 +422,48 @@ def measured_scratch(max_batch_numel: int) -> dict[str, int]:
         peaks.append(optimizer.scratch_stats.peak_bytes)
     (plan,) = optimizer.owner_plans()
     return {"measured": peaks, "predicted": plan.peak_scratch_bytes(rank), "live_after": optimizer.scratch_stats.live_bytes}
+
+
+def comm_paths_on_one_rank() -> dict[str, str]:
+    """Logging code often asks rank 0 alone: the query must not run a collective."""
+    params, mesh = _sharded_model(dist.get_world_size())
+    optimizer = DMuon(_groups(params))
+    paths = optimizer.comm_paths() if dist.get_rank() == 0 else {}
+    dist.barrier()  # any collective the query ran would now be unmatched
+    _set_grads(params, mesh, 1)
+    optimizer.step()
+    return paths
+
+
+def invalid_grad_with_two_meshes() -> str | None:
+    """4 ranks as a 2 x 2 grid: parameter ``a`` lives on this rank's row (a 1-D
+    sub-mesh: ranks {0, 1} or {2, 3}), ``b`` on the whole grid. Rank 3 finds an invalid
+    grad for ``a``. Ranks 0 and 1 learn of it only through the grid's agreement, so
+    every rank must run that one too before anyone raises."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    grid = init_device_mesh(device_type(), (2, world // 2), mesh_dim_names=("column", "row"))
+    flat = grid["row"]
+    a = nn.Parameter(distribute_tensor(torch.randn(8, 6, device=_device()), flat, [Shard(0)], src_data_rank=None))
+    b = nn.Parameter(distribute_tensor(torch.randn(8, 6, device=_device()), grid, [Replicate(), Shard(0)],
+                                       src_data_rank=None))
+    optimizer = DMuon([{"params": [("a", a), ("b", b)], "use_muon": True}])
+    a.grad = distribute_tensor(torch.randn(8, 6, device=_device()), flat, [Shard(0)], src_data_rank=None)
+    b.grad = distribute_tensor(torch.randn(8, 6, device=_device()), grid, [Replicate(), Shard(0)], src_data_rank=None)
+    if rank == world - 1:
+        a.grad_dtype = None
+        a.grad = DTensor.from_local(a.grad.to_local().to(torch.complex64), flat, [Shard(0)], run_check=False)
+    return _error(optimizer.step)
+
+
+def replicated_param_with_a_missing_partial_grad() -> str | None:
+    """A Replicate parameter (local path) whose grad is Partial on one rank and None on
+    the other: turning the grad into Replicate is a collective, so the ranks must agree
+    first."""
+    from torch.distributed.tensor import Partial
+
+    mesh = init_device_mesh(device_type(), (dist.get_world_size(),))
+    param = nn.Parameter(distribute_tensor(torch.randn(6, 4, device=_device()), mesh, [Replicate()]))
+    optimizer = DMuon([{"params": [("replicated", param)], "use_muon": True}])
+    if dist.get_rank() == 1:
+        param.grad = DTensor.from_local(torch.randn(6, 4, device=_device()), mesh, [Partial()])
+    return _error(optimizer.step)

@@ -73,3 +73,19 @@ def test_every_rank_runs_the_same_collectives_whatever_its_grads():
     sequences = run_on_ranks(scenarios.collective_sequences, 4, timeout=120)
     assert "gloo:all_to_all" in sequences[0], sequences[0]
     assert all(seq == sequences[0] for seq in sequences), sequences
+
+
+def test_comm_paths_on_one_rank_runs_no_collective():
+    ranks = run_on_ranks(scenarios.comm_paths_on_one_rank, 2, timeout=60)
+    assert set(ranks[0].values()) == {"all_to_all"}
+
+
+def test_an_invalid_grad_never_leaves_a_rank_waiting_in_another_mesh():
+    errors = run_on_ranks(scenarios.invalid_grad_with_two_meshes, 4, timeout=60)
+    assert errors[3] == "ValueError: DMuon: parameter 'a': complex gradients are not supported by Muon"
+    assert all(e.startswith("ValueError: DMuon: 1 rank(s) found an invalid gradient") for e in errors[:3]), errors
+
+
+def test_a_grad_redistributed_for_the_local_path_is_agreed_on_first():
+    errors = run_on_ranks(scenarios.replicated_param_with_a_missing_partial_grad, 2, timeout=60)
+    assert all(e and e.startswith("RuntimeError: DMuon: ranks disagree") and "replicated" in e for e in errors), errors
