@@ -215,3 +215,42 @@ def test_every_builtin_model_spec_builds_dmuon(model_name):
     part.norm = nn.RMSNorm(8)
     container = get_train_spec(model_name).build_optimizers_fn([part], optimizer_config(), None)
     assert isinstance(container, DMuonOptimizersContainer)
+
+
+# ----------------------------------------------------------------- resuming with another routing
+
+
+def _saved_checkpoint(tmp_path) -> str:
+    import torch.distributed.checkpoint as dcp
+
+    model = tiny_llama()
+    container = build([model])
+    for param in model.parameters():
+        param.grad = torch.zeros_like(param)
+    container.step()
+    dcp.save({"optimizer": container}, checkpoint_id=str(tmp_path))
+    return str(tmp_path)
+
+
+def test_resuming_with_the_same_routing_passes_the_check(tmp_path):
+    from torchtitan_ext.routing_check import check_routing
+
+    check_routing(build([tiny_llama()]), _saved_checkpoint(tmp_path))
+
+
+def test_resuming_after_changing_adamw_param_regex_names_the_moved_parameters(tmp_path):
+    from torchtitan_ext.routing_check import check_routing
+
+    checkpoint = _saved_checkpoint(tmp_path)
+    regex = r"(tok_embeddings|output|norm|\.wq)\."
+    with pytest.raises(ValueError, match="adamw_param_regex") as error:
+        check_routing(build([tiny_llama()], "--optimizer.adamw_param_regex", regex), checkpoint)
+    message = str(error.value)
+    assert "2 parameter(s) moved" in message
+    assert "Muon -> AdamW: ['layers.0.attention.wq.weight', 'layers.1.attention.wq.weight']" in message
+
+
+def test_torchtitan_runs_the_routing_check_before_loading():
+    from torchtitan.components.checkpoint import CheckpointManager
+
+    assert getattr(CheckpointManager.dcp_load, "_dmuon_routing_check", False)

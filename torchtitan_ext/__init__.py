@@ -17,10 +17,12 @@ TorchTitan 0.2.x imports this module while parsing the config. Importing it:
    tokenizer built on first use by ``tokenizer.py``);
 4. re-registers TorchTitan's built-in model specs so that ``name = "DMuon"``
    builds a ``DMuonOptimizersContainer`` (``train_specs.py``,
-   ``optimizer_container.py``) while ``Adam``/``AdamW`` stay stock.
+   ``optimizer_container.py``) while ``Adam``/``AdamW`` stay stock;
+5. checks, before a checkpoint is loaded, that no parameter moved between Muon and
+   AdamW since it was saved (``routing_check.py``).
 """
 
-from . import cpu_compat
+from . import cpu_compat, routing_check
 from .config import install_config_validation, JobConfig, Optimizer
 from .dataset import register_datasets
 from .optimizer_container import build_dmuon_optimizers, DMuonOptimizersContainer
@@ -38,3 +40,4 @@ cpu_compat.apply()
 install_config_validation()
 register_datasets()
 register_builtin_specs()
+routing_check.install()
