@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 from dmuon.plan import OwnerPlan
 
@@ -65,6 +66,13 @@ class ScratchMeter:
 
     def reset_peak(self) -> None:
         self.peak_bytes = self.live_bytes
+
+
+def mesh_device(mesh: DeviceMesh) -> torch.device:
+    """The device this rank's buffers for ``mesh`` live on (``cuda:<current>`` for CUDA)."""
+    if mesh.device_type in ("cpu", "meta"):
+        return torch.device(mesh.device_type)
+    return torch.device(mesh.device_type, torch.get_device_module(mesh.device_type).current_device())
 
 
 def gather_send_order(plan: OwnerPlan, batch: Sequence[int], rank: int) -> list[int]:

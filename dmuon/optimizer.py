@@ -28,7 +28,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 from torch.optim.optimizer import Optimizer, _get_scalar_dtype
 
-from dmuon.comm import CommStats, ScratchMeter
+from dmuon.comm import CommStats, ScratchMeter, mesh_device
+from dmuon.grad_agreement import agree_on_grads, grad_problem
 from dmuon.newton_schulz import (
     DEFAULT_NS_EPS,
     DEFAULT_NS_STEPS,
@@ -372,10 +373,10 @@ class DMuon(Optimizer):
         for group in self.param_groups:
             for param in group["params"]:
                 if param.grad is not None:
-                    problem = _grad_problem(param, group["use_muon"])
+                    problem = grad_problem(param, group["use_muon"])
                     if problem:
                         problems[param] = problem
-        self._agree_on_grads(problems)
+        agree_on_grads(self._distributed_by_mesh(), problems, self.param_name)
         grads: dict[torch.Tensor, torch.Tensor] = {}
         for group in self.param_groups:
             for param in group["params"] if group["use_muon"] else ():
@@ -389,40 +390,6 @@ class DMuon(Optimizer):
                 if "momentum_buffer" not in self.state[param]:
                     self.state[param]["momentum_buffer"] = torch.zeros_like(param, memory_format=torch.preserve_format)
         return grads
-
-    def _agree_on_grads(self, problems: dict[torch.Tensor, str]) -> None:
-        """One ``all_reduce`` per mesh: every rank must see the same distributed grads.
-
-        Counts, per DTensor Muon parameter, the ranks that have a grad, plus the ranks
-        that found an invalid grad anywhere. Every rank runs every mesh's reduction
-        before deciding anything, and sees the same sums, so every rank raises the same
-        error or none does: no rank is left waiting in a collective.
-        """
-        local_problem = next(iter(problems.items()), None)
-        bad_ranks = 0
-        uneven: list[str] = []
-        for mesh, params in self._distributed_by_mesh().items():
-            counts = torch.tensor(
-                [int(p.grad is not None) for p in params] + [int(local_problem is not None)],
-                dtype=torch.int32,
-                device=mesh_device(mesh),
-            )
-            for dim in range(mesh.ndim):  # summing over each mesh dim sums over the whole mesh
-                dist.all_reduce(counts, group=mesh.get_group(dim))
-            *have, bad = counts.tolist()
-            bad_ranks = max(bad_ranks, bad)
-            uneven += [self.param_name(p) for p, n in zip(params, have) if n not in (0, mesh.size())]
-        if local_problem:
-            param, problem = local_problem
-            raise ValueError(f"DMuon: parameter {self.param_name(param)!r}: {problem}")
-        if bad_ranks:
-            raise ValueError(f"DMuon: {bad_ranks} rank(s) found an invalid gradient; see their error message")
-        if uneven:
-            raise RuntimeError(
-                f"DMuon: ranks disagree on which parameters have gradients: {uneven} have a grad on "
-                "some ranks but not on others. Every rank must produce the same set of grads "
-                "(set unused grads to zeros, or to None on every rank)."
-            )
 
     def _distributed_by_mesh(self) -> dict[DeviceMesh, list[torch.Tensor]]:
         """DTensor Muon parameters by mesh: their step may run collectives, so every
@@ -504,29 +471,6 @@ class DMuon(Optimizer):
                 lr=group["lr"], betas=group["betas"], eps=group["eps"], weight_decay=group["weight_decay"],
                 has_complex=any(p.is_complex() for p in params),
             )
-
-
-def mesh_device(mesh: DeviceMesh) -> torch.device:
-    """The device this rank's buffers for ``mesh`` live on (``cuda:<current>`` for CUDA)."""
-    if mesh.device_type in ("cpu", "meta"):
-        return torch.device(mesh.device_type)
-    return torch.device(mesh.device_type, torch.get_device_module(mesh.device_type).current_device())
-
-
-def _grad_problem(param: torch.Tensor, use_muon: bool) -> str | None:
-    """Why ``param.grad`` cannot be used, or None."""
-    grad = param.grad
-    if grad.is_sparse:
-        return "sparse gradients are not supported"
-    if not use_muon:
-        return None
-    if grad.is_complex():
-        return "complex gradients are not supported by Muon"
-    if grad.shape != param.shape:
-        return f"gradient shape {tuple(grad.shape)} differs from the parameter's {tuple(param.shape)}"
-    if isinstance(param, DTensor) != isinstance(grad, DTensor):
-        return "the parameter and its gradient must both be DTensors or both plain tensors"
-    return None
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,74 @@
+"""Before a step touches anything: is every grad usable, and do all ranks agree?
+
+A step's collectives depend on which parameters have a grad. If ranks disagree (a
+grad missing on one rank), or one rank must reject a grad, the others would wait in a
+collective forever. So every rank checks its own grads, then one small ``all_reduce``
+per mesh tells every rank the same counts, and every rank raises the same error or
+none does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from dmuon.comm import mesh_device
+
+
+def grad_problem(param: torch.Tensor, use_muon: bool) -> str | None:
+    """Why ``param.grad`` cannot be used, or None."""
+    grad = param.grad
+    if grad.is_sparse:
+        return "sparse gradients are not supported"
+    if not use_muon:
+        return None
+    if grad.is_complex():
+        return "complex gradients are not supported by Muon"
+    if grad.shape != param.shape:
+        return f"gradient shape {tuple(grad.shape)} differs from the parameter's {tuple(param.shape)}"
+    if isinstance(param, DTensor) != isinstance(grad, DTensor):
+        return "the parameter and its gradient must both be DTensors or both plain tensors"
+    return None
+
+
+def agree_on_grads(
+    by_mesh: dict[DeviceMesh, list[torch.Tensor]],
+    problems: dict[torch.Tensor, str],
+    name_of: Callable[[torch.Tensor], str],
+) -> None:
+    """One ``all_reduce`` per mesh: every rank must see the same distributed grads.
+
+    Counts, per DTensor Muon parameter, the ranks that have a grad, plus the ranks
+    that found an invalid grad anywhere. Every rank runs every mesh's reduction
+    before deciding anything, and sees the same sums, so every rank raises the same
+    error or none does: no rank is left waiting in a collective.
+    """
+    local_problem = next(iter(problems.items()), None)
+    bad_ranks = 0
+    uneven: list[str] = []
+    for mesh, params in by_mesh.items():
+        counts = torch.tensor(
+            [int(p.grad is not None) for p in params] + [int(local_problem is not None)],
+            dtype=torch.int32,
+            device=mesh_device(mesh),
+        )
+        for dim in range(mesh.ndim):  # summing over each mesh dim sums over the whole mesh
+            dist.all_reduce(counts, group=mesh.get_group(dim))
+        *have, bad = counts.tolist()
+        bad_ranks = max(bad_ranks, bad)
+        uneven += [name_of(p) for p, n in zip(params, have) if n not in (0, mesh.size())]
+    if local_problem:
+        param, problem = local_problem
+        raise ValueError(f"DMuon: parameter {name_of(param)!r}: {problem}")
+    if bad_ranks:
+        raise ValueError(f"DMuon: {bad_ranks} rank(s) found an invalid gradient; see their error message")
+    if uneven:
+        raise RuntimeError(
+            f"DMuon: ranks disagree on which parameters have gradients: {uneven} have a grad on "
+            "some ranks but not on others. Every rank must produce the same set of grads "
+            "(set unused grads to zeros, or to None on every rank)."
+        )
