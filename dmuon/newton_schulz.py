@@ -20,10 +20,39 @@ import torch
 # maximize the slope at zero, so 5 steps push every singular value into ~[0.7, 1.2].
 KELLER_COEFFICIENTS: tuple[float, float, float] = (3.4445, -4.7750, 2.0315)
 
-# Named coefficient sets accepted by ``DMuon(ns_coefficients=...)``.
-NS_COEFFICIENT_SETS: dict[str, tuple[float, float, float]] = {
+Triple = tuple[float, float, float]
+
+# Polar Express (Amsel, Persson, Musco and Gower, "The Polar Express: Optimal Matrix
+# Sign Methods and Their Application to the Muon Algorithm", 2025, arXiv 2505.16932,
+# Algorithm 1): a different quintic in each iteration, each the worst-case optimal one
+# for the singular values that can remain; iteration 8 on stays at the converged
+# (1.875, -1.25, 0.375). For bf16, every triple but the last is divided by
+# (s, s^3, s^5) with the safety factor s = 1.01, and the input is normalized by
+# s * ||X||_F + eps instead of ||X||_F.
+POLAR_EXPRESS_SAFETY = 1.01
+_POLAR_EXPRESS_OPTIMAL: tuple[Triple, ...] = (
+    (8.28721201814563, -23.595886519098837, 17.300387312530933),
+    (4.107059111542203, -2.9478499167379106, 0.5448431082926601),
+    (3.9486908534822946, -2.908902115962949, 0.5518191394370137),
+    (3.3184196573706015, -2.488488024314874, 0.51004894012372),
+    (2.300652019954817, -1.6689039845747493, 0.4188073119525673),
+    (1.891301407787398, -1.2679958271945868, 0.37680408948524835),
+    (1.8750014808534479, -1.2500016453999487, 0.3750001645474248),
+    (1.875, -1.25, 0.375),
+)
+POLAR_EXPRESS_COEFFICIENTS: tuple[Triple, ...] = tuple(
+    (a / POLAR_EXPRESS_SAFETY, b / POLAR_EXPRESS_SAFETY**3, c / POLAR_EXPRESS_SAFETY**5)
+    for a, b, c in _POLAR_EXPRESS_OPTIMAL[:-1]
+) + _POLAR_EXPRESS_OPTIMAL[-1:]
+
+# Named coefficient schedules accepted by ``DMuon(ns_coefficients=...)``: one triple
+# for every iteration, or one per iteration (the last repeats).
+NS_COEFFICIENT_SETS: dict[str, Triple | tuple[Triple, ...]] = {
     "keller": KELLER_COEFFICIENTS,
+    "polar_express": POLAR_EXPRESS_COEFFICIENTS,
 }
+# Named schedules normalize by ``safety * ||X||_F + eps`` (others: ``max(||X||_F, eps)``).
+NS_NORM_SAFETY: dict[str, float] = {"polar_express": POLAR_EXPRESS_SAFETY}
 
 DEFAULT_NS_STEPS = 5
 DEFAULT_NS_EPS = 1e-7
@@ -49,13 +78,31 @@ def matrix_shape(shape: Sequence[int]) -> tuple[int, ...]:
     return (shape[0], math.prod(shape[1:]))
 
 
+def coefficient_schedule(coefficients: str | Triple | Sequence[Triple], steps: int) -> tuple[list[Triple], float]:
+    """The ``(a, b, c)`` of each of ``steps`` iterations, and the norm's safety factor.
+
+    ``coefficients`` is a name from :data:`NS_COEFFICIENT_SETS`, one triple (every
+    iteration), or one triple per iteration (the last repeats when ``steps`` is longer).
+    """
+    safety = 1.0
+    if isinstance(coefficients, str):
+        safety = NS_NORM_SAFETY.get(coefficients, 1.0)
+        coefficients = NS_COEFFICIENT_SETS[coefficients]
+    if isinstance(coefficients[0], (int, float)):
+        return [tuple(coefficients)] * steps, safety  # type: ignore[list-item]
+    listed = [tuple(t) for t in coefficients]
+    return (listed + listed[-1:] * steps)[:steps], safety  # type: ignore[return-value]
+
+
 def orthogonalize(
     update: torch.Tensor,
-    coefficients: tuple[float, float, float] = KELLER_COEFFICIENTS,
+    coefficients: str | Triple | Sequence[Triple] = KELLER_COEFFICIENTS,
     steps: int = DEFAULT_NS_STEPS,
     eps: float = DEFAULT_NS_EPS,
 ) -> torch.Tensor:
     """Approximate the polar factor ``U V^T`` of ``update`` with quintic Newton-Schulz.
+
+    ``coefficients``: see :func:`coefficient_schedule` (Keller Jordan's by default).
 
     ``update`` is 2-D ``[A, B]`` or a 3-D stack ``[E, A, B]`` (see :func:`matrix_shape`).
     Returns a new bf16 tensor of the same shape; ``update`` is never modified (this
@@ -74,7 +121,7 @@ def orthogonalize(
         return torch.stack([orthogonalize(matrix, coefficients, steps, eps) for matrix in update])
     if update.ndim != 2:
         raise ValueError(f"orthogonalize expects a 2-D or 3-D tensor, got shape {tuple(update.shape)}")
-    a, b, c = coefficients
+    schedule, safety = coefficient_schedule(coefficients, steps)
     x = update.to(NS_DTYPE, copy=True)
     # Work on the wide orientation (rows <= cols): the Gram matrix X X^T is then the
     # small one, which makes each step cheaper.
@@ -82,8 +129,11 @@ def orthogonalize(
     if tall:
         x = x.T
     # Frobenius norm bounds the spectral norm, so after this every singular value is <= 1.
-    x.div_(x.norm().clamp(min=eps))
-    for _ in range(steps):
+    if safety == 1.0:
+        x.div_(x.norm().clamp(min=eps))  # torch.optim.Muon's normalization, bit for bit
+    else:
+        x.div_(x.norm() * safety + eps)
+    for a, b, c in schedule:
         gram = x @ x.T
         poly = torch.addmm(gram, gram, gram, beta=b, alpha=c)
         x = torch.addmm(x, poly, x, beta=a)

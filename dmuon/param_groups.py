@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -45,23 +44,38 @@ def default_use_muon(name: str | None, param: torch.Tensor, adamw_name_pattern: 
     return name is None or re.search(adamw_name_pattern, name) is None
 
 
-def resolve_ns_coefficients(value: str | Sequence[float]) -> tuple[float, float, float]:
-    """A named coefficient set, or an explicit ``(a, b, c)``, as a tuple of floats."""
+def resolve_ns_coefficients(value: Any) -> str | tuple[float, float, float] | tuple[tuple[float, float, float], ...]:
+    """A known name, one ``(a, b, c)``, or a non-empty list of them (one per iteration),
+    checked and made immutable."""
     if isinstance(value, str):
         if value not in NS_COEFFICIENT_SETS:
             raise ValueError(
-                f"unknown ns_coefficients {value!r}; use one of {sorted(NS_COEFFICIENT_SETS)} or a tuple (a, b, c)"
+                f"unknown ns_coefficients {value!r}; use one of {sorted(NS_COEFFICIENT_SETS)}, a tuple (a, b, c), "
+                "or a list of such tuples (one per iteration)"
             )
-        return NS_COEFFICIENT_SETS[value]
+        return value
+    if _is_triple(value):
+        return tuple(float(c) for c in value)  # type: ignore[return-value]
     try:
-        coefficients = tuple(value)
+        triples = list(value)
     except TypeError:
-        coefficients = ()
-    if len(coefficients) != 3 or not all(isinstance(c, (int, float)) and math.isfinite(c) for c in coefficients):
-        raise ValueError(
-            f"ns_coefficients must be a name from {sorted(NS_COEFFICIENT_SETS)} or three finite numbers (a, b, c), got {value!r}"
-        )
-    return tuple(float(c) for c in coefficients)  # type: ignore[return-value]
+        triples = []
+    if triples and all(_is_triple(t) for t in triples):
+        return tuple(tuple(float(c) for c in t) for t in triples)  # type: ignore[return-value]
+    raise ValueError(
+        f"ns_coefficients must be a name from {sorted(NS_COEFFICIENT_SETS)}, three finite numbers (a, b, c), "
+        f"or a list of such triples, got {value!r}"
+    )
+
+
+def _is_triple(value: Any) -> bool:
+    try:
+        items = tuple(value)
+    except TypeError:
+        return False
+    return len(items) == 3 and all(
+        isinstance(c, (int, float)) and not isinstance(c, bool) and math.isfinite(c) for c in items
+    )
 
 
 def check_muon_hyperparameters(group: dict[str, Any], where: str) -> None:

@@ -32,9 +32,12 @@ CASES: list[tuple[str, tuple[int, ...], str]] = [
     ("norm.weight", (24,), "adamw"),
     ("tok_embeddings.weight", (50, 16), "adamw"),
 ]
+# The two Muon groups also use the two kinds of coefficient schedule: a named one with
+# its own normalization, and a per-iteration list (shorter than ns_steps: the last repeats).
 GROUP_OPTIONS = {
-    "muon_a": {"use_muon": True, "lr": 0.05, "momentum": 0.95},
-    "muon_b": {"use_muon": True, "lr": 0.02, "momentum": 0.9, "weight_decay": 0.1},
+    "muon_a": {"use_muon": True, "lr": 0.05, "momentum": 0.95, "ns_coefficients": "polar_express"},
+    "muon_b": {"use_muon": True, "lr": 0.02, "momentum": 0.9, "weight_decay": 0.1,
+               "ns_coefficients": [(3.4445, -4.7750, 2.0315), (3.0, -3.2, 1.2)]},
     "adamw": {"use_muon": False, "lr": 0.01},
 }
 

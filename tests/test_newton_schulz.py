@@ -126,3 +126,49 @@ def test_matrix_shape(shape, expected):
 def test_matrix_shape_rejects_fewer_than_two_dims(shape):
     with pytest.raises(ValueError, match="at least 2 dimensions"):
         matrix_shape(shape)
+
+
+# ------------------------------------------------------------------ coefficient schedules
+
+
+@pytest.mark.parametrize("shape", [(256, 1024), (1024, 256)])
+def test_polar_express_lands_every_singular_value_closer_to_one_than_keller(shape):
+    update = _randn(*shape, seed=3)
+
+    def worst_error(coefficients) -> float:
+        singular_values = torch.linalg.svdvals(orthogonalize(update, coefficients, steps=5).float())
+        return float((singular_values - 1).abs().max())
+
+    assert worst_error("polar_express") < worst_error("keller")
+
+
+def test_polar_express_is_the_paper_schedule_with_its_bf16_safety_factor():
+    from dmuon.newton_schulz import POLAR_EXPRESS_COEFFICIENTS, coefficient_schedule
+
+    schedule, safety = coefficient_schedule("polar_express", 10)
+    assert safety == 1.01
+    a, b, c = schedule[0]
+    assert (a, b, c) == pytest.approx((8.28721201814563 / 1.01, -23.595886519098837 / 1.01**3,
+                                       17.300387312530933 / 1.01**5))
+    assert schedule[7:] == [(1.875, -1.25, 0.375)] * 3  # the converged tail, unscaled, repeats
+    assert schedule[:8] == list(POLAR_EXPRESS_COEFFICIENTS)
+
+
+def test_a_per_iteration_list_repeats_its_last_triple():
+    from dmuon.newton_schulz import coefficient_schedule
+
+    schedule, safety = coefficient_schedule([(3.0, -3.0, 1.0), (2.0, -1.5, 0.5)], 4)
+    assert schedule == [(3.0, -3.0, 1.0), (2.0, -1.5, 0.5), (2.0, -1.5, 0.5), (2.0, -1.5, 0.5)]
+    assert safety == 1.0
+
+
+def test_a_list_of_one_triple_is_the_triple():
+    update = _randn(24, 40)
+    assert torch.equal(orthogonalize(update, [KELLER_COEFFICIENTS]), orthogonalize(update, KELLER_COEFFICIENTS))
+    assert torch.equal(orthogonalize(update, "keller"), orthogonalize(update, KELLER_COEFFICIENTS))
+
+
+def test_a_schedule_changes_the_result_only_through_its_iterations():
+    update = _randn(24, 40)
+    first_only = orthogonalize(update, [(3.0, -3.0, 1.0), (2.0, -1.5, 0.5)], steps=1)
+    assert torch.equal(first_only, orthogonalize(update, (3.0, -3.0, 1.0), steps=1))

@@ -100,3 +100,32 @@ def test_shipped_configs_spell_out_the_default_adamw_regex(name):
 
     cfg = parse("--job.config_file", str(CONFIGS / name)).optimizer
     assert cfg.adamw_param_regex == DEFAULT_ADAMW_PARAM_REGEX
+
+
+def _write_toml(tmp_path, optimizer_lines: str):
+    path = tmp_path / "job.toml"
+    path.write_text('[job]\ncustom_config_module = "torchtitan_ext"\n[optimizer]\nname = "DMuon"\n' + optimizer_lines)
+    return ConfigManager().parse_args(["--job.config_file", str(path)]).optimizer
+
+
+def test_polar_express_is_chosen_by_name_in_toml(tmp_path):
+    from torchtitan_ext.optimizer_container import dmuon_kwargs
+
+    cfg = _write_toml(tmp_path, 'ns_coefficients = "polar_express"\n')
+    assert dmuon_kwargs(cfg)["ns_coefficients"] == "polar_express"
+
+
+def test_a_per_iteration_coefficient_list_is_accepted_in_toml(tmp_path):
+    import torch
+
+    from dmuon import DMuon
+    from torchtitan_ext.optimizer_container import dmuon_kwargs
+
+    cfg = _write_toml(tmp_path, "ns_coefficients = [[3.4445, -4.775, 2.0315], [3.0, -3.2, 1.2]]\n")
+    optimizer = DMuon([torch.nn.Parameter(torch.zeros(4, 4))], **dmuon_kwargs(cfg))
+    assert optimizer.param_groups[0]["ns_coefficients"] == ((3.4445, -4.775, 2.0315), (3.0, -3.2, 1.2))
+
+
+def test_a_malformed_coefficient_list_in_toml_names_the_key(tmp_path):
+    with pytest.raises(ValueError, match=r"\[optimizer\] ns_coefficients = \[\[3.0, -3.2\]\] is not known"):
+        _write_toml(tmp_path, "ns_coefficients = [[3.0, -3.2]]\n")

@@ -145,6 +145,8 @@ def test_non_dict_param_group_is_rejected():
         (dict(adjust_lr="rms"), r"unknown adjust_lr 'rms'"),
         (dict(ns_coefficients="polar"), r"unknown ns_coefficients 'polar'.*keller"),
         (dict(ns_coefficients=(3.4, -4.7)), r"ns_coefficients must be .* three finite numbers"),
+        (dict(ns_coefficients=[(3.4, -4.7, 2.0), (1.0, 2.0)]), r"ns_coefficients must be .* list of such triples"),
+        (dict(ns_coefficients=[]), r"ns_coefficients must be"),
         (dict(ns_coefficients=(3.4, float("inf"), 2.0)), r"ns_coefficients must be .* three finite numbers"),
         (dict(adamw_lr=-1.0), r"AdamW part\): lr must be in"),
         (dict(adamw_weight_decay=-1.0), r"AdamW part\): weight_decay must be in"),

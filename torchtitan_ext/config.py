@@ -28,6 +28,7 @@ from typing import Any
 
 from dmuon import ADJUST_LR_CHOICES as _DMUON_ADJUST_LR_CHOICES
 from dmuon import DEFAULT_ADAMW_NAME_PATTERN, NS_COEFFICIENT_SETS
+from dmuon.param_groups import resolve_ns_coefficients
 
 DMUON_NAME = "DMuon"
 
@@ -54,10 +55,12 @@ class Optimizer:
     ns_steps: int = 5
     """Newton-Schulz iterations per step. 5 is enough for the default coefficients."""
 
-    ns_coefficients: str = "keller"
+    ns_coefficients: str | list[list[float]] = "keller"
     """
-    Name of the Newton-Schulz coefficient set (see ``dmuon.NS_COEFFICIENT_SETS``):
-    "keller" is Keller Jordan's quintic (3.4445, -4.7750, 2.0315).
+    Newton-Schulz coefficients: a name from ``dmuon.NS_COEFFICIENT_SETS``
+    ("keller": Keller Jordan's quintic (3.4445, -4.7750, 2.0315) in every iteration;
+    "polar_express": the Polar Express schedule, a different quintic per iteration),
+    or a list of [a, b, c] triples, one per iteration (the last repeats).
     """
 
     adjust_lr: str = "original"
@@ -126,12 +129,14 @@ def validate_optimizer_config(optimizer_config: Any) -> None:
             f"Python regular expression ({e}). In TOML, write it as a literal string in "
             "single quotes so backslashes stay as typed."
         ) from e
-    known_sets = tuple(NS_COEFFICIENT_SETS)
-    if cfg.ns_coefficients not in known_sets:
+    try:
+        resolve_ns_coefficients(cfg.ns_coefficients)
+    except ValueError:
+        known_sets = ", ".join(repr(c) for c in NS_COEFFICIENT_SETS)
         raise ValueError(
             f"[optimizer] ns_coefficients = {cfg.ns_coefficients!r} is not known. "
-            f"Use one of {', '.join(repr(c) for c in known_sets)}."
-        )
+            f"Use one of {known_sets}, or a list of [a, b, c] triples (one per iteration)."
+        ) from None
     if cfg.ns_steps < 1:
         raise ValueError(f"[optimizer] ns_steps = {cfg.ns_steps} must be at least 1.")
     if not 0.0 <= cfg.momentum < 1.0:
