@@ -140,6 +140,19 @@ def orthogonalize(
     return x.T if tall else x
 
 
+def orthogonalize_row_blocks(
+    update: torch.Tensor,
+    split_rows: int,
+    coefficients: str | Triple | Sequence[Triple] = KELLER_COEFFICIENTS,
+    steps: int = DEFAULT_NS_STEPS,
+    eps: float = DEFAULT_NS_EPS,
+) -> torch.Tensor:
+    """Orthogonalize each block of ``split_rows`` consecutive rows of a 2-D ``update`` on
+    its own (one attention head of ``wq``, ``wk`` or ``wv``); block ``h`` of the result is
+    ``orthogonalize(update[h * split_rows : (h + 1) * split_rows])``, bit for bit."""
+    return torch.cat([orthogonalize(block, coefficients, steps, eps) for block in update.split(split_rows)])
+
+
 def newton_schulz_flops(shape: Sequence[int], steps: int = DEFAULT_NS_STEPS) -> int:
     """Floating-point operations of :func:`orthogonalize` for a parameter of ``shape``.
 

@@ -99,6 +99,9 @@ class DMuon(Optimizer):
             (``matched_adamw_rms * sqrt(max(A, B))``), ``"spectral"`` (``sqrt(A/B)``)
             or ``None`` (no scaling).
         matched_adamw_rms: the update RMS ``"match_rms_adamw"`` targets.
+        split_rows: orthogonalize each block of this many consecutive rows of a 2-D
+            parameter on its own (one attention head of ``wq``/``wk``/``wv``); the shape
+            scale then uses the block's shape. None: the whole matrix.
         adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay: the AdamW part;
             ``adamw_lr`` and ``adamw_weight_decay`` default to ``lr`` and ``weight_decay``.
         comm: ``"all_to_all"`` (owner-computed fast path where the placement allows it)
@@ -131,6 +134,7 @@ class DMuon(Optimizer):
         adamw_eps: float = 1e-8,
         adamw_weight_decay: float | None = None,
         *,
+        split_rows: int | None = None,
         comm: str = ALL_TO_ALL,
         max_batch_numel: int = DEFAULT_BATCH_NUMEL,
     ) -> None:
@@ -151,6 +155,7 @@ class DMuon(Optimizer):
             eps=eps,
             adjust_lr=adjust_lr,
             matched_adamw_rms=matched_adamw_rms,
+            split_rows=split_rows,
         )
         adamw_defaults = dict(
             lr=lr if adamw_lr is None else adamw_lr,
@@ -243,7 +248,7 @@ class DMuon(Optimizer):
             group = {key: options.get(key, self._muon_defaults[key]) for key in MUON_KEYS}
             check_muon_hyperparameters(group, where)
             for name, param in members:
-                check_muon_param(param, name)
+                check_muon_param(param, name, group["split_rows"])
         else:
             group = {key: options.get(key, self._adamw_defaults[key]) for key in ADAMW_KEYS}
             check_adamw_hyperparameters(group, where)
@@ -306,7 +311,7 @@ class DMuon(Optimizer):
                     by_mesh.setdefault(param.device_mesh, []).append((param, group))
         plans = []
         for mesh, members in by_mesh.items():
-            specs = [ParamSpec(tuple(p.shape), p.placements[0].dim, g["ns_steps"]) for p, g in members]
+            specs = [ParamSpec(tuple(p.shape), p.placements[0].dim, g["ns_steps"], g["split_rows"]) for p, g in members]
             plan = make_owner_plan(specs, mesh.size(), self.max_batch_numel)
             params = [p for p, _ in members]
             self._check_shards_agree_with_plan(mesh, params, plan)
@@ -435,11 +440,20 @@ class DMuon(Optimizer):
         if path == REDISTRIBUTE:
             mesh, placements = param.device_mesh, param.placements
             full = DTensor.from_local(update, mesh, placements, shape=param.shape, stride=param.stride()).full_tensor()
-            ortho = self._orthogonalize(full.view(matrix_shape(param.shape)), group).view(param.shape)
+            ortho = self._orthogonalize_whole(full, group)
             ortho = distribute_tensor(ortho, mesh, placements, src_data_rank=None).to_local()
         else:
-            ortho = self._orthogonalize(update.view(matrix_shape(param.shape)), group).view(update.shape)
+            ortho = self._orthogonalize_whole(update, group)
         self._apply(param, _local(param), ortho, group)
+
+    def _orthogonalize_whole(self, tensor: torch.Tensor, group: dict[str, Any]) -> torch.Tensor:
+        """Newton-Schulz of a whole parameter-shaped tensor: its matrix, each expert of a
+        stack, or each block of ``split_rows`` rows."""
+        matrix = tensor.view(matrix_shape(tensor.shape))
+        if group["split_rows"]:
+            blocks = [self._orthogonalize(block, group) for block in matrix.split(group["split_rows"])]
+            return torch.cat(blocks).view(tensor.shape)
+        return self._orthogonalize(matrix, group).view(tensor.shape)
 
     def _orthogonalize(self, matrix: torch.Tensor, group: dict[str, Any]) -> torch.Tensor:
         """Newton-Schulz with the group's settings; counts the flops run on this rank."""
@@ -447,7 +461,9 @@ class DMuon(Optimizer):
         return orthogonalize(matrix, group["ns_coefficients"], group["ns_steps"], group["eps"])
 
     def _apply(self, param: torch.Tensor, target: torch.Tensor, ortho: torch.Tensor, group: dict[str, Any]) -> None:
-        scale = shape_scale(param.shape, group["adjust_lr"], group["matched_adamw_rms"])
+        # With split_rows, each block is its own matrix for the shape scale too.
+        shape = (group["split_rows"], param.shape[1]) if group["split_rows"] else param.shape
+        scale = shape_scale(shape, group["adjust_lr"], group["matched_adamw_rms"])
         apply_muon_update_(target, ortho, group["lr"], group["weight_decay"], scale)
 
     def _adamw_group_step(self, group: dict[str, Any]) -> None:

@@ -32,6 +32,7 @@ MUON_KEYS = (
     "eps",
     "adjust_lr",
     "matched_adamw_rms",
+    "split_rows",
 )
 ADAMW_KEYS = ("lr", "betas", "eps", "weight_decay")
 
@@ -90,6 +91,9 @@ def check_muon_hyperparameters(group: dict[str, Any], where: str) -> None:
         raise ValueError(f"{where}: ns_steps must be an int in [1, {MAX_NS_STEPS}), got {steps!r}")
     if group["adjust_lr"] not in ADJUST_LR_CHOICES:
         raise ValueError(f"{where}: unknown adjust_lr {group['adjust_lr']!r}; use one of {ADJUST_LR_CHOICES}")
+    split_rows = group["split_rows"]
+    if split_rows is not None and (not isinstance(split_rows, int) or isinstance(split_rows, bool) or split_rows < 1):
+        raise ValueError(f"{where}: split_rows must be None or a positive int, got {split_rows!r}")
     if not isinstance(group["nesterov"], bool):
         raise ValueError(f"{where}: nesterov must be a bool, got {group['nesterov']!r}")
     try:
@@ -109,7 +113,7 @@ def check_adamw_hyperparameters(group: dict[str, Any], where: str) -> None:
     group["betas"] = tuple(float(b) for b in betas)
 
 
-def check_muon_param(param: torch.Tensor, name: str) -> None:
+def check_muon_param(param: torch.Tensor, name: str, split_rows: int | None = None) -> None:
     """Raise for a parameter Muon cannot update, saying what to do instead."""
     if param.ndim < 2:
         raise ValueError(
@@ -120,6 +124,11 @@ def check_muon_param(param: torch.Tensor, name: str) -> None:
         raise ValueError(f"parameter {name!r} is complex: Muon supports real tensors only; use use_muon=False")
     if not param.is_floating_point():
         raise ValueError(f"parameter {name!r} has dtype {param.dtype}: only floating-point parameters can be optimized")
+    if split_rows is not None and (param.ndim != 2 or param.shape[0] % split_rows):
+        raise ValueError(
+            f"parameter {name!r} has shape {tuple(param.shape)}: split_rows={split_rows} needs a 2-D parameter "
+            f"whose row count is a multiple of it; put it in a group without split_rows"
+        )
 
 
 def _check_range(

@@ -5,8 +5,9 @@ so everything here is testable (and ``plan_report`` runs at P = 1024) without pr
 
 Vocabulary:
 
-- a *unit* is one matrix Newton-Schulz runs on: a 2-D parameter, one expert of a 3-D
-  ``[E, A, B]`` stack, or a 4-D+ parameter seen as ``[shape[0], prod(rest)]``;
+- a *unit* is one matrix Newton-Schulz runs on: a 2-D parameter (or one block of
+  ``split_rows`` rows of it: an attention head), one expert of a 3-D ``[E, A, B]``
+  stack, or a 4-D+ parameter seen as ``[shape[0], prod(rest)]``;
 - on a 1-D mesh with placement ``Shard(d)``, rank ``r`` holds one *block* of every unit
   it touches: a slice of the unit along one matrix dimension (rows for FSDP2's
   ``Shard(0)``, columns for a ``Shard(1)`` weight), cut the way ``torch.chunk`` cuts
@@ -133,11 +134,16 @@ class ParamSpec:
     """The dim ``Shard`` cuts over the mesh."""
     ns_steps: int = DEFAULT_NS_STEPS
     """Newton-Schulz iterations of its group (the cost model)."""
+    split_rows: int | None = None
+    """Rows per separately orthogonalized block of a 2-D parameter (an attention head)."""
 
     @property
     def unit_rows(self) -> int:
-        """Indices of dim 0 per unit: one expert of a 3-D stack, else the whole parameter."""
-        return 1 if len(self.shape) == 3 else self.shape[0]
+        """Indices of dim 0 per unit: one expert of a 3-D stack, one block of
+        ``split_rows`` rows, or else the whole parameter."""
+        if len(self.shape) == 3:
+            return 1
+        return self.split_rows or self.shape[0]
 
     @property
     def num_units(self) -> int:

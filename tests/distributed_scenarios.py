@@ -374,13 +374,21 @@ def _layout_tensors(seed: int, cases: list[tuple[str, tuple[int, ...], int]]) ->
     return {name: torch.randn(shape, generator=generator).to(_device()) for name, shape, _ in cases}
 
 
-def layout_exactness(case_names: list[str], max_batch_numel: int) -> dict[str, Any]:
-    """The cases named, each sharded on its dim, vs single-process DMuon; plus bytes and
-    each case's bytes alone (from the plan)."""
+# Attention-like weights orthogonalized per head (split_rows=4): 20 rows on 4 ranks are
+# 5, 5, 5, 5, so heads [4, 8) and [8, 12) straddle two ranks each.
+HEAD_CASES: list[tuple[str, tuple[int, ...], int]] = [
+    ("heads_rows", (20, 12), 0),
+    ("heads_cols", (12, 20), 1),
+]
+
+
+def layout_exactness(case_names: list[str], max_batch_numel: int, split_rows: int | None = None) -> dict[str, Any]:
+    """The cases named (from LAYOUT_CASES and HEAD_CASES), each sharded on its dim, vs
+    single-process DMuon with the same options; plus paths, bytes and batches."""
     world = dist.get_world_size()
-    cases = [c for c in LAYOUT_CASES if c[0] in case_names]
+    cases = [c for c in LAYOUT_CASES + HEAD_CASES if c[0] in case_names]
     mesh = init_device_mesh(device_type(), (world,))
-    options = dict(lr=0.03, momentum=0.9, weight_decay=0.05, max_batch_numel=max_batch_numel)
+    options = dict(lr=0.03, momentum=0.9, weight_decay=0.05, max_batch_numel=max_batch_numel, split_rows=split_rows)
 
     def shard(name: str, t: torch.Tensor) -> DTensor:
         dim = next(d for n, _, d in cases if n == name)

@@ -31,6 +31,16 @@ def test_every_block_layout_takes_the_fast_path(every_layout, world):
     assert set(every_layout[world]["paths"].values()) == {"all_to_all"}
 
 
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_heads_orthogonalized_apart_are_bitwise_equal_to_single_process_even_split_across_ranks(world):
+    heads = [name for name, _, _ in scenarios.HEAD_CASES]
+    result = run_on_ranks(scenarios.layout_exactness, world, heads, DEFAULT_CAP, 4)[0]
+    assert all(result["equal"].values()), result["equal"]
+    if world > 1:
+        assert set(result["paths"].values()) == {"all_to_all"}
+        assert len([i for batch in result["batches"] for i in batch]) == 5 + 3  # one unit per head
+
+
 def test_tiny_batches_leave_some_rank_idle_and_stay_bitwise():
     result = run_on_ranks(scenarios.layout_exactness, 4, ALL, 64)[0]
     assert len(result["batches"]) > 1

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from dmuon import DMuon
+from dmuon.update_rules import shape_scale
 
 MUON_SHAPES = [(32, 16), (16, 48), (24, 24)]  # tall, wide, square
 
@@ -458,3 +459,52 @@ def test_nan_grad_makes_that_matrix_non_finite_without_raising():
     assert not torch.isfinite(poisoned).any()
     assert torch.isnan(optimizer.state[poisoned]["momentum_buffer"][0, 0])
     assert torch.isfinite(healthy).all()
+
+
+# ----------------------------------------------------------------- per-head orthogonalization
+
+
+def test_split_rows_orthogonalizes_each_block_of_rows_on_its_own():
+    from dmuon.newton_schulz import orthogonalize_row_blocks
+
+    generator = torch.Generator().manual_seed(0)
+    weight, grad = torch.randn(12, 20, generator=generator), torch.randn(12, 20, generator=generator)
+    param = nn.Parameter(weight.clone())
+    param.grad = grad.clone()
+    DMuon([param], lr=0.1, momentum=0.0, nesterov=False, split_rows=4, adjust_lr="spectral").step()
+    scale = shape_scale((4, 20), "spectral", 0.2)  # a block's A x B, not the whole matrix's
+    expected = weight.clone().add_(orthogonalize_row_blocks(grad, 4), alpha=-0.1 * scale)
+    assert torch.equal(param.detach(), expected)
+
+
+def test_split_rows_scales_the_update_by_the_block_shape():
+    generator = torch.Generator().manual_seed(1)
+    weight, grad = torch.randn(8, 4, generator=generator), torch.randn(8, 4, generator=generator)
+    split, whole = nn.Parameter(weight.clone()), nn.Parameter(weight.clone())
+    split.grad, whole.grad = grad.clone(), grad.clone()
+    DMuon([split], lr=0.1, momentum=0.0, nesterov=False, split_rows=4).step()  # 4 x 4 blocks: scale 1
+    from dmuon.newton_schulz import orthogonalize_row_blocks
+
+    assert torch.equal(split.detach(), weight - 0.1 * orthogonalize_row_blocks(grad, 4).float())
+
+
+def test_a_block_of_a_split_is_bit_for_bit_the_block_orthogonalized_alone():
+    from dmuon.newton_schulz import orthogonalize, orthogonalize_row_blocks
+
+    update = torch.randn(12, 20, generator=torch.Generator().manual_seed(2))
+    assert torch.equal(orthogonalize_row_blocks(update, 4)[4:8], orthogonalize(update[4:8]))
+
+
+@pytest.mark.parametrize("shape, split_rows, message", [
+    ((10, 8), 4, r"row count is a multiple"),
+    ((2, 8, 8), 2, r"needs a 2-D parameter"),
+])
+def test_split_rows_that_do_not_fit_a_parameter_are_rejected_naming_it(shape, split_rows, message):
+    with pytest.raises(ValueError, match=rf"'w'.*{message}"):
+        DMuon([{"params": [("w", nn.Parameter(torch.zeros(shape)))], "use_muon": True}], split_rows=split_rows)
+
+
+@pytest.mark.parametrize("split_rows", [0, -4, 2.5, True])
+def test_split_rows_must_be_a_positive_int(split_rows):
+    with pytest.raises(ValueError, match="split_rows must be None or a positive int"):
+        DMuon([nn.Parameter(torch.zeros(8, 8))], split_rows=split_rows)
