@@ -254,3 +254,38 @@ def test_torchtitan_runs_the_routing_check_before_loading():
     from torchtitan.components.checkpoint import CheckpointManager
 
     assert getattr(CheckpointManager.dcp_load, "_dmuon_routing_check", False)
+
+
+# ----------------------------------------------------------------- split_attention_heads
+
+
+def test_split_attention_heads_gives_wq_wk_wv_a_per_head_muon_group():
+    model = tiny_llama()  # dim 64, 4 heads: head_dim 16
+    container = build([model], "--optimizer.split_attention_heads")
+    heads, muon, adamw = container.optimizers[0].param_groups
+    names = {container.optimizers[0].param_name(p) for p in heads["params"]}
+    assert names == {f"layers.{i}.attention.{w}.weight" for i in range(2) for w in ("wq", "wk", "wv")}
+    assert heads["use_muon"] and heads["split_rows"] == 16
+    assert muon["use_muon"] and muon["split_rows"] is None
+    assert "layers.0.attention.wo.weight" in {container.optimizers[0].param_name(p) for p in muon["params"]}
+    assert not adamw["use_muon"]
+
+
+def test_without_split_attention_heads_the_groups_are_muon_then_adamw():
+    groups = build([tiny_llama()]).optimizers[0].param_groups
+    assert [g["use_muon"] for g in groups] == [True, False]
+    assert groups[0]["split_rows"] is None
+
+
+def test_a_container_with_heads_split_trains_a_model():
+    model = tiny_llama()
+    container = build([model], "--optimizer.split_attention_heads", "--optimizer.lr", "0.02")
+    tokens = torch.randint(0, 128, (4, 17), generator=torch.Generator().manual_seed(0))
+    losses = []
+    for _ in range(6):
+        container.zero_grad()
+        loss = nn.functional.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
+        loss.backward()
+        container.step()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0] - 0.3

@@ -87,6 +87,15 @@ class Optimizer:
     two dimensions always go to AdamW. Default: embeddings, output head and norms.
     """
 
+    split_attention_heads: bool = False
+    """
+    Orthogonalize each attention head's rows of ``wq``, ``wk`` and ``wv`` on its own
+    (DMuon ``split_rows``), with the head size read from the model: it applies to the
+    weights named ``wq``/``wk``/``wv`` of every module that has a ``head_dim`` attribute
+    (the attention of llama3, llama4 and qwen3). They get a Muon group of their own.
+    ``wo`` and models without such modules (deepseek_v3's MLA) are unaffected.
+    """
+
     comm: str = "all_to_all"
     """
     How DMuon gathers each sharded matrix to the rank that orthogonalizes it:

@@ -4,11 +4,13 @@ TorchTitan keeps one optimizer per *model part* (one part per pipeline stage;
 one part in total without pipeline parallelism) inside an
 ``OptimizersContainer``; checkpointing, LR scheduling and hooks all go through
 that container. We reuse the container class and only change what sits inside:
-one ``dmuon.DMuon`` per part, holding up to two parameter groups:
+one ``dmuon.DMuon`` per part, holding up to three parameter groups:
 
-1. the **Muon group** (``use_muon=True``): every parameter with >= 2 dimensions
-   whose name does not match ``[optimizer] adamw_param_regex``;
-2. the **AdamW group** (``use_muon=False``): the rest -- embeddings, output head,
+1. with ``[optimizer] split_attention_heads``, a **per-head Muon group**: the
+   attention ``wq``/``wk``/``wv`` weights, ``split_rows`` = the model's head size;
+2. the **Muon group** (``use_muon=True``): every other parameter with >= 2
+   dimensions whose name does not match ``[optimizer] adamw_param_regex``;
+3. the **AdamW group** (``use_muon=False``): the rest -- embeddings, output head,
    norms by default, plus every 0-D/1-D parameter (biases, scales).
 
 Group layout rule (a choice, explained): TorchTitan saves only the *first*
@@ -34,7 +36,9 @@ from torchtitan.tools.logging import logger
 
 from .config import validate_optimizer_config
 
-MUON, ADAMW = "muon", "adamw"
+MUON_HEADS, MUON, ADAMW = "muon_heads", "muon", "adamw"
+# Attention projections whose rows are heads (split_attention_heads).
+HEAD_PROJECTIONS = ("wq", "wk", "wv")
 
 
 @dataclass
@@ -43,9 +47,13 @@ class RoutedParameters:
 
     muon: list[tuple[str, nn.Parameter]] = field(default_factory=list)
     adamw: list[tuple[str, nn.Parameter]] = field(default_factory=list)
+    muon_heads: list[tuple[str, nn.Parameter]] = field(default_factory=list)
+    """Attention projections orthogonalized per head (``split_attention_heads``)."""
+    head_dims: set[int] = field(default_factory=set)
+    """Head sizes of the ``muon_heads`` parameters."""
 
     def of_kind(self, kind: str) -> list[tuple[str, nn.Parameter]]:
-        return self.muon if kind == MUON else self.adamw
+        return {MUON: self.muon, ADAMW: self.adamw, MUON_HEADS: self.muon_heads}[kind]
 
 
 def goes_to_adamw(name: str, param: nn.Parameter, adamw_regex: re.Pattern[str]) -> bool:
@@ -53,21 +61,41 @@ def goes_to_adamw(name: str, param: nn.Parameter, adamw_regex: re.Pattern[str]) 
     return param.ndim < 2 or adamw_regex.search(name) is not None
 
 
-def route_parameters(model: nn.Module, adamw_param_regex: str) -> RoutedParameters:
-    """Split ``model``'s trainable parameters into Muon and AdamW lists (model order)."""
+def attention_head_dims(model: nn.Module) -> dict[nn.Parameter, int]:
+    """``wq``/``wk``/``wv`` weights of every module with a ``head_dim`` -> that head size."""
+    heads: dict[nn.Parameter, int] = {}
+    for module in model.modules():
+        head_dim = getattr(module, "head_dim", None)
+        if isinstance(head_dim, int) and all(hasattr(module, n) for n in HEAD_PROJECTIONS):
+            for projection in HEAD_PROJECTIONS:
+                weight = getattr(getattr(module, projection), "weight", None)
+                if isinstance(weight, nn.Parameter):
+                    heads[weight] = head_dim
+    return heads
+
+
+def route_parameters(model: nn.Module, adamw_param_regex: str, split_attention_heads: bool = False) -> RoutedParameters:
+    """Split ``model``'s trainable parameters into Muon (per head, or whole) and AdamW
+    lists (model order)."""
     pattern = re.compile(adamw_param_regex)
+    heads = attention_head_dims(model) if split_attention_heads else {}
     routed = RoutedParameters()
     for name, param in model.named_parameters():
         if not param.requires_grad:
             continue
-        kind = ADAMW if goes_to_adamw(name, param, pattern) else MUON
-        routed.of_kind(kind).append((name, param))
+        if goes_to_adamw(name, param, pattern):
+            routed.adamw.append((name, param))
+        elif param in heads:
+            routed.muon_heads.append((name, param))
+            routed.head_dims.add(heads[param])
+        else:
+            routed.muon.append((name, param))
     return routed
 
 
 def group_layout(routed_parts: list[RoutedParameters]) -> list[str]:
     """The group kinds every part gets, in order (see the module docstring)."""
-    layout = [k for k in (MUON, ADAMW) if any(r.of_kind(k) for r in routed_parts)]
+    layout = [k for k in (MUON_HEADS, MUON, ADAMW) if any(r.of_kind(k) for r in routed_parts)]
     if not layout:
         raise ValueError("DMuon: the model has no trainable parameters.")
     for index, routed in enumerate(routed_parts):
@@ -119,19 +147,26 @@ class DMuonOptimizersContainer(OptimizersContainer):
         model_parts: list[nn.Module],
         optimizer_kwargs: dict[str, Any],
         adamw_param_regex: str,
+        split_attention_heads: bool = False,
     ) -> None:
         self.model_parts = model_parts
         self.optimizers = []
-        routed_parts = [route_parameters(m, adamw_param_regex) for m in model_parts]
+        routed_parts = [route_parameters(m, adamw_param_regex, split_attention_heads) for m in model_parts]
         layout = group_layout(routed_parts)
+        head_dims = set().union(*(r.head_dims for r in routed_parts))
+        if len(head_dims) > 1:
+            raise ValueError(f"DMuon: split_attention_heads needs one head size, the model has {sorted(head_dims)}")
+        self.head_dim = next(iter(head_dims), None)
         all_params: list[nn.Parameter] = []
         for index, routed in enumerate(routed_parts):
-            groups = [self._group(kind, routed, optimizer_kwargs) for kind in layout]
+            groups = [self._group(kind, routed, optimizer_kwargs, self.head_dim) for kind in layout]
             self.optimizers.append(DMuon(groups, **optimizer_kwargs))
             all_params.extend(p for g in groups for _, p in g["params"])
             logger.info(
                 f"DMuon (model part {index}): {len(routed.muon)} tensors "
-                f"({_numel(routed.muon):,} params) -> Muon, {len(routed.adamw)} tensors "
+                f"({_numel(routed.muon):,} params) -> Muon, {len(routed.muon_heads)} tensors "
+                f"({_numel(routed.muon_heads):,} params) -> Muon per head ({self.head_dim} rows), "
+                f"{len(routed.adamw)} tensors "
                 f"({_numel(routed.adamw):,} params) -> AdamW; groups {layout}"
             )
         self._validate_length(len(model_parts))
@@ -140,12 +175,14 @@ class DMuonOptimizersContainer(OptimizersContainer):
         self._post_init(all_params, optimizer_kwargs)
 
     @staticmethod
-    def _group(kind: str, routed: RoutedParameters, kwargs: dict[str, Any]) -> dict[str, Any]:
+    def _group(kind: str, routed: RoutedParameters, kwargs: dict[str, Any], head_dim: int | None) -> dict[str, Any]:
         group: dict[str, Any] = {
             # (name, tensor) pairs: DMuon reports problems by parameter name.
             "params": list(routed.of_kind(kind)),
-            "use_muon": kind == MUON,
+            "use_muon": kind != ADAMW,
         }
+        if kind == MUON_HEADS:
+            group["split_rows"] = head_dim
         # Give the AdamW group its lr explicitly: TorchTitan's LambdaLR scales each
         # group's lr as found at construction, so it must be the AdamW lr already.
         if kind == ADAMW and kwargs.get("adamw_lr") is not None:
@@ -169,5 +206,6 @@ def build_dmuon_optimizers(
             '[optimizer] name = "DMuon" does not support TorchFT ([fault_tolerance] enable).'
         )
     return DMuonOptimizersContainer(
-        model_parts, dmuon_kwargs(optimizer_config), optimizer_config.adamw_param_regex
+        model_parts, dmuon_kwargs(optimizer_config), optimizer_config.adamw_param_regex,
+        optimizer_config.split_attention_heads,
     )
