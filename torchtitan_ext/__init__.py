@@ -17,10 +17,12 @@ TorchTitan 0.2.x imports this module while parsing the config. Importing it:
    tokenizer built on first use by ``tokenizer.py``);
 4. re-registers TorchTitan's built-in model specs so that ``name = "DMuon"``
    builds a ``DMuonOptimizersContainer`` (``train_specs.py``,
-   ``optimizer_container.py``) while ``Adam``/``AdamW`` stay stock.
+   ``optimizer_container.py``) while ``Adam``/``AdamW`` stay stock;
+5. for tests only, and only when its environment variable is set: dumps the
+   state a resume loaded (``state_dump.py``). Unset, it does nothing.
 """
 
-from . import cpu_compat
+from . import cpu_compat, state_dump
 from .config import install_config_validation, JobConfig, Optimizer
 from .dataset import register_datasets
 from .optimizer_container import build_dmuon_optimizers, DMuonOptimizersContainer
@@ -38,3 +40,4 @@ cpu_compat.apply()
 install_config_validation()
 register_datasets()
 register_builtin_specs()
+state_dump.install_from_env()
