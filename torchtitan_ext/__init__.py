@@ -18,11 +18,14 @@ TorchTitan 0.2.x imports this module while parsing the config. Importing it:
 4. re-registers TorchTitan's built-in model specs so that ``name = "DMuon"``
    builds a ``DMuonOptimizersContainer`` (``train_specs.py``,
    ``optimizer_container.py``) while ``Adam``/``AdamW`` stay stock;
-5. for tests only, and only when its environment variable is set: dumps the
-   state a resume loaded (``state_dump.py``). Unset, it does nothing.
+5. warns when ``torchrun`` may restart the job in a way that can fail to
+   reconnect (``launch_checks.py``);
+6. for tests only, and only when their environment variables are set: arms a
+   fault (a rank SIGKILLs itself at a given step, ``fault_injection.py``) and
+   dumps the state a resume loaded (``state_dump.py``). Unset, they do nothing.
 """
 
-from . import cpu_compat, state_dump
+from . import cpu_compat, fault_injection, launch_checks, state_dump
 from .config import install_config_validation, JobConfig, Optimizer
 from .dataset import register_datasets
 from .optimizer_container import build_dmuon_optimizers, DMuonOptimizersContainer
@@ -40,4 +43,6 @@ cpu_compat.apply()
 install_config_validation()
 register_datasets()
 register_builtin_specs()
+launch_checks.warn_about_risky_restarts()
+fault_injection.install_from_env()
 state_dump.install_from_env()
