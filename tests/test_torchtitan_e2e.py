@@ -1,98 +1,27 @@
 """End-to-end: real ``torchrun`` TorchTitan runs of the llama3 debug model on CPU ranks.
 
-Each test launches ``torchrun --standalone`` (a free port is picked) with
-``OMP_NUM_THREADS=1``, a timeout, and its own process group, which is killed
-whole if the run hangs. Runs are short (<= 10 steps at seq_len 128); one 2-rank
-run with checkpoints is shared by three tests through a module fixture.
+Launches go through ``tests/titan_runs.py`` (``torchrun --standalone``, a timeout,
+the whole process group killed if a run hangs). Runs are short (<= 10 steps at
+seq_len 128); one 2-rank run with checkpoints (the ``dmuon_run`` fixture in
+``conftest.py``) is shared by several tests.
 """
 
 from __future__ import annotations
 
-import os
-import shutil
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+import torch
 
-from torchtitan_ext.titan_log import parse_log, TitanLog
-from torchtitan_ext.tokenizer import ensure_tokenizer
-
-REPO = Path(__file__).resolve().parents[1]
-DMUON_TOML = REPO / "train_configs" / "llama3_debug_dmuon.toml"
-ADAMW_TOML = REPO / "train_configs" / "llama3_debug_adamw.toml"
-RUN_TIMEOUT_S = 300
-
-
-class RunFailed(AssertionError):
-    pass
-
-
-def torchrun(toml: Path, dump_folder: Path, *overrides: str, nproc: int = 2, check: bool = True,
-             log_rank: int = 0):
-    """Run TorchTitan; return (TitanLog of rank ``log_rank``, its console text)."""
-    rank_logs = dump_folder / "torchrun_logs"  # every rank's output, shown if the run fails
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone",
-        f"--nproc-per-node={nproc}", f"--local-ranks-filter={log_rank}",
-        "--log-dir", str(rank_logs), "--redirects", "3", "--tee", "3",
-        "-m", "torchtitan.train",
-        "--job.config_file", str(toml),
-        "--job.dump_folder", str(dump_folder),
-        *overrides,
-    ]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    # A new session makes the run a process group we can kill as a whole.
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=RUN_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        raise RunFailed(f"torchrun timed out after {RUN_TIMEOUT_S}s:\n{out[-4000:]}{_tails(rank_logs)}")
-    if check and proc.returncode != 0:
-        raise RunFailed(f"torchrun exited with {proc.returncode}:\n{out[-6000:]}{_tails(rank_logs)}")
-    return parse_log(out), out
-
-
-def _tails(rank_logs: Path) -> str:
-    """The end of every rank's stderr (the console only shows one rank)."""
-    parts = [f"\n--- {f} ---\n{f.read_text()[-2000:]}" for f in sorted(rank_logs.rglob("stderr.log"))]
-    return "".join(parts)
-
-
-@pytest.fixture(scope="module")
-def tokenizer_dir(tmp_path_factory) -> Path:
-    return ensure_tokenizer(tmp_path_factory.mktemp("tokenizer"))
-
-
-@pytest.fixture(scope="module")
-def short_run_args(tokenizer_dir) -> list[str]:
-    """Overrides that make the demo config a ~10-step test."""
-    return [
-        "--model.hf_assets_path", str(tokenizer_dir),
-        "--training.seq_len", "128",
-        "--training.steps", "10",
-        "--lr_scheduler.warmup_steps", "2",
-        "--metrics.log_freq", "1",
-        "--validation.no-enable",
-    ]
-
-
-@pytest.fixture(scope="module")
-def dmuon_run(tmp_path_factory, short_run_args) -> tuple[TitanLog, Path]:
-    """10 DMuon steps on 2 ranks, checkpointing at steps 5 and 10."""
-    folder = tmp_path_factory.mktemp("dmuon_run")
-    log, _ = torchrun(DMUON_TOML, folder, *short_run_args,
-                      "--checkpoint.enable", "--checkpoint.interval", "5")
-    return log, folder
-
-
-def copy_checkpoint(src_run: Path, step: int, dst_run: Path) -> None:
-    shutil.copytree(src_run / "checkpoint" / f"step-{step}", dst_run / "checkpoint" / f"step-{step}")
+from tests.titan_runs import (
+    ADAMW_TOML,
+    assert_same_tensors,
+    checkpoint_dir,
+    copy_checkpoint,
+    DMUON_TOML,
+    load_checkpoint,
+    torchrun,
+)
 
 
 def test_dmuon_loss_at_the_last_step_is_clearly_below_the_first(dmuon_run):
@@ -112,20 +41,54 @@ def test_resuming_from_a_checkpoint_reproduces_the_uninterrupted_losses(dmuon_ru
     assert {s: resumed.train_loss[s] for s in range(6, 11)} == {s: full.train_loss[s] for s in range(6, 11)}
 
 
-def test_a_checkpoint_written_by_two_ranks_loads_on_one_rank_and_trains_on(dmuon_run, short_run_args, tmp_path):
-    full, full_folder = dmuon_run
-    copy_checkpoint(full_folder, 5, tmp_path)
-    one_rank, out = torchrun(
-        DMUON_TOML, tmp_path, *short_run_args, "--training.steps", "7",
+NON_MODEL_STATES = ("optimizer", "lr_scheduler", "dataloader", "train_state")
+
+
+@pytest.fixture(scope="module")
+def one_rank_resume(dmuon_run, short_run_args, tmp_path_factory):
+    """The 2-rank step-5 checkpoint resumed on 1 rank for steps 6-7, dumping what it loaded.
+
+    Returns (TitanLog, console text, the loaded state as ``state_dump`` wrote it).
+    """
+    _, full_folder = dmuon_run
+    folder = tmp_path_factory.mktemp("one_rank_resume")
+    copy_checkpoint(full_folder, 5, folder)
+    dump = folder / "loaded_state.pt"
+    log, out = torchrun(
+        DMUON_TOML, folder, *short_run_args, "--training.steps", "7",
         "--checkpoint.enable", "--checkpoint.interval", "5",
         # The dataloader state is per data-parallel rank; TorchTitan cannot reshard it.
         "--checkpoint.exclude_from_loading", "dataloader",
-        nproc=1,
+        nproc=1, env={"TORCHTITAN_EXT_DUMP_LOADED_STATE": str(dump)},
     )
+    return log, out, torch.load(dump, weights_only=False)
+
+
+def test_a_checkpoint_written_by_two_ranks_loads_on_one_rank_and_trains_on(dmuon_run, one_rank_resume):
+    full, _ = dmuon_run
+    one_rank, out, _ = one_rank_resume
     assert "Loading the checkpoint" in out and "step-5" in out
     assert sorted(one_rank.train_loss) == [6, 7]
     # Trained weights were loaded: a fresh model starts near ln(2048) = 7.6.
     assert one_rank.train_loss[7] < full.train_loss[1] - 0.5, (one_rank.train_loss, full.train_loss)
+
+
+def test_one_rank_loads_the_optimizer_state_two_ranks_saved_bit_for_bit(dmuon_run, one_rank_resume, tmp_path):
+    _, full_folder = dmuon_run
+    _, _, loaded = one_rank_resume
+    saved = load_checkpoint(checkpoint_dir(full_folder, 5), tmp_path)
+    # Momentum buffers and AdamW moments, every parameter: zeroed or mixed-up state fails.
+    assert any(k.endswith("momentum_buffer") for k in saved["optimizer"])
+    assert_same_tensors(loaded["optimizer"], saved["optimizer"])
+
+
+def test_one_rank_loads_the_weights_two_ranks_saved_bit_for_bit(dmuon_run, one_rank_resume, tmp_path):
+    _, full_folder = dmuon_run
+    _, _, loaded = one_rank_resume
+    saved = load_checkpoint(checkpoint_dir(full_folder, 5), tmp_path)
+    # The checkpoint keeps the weights at its top level, beside the other states.
+    saved_weights = {k: v for k, v in saved.items() if k not in NON_MODEL_STATES}
+    assert_same_tensors(loaded["model"], saved_weights)
 
 
 def test_pipeline_parallel_gives_each_stage_its_own_dmuon_and_trains(short_run_args, tmp_path):

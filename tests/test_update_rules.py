@@ -38,9 +38,13 @@ def test_shape_scale_match_rms_adamw_uses_the_given_rms():
     assert shape_scale(TALL, "match_rms_adamw", 0.3) == pytest.approx(0.3 * 8.0, rel=1e-15)
 
 
-def test_every_advertised_adjust_lr_choice_is_accepted():
-    for choice in ADJUST_LR_CHOICES:
-        shape_scale(TALL, choice, 0.2)
+def test_every_advertised_adjust_lr_choice_gives_its_documented_scale():
+    # TALL is 64 x 16; matched_adamw_rms is 0.2. A choice added to ADJUST_LR_CHOICES
+    # without an entry here fails the key check, so every advertised choice is covered.
+    documented = {"original": 2.0, "match_rms_adamw": 0.2 * 8.0, "spectral": 2.0, None: 1.0}
+    assert set(ADJUST_LR_CHOICES) == documented.keys()
+    for choice, expected in documented.items():
+        assert shape_scale(TALL, choice, 0.2) == pytest.approx(expected, rel=1e-15), choice
 
 
 def test_unknown_adjust_lr_raises_naming_it():

@@ -33,8 +33,18 @@ def test_complex_parameter_in_muon_is_rejected():
         DMuon([{"params": [("w", weight)], "use_muon": True}])
 
 
-def test_complex_parameter_in_adamw_is_accepted():
-    DMuon([{"params": [nn.Parameter(torch.zeros(4, 4, dtype=torch.complex64))], "use_muon": False}])
+def test_complex_parameter_in_adamw_is_accepted_and_stepped_like_torch_adamw():
+    generator = torch.Generator().manual_seed(0)
+    start = torch.randn(4, 4, dtype=torch.complex64, generator=generator)
+    grad = torch.randn(4, 4, dtype=torch.complex64, generator=generator)
+    weight, reference = nn.Parameter(start.clone()), nn.Parameter(start.clone())
+    optimizer = DMuon([{"params": [weight], "use_muon": False}], lr=0.1, weight_decay=0.01)
+    expected = torch.optim.AdamW([reference], lr=0.1, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01)
+    weight.grad, reference.grad = grad.clone(), grad.clone()
+    optimizer.step()
+    expected.step()
+    assert not torch.equal(weight, start)  # it was updated ...
+    torch.testing.assert_close(weight, reference, rtol=0, atol=0)  # ... exactly as AdamW would
 
 
 def test_integer_tensor_in_muon_is_rejected():

@@ -19,10 +19,15 @@ TorchTitan 0.2.x imports this module while parsing the config. Importing it:
    builds a ``DMuonOptimizersContainer`` (``train_specs.py``,
    ``optimizer_container.py``) while ``Adam``/``AdamW`` stay stock;
 5. checks, before a checkpoint is loaded, that no parameter moved between Muon and
-   AdamW since it was saved (``routing_check.py``).
+   AdamW since it was saved (``routing_check.py``);
+6. warns when ``torchrun`` may restart the job in a way that can fail to
+   reconnect (``launch_checks.py``);
+7. for tests only, and only when their environment variables are set: arms a
+   fault (a rank SIGKILLs itself at a given step, ``fault_injection.py``) and
+   dumps the state a resume loaded (``state_dump.py``). Unset, they do nothing.
 """
 
-from . import cpu_compat, routing_check
+from . import cpu_compat, fault_injection, launch_checks, routing_check, state_dump
 from .config import install_config_validation, JobConfig, Optimizer
 from .dataset import register_datasets
 from .optimizer_container import build_dmuon_optimizers, DMuonOptimizersContainer
@@ -41,3 +46,6 @@ install_config_validation()
 register_datasets()
 register_builtin_specs()
 routing_check.install()
+launch_checks.warn_about_risky_restarts()
+fault_injection.install_from_env()
+state_dump.install_from_env()

@@ -2,8 +2,9 @@
 
 This module is a *no-op when an accelerator exists* (``torch.accelerator``
 reports one). On a CPU-only machine it patches the few places where TorchTitan
-0.2.2 assumes CUDA. Nothing here changes numerics; it only picks the CPU device
-and the gloo-compatible way to reduce gradients.
+0.2.2 assumes CUDA, and works around one gloo shutdown crash. Nothing here changes
+numerics; it only picks the CPU device, the gloo-compatible way to reduce
+gradients, and how a finished process exits.
 
 What it patches and why:
 
@@ -29,6 +30,29 @@ What it patches and why:
    which reduces with a plain SUM -- mathematically the same with factor 1.0.
    ``train_specs.with_dmuon`` applies this wrapper to every spec it registers.
 
+4. **Exit after a successful run.** Gloo runs each collective on a worker thread
+   of its ``ProcessGroupGloo``. A worker drops its reference to a finished
+   collective only *after* the caller's ``wait()`` has returned, and those threads
+   outlive ``destroy_process_group()`` (gloo's ``shutdown()`` does not stop them;
+   pytorch/pytorch#130345). When that late reference is the last one to a tensor
+   Python has already let go of, the worker must take the GIL to free the
+   tensor's Python object. If the main thread has meanwhile begun interpreter
+   finalization, CPython 3.11 ends the worker with ``pthread_exit`` inside a C++
+   destructor and the process dies with ``terminate called without an active
+   exception`` / ``Fatal Python error: Aborted`` (SIGABRT) after training
+   finished -- on a rank other than 0, since rank 0 sleeps 2 s before exiting
+   (pytorch/pytorch#190489). A core dump of such a rank shows exactly that stack:
+   ``ProcessGroupGloo::runLoop`` -> ``~AsyncAllreduceWork`` ->
+   ``THPVariable_dealloc`` -> ``take_gil`` -> ``pthread_exit`` -> ``std::terminate``.
+   The process groups are still referenced from C++ at exit (``gc.collect()``
+   frees none of them), so we cannot free them -- and join their threads --
+   early. Instead an ``atexit`` handler, which runs before finalization begins,
+   flushes the output and ends a cleanly finished run with ``os._exit(0)``: with
+   no finalization, no thread is ever told to exit. It acts only when
+   ``__main__`` is a ``torchtitan`` module, the process group was destroyed
+   (TorchTitan's ``main`` does that only after training succeeded) and no
+   exception escaped; any other exit is left alone.
+
 No TOML option fixes any of these, hence a code layer. ``apply()`` runs when
 ``torchtitan_ext`` is imported, i.e. while TorchTitan parses the config and before
 the Trainer is built.
@@ -36,13 +60,17 @@ the Trainer is built.
 
 from __future__ import annotations
 
+import atexit
 import functools
 import importlib
+import logging
 import os
 import resource
+import sys
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from torchtitan.tools.logging import logger
@@ -100,8 +128,30 @@ def _build_cpu_memory_monitor() -> _CPUMemoryMonitor:
     return monitor
 
 
+def torchtitan_finished_cleanly() -> bool:
+    """True at exit of a TorchTitan job whose ``main`` completed (see patch 4)."""
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    return (
+        spec is not None
+        and spec.name.startswith("torchtitan.")
+        and dist.is_available()
+        and not dist.is_initialized()  # TorchTitan destroys the group only on success
+        and not hasattr(sys, "last_value")  # set when an exception ended the program
+    )
+
+
+def _exit_before_finalization() -> None:
+    """Patch 4: end a cleanly finished TorchTitan job without interpreter finalization."""
+    if not torchtitan_finished_cleanly():
+        return
+    logging.shutdown()  # flush log handlers, as finalization would have
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def apply() -> None:
-    """Install patches 1 and 2 above on a CPU-only machine; do nothing otherwise."""
+    """Install patches 1, 2 and 4 above on a CPU-only machine; do nothing otherwise."""
     global _applied
     if _applied or not needs_cpu_compat():
         return
@@ -113,6 +163,7 @@ def apply() -> None:
             module.device_module = _CPUDeviceModule()
     metrics = importlib.import_module("torchtitan.components.metrics")
     metrics.build_device_memory_monitor = _build_cpu_memory_monitor
+    atexit.register(_exit_before_finalization)
     _applied = True
     logger.info("torchtitan_ext.cpu_compat: no accelerator found, running TorchTitan on CPU/gloo")
 

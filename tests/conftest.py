@@ -1,0 +1,44 @@
+"""Fixtures shared by the TorchTitan end-to-end test files.
+
+One uninterrupted 2-rank DMuon run (``dmuon_run``) is the reference for the
+resume tests in ``test_torchtitan_e2e.py`` and the killed-rank tests in
+``test_torchtitan_recovery.py``; session scope makes it run once per pytest
+session, however many files use it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(tmp_path_factory) -> Path:
+    from torchtitan_ext.tokenizer import ensure_tokenizer
+
+    return ensure_tokenizer(tmp_path_factory.mktemp("tokenizer"))
+
+
+@pytest.fixture(scope="session")
+def short_run_args(tokenizer_dir) -> list[str]:
+    """Overrides that make the demo config a ~10-step test."""
+    return [
+        "--model.hf_assets_path", str(tokenizer_dir),
+        "--training.seq_len", "128",
+        "--training.steps", "10",
+        "--lr_scheduler.warmup_steps", "2",
+        "--metrics.log_freq", "1",
+        "--validation.no-enable",
+    ]
+
+
+@pytest.fixture(scope="session")
+def dmuon_run(tmp_path_factory, short_run_args):
+    """10 DMuon steps on 2 ranks, checkpointing at steps 5 and 10: (TitanLog, dump folder)."""
+    from tests.titan_runs import DMUON_TOML, torchrun
+
+    folder = tmp_path_factory.mktemp("dmuon_run")
+    log, _ = torchrun(DMUON_TOML, folder, *short_run_args,
+                      "--checkpoint.enable", "--checkpoint.interval", "5")
+    return log, folder

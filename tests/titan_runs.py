@@ -1,0 +1,137 @@
+"""Launching real ``torchrun`` TorchTitan jobs from tests, and reading what they left behind.
+
+Every launch is ``torchrun --standalone`` (a free port is picked) with
+``OMP_NUM_THREADS=1``, a timeout, and its own process group, which is killed
+whole if the run hangs. Every rank's output is kept under
+``<dump_folder>/torchrun_logs/<run id>/attempt_<n>/<rank>/`` and shown when a
+run fails.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from torchtitan_ext.titan_log import parse_log, TitanLog
+
+REPO = Path(__file__).resolve().parents[1]
+DMUON_TOML = REPO / "train_configs" / "llama3_debug_dmuon.toml"
+ADAMW_TOML = REPO / "train_configs" / "llama3_debug_adamw.toml"
+RUN_TIMEOUT_S = 300
+
+# torchrun's agent shares its rendezvous TCPStore with the workers and keeps it
+# across restarts without a per-attempt key prefix, so a restarted worker can read
+# a key its dead predecessor wrote (pytorch/pytorch#135712); with gloo that shows
+# up as "Gloo connectFullMesh failed ... Connection refused". This opt-out gives
+# every attempt a fresh store. README "Reliability" explains it.
+RESTART_SAFE_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+
+
+class RunFailed(AssertionError):
+    pass
+
+
+def torchrun(toml: Path, dump_folder: Path, *overrides: str, nproc: int = 2, check: bool = True,
+             log_rank: int = 0, max_restarts: int = 0, env: dict[str, str] | None = None,
+             ) -> tuple[TitanLog, str]:
+    """Run TorchTitan; return (TitanLog of rank ``log_rank``, its console text).
+
+    With ``max_restarts`` the console holds every attempt; read one attempt with
+    ``attempt_output``.
+    """
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone",
+        f"--nproc-per-node={nproc}", f"--local-ranks-filter={log_rank}",
+        f"--max-restarts={max_restarts}",
+        "--log-dir", str(rank_logs(dump_folder)), "--redirects", "3", "--tee", "3",
+        "-m", "torchtitan.train",
+        "--job.config_file", str(toml),
+        "--job.dump_folder", str(dump_folder),
+        *overrides,
+    ]
+    run_env = dict(os.environ, OMP_NUM_THREADS="1",
+                   PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    if max_restarts:
+        run_env.update(RESTART_SAFE_ENV)
+    run_env.update(env or {})
+    # A new session makes the run a process group we can kill as a whole.
+    proc = subprocess.Popen(cmd, cwd=REPO, env=run_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=RUN_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        raise RunFailed(f"torchrun timed out after {RUN_TIMEOUT_S}s:\n{out[-4000:]}{_tails(dump_folder)}")
+    if check and proc.returncode != 0:
+        raise RunFailed(f"torchrun exited with {proc.returncode}:\n{out[-6000:]}{_tails(dump_folder)}")
+    return parse_log(out), out
+
+
+def rank_logs(dump_folder: Path) -> Path:
+    return dump_folder / "torchrun_logs"
+
+
+def attempt_output(dump_folder: Path, attempt: int, rank: int = 0) -> str:
+    """What one rank printed (stdout, then stderr) in one attempt of the last launch."""
+    (folder,) = rank_logs(dump_folder).glob(f"*/attempt_{attempt}/{rank}")
+    return (folder / "stdout.log").read_text() + (folder / "stderr.log").read_text()
+
+
+def attempts(dump_folder: Path) -> list[int]:
+    """The attempt numbers torchrun started (0 and, after a restart, 1, ...)."""
+    return sorted(int(p.name.split("_")[1]) for p in rank_logs(dump_folder).glob("*/attempt_*"))
+
+
+def _tails(dump_folder: Path) -> str:
+    """The end of every rank's stderr (the console only shows one rank)."""
+    files = sorted(rank_logs(dump_folder).rglob("stderr.log"))
+    return "".join(f"\n--- {f} ---\n{f.read_text()[-2000:]}" for f in files)
+
+
+def checkpoint_dir(run: Path, step: int) -> Path:
+    return run / "checkpoint" / f"step-{step}"
+
+
+def copy_checkpoint(src_run: Path, step: int, dst_run: Path) -> None:
+    shutil.copytree(checkpoint_dir(src_run, step), checkpoint_dir(dst_run, step))
+
+
+def load_checkpoint(folder: Path, scratch: Path) -> dict:
+    """A DCP checkpoint as full tensors, read offline (no process group needed).
+
+    Model weights sit at the top level under their parameter names; the
+    optimizer state sits under ``"optimizer"`` with TorchTitan's flat keys
+    (``state.<param>.<name>``, ``param_groups.<param>.<option>``).
+    """
+    scratch.mkdir(parents=True, exist_ok=True)
+    converted = scratch / f"{folder.name}.pt"
+    dcp_to_torch_save(folder, converted)
+    return torch.load(converted, weights_only=False)
+
+
+def assert_same_tensors(actual: dict, expected: dict) -> None:
+    """``actual`` and ``expected`` (nested dicts) hold tensors under the same keys, bitwise equal."""
+    actual_tensors, expected_tensors = _tensors(actual), _tensors(expected)
+    assert actual_tensors.keys() == expected_tensors.keys()
+    assert expected_tensors, "no tensors to compare"
+    differing = [k for k, t in expected_tensors.items()
+                 if t.dtype != actual_tensors[k].dtype or not torch.equal(t, actual_tensors[k])]
+    assert not differing, f"{len(differing)} of {len(expected_tensors)} tensors differ: {differing[:5]}"
+
+
+def _tensors(tree: dict, prefix: str = "") -> dict[str, torch.Tensor]:
+    found: dict[str, torch.Tensor] = {}
+    for key, value in tree.items():
+        if isinstance(value, torch.Tensor):
+            found[prefix + str(key)] = value
+        elif isinstance(value, dict):
+            found.update(_tensors(value, f"{prefix}{key}/"))
+    return found
