@@ -1,0 +1,214 @@
+"""Per-step figures of a ``DMuon`` step: time, Newton-Schulz time, bytes, update and weight RMS.
+
+``DMuon(..., telemetry=True)`` records, for every ``step()``:
+
+- ``step_s``: wall time of the whole ``step()`` on this rank;
+- ``newton_schulz_s``: the part of it spent in Newton-Schulz on this rank;
+- ``bytes_sent``: bytes this rank's fast path sent during the step;
+- ``muon_update_rms`` / ``adamw_update_rms``: RMS of the weight change ``W_after - W_before``
+  (learning rate, shape scale and weight decay included) over every element of the Muon
+  (resp. AdamW) parameters, all ranks together;
+- ``muon_weight_rms`` / ``adamw_weight_rms``: RMS of the weights after the step, likewise.
+
+``optimizer.telemetry()`` returns the last step's ``StepFigures`` (``None`` when telemetry
+is off or before the first step). It is a local call: any rank may read it, or none.
+
+Cost, and why it stays small:
+
+- the sums of squares are kept on the parameters' device and reduced across ranks with
+  one ``all_reduce`` of 6 numbers at the end of ``step()``, issued asynchronously; it is
+  only waited for, and copied to the host, when ``telemetry()`` is read (TorchTitan reads
+  it where it already synchronizes to print the loss and grad norm);
+- the weight change is measured exactly, one block at a time: each Muon block (and each
+  AdamW group's local shards) is copied before its update and compared after; the copy
+  is freed at once, so the extra memory is one block, or the AdamW group's local shards;
+- times come from ``time.perf_counter`` on CPU and from CUDA events on GPU (so no
+  synchronization is added during the step; the events are read with the figures).
+
+Which ranks take part: the reduction runs on the default process group, so every rank
+must step its ``DMuon`` the same number of times (any data- or pipeline-parallel loop
+does). RMS figures count each element once per rank that holds it: exact for FSDP
+(each element on one rank) and single process; with replicas (HSDP, DDP) a replicated
+element counts once per copy, which leaves the RMS unchanged when every element has the
+same number of copies. Times and bytes are this rank's own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+# Positions in the vector of sums reduced across ranks.
+_MUON_DELTA_SQ, _MUON_WEIGHT_SQ, _MUON_NUMEL, _ADAMW_DELTA_SQ, _ADAMW_WEIGHT_SQ, _ADAMW_NUMEL = range(6)
+
+
+@dataclass(frozen=True)
+class StepFigures:
+    """The figures of one ``DMuon.step()`` (see the module docstring for each field)."""
+
+    step_s: float
+    newton_schulz_s: float
+    bytes_sent: int
+    muon_update_rms: float
+    muon_weight_rms: float
+    adamw_update_rms: float
+    adamw_weight_rms: float
+    square_sums: tuple[float, ...] = field(repr=False)
+    """The reduced sums the RMS come from (squares and element counts), for ``combine``."""
+
+    @classmethod
+    def from_sums(cls, step_s: float, newton_schulz_s: float, bytes_sent: int, sums: Sequence[float]) -> StepFigures:
+        def rms(square_sum: float, numel: float) -> float:
+            return (square_sum / numel) ** 0.5 if numel else 0.0
+
+        return cls(
+            step_s=step_s,
+            newton_schulz_s=newton_schulz_s,
+            bytes_sent=bytes_sent,
+            muon_update_rms=rms(sums[_MUON_DELTA_SQ], sums[_MUON_NUMEL]),
+            muon_weight_rms=rms(sums[_MUON_WEIGHT_SQ], sums[_MUON_NUMEL]),
+            adamw_update_rms=rms(sums[_ADAMW_DELTA_SQ], sums[_ADAMW_NUMEL]),
+            adamw_weight_rms=rms(sums[_ADAMW_WEIGHT_SQ], sums[_ADAMW_NUMEL]),
+            square_sums=tuple(sums),
+        )
+
+    @classmethod
+    def combine(cls, parts: Sequence[StepFigures]) -> StepFigures:
+        """Figures of several optimizers stepped one after the other on this rank (one per
+        pipeline stage it holds): times and bytes add up, RMS come from the added sums."""
+        return cls.from_sums(
+            sum(p.step_s for p in parts),
+            sum(p.newton_schulz_s for p in parts),
+            sum(p.bytes_sent for p in parts),
+            [sum(values) for values in zip(*(p.square_sums for p in parts))],
+        )
+
+
+class _Clock:
+    """Durations on one device: ``perf_counter`` on CPU, CUDA events on GPU (read later)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+
+    def mark(self) -> object:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def seconds(self, start: object, end: object) -> float:
+        if self.cuda:
+            end.synchronize()  # type: ignore[attr-defined]
+            return start.elapsed_time(end) / 1e3  # type: ignore[attr-defined]
+        return end - start  # type: ignore[operator]
+
+
+class Telemetry:
+    """What one ``DMuon`` records during a step; disabled, every hook is a no-op.
+
+    The optimizer calls ``begin_step`` / ``end_step`` around ``step()``, wraps each
+    Newton-Schulz call in ``newton_schulz()``, and each weight update in
+    ``muon_update(block)`` / ``adamw_update(params)``.
+    """
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self._sums: torch.Tensor | None = None
+        self._clock: _Clock | None = None
+        self._step_marks: tuple[object, object] | None = None
+        self._ns_marks: list[tuple[object, object]] = []
+        self._bytes_before = 0
+        self._bytes_sent = 0
+        self._pending: dist.Work | None = None
+        self._last: StepFigures | None = None
+        self._last_sums: torch.Tensor | None = None
+
+    # -------------------------------------------------------------- hooks
+
+    def begin_step(self, device: torch.device, bytes_sent_so_far: int) -> None:
+        if not self.enabled:
+            return
+        if self._pending is not None:  # last step's figures were never read: settle the collective
+            self._pending.wait()
+            self._pending = None
+        self._clock = _Clock(device)
+        self._sums = torch.zeros(6, dtype=torch.float64, device=device)
+        self._ns_marks = []
+        self._bytes_before = bytes_sent_so_far
+        self._step_marks = (self._clock.mark(), None)
+
+    def end_step(self, bytes_sent_so_far: int) -> None:
+        if not self.enabled or self._sums is None:
+            return
+        self._step_marks = (self._step_marks[0], self._clock.mark())
+        self._bytes_sent = bytes_sent_so_far - self._bytes_before
+        self._pending = None
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            self._pending = dist.all_reduce(self._sums, async_op=True)
+        # Figures are made from the marks and sums when read, not here: no sync in step().
+        self._last, self._last_sums = None, self._sums
+
+    @contextlib.contextmanager
+    def newton_schulz(self) -> Iterator[None]:
+        if not self.enabled or self._clock is None:
+            yield
+            return
+        start = self._clock.mark()
+        yield
+        self._ns_marks.append((start, self._clock.mark()))
+
+    @contextlib.contextmanager
+    def muon_update(self, block: torch.Tensor) -> Iterator[None]:
+        """Around the in-place update of one Muon block (a local shard or a part of it)."""
+        if not self.enabled or self._sums is None:
+            yield
+            return
+        before = block.clone()
+        yield
+        self._add(_MUON_DELTA_SQ, _MUON_WEIGHT_SQ, _MUON_NUMEL, [(before, block)])
+
+    @contextlib.contextmanager
+    def adamw_update(self, params: Sequence[torch.Tensor]) -> Iterator[None]:
+        """Around one AdamW group's in-place step (``params``: the rank's local tensors)."""
+        if not self.enabled or self._sums is None:
+            yield
+            return
+        befores = [p.clone() for p in params]
+        yield
+        self._add(_ADAMW_DELTA_SQ, _ADAMW_WEIGHT_SQ, _ADAMW_NUMEL, list(zip(befores, params)))
+
+    def _add(self, delta_at: int, weight_at: int, numel_at: int,
+             pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        for before, after in pairs:
+            if after.is_complex():  # count real and imaginary parts as elements
+                before, after = torch.view_as_real(before), torch.view_as_real(after)
+            delta = torch.linalg.vector_norm(after - before, dtype=torch.float64)
+            weight = torch.linalg.vector_norm(after, dtype=torch.float64)
+            self._sums[delta_at] += delta.square()
+            self._sums[weight_at] += weight.square()
+            self._sums[numel_at] += after.numel()
+
+    # -------------------------------------------------------------- reading
+
+    def last_step(self) -> StepFigures | None:
+        """The last step's figures (waits for the reduction started by that step)."""
+        if not self.enabled or self._last_sums is None:
+            return None
+        if self._last is None:
+            if self._pending is not None:
+                self._pending.wait()
+                self._pending = None
+            start, end = self._step_marks
+            self._last = StepFigures.from_sums(
+                self._clock.seconds(start, end),
+                sum(self._clock.seconds(s, e) for s, e in self._ns_marks),
+                self._bytes_sent,
+                self._last_sums.tolist(),
+            )
+        return self._last
