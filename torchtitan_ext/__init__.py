@@ -19,10 +19,12 @@ TorchTitan 0.2.x imports this module while parsing the config. Importing it:
    builds a ``DMuonOptimizersContainer`` (``train_specs.py``,
    ``optimizer_container.py``) while ``Adam``/``AdamW`` stay stock;
 5. checks, before a checkpoint is loaded, that no parameter moved between Muon and
-   AdamW since it was saved (``routing_check.py``).
+   AdamW since it was saved (``routing_check.py``);
+6. adds DMuon's step figures to TorchTitan's step metrics when ``[optimizer]
+   telemetry = true`` (``step_metrics.py``).
 """
 
-from . import cpu_compat, routing_check
+from . import cpu_compat, routing_check, step_metrics
 from .config import install_config_validation, JobConfig, Optimizer
 from .dataset import register_datasets
 from .optimizer_container import build_dmuon_optimizers, DMuonOptimizersContainer
@@ -41,3 +43,4 @@ install_config_validation()
 register_datasets()
 register_builtin_specs()
 routing_check.install()
+step_metrics.install()
