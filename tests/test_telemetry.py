@@ -104,3 +104,17 @@ def test_combined_figures_of_two_optimizers_add_times_and_bytes_and_pool_the_rms
     assert combined.muon_update_rms == pytest.approx(1.0)  # (1 + 3) / (1 + 3) elements
     assert combined.muon_weight_rms == pytest.approx(1.0)  # 4 / 4
     assert combined.adamw_update_rms == pytest.approx(3.0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_cuda_times_come_from_events_and_rms_matches_the_cpu_run():
+    figures = {}
+    for device in ("cpu", "cuda"):
+        torch.manual_seed(0)
+        model = nn.Linear(24, 32).to(device)
+        optimizer = DMuon(model.parameters(), telemetry=True)
+        model(torch.ones(4, 24, device=device)).square().mean().backward()
+        optimizer.step()
+        figures[device] = optimizer.telemetry()
+    assert 0 < figures["cuda"].newton_schulz_s <= figures["cuda"].step_s
+    assert figures["cuda"].muon_update_rms == pytest.approx(figures["cpu"].muon_update_rms, rel=1e-2)
