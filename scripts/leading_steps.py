@@ -7,6 +7,13 @@ Moonlight's Megatron proof of concept compares Muon with AdamW this way: for eac
 curves are first smoothed with the same trailing moving average (the same lag on both
 sides, so a shift between them is kept).
 
+On a small corpus, the training loss also moves with *which* documents a step's batch
+holds (the same batches for every run), so its smoothed curve is not monotone, and a
+baseline loss that rises again is "reached" early by any run. Held-out validation loss,
+measured on the same batches each time, has no such bumps:
+``leading_steps_on_samples`` applies the same definition to curves sampled every few
+steps (validation), interpolating between samples.
+
 Pure Python on ``{step: loss}`` dicts (``titan_log.TitanLog.train_loss``/``val_loss``);
 ``scripts/study_report.py`` prints and plots the results, tests/test_leading_steps.py
 specifies them on synthetic curves.
@@ -59,3 +66,14 @@ def steps_to_reach(losses: dict[int, float], target: float) -> tuple[int | None,
             fraction = (losses[prev] - target) / (losses[prev] - losses[step])
             return step, prev + fraction * (step - prev)
     return None, None
+
+
+def leading_steps_on_samples(baseline: dict[int, float], candidate: dict[int, float]) -> dict[int, float | None]:
+    """``leading_steps`` for sampled curves (validation): for each baseline sample step
+    ``s``, ``s`` minus the interpolated step at which the candidate reaches the
+    baseline's loss at ``s`` (``steps_to_reach``); ``None`` where it never does."""
+    out: dict[int, float | None] = {}
+    for step, target in sorted(baseline.items()):
+        _, estimate = steps_to_reach(candidate, target)
+        out[step] = None if estimate is None else step - estimate
+    return out

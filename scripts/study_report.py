@@ -7,9 +7,11 @@ The first ``--run`` is the baseline (AdamW). Writes, under ``--out``:
 
 - ``losses.png``: smoothed training loss and validation loss of every run;
 - ``leading_steps.png``: for each baseline step, how many steps earlier each other run
-  reached the baseline's (smoothed) training loss (``scripts/leading_steps.py``);
+  reached the baseline's loss: smoothed training loss (left) and validation loss
+  (right; ``scripts/leading_steps.py`` explains why both);
 - ``report.md``: one row per run (final losses, steps/s, the step at which it reached the
-  baseline's final validation loss), and the leading steps every ``--every`` steps.
+  baseline's final validation loss), and both leading-steps tables (training loss every
+  ``--every`` steps, validation loss at every validation).
 
 Each log is the console output of one ``torchrun --local-ranks-filter 0`` run with
 ``--metrics.log_freq 1`` (``scripts/study.sh`` writes them).
@@ -81,6 +83,19 @@ def leading_table(runs: dict, window: int, every: int) -> tuple[list[str], dict[
     return lines, results
 
 
+def validation_leading_table(runs: dict) -> tuple[list[str], dict[str, dict]]:
+    (base_name, base), *others = runs.items()
+    results = {name: leading.leading_steps_on_samples(base.val_loss, log.val_loss) for name, log in others}
+    lines = [
+        f"| {base_name} validation step | {base_name} val loss | " + " | ".join(results) + " |",
+        "| --- | --- | " + " | ".join("---" for _ in results) + " |",
+    ]
+    for step in sorted(base.val_loss):
+        cells = ["never" if results[n][step] is None else str(round(results[n][step])) for n in results]
+        lines.append(f"| {step} | {base.val_loss[step]:.4f} | " + " | ".join(cells) + " |")
+    return lines, results
+
+
 def plot_losses(runs: dict, window: int, path: Path, title: str) -> None:
     fig, (ax_train, ax_val) = plt.subplots(1, 2, figsize=(12, 4.4))
     for name, log in runs.items():
@@ -100,17 +115,22 @@ def plot_losses(runs: dict, window: int, path: Path, title: str) -> None:
     plt.close(fig)
 
 
-def plot_leading(results: dict[str, dict], base_name: str, window: int, path: Path, title: str) -> None:
-    fig, ax = plt.subplots(figsize=(7.5, 4.4))
-    for name, by_step in results.items():
-        steps = [s for s, v in sorted(by_step.items()) if v is not None]
-        ax.plot(steps, [by_step[s] for s in steps], label=name)
-    ax.axhline(0, color="black", linewidth=0.8)
-    ax.set(title=f"leading steps over {base_name} ({window}-step trailing mean of both losses)",
-           xlabel=f"{base_name} step s", ylabel=f"s - first step reaching {base_name}'s loss at s")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.suptitle(title, fontsize=9)
+def plot_leading(train: dict[str, dict], val: dict[str, dict], base_name: str, window: int, path: Path,
+                 title: str) -> None:
+    fig, (ax_train, ax_val) = plt.subplots(1, 2, figsize=(12, 4.4), sharey=True)
+    for name in train:
+        steps = [s for s, v in sorted(train[name].items()) if v is not None]
+        (line,) = ax_train.plot(steps, [train[name][s] for s in steps], label=name)
+        vsteps = [s for s, v in sorted(val[name].items()) if v is not None]
+        ax_val.plot(vsteps, [val[name][s] for s in vsteps], "o-", markersize=3, color=line.get_color(), label=name)
+    ax_train.set(title=f"on training loss ({window}-step trailing mean of both)",
+                 xlabel=f"{base_name} step s", ylabel=f"s - first step reaching {base_name}'s loss at s")
+    ax_val.set(title="on validation loss (interpolated between validations)", xlabel=f"{base_name} step s")
+    for ax in (ax_train, ax_val):
+        ax.axhline(0, color="black", linewidth=0.8)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"leading steps over {base_name}: {title}", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -138,11 +158,13 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     base_name = next(iter(runs))
     table, results = leading_table(runs, args.window, args.every)
+    val_table, val_results = validation_leading_table(runs)
     plot_losses(runs, args.window, args.out / "losses.png", args.title)
-    plot_leading(results, base_name, args.window, args.out / "leading_steps.png", args.title)
+    plot_leading(results, val_results, base_name, args.window, args.out / "leading_steps.png", args.title)
     report = "\n".join([
         f"## Runs (baseline: {base_name})", "", *summary_table(runs, args.window), "",
-        f"## Leading steps over {base_name}", "", *table, "",
+        f"## Leading steps over {base_name}, on validation loss", "", *val_table, "",
+        f"## Leading steps over {base_name}, on training loss ({args.window}-step trailing mean)", "", *table, "",
     ])
     (args.out / "report.md").write_text(report)
     print(report, end="")

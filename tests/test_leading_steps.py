@@ -76,3 +76,12 @@ def test_steps_to_reach_returns_the_first_sample_and_the_interpolated_crossing()
 
 def test_steps_to_reach_a_loss_never_reached_is_none():
     assert leading.steps_to_reach({1: 8.0, 20: 6.0}, 5.0) == (None, None)
+
+
+def test_on_sampled_curves_a_candidate_shifted_k_steps_ahead_leads_by_k():
+    baseline = curve(range(20, 201, 20), lambda s: 10.0 - 0.02 * s)  # validation every 20 steps
+    ahead = curve(range(20, 201, 20), lambda s: 10.0 - 0.02 * (s + 30))
+    result = leading.leading_steps_on_samples(baseline, ahead)
+    # Reached between samples: interpolation recovers the 30 steps, not a multiple of 20.
+    assert all(result[s] == pytest.approx(30.0) for s in range(60, 201, 20))
+    assert leading.leading_steps_on_samples(ahead, baseline)[200] is None  # the slower run never gets there
