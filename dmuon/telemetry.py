@@ -19,9 +19,10 @@ Cost, and why it stays small:
   one ``all_reduce`` of 6 numbers at the end of ``step()``, issued asynchronously; it is
   only waited for, and copied to the host, when ``telemetry()`` is read (TorchTitan reads
   it where it already synchronizes to print the loss and grad norm);
-- the weight change is measured exactly, one block at a time: each Muon block (and each
-  AdamW group's local shards) is copied before its update and compared after; the copy
-  is freed at once, so the extra memory is one block, or the AdamW group's local shards;
+- the weight change is measured, not modelled, one block at a time: each Muon block
+  (and each AdamW group's local shards) is copied before its update and compared after,
+  in place in the copy, which is then freed: the extra memory is one block, or the AdamW
+  group's local shards; norms are taken in the weights' dtype and summed in float64;
 - times come from ``time.perf_counter`` on CPU and from CUDA events on GPU (so no
   synchronization is added during the step; the events are read with the figures).
 
@@ -188,10 +189,10 @@ class Telemetry:
         for before, after in pairs:
             if after.is_complex():  # count real and imaginary parts as elements
                 before, after = torch.view_as_real(before), torch.view_as_real(after)
-            delta = torch.linalg.vector_norm(after - before, dtype=torch.float64)
-            weight = torch.linalg.vector_norm(after, dtype=torch.float64)
-            self._sums[delta_at] += delta.square()
-            self._sums[weight_at] += weight.square()
+            delta = before.sub_(after)  # the copy is ours: reuse it (the sign does not matter)
+            # Norms in the tensor's dtype (no upcast copy); the sums across blocks in float64.
+            self._sums[delta_at] += torch.linalg.vector_norm(delta).double().square()
+            self._sums[weight_at] += torch.linalg.vector_norm(after).double().square()
             self._sums[numel_at] += after.numel()
 
     # -------------------------------------------------------------- reading

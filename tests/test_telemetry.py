@@ -47,10 +47,10 @@ def test_update_and_weight_rms_are_those_of_the_actual_weight_change_per_part():
     muon = [i for i, p in enumerate(model.parameters()) if p.ndim == 2]
     adamw = [i for i, p in enumerate(model.parameters()) if p.ndim < 2]
     figures = optimizer.telemetry()
-    assert figures.muon_update_rms == pytest.approx(_rms([after[i] - before[i] for i in muon]), rel=1e-9)
-    assert figures.muon_weight_rms == pytest.approx(_rms([after[i] for i in muon]), rel=1e-9)
-    assert figures.adamw_update_rms == pytest.approx(_rms([after[i] - before[i] for i in adamw]), rel=1e-9)
-    assert figures.adamw_weight_rms == pytest.approx(_rms([after[i] for i in adamw]), rel=1e-9)
+    assert figures.muon_update_rms == pytest.approx(_rms([after[i] - before[i] for i in muon]), rel=1e-6)
+    assert figures.muon_weight_rms == pytest.approx(_rms([after[i] for i in muon]), rel=1e-6)
+    assert figures.adamw_update_rms == pytest.approx(_rms([after[i] - before[i] for i in adamw]), rel=1e-6)
+    assert figures.adamw_weight_rms == pytest.approx(_rms([after[i] for i in adamw]), rel=1e-6)
 
 
 def test_times_are_positive_and_newton_schulz_is_part_of_the_step():
@@ -83,7 +83,7 @@ def test_on_two_ranks_rms_figures_cover_the_whole_matrices_like_a_single_process
     for rank_result in two_ranks:
         sharded, single = rank_result["sharded"], rank_result["single"]
         for key in ("muon_update_rms", "muon_weight_rms", "adamw_update_rms", "adamw_weight_rms"):
-            assert sharded[key] == pytest.approx(single[key], rel=1e-9), key
+            assert sharded[key] == pytest.approx(single[key], rel=1e-6), key
 
 
 def test_on_two_ranks_bytes_sent_are_the_last_steps_share_of_comm_stats(two_ranks):
