@@ -110,64 +110,85 @@ class _Clock:
         return end - start  # type: ignore[operator]
 
 
+@dataclass
+class _StepRecord:
+    """What one step recorded: its clock marks, bytes, and the sums being reduced."""
+
+    clock: _Clock
+    start: object
+    sums: torch.Tensor
+    bytes_before: int
+    ns_marks: list[tuple[object, object]] = field(default_factory=list)
+    end: object = None
+    bytes_sent: int = 0
+    pending: dist.Work | None = None
+
+    def figures(self) -> StepFigures:
+        if self.pending is not None:
+            self.pending.wait()
+            self.pending = None
+        return StepFigures.from_sums(
+            self.clock.seconds(self.start, self.end),
+            sum(self.clock.seconds(s, e) for s, e in self.ns_marks),
+            self.bytes_sent,
+            self.sums.tolist(),
+        )
+
+
 class Telemetry:
     """What one ``DMuon`` records during a step; disabled, every hook is a no-op.
 
     The optimizer calls ``begin_step`` / ``end_step`` around ``step()``, wraps each
     Newton-Schulz call in ``newton_schulz()``, and each weight update in
-    ``muon_update(block)`` / ``adamw_update(params)``.
+    ``muon_update(block)`` / ``adamw_update(params)``. Only a step that reached
+    ``end_step`` is reported: one that raised (a rejected grad) leaves the last
+    complete step's figures in place.
     """
 
     def __init__(self, enabled: bool) -> None:
         self.enabled = enabled
-        self._sums: torch.Tensor | None = None
-        self._clock: _Clock | None = None
-        self._step_marks: tuple[object, object] | None = None
-        self._ns_marks: list[tuple[object, object]] = []
-        self._bytes_before = 0
-        self._bytes_sent = 0
-        self._pending: dist.Work | None = None
-        self._last: StepFigures | None = None
-        self._last_sums: torch.Tensor | None = None
+        self._current: _StepRecord | None = None  # the step in progress
+        self._finished: _StepRecord | None = None  # the last complete step
+        self._figures: StepFigures | None = None  # its figures, once read
 
     # -------------------------------------------------------------- hooks
 
     def begin_step(self, device: torch.device, bytes_sent_so_far: int) -> None:
         if not self.enabled:
             return
-        if self._pending is not None:  # last step's figures were never read: settle the collective
-            self._pending.wait()
-            self._pending = None
-        self._clock = _Clock(device)
-        self._sums = torch.zeros(6, dtype=torch.float64, device=device)
-        self._ns_marks = []
-        self._bytes_before = bytes_sent_so_far
-        self._step_marks = (self._clock.mark(), None)
+        if self._finished is not None and self._finished.pending is not None:
+            # Last step's figures were never read: settle its collective first.
+            self._finished.pending.wait()
+            self._finished.pending = None
+        clock = _Clock(device)
+        self._current = _StepRecord(clock, clock.mark(), torch.zeros(6, dtype=torch.float64, device=device),
+                                    bytes_sent_so_far)
 
     def end_step(self, bytes_sent_so_far: int) -> None:
-        if not self.enabled or self._sums is None:
+        record = self._current
+        if record is None:
             return
-        self._step_marks = (self._step_marks[0], self._clock.mark())
-        self._bytes_sent = bytes_sent_so_far - self._bytes_before
-        self._pending = None
+        record.end = record.clock.mark()
+        record.bytes_sent = bytes_sent_so_far - record.bytes_before
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            self._pending = dist.all_reduce(self._sums, async_op=True)
-        # Figures are made from the marks and sums when read, not here: no sync in step().
-        self._last, self._last_sums = None, self._sums
+            record.pending = dist.all_reduce(record.sums, async_op=True)
+        # Figures are made from the record when read, not here: no sync in step().
+        self._current, self._finished, self._figures = None, record, None
 
     @contextlib.contextmanager
     def newton_schulz(self) -> Iterator[None]:
-        if not self.enabled or self._clock is None:
+        record = self._current
+        if record is None:
             yield
             return
-        start = self._clock.mark()
+        start = record.clock.mark()
         yield
-        self._ns_marks.append((start, self._clock.mark()))
+        record.ns_marks.append((start, record.clock.mark()))
 
     @contextlib.contextmanager
     def muon_update(self, block: torch.Tensor) -> Iterator[None]:
         """Around the in-place update of one Muon block (a local shard or a part of it)."""
-        if not self.enabled or self._sums is None:
+        if self._current is None:
             yield
             return
         before = block.clone()
@@ -177,7 +198,7 @@ class Telemetry:
     @contextlib.contextmanager
     def adamw_update(self, params: Sequence[torch.Tensor]) -> Iterator[None]:
         """Around one AdamW group's in-place step (``params``: the rank's local tensors)."""
-        if not self.enabled or self._sums is None:
+        if self._current is None:
             yield
             return
         befores = [p.clone() for p in params]
@@ -186,30 +207,22 @@ class Telemetry:
 
     def _add(self, delta_at: int, weight_at: int, numel_at: int,
              pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        sums = self._current.sums
         for before, after in pairs:
             if after.is_complex():  # count real and imaginary parts as elements
                 before, after = torch.view_as_real(before), torch.view_as_real(after)
             delta = before.sub_(after)  # the copy is ours: reuse it (the sign does not matter)
             # Norms in the tensor's dtype (no upcast copy); the sums across blocks in float64.
-            self._sums[delta_at] += torch.linalg.vector_norm(delta).double().square()
-            self._sums[weight_at] += torch.linalg.vector_norm(after).double().square()
-            self._sums[numel_at] += after.numel()
+            sums[delta_at] += torch.linalg.vector_norm(delta).double().square()
+            sums[weight_at] += torch.linalg.vector_norm(after).double().square()
+            sums[numel_at] += after.numel()
 
     # -------------------------------------------------------------- reading
 
     def last_step(self) -> StepFigures | None:
-        """The last step's figures (waits for the reduction started by that step)."""
-        if not self.enabled or self._last_sums is None:
+        """The last complete step's figures (waits for the reduction that step started)."""
+        if self._finished is None:
             return None
-        if self._last is None:
-            if self._pending is not None:
-                self._pending.wait()
-                self._pending = None
-            start, end = self._step_marks
-            self._last = StepFigures.from_sums(
-                self._clock.seconds(start, end),
-                sum(self._clock.seconds(s, e) for s, e in self._ns_marks),
-                self._bytes_sent,
-                self._last_sums.tolist(),
-            )
-        return self._last
+        if self._figures is None:
+            self._figures = self._finished.figures()
+        return self._figures

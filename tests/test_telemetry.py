@@ -118,3 +118,16 @@ def test_on_cuda_times_come_from_events_and_rms_matches_the_cpu_run():
         figures[device] = optimizer.telemetry()
     assert 0 < figures["cuda"].newton_schulz_s <= figures["cuda"].step_s
     assert figures["cuda"].muon_update_rms == pytest.approx(figures["cpu"].muon_update_rms, rel=1e-2)
+
+
+def test_a_step_rejected_for_a_bad_grad_leaves_the_last_complete_steps_figures():
+    model = _model()
+    optimizer = DMuon(model.parameters(), telemetry=True)
+    _step(optimizer, model)  # complete, and not read yet
+    optimizer.zero_grad()
+    model(torch.randn(4, 24)).square().mean().backward()
+    model[0].weight.grad = model[0].weight.grad.to_sparse()  # rejected before anything changes
+    with pytest.raises(ValueError):
+        optimizer.step()
+    figures = optimizer.telemetry()
+    assert figures.step_s > 0 and figures.muon_update_rms > 0
