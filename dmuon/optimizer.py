@@ -59,6 +59,7 @@ from dmuon.plan import (
     make_owner_plan,
     shard_sizes,
 )
+from dmuon.telemetry import StepFigures, Telemetry
 from dmuon.update_rules import DEFAULT_MATCHED_ADAMW_RMS, adamw_step_, apply_muon_update_, muon_momentum_, shape_scale
 
 logger = logging.getLogger("dmuon")
@@ -110,6 +111,8 @@ class DMuon(Optimizer):
         max_batch_numel: elements of travelling matrices a rank owns in one batch of
             the fast path, unless one matrix is larger; bounds the scratch memory
             (``OwnerPlan.peak_scratch_bytes``).
+        telemetry: record each step's times, bytes and update/weight RMS, read with
+            :meth:`telemetry` (``dmuon.telemetry``; adds one small ``all_reduce`` per step).
 
     Non-finite gradients are not filtered: like ``torch.optim.Muon``, a NaN or inf in a
     matrix's gradient makes that whole matrix (every shard of it) non-finite after the
@@ -137,6 +140,7 @@ class DMuon(Optimizer):
         split_rows: int | None = None,
         comm: str = ALL_TO_ALL,
         max_batch_numel: int = DEFAULT_BATCH_NUMEL,
+        telemetry: bool = False,
     ) -> None:
         if isinstance(params, (set, frozenset)):
             # A set's order differs between processes: ranks would plan differently.
@@ -177,6 +181,7 @@ class DMuon(Optimizer):
         self._groups_added = 0  # groups as the user wrote them, before any split
         self.scratch_stats = ScratchMeter()
         """Live and peak bytes of the fast path's scratch; the peak is reset each step."""
+        self._telemetry = Telemetry(telemetry)
         self._mesh_plans: list[_MeshPlan] | None = None
         self._paths: dict[torch.Tensor, str] | None = None
         defaults = dict(muon_defaults, adamw_lr=adamw_lr, adamw_betas=adamw_betas, adamw_eps=adamw_eps,
@@ -273,6 +278,11 @@ class DMuon(Optimizer):
         """
         return {self.param_name(p): path for p, path in self._ensure_paths().items()}
 
+    def telemetry(self) -> StepFigures | None:
+        """The last step's figures (``dmuon.telemetry``), or ``None`` if telemetry is off
+        or no step ran yet. Local to this rank: safe to call on any subset of ranks."""
+        return self._telemetry.last_step()
+
     def owner_plans(self) -> list[OwnerPlan]:
         """The fast path's plan of each mesh (made at the first ``step()``; empty before)."""
         return [mesh_plan.plan for mesh_plan in self._mesh_plans or ()]
@@ -356,6 +366,7 @@ class DMuon(Optimizer):
                 loss = closure()
         self._ensure_paths()
         mesh_plans = self._ensure_plans()
+        self._telemetry.begin_step(_local(self.param_groups[0]["params"][0]).device, self.comm_stats.bytes_sent)
         grads = self._checked_grads()
         self.scratch_stats.reset_peak()
         for mesh_plan in mesh_plans:
@@ -368,6 +379,7 @@ class DMuon(Optimizer):
         for group in self.param_groups:
             if not group["use_muon"]:
                 self._adamw_group_step(group)
+        self._telemetry.end_step(self.comm_stats.bytes_sent)
         return loss
 
     def _checked_grads(self) -> dict[torch.Tensor, torch.Tensor]:
@@ -458,13 +470,15 @@ class DMuon(Optimizer):
     def _orthogonalize(self, matrix: torch.Tensor, group: dict[str, Any]) -> torch.Tensor:
         """Newton-Schulz with the group's settings; counts the flops run on this rank."""
         self.comm_stats.ns_flops += newton_schulz_flops(matrix.shape, group["ns_steps"])
-        return orthogonalize(matrix, group["ns_coefficients"], group["ns_steps"], group["eps"])
+        with self._telemetry.newton_schulz():
+            return orthogonalize(matrix, group["ns_coefficients"], group["ns_steps"], group["eps"])
 
     def _apply(self, param: torch.Tensor, target: torch.Tensor, ortho: torch.Tensor, group: dict[str, Any]) -> None:
         # With split_rows, each block is its own matrix for the shape scale too.
         shape = (group["split_rows"], param.shape[1]) if group["split_rows"] else param.shape
         scale = shape_scale(shape, group["adjust_lr"], group["matched_adamw_rms"])
-        apply_muon_update_(target, ortho, group["lr"], group["weight_decay"], scale)
+        with self._telemetry.muon_update(target):
+            apply_muon_update_(target, ortho, group["lr"], group["weight_decay"], scale)
 
     def _adamw_group_step(self, group: dict[str, Any]) -> None:
         params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
@@ -482,11 +496,12 @@ class DMuon(Optimizer):
             exp_avg_sqs.append(state["exp_avg_sq"])
             steps.append(state["step"])
         if params:
-            adamw_step_(
-                params, grads, exp_avgs, exp_avg_sqs, steps,
-                lr=group["lr"], betas=group["betas"], eps=group["eps"], weight_decay=group["weight_decay"],
-                has_complex=any(p.is_complex() for p in params),
-            )
+            with self._telemetry.adamw_update([_local(p) for p in params]):
+                adamw_step_(
+                    params, grads, exp_avgs, exp_avg_sqs, steps,
+                    lr=group["lr"], betas=group["betas"], eps=group["eps"], weight_decay=group["weight_decay"],
+                    has_complex=any(p.is_complex() for p in params),
+                )
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

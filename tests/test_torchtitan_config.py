@@ -56,6 +56,16 @@ def test_the_demo_toml_sets_the_dmuon_fields():
     assert (cfg.lr, cfg.adamw_lr) == (0.02, 2e-3)
 
 
+def test_telemetry_is_off_by_default_and_on_in_the_cpu_demo():
+    assert parse(*EXT).optimizer.telemetry is False
+    assert parse("--job.config_file", str(CONFIGS / "llama3_debug_dmuon.toml")).optimizer.telemetry is True
+
+
+def test_telemetry_set_in_toml_can_be_turned_off_on_the_command_line():
+    cfg = parse("--job.config_file", str(CONFIGS / "llama3_debug_dmuon.toml"), "--optimizer.no-telemetry")
+    assert cfg.optimizer.telemetry is False
+
+
 def test_command_line_overrides_a_dmuon_field():
     cfg = parse("--job.config_file", str(CONFIGS / "llama3_debug_dmuon.toml"), "--optimizer.ns_steps", "4")
     assert cfg.optimizer.ns_steps == 4

@@ -8,6 +8,7 @@ seq_len 128); one 2-rank run with checkpoints (the ``dmuon_run`` fixture in
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -28,6 +29,31 @@ def test_dmuon_loss_at_the_last_step_is_clearly_below_the_first(dmuon_run):
     log, _ = dmuon_run
     assert sorted(log.train_loss) == list(range(1, 11))
     assert log.train_loss[10] < log.train_loss[1] - 0.5, log.train_loss
+
+
+def test_with_telemetry_every_dmuon_step_line_reports_the_optimizers_figures(dmuon_run):
+    log, _ = dmuon_run  # the demo config sets [optimizer] telemetry = true
+    assert sorted(log.telemetry) == list(range(1, 11))
+    for step, figures in log.telemetry.items():
+        assert 0 < figures["newton_schulz_ms"] <= figures["optimizer_step_ms"], (step, figures)
+        assert figures["sent_mib"] > 0, (step, figures)  # 2 ranks: matrices travel to their owners
+        for part in ("muon", "adamw"):
+            assert 0 < figures[f"{part}_update_rms"] < figures[f"{part}_weight_rms"], (step, figures)
+
+
+# The whole step line TorchTitan 0.2.2 prints, and nothing after it.
+STOCK_STEP_LINE = re.compile(
+    r"- step:\s*\d+  loss:\s*[0-9.]+  grad_norm:\s*[0-9.]+  memory:\s*[0-9.]+GiB\([0-9.]+%\)  "
+    r"tps: [0-9,]+  tflops: [0-9.,]+  mfu: [0-9.]+%$"
+)
+
+
+def test_with_telemetry_off_dmuon_step_lines_are_exactly_torchtitans(short_run_args, tmp_path):
+    log, out = torchrun(DMUON_TOML, tmp_path, *short_run_args, "--training.steps", "2", "--optimizer.no-telemetry")
+    step_lines = [line for line in out.splitlines() if " - step:" in line]
+    assert len(step_lines) == 2 and sorted(log.train_loss) == [1, 2]
+    assert all(STOCK_STEP_LINE.search(line) for line in step_lines), step_lines
+    assert log.telemetry == {}
 
 
 def test_resuming_from_a_checkpoint_reproduces_the_uninterrupted_losses(dmuon_run, short_run_args, tmp_path):

@@ -20,14 +20,16 @@ TorchTitan 0.2.x imports this module while parsing the config. Importing it:
    ``optimizer_container.py``) while ``Adam``/``AdamW`` stay stock;
 5. checks, before a checkpoint is loaded, that no parameter moved between Muon and
    AdamW since it was saved (``routing_check.py``);
-6. warns when ``torchrun`` may restart the job in a way that can fail to
+6. adds DMuon's step figures to TorchTitan's step metrics when ``[optimizer]
+   telemetry = true`` (``step_metrics.py``);
+7. warns when ``torchrun`` may restart the job in a way that can fail to
    reconnect (``launch_checks.py``);
-7. for tests only, and only when their environment variables are set: arms a
+8. for tests only, and only when their environment variables are set: arms a
    fault (a rank SIGKILLs itself at a given step, ``fault_injection.py``) and
    dumps the state a resume loaded (``state_dump.py``). Unset, they do nothing.
 """
 
-from . import cpu_compat, fault_injection, launch_checks, routing_check, state_dump
+from . import cpu_compat, fault_injection, launch_checks, routing_check, state_dump, step_metrics
 from .config import install_config_validation, JobConfig, Optimizer
 from .dataset import register_datasets
 from .optimizer_container import build_dmuon_optimizers, DMuonOptimizersContainer
@@ -46,6 +48,7 @@ install_config_validation()
 register_datasets()
 register_builtin_specs()
 routing_check.install()
+step_metrics.install()
 launch_checks.warn_about_risky_restarts()
 fault_injection.install_from_env()
 state_dump.install_from_env()

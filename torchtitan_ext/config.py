@@ -102,6 +102,17 @@ class Optimizer:
     "all_to_all" (batched, fast) or "redistribute" (DTensor reference path).
     """
 
+    telemetry: bool = False
+    """
+    Report, on each logged step, DMuon's step time, Newton-Schulz time, bytes sent, and
+    the RMS of the update and of the weights of the Muon and AdamW parts: appended to the
+    console step line and sent to TensorBoard / W&B as ``dmuon/...`` metrics.
+    Off by default: the step lines then stay exactly TorchTitan's (log parsers keep
+    working), and the step does no extra work. On, it costs one 6-number all_reduce per
+    step, a copy of one Muon block at a time, and a copy of the AdamW part's local
+    shards during its update (see dmuon/telemetry.py).
+    """
+
 
 @dataclass
 class JobConfig:

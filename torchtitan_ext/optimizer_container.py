@@ -30,6 +30,7 @@ from typing import Any
 
 import torch.nn as nn
 from dmuon import DMuon
+from dmuon.telemetry import StepFigures
 
 from torchtitan.components.optimizer import OptimizersContainer
 from torchtitan.tools.logging import logger
@@ -127,6 +128,7 @@ def dmuon_kwargs(optimizer_config: Any) -> dict[str, Any]:
         "adamw_betas": (cfg.beta1, cfg.beta2),
         "adamw_eps": cfg.eps,
         "comm": cfg.comm,
+        "telemetry": cfg.telemetry,
     }
 
 
@@ -173,6 +175,14 @@ class DMuonOptimizersContainer(OptimizersContainer):
         # Gives the container its own param_groups and hook machinery, as in
         # TorchTitan's base class (the inner DMuon instances do the real work).
         self._post_init(all_params, optimizer_kwargs)
+
+    def telemetry(self) -> StepFigures | None:
+        """The last step's figures of all model parts on this rank together, or ``None``
+        when ``[optimizer] telemetry`` is off (read by ``step_metrics``)."""
+        parts = [optimizer.telemetry() for optimizer in self.optimizers]
+        if any(part is None for part in parts):
+            return None
+        return parts[0] if len(parts) == 1 else StepFigures.combine(parts)
 
     @staticmethod
     def _group(kind: str, routed: RoutedParameters, kwargs: dict[str, Any], head_dim: int | None) -> dict[str, Any]:

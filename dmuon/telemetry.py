@@ -1,0 +1,228 @@
+"""Per-step figures of a ``DMuon`` step: time, Newton-Schulz time, bytes, update and weight RMS.
+
+``DMuon(..., telemetry=True)`` records, for every ``step()``:
+
+- ``step_s``: wall time of the whole ``step()`` on this rank;
+- ``newton_schulz_s``: the part of it spent in Newton-Schulz on this rank;
+- ``bytes_sent``: bytes this rank's fast path sent during the step;
+- ``muon_update_rms`` / ``adamw_update_rms``: RMS of the weight change ``W_after - W_before``
+  (learning rate, shape scale and weight decay included) over every element of the Muon
+  (resp. AdamW) parameters, all ranks together;
+- ``muon_weight_rms`` / ``adamw_weight_rms``: RMS of the weights after the step, likewise.
+
+``optimizer.telemetry()`` returns the last step's ``StepFigures`` (``None`` when telemetry
+is off or before the first step). It is a local call: any rank may read it, or none.
+
+Cost, and why it stays small:
+
+- the sums of squares are kept on the parameters' device and reduced across ranks with
+  one ``all_reduce`` of 6 numbers at the end of ``step()``, issued asynchronously; it is
+  only waited for, and copied to the host, when ``telemetry()`` is read (TorchTitan reads
+  it where it already synchronizes to print the loss and grad norm);
+- the weight change is measured, not modelled, one block at a time: each Muon block
+  (and each AdamW group's local shards) is copied before its update and compared after,
+  in place in the copy, which is then freed: the extra memory is one block, or the AdamW
+  group's local shards; norms are taken in the weights' dtype and summed in float64;
+- times come from ``time.perf_counter`` on CPU and from CUDA events on GPU (so no
+  synchronization is added during the step; the events are read with the figures).
+
+Which ranks take part: the reduction runs on the default process group, so every rank
+must step its ``DMuon`` the same number of times (any data- or pipeline-parallel loop
+does). RMS figures count each element once per rank that holds it: exact for FSDP
+(each element on one rank) and single process; with replicas (HSDP, DDP) a replicated
+element counts once per copy, which leaves the RMS unchanged when every element has the
+same number of copies. Times and bytes are this rank's own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+# Positions in the vector of sums reduced across ranks.
+_MUON_DELTA_SQ, _MUON_WEIGHT_SQ, _MUON_NUMEL, _ADAMW_DELTA_SQ, _ADAMW_WEIGHT_SQ, _ADAMW_NUMEL = range(6)
+
+
+@dataclass(frozen=True)
+class StepFigures:
+    """The figures of one ``DMuon.step()`` (see the module docstring for each field)."""
+
+    step_s: float
+    newton_schulz_s: float
+    bytes_sent: int
+    muon_update_rms: float
+    muon_weight_rms: float
+    adamw_update_rms: float
+    adamw_weight_rms: float
+    square_sums: tuple[float, ...] = field(repr=False)
+    """The reduced sums the RMS come from (squares and element counts), for ``combine``."""
+
+    @classmethod
+    def from_sums(cls, step_s: float, newton_schulz_s: float, bytes_sent: int, sums: Sequence[float]) -> StepFigures:
+        def rms(square_sum: float, numel: float) -> float:
+            return (square_sum / numel) ** 0.5 if numel else 0.0
+
+        return cls(
+            step_s=step_s,
+            newton_schulz_s=newton_schulz_s,
+            bytes_sent=bytes_sent,
+            muon_update_rms=rms(sums[_MUON_DELTA_SQ], sums[_MUON_NUMEL]),
+            muon_weight_rms=rms(sums[_MUON_WEIGHT_SQ], sums[_MUON_NUMEL]),
+            adamw_update_rms=rms(sums[_ADAMW_DELTA_SQ], sums[_ADAMW_NUMEL]),
+            adamw_weight_rms=rms(sums[_ADAMW_WEIGHT_SQ], sums[_ADAMW_NUMEL]),
+            square_sums=tuple(sums),
+        )
+
+    @classmethod
+    def combine(cls, parts: Sequence[StepFigures]) -> StepFigures:
+        """Figures of several optimizers stepped one after the other on this rank (one per
+        pipeline stage it holds): times and bytes add up, RMS come from the added sums."""
+        return cls.from_sums(
+            sum(p.step_s for p in parts),
+            sum(p.newton_schulz_s for p in parts),
+            sum(p.bytes_sent for p in parts),
+            [sum(values) for values in zip(*(p.square_sums for p in parts))],
+        )
+
+
+class _Clock:
+    """Durations on one device: ``perf_counter`` on CPU, CUDA events on GPU (read later)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+
+    def mark(self) -> object:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def seconds(self, start: object, end: object) -> float:
+        if self.cuda:
+            end.synchronize()  # type: ignore[attr-defined]
+            return start.elapsed_time(end) / 1e3  # type: ignore[attr-defined]
+        return end - start  # type: ignore[operator]
+
+
+@dataclass
+class _StepRecord:
+    """What one step recorded: its clock marks, bytes, and the sums being reduced."""
+
+    clock: _Clock
+    start: object
+    sums: torch.Tensor
+    bytes_before: int
+    ns_marks: list[tuple[object, object]] = field(default_factory=list)
+    end: object = None
+    bytes_sent: int = 0
+    pending: dist.Work | None = None
+
+    def figures(self) -> StepFigures:
+        if self.pending is not None:
+            self.pending.wait()
+            self.pending = None
+        return StepFigures.from_sums(
+            self.clock.seconds(self.start, self.end),
+            sum(self.clock.seconds(s, e) for s, e in self.ns_marks),
+            self.bytes_sent,
+            self.sums.tolist(),
+        )
+
+
+class Telemetry:
+    """What one ``DMuon`` records during a step; disabled, every hook is a no-op.
+
+    The optimizer calls ``begin_step`` / ``end_step`` around ``step()``, wraps each
+    Newton-Schulz call in ``newton_schulz()``, and each weight update in
+    ``muon_update(block)`` / ``adamw_update(params)``. Only a step that reached
+    ``end_step`` is reported: one that raised (a rejected grad) leaves the last
+    complete step's figures in place.
+    """
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self._current: _StepRecord | None = None  # the step in progress
+        self._finished: _StepRecord | None = None  # the last complete step
+        self._figures: StepFigures | None = None  # its figures, once read
+
+    # -------------------------------------------------------------- hooks
+
+    def begin_step(self, device: torch.device, bytes_sent_so_far: int) -> None:
+        if not self.enabled:
+            return
+        if self._finished is not None and self._finished.pending is not None:
+            # Last step's figures were never read: settle its collective first.
+            self._finished.pending.wait()
+            self._finished.pending = None
+        clock = _Clock(device)
+        self._current = _StepRecord(clock, clock.mark(), torch.zeros(6, dtype=torch.float64, device=device),
+                                    bytes_sent_so_far)
+
+    def end_step(self, bytes_sent_so_far: int) -> None:
+        record = self._current
+        if record is None:
+            return
+        record.end = record.clock.mark()
+        record.bytes_sent = bytes_sent_so_far - record.bytes_before
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            record.pending = dist.all_reduce(record.sums, async_op=True)
+        # Figures are made from the record when read, not here: no sync in step().
+        self._current, self._finished, self._figures = None, record, None
+
+    @contextlib.contextmanager
+    def newton_schulz(self) -> Iterator[None]:
+        record = self._current
+        if record is None:
+            yield
+            return
+        start = record.clock.mark()
+        yield
+        record.ns_marks.append((start, record.clock.mark()))
+
+    @contextlib.contextmanager
+    def muon_update(self, block: torch.Tensor) -> Iterator[None]:
+        """Around the in-place update of one Muon block (a local shard or a part of it)."""
+        if self._current is None:
+            yield
+            return
+        before = block.clone()
+        yield
+        self._add(_MUON_DELTA_SQ, _MUON_WEIGHT_SQ, _MUON_NUMEL, [(before, block)])
+
+    @contextlib.contextmanager
+    def adamw_update(self, params: Sequence[torch.Tensor]) -> Iterator[None]:
+        """Around one AdamW group's in-place step (``params``: the rank's local tensors)."""
+        if self._current is None:
+            yield
+            return
+        befores = [p.clone() for p in params]
+        yield
+        self._add(_ADAMW_DELTA_SQ, _ADAMW_WEIGHT_SQ, _ADAMW_NUMEL, list(zip(befores, params)))
+
+    def _add(self, delta_at: int, weight_at: int, numel_at: int,
+             pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        sums = self._current.sums
+        for before, after in pairs:
+            if after.is_complex():  # count real and imaginary parts as elements
+                before, after = torch.view_as_real(before), torch.view_as_real(after)
+            delta = before.sub_(after)  # the copy is ours: reuse it (the sign does not matter)
+            # Norms in the tensor's dtype (no upcast copy); the sums across blocks in float64.
+            sums[delta_at] += torch.linalg.vector_norm(delta).double().square()
+            sums[weight_at] += torch.linalg.vector_norm(after).double().square()
+            sums[numel_at] += after.numel()
+
+    # -------------------------------------------------------------- reading
+
+    def last_step(self) -> StepFigures | None:
+        """The last complete step's figures (waits for the reduction that step started)."""
+        if self._finished is None:
+            return None
+        if self._figures is None:
+            self._figures = self._finished.figures()
+        return self._figures

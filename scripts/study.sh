@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# Convergence study on the CPU demo (llama3 debug model, embedded pydoc corpus, 2 CPU ranks):
+# AdamW against DMuon variants, same data order, seed, schedule and step count.
+#
+#   bash scripts/study.sh [--steps N] [RUN ...]     # default: every run below, in this order
+#
+# Runs (each a variant of train_configs/llama3_debug_*.toml, written to outputs/study/NAME.toml):
+#   adamw            AdamW lr 2e-3, wd 0.1 (the demo baseline)
+#   original         DMuon adjust_lr "original", lr 0.02, AdamW part 2e-3 (the demo config)
+#   original_pe      the same with ns_coefficients = "polar_express"
+#   match_rms        DMuon adjust_lr "match_rms_adamw" reusing AdamW's lr 2e-3 and wd 0.1 (Moonlight)
+#   match_rms_pe     the same with ns_coefficients = "polar_express"
+#
+# Rank 0's console goes to outputs/study/NAME.log; then
+#   python scripts/compare.py --adamw outputs/study/adamw.log --dmuon outputs/study/original.log ...
+# turns the logs into plots and tables (see the README, "Convergence study").
+set -euo pipefail
+
+cd "$(dirname "$0")/.."
+PYTHON="${PYTHON:-python3}"
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+out=outputs/study
+mkdir -p "$out"
+[[ -f outputs/.gitignore ]] || echo '*' > outputs/.gitignore
+
+steps=()
+runs=()
+while [[ $# -gt 0 ]]; do
+    case "$1" in
+        --steps) steps=(--training.steps "$2"); shift ;;
+        -h|--help) sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        *) runs+=("$1") ;;
+    esac
+    shift
+done
+[[ ${#runs[@]} -gt 0 ]] || runs=(adamw original original_pe match_rms match_rms_pe)
+
+dmuon=train_configs/llama3_debug_dmuon.toml
+# variant NAME BASE_TOML SED_EXPR...: BASE_TOML with each `key = value` line rewritten.
+variant() {
+    local name="$1" base="$2"
+    shift 2
+    local args=()
+    for expr in "$@"; do args+=(-e "$expr"); done
+    sed "${args[@]}" -e "s|^dump_folder = .*|dump_folder = \"./$out/$name\"|" "$base" > "$out/$name.toml"
+}
+variant adamw train_configs/llama3_debug_adamw.toml
+variant original "$dmuon"
+variant original_pe "$dmuon" 's|^ns_coefficients = .*|ns_coefficients = "polar_express"|'
+variant match_rms "$dmuon" 's|^lr = .*|lr = 2e-3|' 's|^adjust_lr = .*|adjust_lr = "match_rms_adamw"|'
+variant match_rms_pe "$dmuon" 's|^lr = .*|lr = 2e-3|' 's|^adjust_lr = .*|adjust_lr = "match_rms_adamw"|' \
+    's|^ns_coefficients = .*|ns_coefficients = "polar_express"|'
+
+for name in "${runs[@]}"; do
+    [[ -f "$out/$name.toml" ]] || { echo "unknown run: $name" >&2; exit 2; }
+    echo "== $name ($(date -u +%H:%M:%S) UTC)"
+    grep -E '^(name|lr|adamw_lr|weight_decay|adjust_lr|ns_coefficients) =' "$out/$name.toml" | sed 's/ *#.*//'
+    rm -rf "$out/${name}_ranks"
+    "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node 2 --local-ranks-filter 0 \
+        --log-dir "$out/${name}_ranks" --redirects 3 --tee 3 \
+        -m torchtitan.train --job.config_file "$out/$name.toml" --metrics.log_freq 1 "${steps[@]}" \
+        > "$out/$name.log" 2>&1 || { echo "$name failed; see $out/$name.log" >&2; exit 1; }
+    grep -E "step: *[0-9]+ " "$out/$name.log" | tail -2
+done
+echo "== done ($(date -u +%H:%M:%S) UTC)"

@@ -1,0 +1,105 @@
+"""DMuon's step figures in TorchTitan's own metrics: the console step line, TensorBoard, W&B.
+
+With ``[optimizer] telemetry = true`` (and ``name = "DMuon"``), every logged step gets
+
+* on the console, appended to TorchTitan's step line (this rank's times and bytes,
+  RMS over all ranks; the figures are those of the logged step, not averages)::
+
+      step: 10  loss:  6.92  grad_norm: ...  mfu: 0.01%  opt: 151.2ms  ns: 98.7ms  sent: 0.30MiB
+      muon_rms upd/w: 1.05e-03/2.71e-02  adamw_rms upd/w: 2.02e-03/4.10e-01
+
+  (one line in the log, wrapped here);
+* in TensorBoard / W&B, when enabled, the ``METRICS`` keys below, next to TorchTitan's
+  ``time_metrics/...`` and ``memory/...`` keys.
+
+How: ``install()`` wraps ``MetricsProcessor.log`` (TorchTitan is not edited). When the
+processor's optimizers are a ``DMuonOptimizersContainer`` with telemetry on, the wrapper
+adds the figures to ``extra_metrics`` (which TorchTitan hands to its metric loggers) and
+appends their text to the one step line ``log`` prints. Otherwise it calls TorchTitan's
+``log`` unchanged, so with telemetry off the step lines are exactly TorchTitan's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+from dmuon.telemetry import StepFigures
+from torchtitan.components.metrics import MetricsProcessor
+
+# TensorBoard / W&B keys, in TorchTitan's "group/name(unit)" style.
+METRICS = {
+    "dmuon/optimizer_step(s)": lambda f: f.step_s,
+    "dmuon/newton_schulz(s)": lambda f: f.newton_schulz_s,
+    "dmuon/bytes_sent(MiB)": lambda f: f.bytes_sent / 2**20,
+    "dmuon/muon_update_rms": lambda f: f.muon_update_rms,
+    "dmuon/muon_weight_rms": lambda f: f.muon_weight_rms,
+    "dmuon/adamw_update_rms": lambda f: f.adamw_update_rms,
+    "dmuon/adamw_weight_rms": lambda f: f.adamw_weight_rms,
+}
+
+
+def metric_values(figures: StepFigures) -> dict[str, float]:
+    return {key: value(figures) for key, value in METRICS.items()}
+
+
+def console_text(figures: StepFigures, color: Any) -> str:
+    """What the step line gets appended (``titan_log.parse_log`` reads it back)."""
+    f = figures
+    return (
+        f"{color.white}opt: {f.step_s * 1e3:.1f}ms  ns: {f.newton_schulz_s * 1e3:.1f}ms  "
+        f"sent: {f.bytes_sent / 2**20:.2f}MiB  "
+        f"muon_rms upd/w: {f.muon_update_rms:.2e}/{f.muon_weight_rms:.2e}  "
+        f"adamw_rms upd/w: {f.adamw_update_rms:.2e}/{f.adamw_weight_rms:.2e}{color.reset}"
+    )
+
+
+def figures_of(optimizers: Any) -> StepFigures | None:
+    """The last step's figures of a DMuon container with telemetry on, else ``None``."""
+    read = getattr(optimizers, "telemetry", None)
+    return read() if callable(read) else None
+
+
+@contextlib.contextmanager
+def _appended_to_step_line(text: str) -> Iterator[None]:
+    """Append ``text`` to the step line logged inside the block.
+
+    TorchTitan's ``logger`` is the root logger and ``MetricsProcessor.log`` logs exactly
+    one info line, the step line; a filter on that logger edits the record before any
+    handler formats it.
+    """
+    root = logging.getLogger()
+
+    def append(record: logging.LogRecord) -> bool:
+        if isinstance(record.msg, str) and "step:" in record.msg and "loss:" in record.msg:
+            record.msg = f"{record.msg}  {text}"
+        return True
+
+    root.addFilter(append)
+    try:
+        yield
+    finally:
+        root.removeFilter(append)
+
+
+def install() -> None:
+    """Wrap ``MetricsProcessor.log`` once (see the module docstring)."""
+    original = MetricsProcessor.log
+    if getattr(original, "_dmuon_step_metrics", False):
+        return
+
+    @functools.wraps(original)
+    def log(self, step: int, global_avg_loss: float, global_max_loss: float, grad_norm: float,
+            extra_metrics: dict[str, Any] | None = None) -> None:
+        figures = figures_of(self.optimizers)
+        if figures is None:
+            return original(self, step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=extra_metrics)
+        extra = {**(extra_metrics or {}), **metric_values(figures)}
+        with _appended_to_step_line(console_text(figures, self.color)):
+            return original(self, step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=extra)
+
+    log._dmuon_step_metrics = True  # type: ignore[attr-defined]
+    MetricsProcessor.log = log
