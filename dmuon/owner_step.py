@@ -80,7 +80,7 @@ def run_owner_plan(
     gather = start_gather(batches[0])
     previous: tuple[list[int], Exchange] | None = None
     for k, batch in enumerate(batches):
-        recv = gather.wait()
+        done, recv = gather, gather.wait()
         full = unpack_gather(plan, batch, rank, recv, meter)
         meter.free(recv)
         del recv
@@ -105,8 +105,7 @@ def run_owner_plan(
             meter.free(result)
         results.clear()
         # The scatter is the gather reversed: it sends what the gather received.
-        gather_send, gather_recv = plan.gather_splits(batch, rank)
-        scatter = Exchange(send, gather_recv, gather_send, group, rank, stats, device, meter)
+        scatter = Exchange(send, done.recv_splits, done.send_splits, group, rank, stats, device, meter)
         del send
         if previous is not None:
             finish_scatter(*previous)

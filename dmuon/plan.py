@@ -169,7 +169,6 @@ class Unit:
     travels: bool
     """False when one rank holds the whole matrix (it is then the owner, and nothing moves)."""
     owner: int = 0
-    batch: int = 0
 
     @property
     def numel(self) -> int:
@@ -260,8 +259,7 @@ class OwnerPlan:
 
     def ns_flops(self, rank: int, batch: Sequence[int] | None = None) -> int:
         """Newton-Schulz flops ``rank`` runs in ``batch`` (default: the whole step)."""
-        indices = range(len(self.units)) if batch is None else batch
-        return sum(self.units[i].cost for i in indices if self.units[i].owner == rank)
+        return _load(self.units, range(len(self.units)) if batch is None else batch, rank)
 
     @cached_property
     def ns_critical_path_flops(self) -> int:
@@ -366,11 +364,7 @@ def make_owner_plan(
     units = make_units(specs, world_size)
     owners = _whole_step_owners(units, world_size)
     units = [replace(u, owner=o) for u, o in zip(units, owners)]
-    batches = _batches(units, world_size, max_batch_numel)
-    for b, batch in enumerate(batches):
-        for i in batch:
-            units[i] = replace(units[i], batch=b)
-    return OwnerPlan(world_size, specs, tuple(units), batches)
+    return OwnerPlan(world_size, specs, tuple(units), _batches(units, world_size, max_batch_numel))
 
 
 def lpt_bound_flops(plan: OwnerPlan) -> int:
