@@ -2,10 +2,11 @@
 
 One batch is two ``all_to_all_single`` calls on flat bf16 buffers:
 
-- *gather*: every rank sends its block of each travelling unit to the unit's owner,
-  and the owner concatenates the blocks in rank order into the whole matrix (the same
+- *gather*: every source rank sends its block of each travelling unit to the unit's
+  owner, and the owner copies each block to its place in the whole matrix (the same
   bf16 values a single process would hold);
-- *scatter*: each owner sends every holder its block of the orthogonalized matrix.
+- *scatter*: each owner sends every holder (every replica) its block of the
+  orthogonalized matrix.
 
 Packing and unpacking are plain tensor code, separate from the collective, so they
 can be tested by routing buffers between simulated ranks in one process (also on the
@@ -22,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from dmuon.plan import OwnerPlan
+from dmuon.plan import Block, OwnerPlan
 
 WIRE_DTYPE = torch.bfloat16
 
@@ -77,8 +78,15 @@ def mesh_device(mesh: DeviceMesh) -> torch.device:
 
 def gather_send_order(plan: OwnerPlan, batch: Sequence[int], rank: int) -> list[int]:
     """Units whose block ``rank`` sends, in send-buffer order: by owner, then batch order."""
-    mine = [i for i in plan.travelling(batch) if plan.units[i].extents[rank]]
+    mine = [i for i in plan.travelling(batch) if plan.units[i].is_source(rank)]
     return sorted(mine, key=lambda i: plan.units[i].owner)  # stable: batch order within an owner
+
+
+def scatter_receive_order(plan: OwnerPlan, batch: Sequence[int], rank: int) -> list[int]:
+    """Units whose result block ``rank`` receives, in receive-buffer order: by owner,
+    then batch order."""
+    mine = [i for i in plan.travelling(batch) if plan.units[i].block(rank)]
+    return sorted(mine, key=lambda i: plan.units[i].owner)
 
 
 def pack_gather(
@@ -90,14 +98,20 @@ def pack_gather(
     meter: ScratchMeter | None = None,
 ) -> torch.Tensor:
     """The gather's send buffer. ``block_of(unit)`` makes this rank's bf16 block of a
-    unit; blocks are made one at a time and copied in, so only one lives at once."""
+    unit (running its momentum); it is called for every travelling unit the rank
+    holds, also those another replica sends, so every replica's momentum stays
+    current. Blocks are made one at a time and copied in, so only one lives at once."""
     send = _track(meter, torch.empty(sum(plan.gather_splits(batch, rank)[0]), dtype=WIRE_DTYPE, device=device))
-    offset = 0
+    offsets, offset = {}, 0
     for i in gather_send_order(plan, batch, rank):
+        offsets[i] = offset
+        offset += plan.units[i].block_numel(rank)
+    for i in plan.travelling(batch):
+        if not plan.units[i].block(rank):
+            continue
         block = block_of(i)
-        numel = block.numel()
-        send[offset : offset + numel].copy_(block.reshape(-1))
-        offset += numel
+        if i in offsets:
+            send[offsets[i] : offsets[i] + block.numel()].copy_(block.reshape(-1))
         _free(meter, block)
     return send
 
@@ -106,17 +120,19 @@ def unpack_gather(
     plan: OwnerPlan, batch: Sequence[int], rank: int, recv: torch.Tensor, meter: ScratchMeter | None = None
 ) -> dict[int, torch.Tensor]:
     """Whole matrices of the travelling units ``rank`` owns, from the gather's receive
-    buffer (by source rank, then batch order), each a new tensor."""
+    buffer (by source rank, then batch order), each a new tensor: every source's block
+    copied to its place."""
     owned = [i for i in plan.travelling(batch) if plan.units[i].owner == rank]
-    blocks: dict[int, list[torch.Tensor]] = {i: [] for i in owned}
+    full = {i: _track(meter, recv.new_empty(plan.units[i].matrix)) for i in owned}
     offset = 0
     for source in range(plan.world_size):
         for i in owned:
             unit = plan.units[i]
-            numel = unit.block_numel(source)
-            blocks[i].append(recv[offset : offset + numel].view(unit.block_shape(source)))
-            offset += numel
-    return {i: _track(meter, torch.cat(blocks[i], dim=plan.units[i].cat_dim)) for i in owned}
+            if unit.is_source(source):
+                block = unit.block(source)
+                _region(full[i], block).copy_(recv[offset : offset + block.numel].view(block.shape))
+                offset += block.numel
+    return full
 
 
 def pack_scatter(
@@ -127,19 +143,17 @@ def pack_scatter(
     device: torch.device,
     meter: ScratchMeter | None = None,
 ) -> torch.Tensor:
-    """The scatter's send buffer: by destination rank, then batch order, that rank's
-    block of each result this rank owns."""
+    """The scatter's send buffer: by holder rank, then batch order, that rank's block
+    of each result this rank owns."""
     owned = [i for i in plan.travelling(batch) if plan.units[i].owner == rank]
-    send = _track(meter, torch.empty(sum(plan.gather_splits(batch, rank)[1]), dtype=WIRE_DTYPE, device=device))
+    send = _track(meter, torch.empty(sum(plan.scatter_splits(batch, rank)[0]), dtype=WIRE_DTYPE, device=device))
     offset = 0
     for dest in range(plan.world_size):
         for i in owned:
-            unit = plan.units[i]
-            numel = unit.block_numel(dest)
-            if numel:
-                block = results[i].narrow(unit.cat_dim, plan.block_offset(unit, dest), unit.extents[dest])
-                send[offset : offset + numel].view(block.shape).copy_(block)
-                offset += numel
+            block = plan.units[i].block(dest)
+            if block:
+                send[offset : offset + block.numel].view(block.shape).copy_(_region(results[i], block))
+                offset += block.numel
     return send
 
 
@@ -147,12 +161,17 @@ def unpack_scatter(plan: OwnerPlan, batch: Sequence[int], rank: int, recv: torch
     """``rank``'s block (a view of ``recv``) of every travelling unit it holds."""
     local: dict[int, torch.Tensor] = {}
     offset = 0
-    for i in gather_send_order(plan, batch, rank):  # the gather's send order, reversed route
-        unit = plan.units[i]
-        numel = unit.block_numel(rank)
-        local[i] = recv[offset : offset + numel].view(unit.block_shape(rank))
-        offset += numel
+    for i in scatter_receive_order(plan, batch, rank):
+        block = plan.units[i].block(rank)
+        local[i] = recv[offset : offset + block.numel].view(block.shape)
+        offset += block.numel
     return local
+
+
+def _region(matrix: torch.Tensor, block: Block) -> torch.Tensor:
+    """The view of a unit's whole matrix that ``block`` covers."""
+    (row, col), (rows, cols) = block.offset, block.shape
+    return matrix[row : row + rows, col : col + cols]
 
 
 class Exchange:

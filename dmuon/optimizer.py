@@ -26,9 +26,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.optim.optimizer import Optimizer, _get_scalar_dtype
 
 from dmuon.comm import CommStats, ScratchMeter, mesh_device
+from dmuon.cost_model import split_replicas_pays
 from dmuon.grad_agreement import agree_on_grads, grad_problem
 from dmuon.newton_schulz import (
     DEFAULT_NS_EPS,
@@ -57,7 +59,7 @@ from dmuon.plan import (
     ParamSpec,
     comm_path,
     make_owner_plan,
-    shard_sizes,
+    layout_of,
 )
 from dmuon.telemetry import StepFigures, Telemetry
 from dmuon.update_rules import DEFAULT_MATCHED_ADAMW_RMS, adamw_step_, apply_muon_update_, muon_momentum_, shape_scale
@@ -68,14 +70,16 @@ ParamsArg = Iterable[torch.Tensor] | Iterable[tuple[str, torch.Tensor]] | Iterab
 
 
 @dataclass
-class _MeshPlan:
-    """The fast-path Muon parameters of one 1-D mesh and their owner plan."""
+class _FastPlan:
+    """The fast-path Muon parameters, their owner plan, and the ranks that run it."""
 
-    mesh: DeviceMesh
+    group: dist.ProcessGroup
+    """Every rank of the parameters' meshes (plan rank = rank in this group)."""
+    rank: int
     params: list[torch.Tensor]
     plan: OwnerPlan
     device: torch.device
-    """Where this rank's buffers for the mesh live."""
+    """Where this rank's buffers live (the meshes' device)."""
 
 
 class DMuon(Optimizer):
@@ -111,6 +115,12 @@ class DMuon(Optimizer):
         max_batch_numel: elements of travelling matrices a rank owns in one batch of
             the fast path, unless one matrix is larger; bounds the scratch memory
             (``OwnerPlan.peak_scratch_bytes``).
+        split_replicas: for parameters replicated over some mesh dims (HSDP's
+            ``dp_replicate``): True spreads Newton-Schulz over every rank of every
+            replica (each rank orthogonalizes ~1/(R*S) of the matrices; results travel
+            to the other replicas), False keeps each replica to itself (each rank
+            does ~1/S, as FSDP2 Muon does, nothing crosses replicas), None lets the
+            cost model (``dmuon.cost_model.split_replicas_pays``) choose.
         telemetry: record each step's times, bytes and update/weight RMS, read with
             :meth:`telemetry` (``dmuon.telemetry``; adds one small ``all_reduce`` per step).
 
@@ -140,6 +150,7 @@ class DMuon(Optimizer):
         split_rows: int | None = None,
         comm: str = ALL_TO_ALL,
         max_batch_numel: int = DEFAULT_BATCH_NUMEL,
+        split_replicas: bool | None = None,
         telemetry: bool = False,
     ) -> None:
         if isinstance(params, (set, frozenset)):
@@ -149,6 +160,9 @@ class DMuon(Optimizer):
             raise ValueError(f"DMuon: unknown comm {comm!r}; use one of {COMM_CHOICES}")
         if not isinstance(max_batch_numel, int) or max_batch_numel < 1:
             raise ValueError(f"DMuon: max_batch_numel must be a positive int, got {max_batch_numel!r}")
+        if split_replicas not in (None, True, False):
+            raise ValueError(f"DMuon: split_replicas must be True, False or None (let the cost model decide), "
+                             f"got {split_replicas!r}")
         muon_defaults = dict(
             lr=lr,
             momentum=momentum,
@@ -175,6 +189,7 @@ class DMuon(Optimizer):
         self._adamw_defaults = adamw_defaults
         self.comm = comm
         self.max_batch_numel = max_batch_numel
+        self.split_replicas = split_replicas
         self.comm_stats = CommStats()
         """Bytes and collectives of the fast path since construction."""
         self._names: dict[torch.Tensor, str] = {}
@@ -182,7 +197,7 @@ class DMuon(Optimizer):
         self.scratch_stats = ScratchMeter()
         """Live and peak bytes of the fast path's scratch; the peak is reset each step."""
         self._telemetry = Telemetry(telemetry)
-        self._mesh_plans: list[_MeshPlan] | None = None
+        self._fast_plans: list[_FastPlan] | None = None
         self._paths: dict[torch.Tensor, str] | None = None
         defaults = dict(muon_defaults, adamw_lr=adamw_lr, adamw_betas=adamw_betas, adamw_eps=adamw_eps,
                         adamw_weight_decay=adamw_weight_decay, comm=comm)
@@ -233,7 +248,7 @@ class DMuon(Optimizer):
         else:
             raise TypeError(f"{where}: use_muon must be a bool, got {use_muon!r}")
         # Paths and plans cover every Muon parameter: rebuild them.
-        self._paths, self._mesh_plans = None, None
+        self._paths, self._fast_plans = None, None
 
     def _name_param(self, item: Any, group_index: int, index: int) -> tuple[str, torch.Tensor]:
         if isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str):
@@ -285,7 +300,7 @@ class DMuon(Optimizer):
 
     def owner_plans(self) -> list[OwnerPlan]:
         """The fast path's plan of each mesh (made at the first ``step()``; empty before)."""
-        return [mesh_plan.plan for mesh_plan in self._mesh_plans or ()]
+        return [fast.plan for fast in self._fast_plans or ()]
 
     # ------------------------------------------------------------------ planning
 
@@ -302,58 +317,73 @@ class DMuon(Optimizer):
                     paths[param] = comm_path(param, self.comm)
                 except ValueError as error:
                     raise ValueError(f"DMuon: parameter {self.param_name(param)!r}: {error}") from None
+        # One plan serves the fast path, over the ranks of the first fast parameter's
+        # mesh; a parameter on a mesh of other ranks takes the reference path.
+        fast = [p for p, path in paths.items() if path == ALL_TO_ALL]
+        for param in fast[1:]:
+            if _mesh_ranks(param) != _mesh_ranks(fast[0]):
+                paths[param] = REDISTRIBUTE
         self._paths = paths
         return paths
 
-    def _ensure_plans(self) -> list[_MeshPlan]:
-        """Plan the fast path of every mesh, once, at the first step.
+    def _ensure_plans(self) -> list[_FastPlan]:
+        """Plan the fast path, once, at the first step.
 
         Every rank runs this at the same point (its first ``step()``), so the one
-        collective it needs (checking that local shards follow ``torch.chunk``) is
+        collective it needs (checking that local shards are where the plan thinks) is
         matched on every rank. Queries such as :meth:`comm_paths` never plan.
         """
-        if self._mesh_plans is not None:
-            return self._mesh_plans
-        by_mesh: dict[DeviceMesh, list[tuple[torch.Tensor, dict[str, Any]]]] = {}
-        for group in self.param_groups:
-            for param in group["params"] if group["use_muon"] else ():
-                if self._ensure_paths()[param] == ALL_TO_ALL:
-                    by_mesh.setdefault(param.device_mesh, []).append((param, group))
+        if self._fast_plans is not None:
+            return self._fast_plans
+        members = [(p, g) for g in self.param_groups if g["use_muon"] for p in g["params"]
+                   if self._ensure_paths()[p] == ALL_TO_ALL]
         plans = []
-        for mesh, members in by_mesh.items():
-            specs = [ParamSpec(tuple(p.shape), p.placements[0].dim, g["ns_steps"], g["split_rows"]) for p, g in members]
-            plan = make_owner_plan(specs, mesh.size(), self.max_batch_numel)
+        if members:
+            ranks = _mesh_ranks(members[0][0])
+            group = _group_of(ranks, [p.device_mesh for p, _ in members])
+            plan_rank = {r: dist.get_group_rank(group, r) for r in ranks}
+            specs = [ParamSpec(tuple(p.shape), ns_steps=g["ns_steps"], split_rows=g["split_rows"],
+                               layout=layout_of(p, plan_rank)) for p, g in members]
+            split = self.split_replicas
+            if split is None:
+                split = split_replicas_pays(specs, len(ranks), self.max_batch_numel)
+            plan = make_owner_plan(specs, len(ranks), self.max_batch_numel, split)
             params = [p for p, _ in members]
-            self._check_shards_agree_with_plan(mesh, params, plan)
-            plans.append(_MeshPlan(mesh, params, plan, mesh_device(mesh)))
-        self._mesh_plans = plans
+            fast = _FastPlan(group, plan_rank[dist.get_rank()], params, plan, mesh_device(params[0].device_mesh))
+            self._check_shards_agree_with_plan(fast)
+            plans.append(fast)
+        self._fast_plans = plans
         for path in (ALL_TO_ALL, REDISTRIBUTE, LOCAL):
             names = [self.param_name(p) for p, chosen in self._paths.items() if chosen == path]
             if names:
                 logger.info("DMuon: %d Muon parameter(s) use the %s path: %s", len(names), path, ", ".join(names))
         return plans
 
-    def _check_shards_agree_with_plan(self, mesh: DeviceMesh, params: list[torch.Tensor], plan: OwnerPlan) -> None:
-        """Every rank's local shard must be the ``torch.chunk`` split the plan assumes.
+    def _check_shards_agree_with_plan(self, fast: _FastPlan) -> None:
+        """Every rank's local shard must be the block of the parameter the plan assumes.
 
-        DTensors built by FSDP2 or ``distribute_tensor`` always are; one built by
-        ``DTensor.from_local`` with custom uneven shards may not be. The check is one
-        ``all_reduce`` at planning time, so a mismatch on any rank stops every rank.
+        The plan reads DTensor's placement rules (``dmuon.layout``); here each rank
+        compares them with DTensor's own answer and with the local tensor's shape, so
+        one built by ``DTensor.from_local`` with custom uneven shards is caught. The
+        check is one ``all_reduce`` at planning time, so a mismatch on any rank stops
+        every rank.
         """
-        rank = mesh.get_local_rank()
         wrong = []
-        for param, spec in zip(params, plan.params):
-            expected = list(spec.shape)
-            expected[spec.shard_dim] = shard_sizes(spec.shape[spec.shard_dim], mesh.size())[rank]
-            if list(param.to_local().shape) != expected:
+        for param, spec in zip(fast.params, fast.plan.params):
+            box = spec.layout.boxes(spec.shape)[fast.rank]
+            shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+            expected_offsets = [start for start, length in box if length]
+            offsets = [o for o, (_, length) in zip(offset, box) if length]
+            sizes = tuple(length for _, length in box)
+            if sizes != tuple(shape) or sizes != tuple(param.to_local().shape) or offsets != expected_offsets:
                 wrong.append(param)
-        count = torch.tensor([len(wrong)], dtype=torch.int32, device=mesh_device(mesh))
-        dist.all_reduce(count, group=mesh.get_group())
+        count = torch.tensor([len(wrong)], dtype=torch.int32, device=fast.device)
+        dist.all_reduce(count, group=fast.group)
         if count.item():
             mine = f" here: {[self.param_name(p) for p in wrong]}" if wrong else ""
             raise ValueError(
-                f"DMuon: {count.item()} sharded parameter shard(s) on {mesh} do not follow torch.chunk's "
-                f"split{mine}. Shard them with FSDP2 or distribute_tensor, or pass use_muon=False for them."
+                f"DMuon: {count.item()} sharded parameter shard(s) are not the blocks their placements "
+                f"describe{mine}. Shard them with FSDP2 or distribute_tensor, or pass use_muon=False for them."
             )
 
     # ------------------------------------------------------------------ step
@@ -365,12 +395,12 @@ class DMuon(Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._ensure_paths()
-        mesh_plans = self._ensure_plans()
+        fast_plans = self._ensure_plans()
         self._telemetry.begin_step(_local(self.param_groups[0]["params"][0]).device, self.comm_stats.bytes_sent)
         grads = self._checked_grads()
         self.scratch_stats.reset_peak()
-        for mesh_plan in mesh_plans:
-            self._owner_computed(mesh_plan, grads)
+        for fast in fast_plans:
+            self._owner_computed(fast, grads)
         for group in self.param_groups:
             for param in group["params"] if group["use_muon"] else ():
                 path = self._paths[param]
@@ -417,9 +447,9 @@ class DMuon(Optimizer):
                 by_mesh.setdefault(param.device_mesh, []).append(param)
         return by_mesh
 
-    def _owner_computed(self, mesh_plan: _MeshPlan, grads: dict[torch.Tensor, torch.Tensor]) -> None:
-        """The fast path on one mesh: see ``dmuon.owner_step`` for the schedule."""
-        params = mesh_plan.params
+    def _owner_computed(self, fast: _FastPlan, grads: dict[torch.Tensor, torch.Tensor]) -> None:
+        """The fast path: see ``dmuon.owner_step`` for the schedule."""
+        params = fast.params
         groups = {p: g for g in self.param_groups if g["use_muon"] for p in g["params"]}
         local_grads = {j: _local(grads[p]) for j, p in enumerate(params) if p in grads}
         local_bufs = {j: _local(self.state[params[j]]["momentum_buffer"]) for j in local_grads}
@@ -437,8 +467,7 @@ class DMuon(Optimizer):
             self._apply(params[j], local_params[j][lo:hi].view(ortho.shape), ortho, groups[params[j]])
 
         run_owner_plan(
-            mesh_plan.plan, local_grads.keys(),
-            group=mesh_plan.mesh.get_group(), rank=mesh_plan.mesh.get_local_rank(), device=mesh_plan.device,
+            fast.plan, local_grads.keys(), group=fast.group, rank=fast.rank, device=fast.device,
             update_block=update_block, orthogonalize=orthogonalize_unit, apply_block=apply_block,
             stats=self.comm_stats, meter=self.scratch_stats,
         )
@@ -502,6 +531,29 @@ class DMuon(Optimizer):
                     lr=group["lr"], betas=group["betas"], eps=group["eps"], weight_decay=group["weight_decay"],
                     has_complex=any(p.is_complex() for p in params),
                 )
+
+
+def _mesh_ranks(param: DTensor) -> tuple[int, ...]:
+    """The global ranks of a DTensor's mesh, sorted."""
+    return tuple(sorted(int(r) for r in param.device_mesh.mesh.flatten().tolist()))
+
+
+_GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}
+
+
+def _group_of(ranks: tuple[int, ...], meshes: Sequence[DeviceMesh]) -> dist.ProcessGroup:
+    """A process group of exactly ``ranks``: the default group or a 1-D mesh's group when
+    one has them, else a new group made once per rank set. Only the member ranks take
+    part in making it (``use_local_synchronization``), so pipeline stages, each with
+    its own optimizer and ranks, need not make theirs together."""
+    if ranks == tuple(range(dist.get_world_size())):
+        return dist.group.WORLD
+    for mesh in meshes:
+        if mesh.ndim == 1 and tuple(sorted(int(r) for r in mesh.mesh.tolist())) == ranks:
+            return mesh.get_group()
+    if ranks not in _GROUPS:
+        _GROUPS[ranks] = dist.new_group(list(ranks), use_local_synchronization=True)
+    return _GROUPS[ranks]
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

@@ -59,13 +59,13 @@ def run_owner_plan(
 
     def block_of(unit_index: int) -> torch.Tensor:
         unit = plan.units[unit_index]
-        lo, hi = plan.local_dim0(unit, rank)
-        return meter.track(update_block(unit.param, lo, hi, unit.block_shape(rank)))
+        block = unit.block(rank)
+        return meter.track(update_block(unit.param, block.lo, block.hi, block.shape))
 
     def apply(unit_index: int, ortho: torch.Tensor) -> None:
         unit = plan.units[unit_index]
-        lo, hi = plan.local_dim0(unit, rank)
-        apply_block(unit.param, lo, hi, ortho)
+        block = unit.block(rank)
+        apply_block(unit.param, block.lo, block.hi, ortho)
 
     def start_gather(batch: list[int]) -> Exchange:
         send = pack_gather(plan, batch, rank, block_of, device, meter)
@@ -80,7 +80,7 @@ def run_owner_plan(
     gather = start_gather(batches[0])
     previous: tuple[list[int], Exchange] | None = None
     for k, batch in enumerate(batches):
-        done, recv = gather, gather.wait()
+        recv = gather.wait()
         full = unpack_gather(plan, batch, rank, recv, meter)
         meter.free(recv)
         del recv
@@ -104,8 +104,7 @@ def run_owner_plan(
         for result in results.values():
             meter.free(result)
         results.clear()
-        # The scatter is the gather reversed: it sends what the gather received.
-        scatter = Exchange(send, done.recv_splits, done.send_splits, group, rank, stats, device, meter)
+        scatter = Exchange(send, *plan.scatter_splits(batch, rank), group, rank, stats, device, meter)
         del send
         if previous is not None:
             finish_scatter(*previous)

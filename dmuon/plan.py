@@ -30,19 +30,20 @@ the batches' slowest ranks) stays close to the whole-step LPT bound.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Sequence
-from itertools import accumulate
+import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from functools import cached_property
 
 import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
+from dmuon.layout import Box, Layout
 from dmuon.newton_schulz import DEFAULT_NS_STEPS, matrix_shape, newton_schulz_flops
 
 # How a Muon parameter reaches Newton-Schulz.
 LOCAL = "local"  # the rank already holds the whole matrix: plain tensor or Replicate
-ALL_TO_ALL = "all_to_all"  # fast path: 1-D mesh, Shard(d), owner-computed
+ALL_TO_ALL = "all_to_all"  # fast path: owner-computed, blocks moved by all_to_all
 REDISTRIBUTE = "redistribute"  # reference path: all-gather to every rank, slice back
 COMM_CHOICES = (ALL_TO_ALL, REDISTRIBUTE)
 
@@ -71,26 +72,20 @@ def comm_path(param: torch.Tensor, comm: str) -> str:
         raise ValueError(f"a Partial placement {placements} cannot hold a parameter")
     if all(isinstance(p, Replicate) for p in placements):
         return LOCAL
-    if comm == REDISTRIBUTE or param.device_mesh.ndim != 1:
+    if comm == REDISTRIBUTE:
         return REDISTRIBUTE
-    placement = placements[0]
-    # Exactly Shard: _StridedShard (FSDP + TP) subclasses Shard and reorders rows.
-    if type(placement) is not Shard or cat_dim(param.ndim, placement.dim) is None:
-        return REDISTRIBUTE
-    return LOCAL if param.device_mesh.size() == 1 else ALL_TO_ALL
+    if param.device_mesh.size() == 1:
+        return LOCAL
+    return REDISTRIBUTE if layout_problem(param.shape, layout_of(param)) else ALL_TO_ALL
 
 
-def cat_dim(ndim: int, shard_dim: int) -> int | None:
-    """The unit-matrix dimension along which ``Shard(shard_dim)`` cuts a parameter of
-    ``ndim`` dims into blocks, or None when a block is not a slice of the matrix
-    (a 4-D+ weight sharded past dim 0: its flattened columns interleave)."""
-    if shard_dim == 0:
-        return 0
-    if ndim == 2 and shard_dim == 1:
-        return 1
-    if ndim == 3 and shard_dim in (1, 2):
-        return shard_dim - 1  # [E, A, B]: dim 1 cuts an expert's rows, dim 2 its columns
-    return None
+def layout_of(param: DTensor, plan_rank: Mapping[int, int] | None = None) -> Layout:
+    """A DTensor's layout; ``plan_rank`` maps global ranks to plan ranks (default: same)."""
+    mesh = param.device_mesh
+    ranks = [int(r) for r in mesh.mesh.flatten().tolist()]
+    if plan_rank is not None:
+        ranks = [plan_rank[r] for r in ranks]
+    return Layout(tuple(mesh.shape), tuple(param.placements), tuple(ranks))
 
 
 def shard_sizes(size: int, world_size: int) -> tuple[int, ...]:
@@ -100,11 +95,6 @@ def shard_sizes(size: int, world_size: int) -> tuple[int, ...]:
     """
     chunk = -(-size // world_size)  # ceil division
     return tuple(max(0, min(size, (r + 1) * chunk) - r * chunk) for r in range(world_size))
-
-
-def shard_starts(sizes: Sequence[int]) -> tuple[int, ...]:
-    """Where each rank's shard begins: the prefix sums of ``sizes``."""
-    return (0, *accumulate(sizes))[: len(sizes)]
 
 
 def assign_owners(costs: Sequence[int], world_size: int, loads: Sequence[int] | None = None) -> tuple[int, ...]:
@@ -131,11 +121,16 @@ class ParamSpec:
     shape: tuple[int, ...]
     """Global shape."""
     shard_dim: int = 0
-    """The dim ``Shard`` cuts over the mesh."""
+    """Without ``layout``: the dim ``Shard`` cuts over a 1-D mesh of every plan rank."""
     ns_steps: int = DEFAULT_NS_STEPS
     """Newton-Schulz iterations of its group (the cost model)."""
     split_rows: int | None = None
     """Rows per separately orthogonalized block of a 2-D parameter (an attention head)."""
+    layout: Layout | None = None
+    """Its mesh and placements (``dmuon.layout``); None: ``Layout.sharded(P, shard_dim)``."""
+
+    def layout_on(self, world_size: int) -> Layout:
+        return self.layout if self.layout is not None else Layout.sharded(world_size, self.shard_dim)
 
     @property
     def unit_rows(self) -> int:
@@ -151,8 +146,25 @@ class ParamSpec:
 
 
 @dataclass(frozen=True)
+class Block:
+    """The part of one unit one rank holds."""
+
+    lo: int
+    hi: int
+    """The ``[lo, hi)`` slice of dim 0 of the rank's local tensor that holds it."""
+    shape: tuple[int, int]
+    """That slice seen as a matrix block."""
+    offset: tuple[int, int]
+    """Where the block sits in the unit's matrix (row, column)."""
+
+    @property
+    def numel(self) -> int:
+        return self.shape[0] * self.shape[1]
+
+
+@dataclass(frozen=True)
 class Unit:
-    """One matrix of the plan and where its blocks live."""
+    """One matrix of the plan, who holds which block of it, and who orthogonalizes it."""
 
     param: int
     """Index of its parameter in ``OwnerPlan.params``."""
@@ -160,64 +172,59 @@ class Unit:
     """The ``[start, stop)`` range of its parameter's dim 0 it covers."""
     matrix: tuple[int, int]
     """The 2-D shape Newton-Schulz sees."""
-    cat_dim: int
-    """Matrix dim along which the ranks' blocks are concatenated."""
-    extents: tuple[int, ...]
-    """Each rank's block size along ``cat_dim`` (0: the rank holds none of it)."""
     cost: int
     """Newton-Schulz flops."""
-    travels: bool
-    """False when one rank holds the whole matrix (it is then the owner, and nothing moves)."""
+    blocks: tuple[tuple[int, Block], ...]
+    """``(rank, block)`` of every rank holding part of it (its *holders*), by rank. They
+    all get their block of the result back."""
+    candidates: tuple[int, ...]
+    """Ranks that may own it (its parameter's mesh, or one replica of it)."""
     owner: int = 0
+    sources: tuple[int, ...] = ()
+    """Holders that send their block to the owner: exactly one copy of every element
+    (the owner's replica when the parameter is replicated)."""
 
     @property
     def numel(self) -> int:
         return self.matrix[0] * self.matrix[1]
 
-    def block_numel(self, rank: int) -> int:
-        return self.extents[rank] * self.matrix[1 - self.cat_dim]
+    @property
+    def holders(self) -> tuple[int, ...]:
+        return tuple(rank for rank, _ in self.blocks)
 
-    def block_shape(self, rank: int) -> tuple[int, int]:
-        shape = list(self.matrix)
-        shape[self.cat_dim] = self.extents[rank]
-        return (shape[0], shape[1])
+    @property
+    def travels(self) -> bool:
+        """False when one rank holds the whole matrix (it owns it, and nothing moves)."""
+        return len(self.blocks) > 1
+
+    def block(self, rank: int) -> Block | None:
+        return self._by_rank.get(rank)
+
+    def block_numel(self, rank: int) -> int:
+        block = self._by_rank.get(rank)
+        return block.numel if block else 0
+
+    def is_source(self, rank: int) -> bool:
+        return rank in self._sources
+
+    @cached_property
+    def _by_rank(self) -> dict[int, Block]:
+        return dict(self.blocks)
+
+    @cached_property
+    def _sources(self) -> frozenset[int]:
+        return frozenset(self.sources)
 
 
 @dataclass(frozen=True)
 class OwnerPlan:
-    """Owners and batches for the Muon units of one 1-D mesh."""
+    """Owners and batches for the Muon units of one group of ranks."""
 
     world_size: int
     params: tuple[ParamSpec, ...]
     units: tuple[Unit, ...]
     batches: tuple[tuple[int, ...], ...]
     """Unit indices of each batch, in execution order (each a gather and a scatter)."""
-
-    # ------------------------------------------------------------ where blocks live
-
-    def local_dim0(self, unit: Unit, rank: int) -> tuple[int, int] | None:
-        """The ``[lo, hi)`` slice of dim 0 of ``rank``'s local tensor that holds its block
-        of ``unit`` (the block is that slice reshaped to ``unit.block_shape(rank)``),
-        or None when the rank holds none of it."""
-        if not unit.extents[rank]:
-            return None
-        if self.params[unit.param].shard_dim != 0:  # every rank holds all of dim 0
-            return unit.dim0
-        start, size = self._dim0_shards[unit.param][rank]
-        return (max(unit.dim0[0], start) - start, min(unit.dim0[1], start + size) - start)
-
-    def block_offset(self, unit: Unit, rank: int) -> int:
-        """Where ``rank``'s block starts along ``unit.cat_dim`` of the whole matrix."""
-        return sum(unit.extents[:rank])
-
-    @cached_property
-    def _dim0_shards(self) -> list[list[tuple[int, int]]]:
-        """Per parameter, each rank's ``(start, size)`` along dim 0."""
-        shards = []
-        for spec in self.params:
-            sizes = shard_sizes(spec.shape[0], self.world_size)
-            shards.append(list(zip(shard_starts(sizes), sizes)))
-        return shards
 
     # ------------------------------------------------------------ per-batch queries
 
@@ -232,18 +239,36 @@ class OwnerPlan:
         """Element counts ``(send, recv)`` per peer rank for gathering ``batch`` to owners.
 
         Send buffer layout: by owner rank, then in ``batch`` order, this rank's block of
-        each travelling unit that owner owns. Receive layout: by source rank, then in
+        each travelling unit it is a source of. Receive layout: by source rank, then in
         ``batch`` order, the source's block of each travelling unit this rank owns.
-        The scatter uses the same counts with send and receive swapped.
         """
         send = [0] * self.world_size
         recv = [0] * self.world_size
         for index in self.travelling(batch):
             unit = self.units[index]
-            send[unit.owner] += unit.block_numel(rank)
+            if unit.is_source(rank):
+                send[unit.owner] += unit.block_numel(rank)
             if unit.owner == rank:
-                for peer in range(self.world_size):
-                    recv[peer] += unit.block_numel(peer)
+                for source in unit.sources:
+                    recv[source] += unit.block_numel(source)
+        return send, recv
+
+    def scatter_splits(self, batch: Sequence[int], rank: int) -> tuple[list[int], list[int]]:
+        """Element counts ``(send, recv)`` per peer rank for sending results back.
+
+        Send layout: by holder rank, then ``batch`` order, the holder's block of each
+        result this rank owns. Receive layout: by owner rank, then ``batch`` order, this
+        rank's block of each travelling unit it holds. (Without replicas this is the
+        gather reversed; with them, every replica's holders receive.)
+        """
+        send = [0] * self.world_size
+        recv = [0] * self.world_size
+        for index in self.travelling(batch):
+            unit = self.units[index]
+            recv[unit.owner] += unit.block_numel(rank)
+            if unit.owner == rank:
+                for holder, block in unit.blocks:
+                    send[holder] += block.numel
         return send, recv
 
     # ------------------------------------------------------------ what it costs
@@ -252,9 +277,8 @@ class OwnerPlan:
         """Bytes ``rank`` sends to other ranks in one full step (gathers and scatters)."""
         total = 0
         for batch in self.batches:
-            send, recv = self.gather_splits(batch, rank)
-            # The scatter sends what the gather received; nothing counts for oneself.
-            total += sum(send) - send[rank] + sum(recv) - recv[rank]
+            for send, _ in (self.gather_splits(batch, rank), self.scatter_splits(batch, rank)):
+                total += sum(send) - send[rank]  # nothing counts for oneself
         return total * element_size
 
     def ns_flops(self, rank: int, batch: Sequence[int] | None = None) -> int:
@@ -283,8 +307,8 @@ def scratch_events(plan: OwnerPlan, rank: int) -> list[int]:
 
     This is the schedule ``dmuon.owner_step`` executes, written as arithmetic:
 
-    - start gather(b): send buffer; per travelling block: update copy, packed, freed;
-      receive buffer;
+    - start gather(b): send buffer; per travelling block the rank holds: update copy,
+      packed if the rank is a source, freed; receive buffer;
     - for each batch b: gather(b) done (send freed); the owned full matrices are cut
       from the receive buffer (receive freed); start gather(b + 1); units kept local:
       update copy, result, both freed; owned travelling units: result, full matrix
@@ -294,14 +318,15 @@ def scratch_events(plan: OwnerPlan, rank: int) -> list[int]:
     events: list[int] = []
     sizes = []
     for batch in plan.batches:
-        send, recv = plan.gather_splits(batch, rank)
-        blocks = [plan.units[i].block_numel(rank) for i in plan.travelling(batch) if plan.units[i].extents[rank]]
+        gather_send, gather_recv = plan.gather_splits(batch, rank)
+        scatter_send, scatter_recv = plan.scatter_splits(batch, rank)
+        blocks = [plan.units[i].block_numel(rank) for i in plan.travelling(batch) if plan.units[i].block(rank)]
         owned = [plan.units[i].numel for i in plan.travelling(batch) if plan.units[i].owner == rank]
         local = [plan.units[i].numel for i in plan.kept_local(batch, rank)]
-        sizes.append((sum(send), sum(recv), blocks, owned, local))
+        sizes.append((sum(gather_send), sum(gather_recv), blocks, owned, local, sum(scatter_send), sum(scatter_recv)))
 
     def start_gather(b: int) -> None:
-        send, recv, blocks, _, _ = sizes[b]
+        send, recv, blocks = sizes[b][:3]
         events.append(send)
         for block in blocks:
             events.extend((block, -block))
@@ -310,7 +335,7 @@ def scratch_events(plan: OwnerPlan, rank: int) -> list[int]:
     if not sizes:
         return events
     start_gather(0)
-    for b, (send, recv, _, owned, local) in enumerate(sizes):
+    for b, (send, recv, _, owned, local, scatter_send, scatter_recv) in enumerate(sizes):
         events.extend((-send, sum(owned), -recv))
         if b + 1 < len(sizes):
             start_gather(b + 1)
@@ -318,38 +343,75 @@ def scratch_events(plan: OwnerPlan, rank: int) -> list[int]:
             events.extend((numel, numel, -numel, -numel))
         for numel in owned:
             events.extend((numel, -numel))
-        events.extend((sum(owned), -sum(owned), send))  # scatter send, results freed, scatter receive
+        events.extend((scatter_send, -sum(owned), scatter_recv))  # results freed once packed
         if b > 0:
-            previous_send, _, _, previous_owned, _ = sizes[b - 1]
-            events.extend((-sum(previous_owned), -previous_send))
-    last_send, _, _, last_owned, _ = sizes[-1]
-    events.extend((-sum(last_owned), -last_send))
+            events.extend((-sizes[b - 1][5], -sizes[b - 1][6]))
+    events.extend((-sizes[-1][5], -sizes[-1][6]))
     return events
 
 
-def make_units(params: Sequence[ParamSpec], world_size: int) -> list[Unit]:
-    """Every parameter cut into units, with each rank's block extent."""
+def layout_problem(shape: Sequence[int], layout: Layout) -> str | None:
+    """Why the owner exchange cannot move this parameter's blocks (None: it can)."""
+    boxes = layout.boxes(shape)
+    if any(box is None for box in boxes.values()):
+        return "some rank's shard is not one contiguous block"
+    if len(shape) >= 4 and any(box[d] != (0, shape[d]) for box in boxes.values() for d in range(1, len(shape)) if box[0][1]):
+        return "a 4-D+ weight sharded past dim 0 (its flattened columns interleave)"
+    return None
+
+
+def _block(shape: Sequence[int], box: Box | None, dim0: tuple[int, int]) -> Block | None:
+    """The block of the unit covering ``dim0`` that a rank holding ``box`` has."""
+    if box is None or any(length == 0 for _, length in box):
+        return None
+    start, length = box[0]
+    lo, hi = max(start, dim0[0]), min(start + length, dim0[1])
+    if lo >= hi:
+        return None
+    if len(shape) == 3:  # one expert: the box's rows and columns of it
+        (row, rows), (col, cols) = box[1], box[2]
+        return Block(lo - start, hi - start, (rows, cols), (row, col))
+    cols = math.prod(length for _, length in box[1:])
+    return Block(lo - start, hi - start, (hi - lo, cols), (lo - dim0[0], box[1][0] if len(shape) == 2 else 0))
+
+
+def make_units(params: Sequence[ParamSpec], world_size: int, split_replicas: bool = True) -> list[Unit]:
+    """Every parameter cut into units, each with its holders' blocks and the ranks
+    that may own it.
+
+    A unit every holder has whole (an expert held whole by its EP rank, on every
+    replica) becomes one unit per holder, owned there: no communication. Otherwise, on
+    a replicated parameter, ``split_replicas`` makes one unit that any rank of the
+    mesh may own (Newton-Schulz split over all replicas; the result goes back to every
+    replica); without it, each replica gets its own copy of the unit, owned inside
+    the replica (every replica runs Newton-Schulz on every matrix, as FSDP2 Muon does).
+    """
     units = []
     for index, spec in enumerate(params):
-        ndim = len(spec.shape)
-        dim = cat_dim(ndim, spec.shard_dim)
-        if dim is None:
-            raise ValueError(f"a {ndim}-D parameter sharded on dim {spec.shard_dim} has no block layout")
-        rows_per_index = spec.shape[1] if ndim == 3 else 1  # matrix rows per index of dim 0
-        sizes = shard_sizes(spec.shape[spec.shard_dim], world_size)
-        starts = shard_starts(sizes)
+        layout = spec.layout_on(world_size)
+        problem = layout_problem(spec.shape, layout)
+        if problem:
+            raise ValueError(f"parameter {index} of shape {spec.shape}: {problem}")
+        boxes = layout.boxes(spec.shape)
+        replica = layout.replica()
+        mesh_ranks = tuple(sorted(layout.mesh_ranks))
+        replicas = sorted(set(replica.values()))
         for u in range(spec.num_units):
-            lo, hi = u * spec.unit_rows, (u + 1) * spec.unit_rows
-            matrix = matrix_shape((hi - lo,) + spec.shape[1:])[-2:]
-            if spec.shard_dim == 0:  # a rank's block is its share of this unit's dim-0 range
-                extents = tuple(
-                    max(0, min(hi, s + n) - max(lo, s)) * rows_per_index for s, n in zip(starts, sizes)
-                )
-            else:
-                extents = sizes
+            dim0 = (u * spec.unit_rows, (u + 1) * spec.unit_rows)
+            matrix = matrix_shape((dim0[1] - dim0[0],) + spec.shape[1:])[-2:]
+            matrix = (matrix[0], matrix[1])
             cost = newton_schulz_flops(matrix, spec.ns_steps)
-            travels = sum(1 for e in extents if e) > 1
-            units.append(Unit(index, (lo, hi), (matrix[0], matrix[1]), dim, extents, cost, travels))
+            blocks = [(r, b) for r in mesh_ranks if (b := _block(spec.shape, boxes[r], dim0))]
+            if not blocks:
+                continue
+            if all(b.numel == matrix[0] * matrix[1] for _, b in blocks):
+                units += [Unit(index, dim0, matrix, cost, ((r, b),), (r,)) for r, b in blocks]
+            elif split_replicas or len(replicas) == 1:
+                units.append(Unit(index, dim0, matrix, cost, tuple(blocks), mesh_ranks))
+            else:
+                for key in replicas:
+                    members = tuple(r for r in mesh_ranks if replica[r] == key)
+                    units.append(Unit(index, dim0, matrix, cost, tuple((r, b) for r, b in blocks if replica[r] == key), members))
     return units
 
 
@@ -357,13 +419,19 @@ def make_owner_plan(
     params: Sequence[ParamSpec | Sequence[int]],
     world_size: int,
     max_batch_numel: int = DEFAULT_BATCH_NUMEL,
+    split_replicas: bool = True,
 ) -> OwnerPlan:
     """Plan owners and batches for ``params`` (specs, or plain shapes row-sharded with
-    ``Shard(0)``) on a 1-D mesh of ``world_size`` ranks."""
+    ``Shard(0)`` over all ranks) on ``world_size`` plan ranks (see :func:`make_units`
+    for ``split_replicas``)."""
     specs = tuple(p if isinstance(p, ParamSpec) else ParamSpec(tuple(p)) for p in params)
-    units = make_units(specs, world_size)
+    units = make_units(specs, world_size, split_replicas)
     owners = _whole_step_owners(units, world_size)
-    units = [replace(u, owner=o) for u, o in zip(units, owners)]
+    replicas = [spec.layout_on(world_size).replica() for spec in specs]
+    units = [
+        replace(u, owner=o, sources=tuple(r for r in u.holders if replicas[u.param][r] == replicas[u.param][o]))
+        for u, o in zip(units, owners)
+    ]
     return OwnerPlan(world_size, specs, tuple(units), _batches(units, world_size, max_batch_numel))
 
 
@@ -374,19 +442,33 @@ def lpt_bound_flops(plan: OwnerPlan) -> int:
 
 
 def _whole_step_owners(units: Sequence[Unit], world_size: int) -> tuple[int, ...]:
-    """A unit held whole by one rank stays there; the rest go LPT over the whole step."""
+    """Longest job first, each to the least-loaded of its candidate ranks (a unit with
+    one candidate, held whole there, is placed first). Ties go to the lower rank, so
+    every rank computes the same owners; with all ranks as candidates this is
+    :func:`assign_owners` over the whole step."""
     owners = [0] * len(units)
     loads = [0] * world_size
     free: list[int] = []
     for i, unit in enumerate(units):
-        if unit.travels:
+        if len(unit.candidates) == 1:
+            owners[i] = unit.candidates[0]
+            loads[owners[i]] += unit.cost
+        else:
             free.append(i)
-        else:  # an empty unit (no elements) also lands here, on rank 0: it costs nothing
-            holder = next((r for r, e in enumerate(unit.extents) if e), 0)
-            owners[i] = holder
-            loads[holder] += unit.cost
-    for i, owner in zip(free, assign_owners([units[i].cost for i in free], world_size, loads)):
-        owners[i] = owner
+    # One heap per candidate set; an entry whose load is stale is refreshed on pop.
+    heaps: dict[tuple[int, ...], list[tuple[int, int]]] = {}
+    for i in sorted(free, key=lambda i: (-units[i].cost, i)):
+        candidates = units[i].candidates
+        heap = heaps.get(candidates)
+        if heap is None:
+            heap = heaps[candidates] = [(loads[r], r) for r in candidates]
+            heapq.heapify(heap)
+        load, rank = heapq.heappop(heap)
+        while load != loads[rank]:
+            load, rank = heapq.heappushpop(heap, (loads[rank], rank))
+        owners[i] = rank
+        loads[rank] += units[i].cost
+        heapq.heappush(heap, (loads[rank], rank))
     return tuple(owners)
 
 

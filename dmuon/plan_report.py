@@ -35,11 +35,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from dmuon.cost_model import CostModel, exchange_ms, newton_schulz_ms, overlapped_ms
 from dmuon.newton_schulz import DEFAULT_NS_STEPS, newton_schulz_flops
 from dmuon.plan import DEFAULT_BATCH_NUMEL, WIRE_BYTES, OwnerPlan, ParamSpec, lpt_bound_flops, make_owner_plan
-
-H100_BF16_DENSE_TFLOPS = 989.0
-
 
 @dataclass(frozen=True)
 class Llama3:
@@ -68,20 +66,6 @@ PRESETS = {
 }
 
 
-@dataclass(frozen=True)
-class CostModel:
-    peak_tflops: float = H100_BF16_DENSE_TFLOPS
-    """Dense bf16 peak of one GPU, TFLOP/s (H100 SXM: 989)."""
-    ns_mfu: float = 0.6
-    """Fraction of peak Newton-Schulz's matmuls reach."""
-    link_gbps: float = 400.0
-    """Per-rank network bandwidth, Gbit/s (one 400G NIC per GPU)."""
-    tokens_per_rank: int = 8192
-    """Tokens each rank processes per training step."""
-    train_mfu: float = 0.4
-    """Model FLOPs utilization of forward and backward."""
-
-
 def report(name: str, specs: Sequence[ParamSpec], params: int, world_size: int, cost: CostModel,
            max_batch_numel: int = DEFAULT_BATCH_NUMEL) -> dict:
     """The plan's figures and predicted times, as ``--json`` prints them."""
@@ -91,11 +75,9 @@ def report(name: str, specs: Sequence[ParamSpec], params: int, world_size: int, 
     muon_elements = sum(math.prod(s.shape) for s in specs)
     critical = plan.ns_critical_path_flops
     per_rank_ideal = total / world_size
-    flops_per_ms = cost.peak_tflops * 1e9 * cost.ns_mfu
-    bytes_per_ms = cost.link_gbps * 1e9 / 8 / 1e3
-    ns = [max(plan.ns_flops(r, b) for r in ranks) / flops_per_ms for b in plan.batches]
-    gather, scatter = _exchange_ms(plan, bytes_per_ms)
-    optimizer_ms = _overlapped_ms(ns, gather, scatter)
+    ns = newton_schulz_ms(plan, cost)
+    gather, scatter = exchange_ms(plan, cost)
+    optimizer_ms = overlapped_ms(ns, gather, scatter)
     train_ms = 6 * params * cost.tokens_per_rank / (cost.train_mfu * cost.peak_tflops * 1e9)
     return {
         "model": name,
@@ -119,31 +101,6 @@ def report(name: str, specs: Sequence[ParamSpec], params: int, world_size: int, 
             "optimizer_fraction": optimizer_ms / (train_ms + optimizer_ms),
         },
     }
-
-
-def _exchange_ms(plan: OwnerPlan, bytes_per_ms: float) -> tuple[list[float], list[float]]:
-    """Per batch: the slowest rank's gather and scatter time (bytes to other ranks / bandwidth)."""
-    gather, scatter = [], []
-    for batch in plan.batches:
-        sent_g = sent_s = 0
-        for rank in range(plan.world_size):
-            send, recv = plan.gather_splits(batch, rank)
-            sent_g = max(sent_g, sum(send) - send[rank])
-            sent_s = max(sent_s, sum(recv) - recv[rank])
-        gather.append(sent_g * WIRE_BYTES / bytes_per_ms)
-        scatter.append(sent_s * WIRE_BYTES / bytes_per_ms)
-    return gather, scatter
-
-
-def _overlapped_ms(ns: list[float], gather: list[float], scatter: list[float]) -> float:
-    """``G_0 + sum_b max(NS_b, G_{b+1} + S_{b-1}) + S_last``: the schedule of dmuon.owner_step."""
-    if not ns:
-        return 0.0
-    total = gather[0] + scatter[-1]
-    for b, ns_ms in enumerate(ns):
-        hidden = (gather[b + 1] if b + 1 < len(ns) else 0.0) + (scatter[b - 1] if b else 0.0)
-        total += max(ns_ms, hidden)
-    return total
 
 
 def limit(row: dict) -> str:
@@ -200,13 +157,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--peak-tflops", type=float, default=defaults.peak_tflops, help="bf16 peak (default %(default)s)")
     parser.add_argument("--ns-mfu", type=float, default=defaults.ns_mfu, help="default %(default)s")
     parser.add_argument("--link-gbps", type=float, default=defaults.link_gbps, help="per-rank Gbit/s (default %(default)s)")
+    parser.add_argument("--replica-link-gbps", type=float, default=defaults.replica_link_gbps,
+                        help="per-rank Gbit/s to other replicas (default %(default)s)")
     parser.add_argument("--tokens-per-rank", type=int, default=defaults.tokens_per_rank, help="default %(default)s")
     parser.add_argument("--train-mfu", type=float, default=defaults.train_mfu, help="default %(default)s")
     parser.add_argument("--json", action="store_true", help="print JSON (one object, or a list for several rows)")
     args = parser.parse_args(argv)
     if any(p < 1 for p in args.world_size):
         parser.error("--world-size must be positive")
-    cost = CostModel(args.peak_tflops, args.ns_mfu, args.link_gbps, args.tokens_per_rank, args.train_mfu)
+    cost = CostModel(peak_tflops=args.peak_tflops, ns_mfu=args.ns_mfu, link_gbps=args.link_gbps,
+                     replica_link_gbps=args.replica_link_gbps, tokens_per_rank=args.tokens_per_rank,
+                     train_mfu=args.train_mfu)
     if args.shapes:
         specs, params = load_shapes(args.shapes)
         models = [(args.shapes.stem, specs, params)]

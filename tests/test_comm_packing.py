@@ -22,6 +22,10 @@ from dmuon.comm import (
     unpack_gather,
     unpack_scatter,
 )
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
+
+from dmuon.layout import Layout
 from dmuon.newton_schulz import orthogonalize
 from dmuon.plan import OwnerPlan, ParamSpec, make_owner_plan
 
@@ -55,13 +59,10 @@ def _full_params(specs: list[ParamSpec]) -> list[torch.Tensor]:
 
 
 def _local_shard(spec: ParamSpec, full: torch.Tensor, world_size: int, rank: int) -> torch.Tensor:
-    """What DTensor's ``Shard(spec.shard_dim)`` gives ``rank`` (torch.chunk, empty at the end)."""
-    chunks = list(full.chunk(world_size, dim=spec.shard_dim))
-    if rank < len(chunks):
-        return chunks[rank]
-    empty = list(full.shape)
-    empty[spec.shard_dim] = 0
-    return full.new_empty(empty)
+    """The part of ``full`` DTensor's placements give ``rank`` (its box; the layout
+    module's boxes are checked against DTensor's own in tests/test_layout.py)."""
+    box = spec.layout_on(world_size).boxes(spec.shape)[rank]
+    return full[tuple(slice(start, start + length) for start, length in box)]
 
 
 def _unit_matrix(plan: OwnerPlan, i: int, full: list[torch.Tensor]) -> torch.Tensor:
@@ -73,8 +74,8 @@ def _block_of(plan: OwnerPlan, full: list[torch.Tensor], rank: int):
     def block_of(i: int) -> torch.Tensor:
         unit = plan.units[i]
         local = _local_shard(plan.params[unit.param], full[unit.param], plan.world_size, rank)
-        lo, hi = plan.local_dim0(unit, rank)
-        return local[lo:hi].reshape(unit.block_shape(rank))
+        block = unit.block(rank)
+        return local[block.lo : block.hi].reshape(block.shape)
 
     return block_of
 
@@ -91,16 +92,29 @@ def _gather(plan: OwnerPlan, batch: list[int], full: list[torch.Tensor]) -> list
 def _scatter(plan: OwnerPlan, batch: list[int], owned: list[dict[int, torch.Tensor]]) -> list[dict[int, torch.Tensor]]:
     world_size = plan.world_size
     sends = [pack_scatter(plan, batch, rank, owned[rank], CPU) for rank in range(world_size)]
-    # The scatter sends what the gather received: the gather's receive splits.
-    recvs = _all_to_all(sends, [plan.gather_splits(batch, rank)[1] for rank in range(world_size)])
+    recvs = _all_to_all(sends, [plan.scatter_splits(batch, rank)[0] for rank in range(world_size)])
     return [unpack_scatter(plan, batch, rank, recvs[rank]) for rank in range(world_size)]
 
 
-@pytest.mark.parametrize("world_size", [2, 3, 4])
+# Four ranks on a 2 x 2 mesh: HSDP, FSDP over TP (rows and columns), EP + FSDP expert
+# stacks, EP experts replicated, and TP columns replicated over data parallel.
+MESH_SPECS = [
+    ParamSpec((10, 6), layout=Layout.hsdp(2, 2)),
+    ParamSpec((9, 7), layout=Layout((2, 2), (_StridedShard(0, split_factor=2), Shard(0)))),
+    ParamSpec((6, 10), layout=Layout((2, 2), (Shard(0), Shard(1)))),
+    ParamSpec((4, 6, 5), layout=Layout((2, 2), (Shard(1), Shard(0)))),
+    ParamSpec((4, 3, 5), layout=Layout((2, 2), (Replicate(), Shard(0)))),
+    ParamSpec((5, 8), layout=Layout((2, 2), (Replicate(), Shard(1)))),
+]
+CASES = [(SPECS, world, True) for world in (2, 3, 4)] + [(MESH_SPECS, 4, split) for split in (True, False)]
+CASE_IDS = ["1d-P2", "1d-P3", "1d-P4", "2x2-split", "2x2-apart"]
+
+
+@pytest.mark.parametrize(("specs", "world_size", "split"), CASES, ids=CASE_IDS)
 @pytest.mark.parametrize("max_batch_numel", [40, 1 << 27])
-def test_gather_gives_each_owner_exactly_its_whole_matrices(world_size, max_batch_numel):
-    plan = make_owner_plan(SPECS, world_size, max_batch_numel=max_batch_numel)
-    full = _full_params(SPECS)
+def test_gather_gives_each_owner_exactly_its_whole_matrices(specs, world_size, split, max_batch_numel):
+    plan = make_owner_plan(specs, world_size, max_batch_numel=max_batch_numel, split_replicas=split)
+    full = _full_params(specs)
     for batch in plan.batches:
         received = _gather(plan, list(batch), full)
         for rank in range(world_size):
@@ -109,22 +123,21 @@ def test_gather_gives_each_owner_exactly_its_whole_matrices(world_size, max_batc
                 assert torch.equal(matrix, _unit_matrix(plan, i, full))
 
 
-@pytest.mark.parametrize("world_size", [2, 3, 4])
+@pytest.mark.parametrize(("specs", "world_size", "split"), CASES, ids=CASE_IDS)
 @pytest.mark.parametrize("max_batch_numel", [40, 1 << 27])
-def test_scatter_gives_each_holder_exactly_its_block_of_the_results(world_size, max_batch_numel):
-    plan = make_owner_plan(SPECS, world_size, max_batch_numel=max_batch_numel)
-    full = _full_params(SPECS)
+def test_scatter_gives_each_holder_exactly_its_block_of_the_results(specs, world_size, split, max_batch_numel):
+    plan = make_owner_plan(specs, world_size, max_batch_numel=max_batch_numel, split_replicas=split)
+    full = _full_params(specs)
     results = [orthogonalize(_unit_matrix(plan, i, full)) for i in range(len(plan.units))]
     for batch in plan.batches:
         owned = [{i: orthogonalize(m) for i, m in gathered.items()} for gathered in _gather(plan, list(batch), full)]
         local = _scatter(plan, list(batch), owned)
         for rank in range(world_size):
-            held = [i for i in plan.travelling(batch) if plan.units[i].extents[rank]]
+            held = [i for i in plan.travelling(batch) if plan.units[i].block(rank)]
             assert sorted(local[rank]) == held
             for i in held:
-                unit = plan.units[i]
-                expected = results[i].narrow(unit.cat_dim, plan.block_offset(unit, rank), unit.extents[rank])
-                assert torch.equal(local[rank][i], expected)
+                (row, col), (rows, cols) = plan.units[i].block(rank).offset, plan.units[i].block(rank).shape
+                assert torch.equal(local[rank][i], results[i][row : row + rows, col : col + cols])
 
 
 def test_scatter_accepts_non_contiguous_results():
@@ -140,7 +153,7 @@ def test_scatter_accepts_non_contiguous_results():
 def test_rank_with_no_rows_and_no_owned_matrix_sends_and_receives_nothing():
     """3 rows over 4 ranks: rank 3 holds no rows; one matrix means ranks 1-3 own nothing."""
     plan = make_owner_plan([(3, 5)], 4)
-    assert plan.units[0].owner == 0 and plan.units[0].extents == (1, 1, 1, 0)
+    assert plan.units[0].owner == 0 and plan.units[0].holders == (0, 1, 2)
     full = _full_params([ParamSpec((3, 5))])
 
     send = pack_gather(plan, [0], 3, _block_of(plan, full, 3), CPU)
@@ -181,15 +194,16 @@ def test_pack_and_unpack_run_on_meta_tensors_of_every_layout():
     plan = make_owner_plan(SPECS, 4, max_batch_numel=40)
     for batch in plan.batches:
         for rank in range(4):
-            send = pack_gather(plan, batch, rank, lambda i: torch.empty(plan.units[i].block_shape(rank),
+            send = pack_gather(plan, batch, rank, lambda i: torch.empty(plan.units[i].block(rank).shape,
                                                                         dtype=WIRE_DTYPE, device=meta), meta)
             assert send.device == meta and send.numel() == sum(plan.gather_splits(batch, rank)[0])
             recv = torch.empty(sum(plan.gather_splits(batch, rank)[1]), dtype=WIRE_DTYPE, device=meta)
             full = unpack_gather(plan, batch, rank, recv)
             assert all(m.device == meta and m.shape == plan.units[i].matrix for i, m in full.items())
             back = pack_scatter(plan, batch, rank, full, meta)
-            assert back.device == meta and back.numel() == recv.numel()
-            blocks = unpack_scatter(plan, batch, rank, torch.empty(send.numel(), dtype=WIRE_DTYPE, device=meta))
+            assert back.device == meta and back.numel() == sum(plan.scatter_splits(batch, rank)[0])
+            recv = torch.empty(sum(plan.scatter_splits(batch, rank)[1]), dtype=WIRE_DTYPE, device=meta)
+            blocks = unpack_scatter(plan, batch, rank, recv)
             assert all(b.device == meta for b in blocks.values())
 
 

@@ -8,6 +8,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
+
+from dmuon.layout import Layout
 from dmuon.newton_schulz import newton_schulz_flops
 from dmuon.plan import (
     ALL_TO_ALL,
@@ -15,10 +19,10 @@ from dmuon.plan import (
     REDISTRIBUTE,
     ParamSpec,
     assign_owners,
-    cat_dim,
     comm_path,
     lpt_bound_flops,
     make_owner_plan,
+    layout_problem,
     make_units,
     scratch_events,
     shard_sizes,
@@ -101,17 +105,27 @@ def _llama_like(layers: int, dim: int, hidden: int) -> list[tuple[int, int]]:
     return per_layer * layers
 
 
+def _blocks(unit):
+    """Each rank's block as ``(local dim-0 slice, shape, offset in the matrix)``."""
+    return {r: ((b.lo, b.hi), b.shape, b.offset) for r, b in unit.blocks}
+
+
 def test_a_2d_parameter_is_one_unit_whose_blocks_are_its_row_shards():
     (unit,) = make_units([ParamSpec((10, 6))], 4)
-    assert unit.matrix == (10, 6) and unit.cat_dim == 0
-    assert unit.extents == shard_sizes(10, 4) == (3, 3, 3, 1)
-    assert unit.travels
+    assert unit.matrix == (10, 6) and unit.travels
+    assert [b.shape[0] for _, b in unit.blocks] == list(shard_sizes(10, 4)) == [3, 3, 3, 1]
+    assert [b.offset for _, b in unit.blocks] == [(0, 0), (3, 0), (6, 0), (9, 0)]
 
 
 def test_a_column_sharded_2d_parameter_has_column_blocks():
     (unit,) = make_units([ParamSpec((6, 10), shard_dim=1)], 4)
-    assert unit.cat_dim == 1 and unit.extents == (3, 3, 3, 1)
-    assert unit.block_shape(3) == (6, 1)
+    assert _blocks(unit)[3] == ((0, 6), (6, 1), (0, 9))
+    assert [b.offset[1] for _, b in unit.blocks] == [0, 3, 6, 9]
+
+
+def test_a_rank_with_an_empty_shard_holds_no_block():
+    (unit,) = make_units([ParamSpec((3, 5))], 4)
+    assert unit.holders == (0, 1, 2) and unit.block(3) is None
 
 
 def test_a_3d_stack_is_one_unit_per_expert():
@@ -123,29 +137,72 @@ def test_a_3d_stack_is_one_unit_per_expert():
 
 def test_experts_sharded_on_dim_0_are_whole_on_one_rank_and_do_not_travel():
     units = make_units([ParamSpec((4, 2, 3))], 2)
-    assert [u.extents for u in units] == [(2, 0), (2, 0), (0, 2), (0, 2)]
+    assert [u.holders for u in units] == [(0,), (0,), (1,), (1,)]
+    assert [_blocks(u)[u.holders[0]][0] for u in units] == [(0, 1), (1, 2), (0, 1), (1, 2)]
     assert not any(u.travels for u in units)
 
 
-@pytest.mark.parametrize("shard_dim, cat_dim", [(1, 0), (2, 1)])
-def test_experts_sharded_inside_the_matrix_travel_as_blocks(shard_dim, cat_dim):
+@pytest.mark.parametrize("shard_dim", [1, 2])
+def test_experts_sharded_inside_the_matrix_travel_as_blocks(shard_dim):
     units = make_units([ParamSpec((3, 8, 12), shard_dim=shard_dim)], 4)
-    assert all(u.travels and u.cat_dim == cat_dim for u in units)
-    assert units[0].extents == shard_sizes((8, 12)[cat_dim], 4)
+    assert all(u.travels and len(u.blocks) == 4 for u in units)
+    cut = shard_dim - 1  # dim 1 cuts an expert's rows, dim 2 its columns
+    assert [b.shape[cut] for _, b in units[0].blocks] == list(shard_sizes((8, 12)[cut], 4))
 
 
 def test_a_4d_parameter_sharded_past_dim_0_has_no_block_layout():
-    assert cat_dim(4, 0) == 0 and cat_dim(4, 1) is None
-    with pytest.raises(ValueError, match="no block layout"):
+    assert layout_problem((4, 6, 3, 3), Layout.sharded(2, 0)) is None
+    assert "4-D" in layout_problem((4, 6, 3, 3), Layout.sharded(2, 1))
+    with pytest.raises(ValueError, match="4-D"):
         make_units([ParamSpec((4, 6, 3, 3), shard_dim=1)], 2)
 
 
-def test_local_dim0_locates_each_rank_s_block_in_its_own_shard():
+def test_blocks_locate_each_rank_s_part_in_its_own_shard():
     plan = make_owner_plan([ParamSpec((10, 6)), ParamSpec((4, 2, 3)), ParamSpec((6, 10), shard_dim=1)], 4)
     row_unit, *experts, col_unit = plan.units
-    assert [plan.local_dim0(row_unit, r) for r in range(4)] == [(0, 3), (0, 3), (0, 3), (0, 1)]
-    assert [plan.local_dim0(experts[2], r) for r in range(4)] == [None, None, (0, 1), None]
-    assert [plan.local_dim0(col_unit, r) for r in range(4)] == [(0, 6)] * 4
+    assert [_blocks(row_unit)[r][0] for r in range(4)] == [(0, 3), (0, 3), (0, 3), (0, 1)]
+    assert _blocks(experts[2]) == {2: ((0, 1), (2, 3), (0, 0))}
+    assert [_blocks(col_unit)[r][0] for r in range(4)] == [(0, 6)] * 4
+
+
+# ------------------------------------------------------------------ several mesh dims
+
+
+def test_fsdp_over_tp_blocks_are_tp_first_then_fsdp_shards():
+    # (fsdp, tp) = (_StridedShard(0, 2), Shard(0)): tp rank t holds rows t*N/2.., fsdp cuts that.
+    layout = Layout((2, 2), (_StridedShard(0, split_factor=2), Shard(0)))
+    (unit,) = make_units([ParamSpec((8, 4), layout=layout)], 4)
+    assert [b.offset[0] for _, b in unit.blocks] == [0, 4, 2, 6]  # mesh order (f, t): 00 01 10 11
+
+
+def test_every_hsdp_replica_holds_every_block_and_receives_the_result():
+    plan = make_owner_plan([ParamSpec((8, 4), layout=Layout.hsdp(2, 2))], 4, split_replicas=True)
+    (unit,) = plan.units
+    assert unit.holders == (0, 1, 2, 3)
+    assert len(unit.sources) == 2 and unit.owner in unit.sources  # one replica sends: the owner's
+    assert sum(sum(plan.scatter_splits(plan.batches[0], r)[1]) for r in range(4)) == 2 * 32
+
+
+def test_split_replicas_spreads_newton_schulz_over_every_rank():
+    shapes = [(16, 16)] * 8
+    split = make_owner_plan([ParamSpec(s, layout=Layout.hsdp(2, 2)) for s in shapes], 4, split_replicas=True)
+    apart = make_owner_plan([ParamSpec(s, layout=Layout.hsdp(2, 2)) for s in shapes], 4, split_replicas=False)
+    total = 8 * newton_schulz_flops((16, 16), 5)
+    assert [split.ns_flops(r) for r in range(4)] == [total // 4] * 4
+    assert [apart.ns_flops(r) for r in range(4)] == [total // 2] * 4  # every replica does everything
+    # Apart, nothing crosses replicas: ranks 0, 1 and ranks 2, 3 only talk among themselves.
+    for batch in apart.batches:
+        for rank in range(4):
+            for send in (apart.gather_splits(batch, rank)[0], apart.scatter_splits(batch, rank)[0]):
+                assert all(n == 0 for peer, n in enumerate(send) if peer // 2 != rank // 2)
+
+
+def test_a_replicated_expert_held_whole_is_orthogonalized_by_each_holder_in_place():
+    # (dp_replicate, ep) = (Replicate(), Shard(0)): each expert whole on one rank per replica.
+    layout = Layout((2, 2), (Replicate(), Shard(0)))
+    plan = make_owner_plan([ParamSpec((4, 8, 8), layout=layout)], 4)
+    assert len(plan.units) == 8 and not any(u.travels for u in plan.units)
+    assert all(plan.bytes_sent(r) == 0 for r in range(4))
 
 
 # ------------------------------------------------------------------ owners and batches
@@ -355,27 +412,11 @@ def test_sharded_dtensor_with_comm_redistribute_takes_the_redistribute_path():
 
 
 @pytest.mark.usefixtures("one_rank_group")
-def test_column_sharded_matrix_has_a_block_layout():
-    from torch.distributed.tensor import Shard
-
-    assert comm_path(_dtensor((1,), [Shard(1)]), ALL_TO_ALL) == LOCAL  # fast path; one rank moves nothing
-    assert cat_dim(2, 1) == 1
-
-
-@pytest.mark.usefixtures("one_rank_group")
-def test_4d_weight_sharded_past_dim_0_takes_the_redistribute_path():
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, Shard
-
-    conv = DTensor.from_local(torch.randn(4, 6, 3, 3), init_device_mesh("cpu", (1,)), [Shard(1)])
-    assert comm_path(conv, ALL_TO_ALL) == REDISTRIBUTE
-
-
-@pytest.mark.usefixtures("one_rank_group")
-def test_dtensor_on_a_2d_mesh_takes_the_redistribute_path():
+def test_any_placement_on_a_one_rank_mesh_takes_the_local_path():
     from torch.distributed.tensor import Replicate, Shard
 
-    assert comm_path(_dtensor((1, 1), [Shard(0), Replicate()]), ALL_TO_ALL) == REDISTRIBUTE
+    assert comm_path(_dtensor((1,), [Shard(1)]), ALL_TO_ALL) == LOCAL
+    assert comm_path(_dtensor((1, 1), [Shard(0), Replicate()]), ALL_TO_ALL) == LOCAL
 
 
 @pytest.mark.usefixtures("one_rank_group")
@@ -386,14 +427,3 @@ def test_partial_dtensor_is_rejected():
     partial = DTensor.from_local(torch.randn(4, 6), init_device_mesh("cpu", (1,)), [Partial()])
     with pytest.raises(ValueError, match="Partial"):
         comm_path(partial, ALL_TO_ALL)
-
-
-@pytest.mark.usefixtures("one_rank_group")
-def test_strided_shard_from_fsdp_plus_tp_takes_the_redistribute_path():
-    """``_StridedShard`` subclasses ``Shard`` but reorders rows: not the fast path."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor.placement_types import _StridedShard
-
-    strided = DTensor.from_local(torch.randn(4, 6), init_device_mesh("cpu", (1,)), [_StridedShard(0, split_factor=2)])
-    assert comm_path(strided, ALL_TO_ALL) == REDISTRIBUTE

@@ -1,0 +1,106 @@
+"""A simple time model of the fast path, from its plan alone (no processes, no GPU).
+
+- Newton-Schulz of batch ``b`` takes ``NS_b = max_r flops(r, b) / (peak * ns_mfu)``;
+- its gather and scatter take ``G_b``, ``S_b``: the slowest rank's bytes to other ranks
+  over the per-rank link bandwidth (bytes to another replica over ``replica_link_gbps``);
+- the step overlaps batch ``b``'s Newton-Schulz with gather ``b + 1`` and scatter
+  ``b - 1`` (``dmuon.owner_step``), so
+  ``optimizer_ms = G_0 + sum_b max(NS_b, G_{b+1} + S_{b-1}) + S_last``.
+
+Left out: the elementwise momentum and update (memory-bound, a few ms at most),
+collective latency, and Newton-Schulz kernels running below ``ns_mfu`` on small
+matrices. ``plan_report`` prints these figures; the optimizer uses
+:func:`split_replicas_pays` to choose whether Newton-Schulz spans replicas.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from dmuon.plan import DEFAULT_BATCH_NUMEL, WIRE_BYTES, OwnerPlan, ParamSpec, make_owner_plan
+
+H100_BF16_DENSE_TFLOPS = 989.0
+
+
+@dataclass(frozen=True)
+class CostModel:
+    peak_tflops: float = H100_BF16_DENSE_TFLOPS
+    """Dense bf16 peak of one GPU, TFLOP/s (H100 SXM: 989)."""
+    ns_mfu: float = 0.6
+    """Fraction of peak Newton-Schulz's matmuls reach."""
+    link_gbps: float = 400.0
+    """Per-rank network bandwidth inside a replica, Gbit/s (one 400G NIC per GPU)."""
+    replica_link_gbps: float = 400.0
+    """Per-rank bandwidth to ranks of other replicas, Gbit/s (lower where replicas
+    sit behind a slower tier of the network)."""
+    tokens_per_rank: int = 8192
+    """Tokens each rank processes per training step."""
+    train_mfu: float = 0.4
+    """Model FLOPs utilization of forward and backward."""
+
+
+def replica_of(plan: OwnerPlan) -> list[object]:
+    """Each plan rank's replica (from the first parameter replicated over some mesh
+    dims); ranks in different replicas talk over ``replica_link_gbps``."""
+    keys: list[object] = [() for _ in range(plan.world_size)]
+    for spec in plan.params:
+        replica = spec.layout_on(plan.world_size).replica()
+        if any(replica.values()):
+            for rank, key in replica.items():
+                keys[rank] = key
+            break
+    return keys
+
+
+def exchange_ms(plan: OwnerPlan, cost: CostModel) -> tuple[list[float], list[float]]:
+    """Per batch: the slowest rank's gather and scatter time."""
+    keys = replica_of(plan)
+    near = cost.link_gbps * 1e9 / 8 / 1e3  # bytes per ms
+    far = cost.replica_link_gbps * 1e9 / 8 / 1e3
+
+    def ms(send: list[int], rank: int) -> float:
+        inside = sum(n for peer, n in enumerate(send) if peer != rank and keys[peer] == keys[rank])
+        across = sum(n for peer, n in enumerate(send) if keys[peer] != keys[rank])
+        return WIRE_BYTES * (inside / near + across / far)
+
+    gather, scatter = [], []
+    for batch in plan.batches:
+        gather.append(max(ms(plan.gather_splits(batch, r)[0], r) for r in range(plan.world_size)))
+        scatter.append(max(ms(plan.scatter_splits(batch, r)[0], r) for r in range(plan.world_size)))
+    return gather, scatter
+
+
+def newton_schulz_ms(plan: OwnerPlan, cost: CostModel) -> list[float]:
+    """Per batch: the slowest rank's Newton-Schulz time."""
+    flops_per_ms = cost.peak_tflops * 1e9 * cost.ns_mfu
+    return [max(plan.ns_flops(r, b) for r in range(plan.world_size)) / flops_per_ms for b in plan.batches]
+
+
+def overlapped_ms(ns: list[float], gather: list[float], scatter: list[float]) -> float:
+    """``G_0 + sum_b max(NS_b, G_{b+1} + S_{b-1}) + S_last``: the schedule of dmuon.owner_step."""
+    if not ns:
+        return 0.0
+    total = gather[0] + scatter[-1]
+    for b, ns_ms in enumerate(ns):
+        hidden = (gather[b + 1] if b + 1 < len(ns) else 0.0) + (scatter[b - 1] if b else 0.0)
+        total += max(ns_ms, hidden)
+    return total
+
+
+def optimizer_ms(plan: OwnerPlan, cost: CostModel) -> float:
+    """The predicted time of the fast path's step."""
+    return overlapped_ms(newton_schulz_ms(plan, cost), *exchange_ms(plan, cost))
+
+
+def split_replicas_pays(
+    specs: Sequence[ParamSpec], world_size: int, max_batch_numel: int = DEFAULT_BATCH_NUMEL,
+    cost: CostModel = CostModel(),
+) -> bool:
+    """Whether spreading Newton-Schulz over all replicas is predicted to be faster than
+    keeping each replica to itself (ties keep the replicas apart: less traffic)."""
+    if not any(any(spec.layout_on(world_size).replica().values()) for spec in specs):
+        return False  # nothing is replicated: the choice changes nothing
+    split = optimizer_ms(make_owner_plan(specs, world_size, max_batch_numel, True), cost)
+    apart = optimizer_ms(make_owner_plan(specs, world_size, max_batch_numel, False), cost)
+    return split < apart

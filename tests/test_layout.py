@@ -1,0 +1,81 @@
+"""Which block each rank holds (dmuon.layout): DTensor's placement rules, as pure data."""
+
+from __future__ import annotations
+
+import pytest
+from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+from torch.distributed.tensor.placement_types import _StridedShard
+
+from dmuon.layout import Layout, chunk_ranges, local_indices
+
+
+def test_chunks_follow_torch_chunk_with_short_and_empty_last_chunks():
+    assert chunk_ranges(10, 4) == [(0, 3), (3, 3), (6, 3), (9, 1)]
+    assert chunk_ranges(3, 4) == [(0, 1), (1, 1), (2, 1), (3, 0)]
+
+
+PLACEMENTS = {
+    "fsdp": (Shard(0),),
+    "tp_columns": (Shard(1),),
+    "hsdp": (Replicate(), Shard(0)),
+    "fsdp_over_tp_rows": (_StridedShard(0, split_factor=2), Shard(0)),
+    "fsdp_over_tp_columns": (Shard(0), Shard(1)),
+    "ep_then_fsdp_rows": (Shard(1), Shard(0)),
+    "twice_on_dim_0": (Shard(0), Shard(0)),
+}
+
+
+def _fits(shape, mesh_shape, placements) -> bool:
+    return len(placements) == len(mesh_shape) and all(p.dim < len(shape) for p in placements if not p.is_replicate())
+
+
+BOX_CASES = [
+    (shape, mesh_shape, name)
+    for shape in [(10, 7), (7, 5), (16, 8), (3, 9), (5, 6, 7), (1, 4)]
+    for mesh_shape in [(2,), (4,), (2, 2), (3, 2)]
+    for name, placements in PLACEMENTS.items()
+    if _fits(shape, mesh_shape, placements)
+]
+
+
+@pytest.mark.parametrize(("shape", "mesh_shape", "name"), BOX_CASES)
+def test_every_rank_s_box_is_the_shape_and_offset_dtensor_computes(shape, mesh_shape, name):
+    placements = PLACEMENTS[name]
+    if isinstance(placements[0], _StridedShard):  # FSDP's split factor is the TP degree
+        placements = (_StridedShard(0, split_factor=mesh_shape[1]), Shard(0))
+    layout = Layout(mesh_shape, placements)
+    for coordinate, (rank, box) in zip(layout.coordinates(), layout.boxes(shape).items()):
+        local_shape, offset = _compute_local_shape_and_global_offset(shape, mesh_shape, list(coordinate), placements)
+        assert box is not None
+        assert tuple(length for _, length in box) == tuple(local_shape), (rank, box)
+        assert [start for start, length in box if length] == [o for o, (_, n) in zip(offset, box) if n], (rank, box)
+
+
+def test_fsdp_over_tp_holds_the_tp_shard_cut_by_fsdp():
+    # TP first: tp rank t holds rows [5t, 5t + 5); FSDP then cuts those 5 rows into 3 + 2.
+    layout = Layout((2, 2), (_StridedShard(0, split_factor=2), Shard(0)))
+    rows = [box[0] for box in layout.boxes((10, 4)).values()]  # mesh order (fsdp, tp)
+    assert rows == [(0, 3), (5, 3), (3, 2), (8, 2)]
+
+
+def test_a_strided_shard_that_leaves_a_rank_two_ranges_is_not_a_box():
+    placements = (_StridedShard(0, split_factor=2), Shard(0))
+    assert local_indices((13, 3), (3, 2), placements, (2, 0))[0] == [(6, 1), (11, 1)]
+    assert Layout((3, 2), placements).boxes((13, 3))[4] is None
+
+
+def test_replicas_are_the_coordinates_on_replicate_mesh_dims():
+    layout = Layout.hsdp(2, 3)
+    assert layout.replica() == {0: (0,), 1: (0,), 2: (0,), 3: (1,), 4: (1,), 5: (1,)}
+    assert layout.boxes((6, 2))[1] == layout.boxes((6, 2))[4] == ((2, 2), (0, 2))
+
+
+def test_plan_ranks_follow_the_mesh_positions_they_are_given():
+    layout = Layout((2,), (Shard(0),), ranks=(5, 3))
+    assert layout.boxes((4, 4)) == {5: ((0, 2), (0, 4)), 3: ((2, 2), (0, 4))}
+
+
+def test_a_partial_placement_has_no_layout():
+    with pytest.raises(ValueError, match="no layout"):
+        local_indices((4, 4), (2,), (Partial(),), (0,))
