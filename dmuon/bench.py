@@ -3,10 +3,11 @@
 Run::
 
     torchrun --nproc-per-node 2 -m dmuon.bench [--json PATH] [--dim 512 --layers 4]
-        [--max-batch-numel N] [--device auto|cpu|cuda]
+        [--max-batch-numel N] [--device auto|cpu|cuda] [--layout fsdp|hsdp|fsdp_tp|tp [--mesh R,S]]
 
-Every optimizer steps the same model (``fully_shard``-ed, so parameters are
-``Shard(0)`` DTensors) with the same gradients:
+Every optimizer steps the same model (parallelized per ``--layout``, see
+``dmuon.bench_layouts``: by default ``fully_shard``-ed, so parameters are ``Shard(0)``
+DTensors) with the same gradients:
 
 - ``dmuon``: DMuon's owner-computed fast path (``comm="all_to_all"``);
 - ``redistribute``: DMuon's reference path (every rank gathers every matrix);
@@ -19,14 +20,16 @@ Step time is the median, over timed steps after warm-up, of the slowest rank's t
 Bytes sent per rank: DMuon's own exact counters for ``dmuon``; for the others, the
 collectives the profiler sees at the backend (gloo/NCCL) level, costed as ring
 algorithms (all-reduce ``2(P-1)/P n``, all-gather ``(P-1) n_in``, reduce-scatter and
-all-to-all ``(P-1)/P n_in``). The Muon matrices need at least ``4 N (P-1) / P^2`` bytes
-per rank with owner-computed Newton-Schulz (bf16, both directions).
+all-to-all ``(P-1)/P n_in``). The minimum bytes per rank of owner-computed
+Newton-Schulz depend on the layout (``dmuon.bench_layouts``; ``4 N (P-1) / P^2`` for FSDP).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import math
 import os
 import statistics
 import time
@@ -36,10 +39,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor
 
+from dmuon.bench_layouts import LAYOUTS, default_mesh_shape, like, min_bytes_per_rank, parallelize
+from dmuon.newton_schulz import DEFAULT_NS_STEPS, newton_schulz_flops
 from dmuon.optimizer import DMuon
 from dmuon.plan import DEFAULT_BATCH_NUMEL
 
@@ -64,6 +67,12 @@ class BenchConfig:
     """DMuon's max_batch_numel (small values: one matrix per batch)."""
     device: str = "auto"
     """"cuda" (one GPU per rank, NCCL), "cpu" (gloo), or "auto": cuda when available."""
+    layout: str = "fsdp"
+    """How the stack is parallelized: one of ``dmuon.bench_layouts.LAYOUTS``."""
+    mesh_shape: tuple[int, ...] = ()
+    """The layout's mesh; empty: ``default_mesh_shape(layout, world size)``."""
+    split_replicas: bool = True
+    """DMuon's split_replicas (matters for ``hsdp`` only)."""
     json: str | None = None
     """Write the results here as JSON."""
     plot: str | None = None
@@ -89,23 +98,18 @@ class Block(nn.Module):
         self.w3 = nn.Linear(dim, hidden, bias=False)
 
 
-def build_model(cfg: BenchConfig, mesh: DeviceMesh, device: torch.device) -> nn.Module:
+def build_model(cfg: BenchConfig, device: torch.device) -> nn.Module:
     torch.manual_seed(0)
     model = nn.Sequential(*(Block(cfg.dim) for _ in range(cfg.layers))).to(device)
-    for block in model:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    parallelize(model, cfg.layout, cfg.mesh_shape, device.type)
     return model
 
 
-def make_grads(model: nn.Module, mesh: DeviceMesh) -> list[DTensor]:
-    """Deterministic full gradients, sharded like the parameters."""
+def make_grads(model: nn.Module) -> list[DTensor]:
+    """Deterministic full gradients (the same on every rank, so replicas agree), laid
+    out like the parameters."""
     generator = torch.Generator().manual_seed(1)
-    grads = []
-    for param in model.parameters():
-        full = torch.randn(param.shape, generator=generator).to(param.device)
-        grads.append(distribute_tensor(full, mesh, param.placements, src_data_rank=None))
-    return grads
+    return [like(p, torch.randn(p.shape, generator=generator).to(p.device)) for p in model.parameters()]
 
 
 def time_steps(step: Callable[[], None], cfg: BenchConfig, device: torch.device, label: str) -> float:
@@ -166,20 +170,26 @@ def _element_size(dtype_name: str) -> int:
 def run_benchmark(cfg: BenchConfig) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     device = _device(cfg.device)
-    mesh = init_device_mesh(device.type, (world,))
+    if not cfg.mesh_shape:
+        cfg = dataclasses.replace(cfg, mesh_shape=default_mesh_shape(cfg.layout, world))
+    if math.prod(cfg.mesh_shape) != world:
+        raise ValueError(f"mesh {cfg.mesh_shape} does not have {world} ranks")
     results: dict[str, dict[str, float]] = {}
-    muon_elements = cfg.layers * sum(p.numel() for p in Block(cfg.dim).parameters())
-    _log(f"dmuon.bench: {world} rank(s) on {device.type}, {cfg.threads} thread(s) each; "
-         f"{cfg.layers} blocks of width {cfg.dim}: {7 * cfg.layers} matrices, {muon_elements / 1e6:.1f}M elements")
+    shapes = [tuple(p.shape) for p in Block(cfg.dim).parameters()] * cfg.layers
+    muon_elements = sum(math.prod(s) for s in shapes)
+    ns_flops_total = sum(newton_schulz_flops(s, DEFAULT_NS_STEPS) for s in shapes)
+    _log(f"dmuon.bench: {world} rank(s) on {device.type}, {cfg.threads} thread(s) each; layout {cfg.layout} "
+         f"on mesh {cfg.mesh_shape}; {cfg.layers} blocks of width {cfg.dim}: {len(shapes)} matrices, "
+         f"{muon_elements / 1e6:.1f}M elements")
 
     for name in cfg.optimizers:
         if name == "single":
-            results[name] = _bench_single(cfg, mesh, device)
+            results[name] = _bench_single(cfg, device)
             continue
-        model = build_model(cfg, mesh, device)
+        model = build_model(cfg, device)
         params = list(model.parameters())
-        grads = make_grads(model, mesh)
-        optimizer = _make_optimizer(name, params, cfg.max_batch_numel)
+        grads = make_grads(model)
+        optimizer = _make_optimizer(name, params, cfg)
 
         def step() -> None:
             for param, grad in zip(params, grads):
@@ -208,7 +218,11 @@ def run_benchmark(cfg: BenchConfig) -> dict:
         "muon_elements": muon_elements,
         "device": _device_name(device),
         "threads_per_rank": cfg.threads,
-        "min_bytes_per_rank": int(4 * muon_elements * (world - 1) / world**2),
+        "layout": cfg.layout,
+        "mesh_shape": list(cfg.mesh_shape),
+        "split_replicas": cfg.split_replicas,
+        "min_bytes_per_rank": min_bytes_per_rank(cfg.layout, cfg.mesh_shape, muon_elements, cfg.split_replicas),
+        "ns_flops_total": ns_flops_total,
         "max_batch_numel": cfg.max_batch_numel,
         "results": results,
     }
@@ -228,10 +242,10 @@ def run_benchmark(cfg: BenchConfig) -> dict:
     return report
 
 
-def _bench_single(cfg: BenchConfig, mesh: DeviceMesh, device: torch.device) -> dict[str, float]:
+def _bench_single(cfg: BenchConfig, device: torch.device) -> dict[str, float]:
     """Rank 0 alone: DMuon on full plain tensors (the P = 1 baseline); others wait."""
-    model = build_model(cfg, mesh, device)
-    grads = [g.full_tensor() for g in make_grads(model, mesh)]
+    model = build_model(cfg, device)
+    grads = [g.full_tensor() for g in make_grads(model)]
     params = [nn.Parameter(p.full_tensor()) for p in model.parameters()]
     optimizer = DMuon(params, lr=LR)
 
@@ -244,9 +258,10 @@ def _bench_single(cfg: BenchConfig, mesh: DeviceMesh, device: torch.device) -> d
     return {"step_ms": time_steps(step, cfg, device, "single"), "bytes_sent_per_rank": 0}
 
 
-def _make_optimizer(name: str, params: list[torch.Tensor], max_batch_numel: int) -> torch.optim.Optimizer:
+def _make_optimizer(name: str, params: list[torch.Tensor], cfg: BenchConfig) -> torch.optim.Optimizer:
     if name == "dmuon":
-        return DMuon(params, lr=LR, comm="all_to_all", max_batch_numel=max_batch_numel)
+        return DMuon(params, lr=LR, comm="all_to_all", max_batch_numel=cfg.max_batch_numel,
+                     split_replicas=cfg.split_replicas)
     if name == "redistribute":
         return DMuon(params, lr=LR, comm="redistribute")
     if name == "vanilla":
@@ -262,17 +277,20 @@ def format_table(report: dict) -> str:
     vanilla = results.get("vanilla", {}).get("step_ms")
     lines = [
         f"world size {report['world_size']}, {report['device']}, {report['threads_per_rank']} thread(s)/rank, "
-        f"Muon elements N = {report['muon_elements']:,}",
+        f"Muon elements N = {report['muon_elements']:,}, layout {report['layout']} on mesh {report['mesh_shape']}",
         f"{'optimizer':<14}{'step ms':>10}{'vs vanilla':>12}{'bytes sent/rank':>18}",
     ]
     for name, row in results.items():
         speedup = f"{vanilla / row['step_ms']:.2f}x" if vanilla else "-"
         lines.append(f"{name:<14}{row['step_ms']:>10.1f}{speedup:>12}{row['bytes_sent_per_rank']:>18,}")
-    lines.append(f"owner-computed minimum 4N(P-1)/P^2 = {report['min_bytes_per_rank']:,} bytes/rank")
+    lines.append(f"owner-exchange minimum for this layout = {report['min_bytes_per_rank']:,} bytes/rank "
+                 f"(dmuon.bench_layouts)")
     dmuon = results.get("dmuon", {})
     if "ns_flops_per_rank_max" in dmuon:
+        ideal = report["ns_flops_total"] / report["world_size"]
         lines.append(f"dmuon: {dmuon['batches']} batch(es) (max_batch_numel {report['max_batch_numel']:,}), "
-                     f"Newton-Schulz GFLOP on the busiest rank {dmuon['ns_flops_per_rank_max'] / 1e9:.2f}")
+                     f"Newton-Schulz GFLOP on the busiest rank {dmuon['ns_flops_per_rank_max'] / 1e9:.2f} "
+                     f"= {dmuon['ns_flops_per_rank_max'] / ideal:.2f} x total/P")
     if "parallel_efficiency" in report:
         lines.append(f"parallel efficiency single / (P * dmuon) = {report['parallel_efficiency']:.2f}")
     return "\n".join(lines)
@@ -340,6 +358,11 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
                         help="DMuon's max_batch_numel (default %(default)s)")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default=defaults.device,
                         help="cuda: one GPU per rank with NCCL (default %(default)s)")
+    parser.add_argument("--layout", choices=LAYOUTS, default=defaults.layout,
+                        help="how the stack is parallelized (default %(default)s; see dmuon.bench_layouts)")
+    parser.add_argument("--mesh", default="", help="mesh shape, e.g. 2,2 (default: per layout, see dmuon.bench_layouts)")
+    parser.add_argument("--no-split-replicas", action="store_true",
+                        help="hsdp: keep each replica's Newton-Schulz to itself")
     parser.add_argument("--json", default=None, help="write the results to this JSON file")
     parser.add_argument("--plot", default=None, help="write a PNG bar chart to this path (needs matplotlib)")
     args = parser.parse_args(argv)
@@ -349,8 +372,9 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
         parser.error(f"unknown optimizer(s) {sorted(unknown)}; choose from {OPTIMIZERS}")
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device is visible")
+    mesh_shape = tuple(int(n) for n in args.mesh.split(",") if n)
     return BenchConfig(args.dim, args.layers, args.steps, args.warmup, args.threads, chosen, args.max_batch_numel,
-                       args.device, args.json, args.plot)
+                       args.device, args.layout, mesh_shape, not args.no_split_replicas, args.json, args.plot)
 
 
 def main(argv: list[str] | None = None) -> None:

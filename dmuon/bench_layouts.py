@@ -1,0 +1,91 @@
+"""The parallel layouts ``dmuon.bench --layout`` builds, and the bytes each must send.
+
+Each layout is built the way TorchTitan builds it, with PyTorch's own APIs, so the
+placements are the real ones:
+
+- ``fsdp``: ``fully_shard`` on a 1-D mesh: ``Shard(0)``;
+- ``hsdp``: ``fully_shard`` on a ``(dp_replicate, dp_shard)`` mesh: ``(Replicate(), Shard(0))``;
+- ``fsdp_tp``: ``ColwiseParallel`` (wq wk wv w1 w3) and ``RowwiseParallel`` (wo w2) on
+  ``tp``, then ``fully_shard`` on ``dp_shard``: ``(_StridedShard(0), Shard(0))`` and
+  ``(Shard(0), Shard(1))``;
+- ``tp``: tensor parallel over every rank: ``Shard(0)`` and ``Shard(1)``.
+
+The owner exchange's minimum bytes per rank, for N Muon elements in bf16 (2 bytes):
+every matrix must reach its owner from the ranks holding it and go back to them.
+
+- P ranks each holding a 1/P block (fsdp, fsdp_tp, tp): the owner receives
+  ``(P-1)/P`` of it and sends ``(P-1)/P`` back: ``4 N (P-1) / P^2``;
+- HSDP, R replicas of S shards, Newton-Schulz split over all P = R S ranks: the owner
+  gathers ``(S-1)/S`` from its replica and sends a 1/S block to each of the other
+  ``P - 1`` holders: ``2 N (S + P - 2) / (S P)``;
+- HSDP with replicas kept apart: FSDP inside each replica, ``4 N (S-1) / S^2``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+LAYOUTS = ("fsdp", "hsdp", "fsdp_tp", "tp")
+COLWISE = ("wq", "wk", "wv", "w1", "w3")
+ROWWISE = ("wo", "w2")
+
+
+def default_mesh_shape(layout: str, world_size: int) -> tuple[int, ...]:
+    """fsdp and tp: every rank on one dim; hsdp: 2 replicas; fsdp_tp: TP degree 2."""
+    if layout in ("hsdp", "fsdp_tp"):
+        if world_size % 2:
+            raise ValueError(f"--layout {layout} needs an even world size, got {world_size}")
+        return (2, world_size // 2) if layout == "hsdp" else (world_size // 2, 2)
+    return (world_size,)
+
+
+def parallelize(model: nn.Sequential, layout: str, mesh_shape: tuple[int, ...], device_type: str) -> None:
+    """Shard ``model`` (a stack of blocks with wq ... w3) in place for ``layout``."""
+    if layout == "fsdp":
+        _fully_shard(model, init_device_mesh(device_type, mesh_shape, mesh_dim_names=("dp_shard",)))
+    elif layout == "hsdp":
+        _fully_shard(model, init_device_mesh(device_type, mesh_shape, mesh_dim_names=("dp_replicate", "dp_shard")))
+    elif layout in ("fsdp_tp", "tp"):
+        names = ("dp_shard", "tp") if layout == "fsdp_tp" else ("tp",)
+        mesh = init_device_mesh(device_type, mesh_shape, mesh_dim_names=names)
+        plan = {name: ColwiseParallel() for name in COLWISE} | {name: RowwiseParallel() for name in ROWWISE}
+        for block in model:
+            parallelize_module(block, mesh["tp"], plan)
+        if layout == "fsdp_tp":
+            _fully_shard(model, mesh["dp_shard"])
+    else:
+        raise ValueError(f"unknown layout {layout!r}; choose from {LAYOUTS}")
+
+
+def _fully_shard(model: nn.Sequential, mesh: DeviceMesh) -> None:
+    for block in model:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+
+
+def like(param: DTensor, full: torch.Tensor) -> DTensor:
+    """``full`` laid out like ``param``: this rank's block, where DTensor says it is."""
+    shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+    local = full[tuple(slice(o, o + n) for o, n in zip(offset, shape))].contiguous()
+    return DTensor.from_local(local, param.device_mesh, param.placements, shape=param.shape, stride=param.stride())
+
+
+def min_bytes_per_rank(layout: str, mesh_shape: tuple[int, ...], muon_elements: int, split_replicas: bool) -> int:
+    """The owner exchange's minimum bytes per rank (see the module docstring)."""
+    n = muon_elements
+    if layout == "hsdp":
+        replicas, shards = mesh_shape
+        world = replicas * shards
+        if split_replicas:
+            return int(2 * n * (shards + world - 2) / (shards * world))
+        return int(4 * n * (shards - 1) / shards**2)
+    world = 1
+    for size in mesh_shape:
+        world *= size
+    return int(4 * n * (world - 1) / world**2)
