@@ -4,7 +4,7 @@
 - its gather and scatter take ``G_b``, ``S_b``: the slowest rank's bytes to other ranks
   over the per-rank link bandwidth (bytes to another replica over ``replica_link_gbps``);
 - the step overlaps batch ``b``'s Newton-Schulz with gather ``b + 1`` and scatter
-  ``b - 1`` (``dmuon.owner_step``), so
+  ``b - 1`` (``dmuon.transport.owner_exchange``), so
   ``optimizer_ms = G_0 + sum_b max(NS_b, G_{b+1} + S_{b-1}) + S_last``.
 
 Left out: the elementwise momentum and update (memory-bound, a few ms at most),
@@ -78,7 +78,7 @@ def newton_schulz_ms(plan: OwnerPlan, cost: CostModel) -> list[float]:
 
 
 def overlapped_ms(ns: list[float], gather: list[float], scatter: list[float]) -> float:
-    """``G_0 + sum_b max(NS_b, G_{b+1} + S_{b-1}) + S_last``: the schedule of dmuon.owner_step."""
+    """``G_0 + sum_b max(NS_b, G_{b+1} + S_{b-1}) + S_last``: the schedule of dmuon.transport.owner_exchange."""
     if not ns:
         return 0.0
     total = gather[0] + scatter[-1]

@@ -5,7 +5,7 @@ One ``step()``:
 1. every rank agrees, with one small ``all_reduce`` per mesh, on which distributed
    Muon parameters have a grad (and whether any rank found an invalid grad);
 2. each matrix is orthogonalized once: on its owner rank, batch by batch
-   (``all_to_all`` fast path, ``dmuon.owner_step``), on every rank (``redistribute``
+   (``all_to_all`` fast path, ``dmuon.transport.owner_exchange``), on every rank (``redistribute``
    reference path), or where it lives (``local``: plain tensors, replicas); momentum
    runs on the local shards just before, and weight decay and the scaled update land
    on them just after, so scratch memory is bounded per batch (or per parameter);
@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.optim.optimizer import Optimizer, _get_scalar_dtype
 
@@ -40,7 +40,9 @@ from dmuon.newton_schulz import (
     newton_schulz_flops,
     orthogonalize,
 )
-from dmuon.owner_step import run_owner_plan
+from dmuon.transport.local import orthogonalize_local
+from dmuon.transport.owner_exchange import run_owner_plan
+from dmuon.transport.reference import orthogonalize_gathered
 from dmuon.param_groups import (
     ADAMW_KEYS,
     MUON_KEYS,
@@ -65,6 +67,10 @@ from dmuon.telemetry import StepFigures, Telemetry
 from dmuon.update_rules import DEFAULT_MATCHED_ADAMW_RMS, adamw_step_, apply_muon_update_, muon_momentum_, shape_scale
 
 logger = logging.getLogger("dmuon")
+
+# The paths that orthogonalize one whole parameter at a time (the owner exchange runs
+# every fast-path parameter together, from its plan).
+WHOLE_TENSOR_TRANSPORTS = {LOCAL: orthogonalize_local, REDISTRIBUTE: orthogonalize_gathered}
 
 ParamsArg = Iterable[torch.Tensor] | Iterable[tuple[str, torch.Tensor]] | Iterable[dict[str, Any]]
 
@@ -448,7 +454,7 @@ class DMuon(Optimizer):
         return by_mesh
 
     def _owner_computed(self, fast: _FastPlan, grads: dict[torch.Tensor, torch.Tensor]) -> None:
-        """The fast path: see ``dmuon.owner_step`` for the schedule."""
+        """The fast path: see ``dmuon.transport.owner_exchange`` for the schedule."""
         params = fast.params
         groups = {p: g for g in self.param_groups if g["use_muon"] for p in g["params"]}
         local_grads = {j: _local(grads[p]) for j, p in enumerate(params) if p in grads}
@@ -474,17 +480,10 @@ class DMuon(Optimizer):
 
     def _whole_tensor_step(self, param: torch.Tensor, grad: torch.Tensor, group: dict[str, Any], path: str) -> None:
         """Momentum, Newton-Schulz and update of one parameter that is whole on this rank
-        (``local``), or gathered whole on every rank (``redistribute``, the reference path:
-        all-gather the bf16 update, orthogonalize everywhere, keep this rank's part)."""
+        (``local``) or gathered whole on every rank (``redistribute``): see ``dmuon.transport``."""
         update = muon_momentum_(_local(grad), _local(self.state[param]["momentum_buffer"]), group["momentum"],
                                 group["nesterov"])
-        if path == REDISTRIBUTE:
-            mesh, placements = param.device_mesh, param.placements
-            full = DTensor.from_local(update, mesh, placements, shape=param.shape, stride=param.stride()).full_tensor()
-            ortho = self._orthogonalize_whole(full, group)
-            ortho = distribute_tensor(ortho, mesh, placements, src_data_rank=None).to_local()
-        else:
-            ortho = self._orthogonalize_whole(update, group)
+        ortho = WHOLE_TENSOR_TRANSPORTS[path](update, param, lambda full: self._orthogonalize_whole(full, group))
         self._apply(param, _local(param), ortho, group)
 
     def _orthogonalize_whole(self, tensor: torch.Tensor, group: dict[str, Any]) -> torch.Tensor:

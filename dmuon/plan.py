@@ -305,7 +305,7 @@ class OwnerPlan:
 def scratch_events(plan: OwnerPlan, rank: int) -> list[int]:
     """The step's scratch allocations (+numel) and frees (-numel) on ``rank``, in order.
 
-    This is the schedule ``dmuon.owner_step`` executes, written as arithmetic:
+    This is the schedule ``dmuon.transport.owner_exchange`` executes, written as arithmetic:
 
     - start gather(b): send buffer; per travelling block the rank holds: update copy,
       packed if the rank is a source, freed; receive buffer;

@@ -15,7 +15,7 @@ time from a simple cost model:
 - its gather and scatter take ``G_b``, ``S_b`` = the most bytes a rank sends in them
   divided by the per-rank link bandwidth;
 - the step overlaps batch ``b``'s Newton-Schulz with gather ``b + 1`` and scatter
-  ``b - 1`` (``dmuon.owner_step``), so
+  ``b - 1`` (``dmuon.transport.owner_exchange``), so
   ``optimizer_ms = G_0 + sum_b max(NS_b, G_{b+1} + S_{b-1}) + S_{last}``;
 - ``train_step_ms = 6 * params * tokens_per_rank / (train_mfu * peak)`` (forward and
   backward of a dense model), and ``optimizer_fraction = optimizer / (train + optimizer)``.

@@ -159,3 +159,20 @@ def titan_llama3_exactness(dp_replicate: int, dp_shard: int, tp: int) -> dict[st
         "placements": {n: str(tuple(p.placements)) for n, p in params.items()},
         "paths": optimizer.comm_paths(),
     }
+
+
+def reference_transport() -> dict[str, bool]:
+    """The reference way on a 2 x 2 mesh: each rank gets its part of the whole result."""
+    from dmuon.newton_schulz import orthogonalize
+    from dmuon.transport.reference import orthogonalize_gathered
+
+    mesh = init_device_mesh(device_type(), (2, 2))
+    out = {}
+    for name, shape, placements in [case for group in MESH_CASES.values() for case in group]:
+        if len(shape) != 2:
+            continue
+        full = _tensors(7, [(name, shape, placements)])[name].bfloat16()
+        param = as_dtensor(full, mesh, placements)
+        mine = orthogonalize_gathered(param.to_local(), param, orthogonalize)
+        out[name] = torch.equal(mine, as_dtensor(orthogonalize(full), mesh, placements).to_local())
+    return out

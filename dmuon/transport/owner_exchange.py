@@ -1,4 +1,4 @@
-"""One step of the owner-computed fast path on one 1-D mesh.
+"""The owner exchange: one step of the owner-computed fast path, for any layout the plan describes.
 
 The schedule, per batch ``b`` (every rank issues the same collectives in the same
 order; ``dmuon.plan.scratch_events`` writes the same schedule as arithmetic):
