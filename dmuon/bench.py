@@ -21,7 +21,8 @@ Bytes sent per rank: DMuon's own exact counters for ``dmuon``; for the others, t
 collectives the profiler sees at the backend (gloo/NCCL) level, costed as ring
 algorithms (all-reduce ``2(P-1)/P n``, all-gather ``(P-1) n_in``, reduce-scatter and
 all-to-all ``(P-1)/P n_in``). The minimum bytes per rank of owner-computed
-Newton-Schulz depend on the layout (``dmuon.bench_layouts``; ``4 N (P-1) / P^2`` for FSDP).
+Newton-Schulz depend on the layout (``dmuon.cost_model.min_bytes_per_rank``; ``4 N (P-1) / P^2``
+for FSDP).
 """
 
 from __future__ import annotations
@@ -41,7 +42,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from dmuon.bench_layouts import LAYOUTS, default_mesh_shape, like, min_bytes_per_rank, parallelize
+from dmuon.bench_layouts import LAYOUTS, default_mesh_shape, like, parallelize
+from dmuon.cost_model import min_bytes_per_rank
 from dmuon.newton_schulz import DEFAULT_NS_STEPS, newton_schulz_flops
 from dmuon.optimizer import DMuon
 from dmuon.plan import DEFAULT_BATCH_NUMEL
@@ -284,7 +286,7 @@ def format_table(report: dict) -> str:
         speedup = f"{vanilla / row['step_ms']:.2f}x" if vanilla else "-"
         lines.append(f"{name:<14}{row['step_ms']:>10.1f}{speedup:>12}{row['bytes_sent_per_rank']:>18,}")
     lines.append(f"owner-exchange minimum for this layout = {report['min_bytes_per_rank']:,} bytes/rank "
-                 f"(dmuon.bench_layouts)")
+                 f"(dmuon.cost_model.min_bytes_per_rank)")
     dmuon = results.get("dmuon", {})
     if "ns_flops_per_rank_max" in dmuon:
         ideal = report["ns_flops_total"] / report["world_size"]

@@ -10,15 +10,7 @@ placements are the real ones:
   ``(Shard(0), Shard(1))``;
 - ``tp``: tensor parallel over every rank: ``Shard(0)`` and ``Shard(1)``.
 
-The owner exchange's minimum bytes per rank, for N Muon elements in bf16 (2 bytes):
-every matrix must reach its owner from the ranks holding it and go back to them.
-
-- P ranks each holding a 1/P block (fsdp, fsdp_tp, tp): the owner receives
-  ``(P-1)/P`` of it and sends ``(P-1)/P`` back: ``4 N (P-1) / P^2``;
-- HSDP, R replicas of S shards, Newton-Schulz split over all P = R S ranks: the owner
-  gathers ``(S-1)/S`` from its replica and sends a 1/S block to each of the other
-  ``P - 1`` holders: ``2 N (S + P - 2) / (S P)``;
-- HSDP with replicas kept apart: FSDP inside each replica, ``4 N (S-1) / S^2``.
+The minimum bytes each layout must send are ``dmuon.cost_model.min_bytes_per_rank``.
 """
 
 from __future__ import annotations
@@ -74,18 +66,3 @@ def like(param: DTensor, full: torch.Tensor) -> DTensor:
     shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
     local = full[tuple(slice(o, o + n) for o, n in zip(offset, shape))].contiguous()
     return DTensor.from_local(local, param.device_mesh, param.placements, shape=param.shape, stride=param.stride())
-
-
-def min_bytes_per_rank(layout: str, mesh_shape: tuple[int, ...], muon_elements: int, split_replicas: bool) -> int:
-    """The owner exchange's minimum bytes per rank (see the module docstring)."""
-    n = muon_elements
-    if layout == "hsdp":
-        replicas, shards = mesh_shape
-        world = replicas * shards
-        if split_replicas:
-            return int(2 * n * (shards + world - 2) / (shards * world))
-        return int(4 * n * (shards - 1) / shards**2)
-    world = 1
-    for size in mesh_shape:
-        world *= size
-    return int(4 * n * (world - 1) / world**2)

@@ -32,10 +32,11 @@ import json
 import math
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
-from dmuon.cost_model import CostModel, exchange_ms, newton_schulz_ms, overlapped_ms
+from dmuon.cost_model import CostModel, exchange_ms, min_bytes_per_rank, newton_schulz_ms, overlapped_ms
+from dmuon.layout import Layout
 from dmuon.newton_schulz import DEFAULT_NS_STEPS, newton_schulz_flops
 from dmuon.plan import DEFAULT_BATCH_NUMEL, WIRE_BYTES, OwnerPlan, ParamSpec, lpt_bound_flops, make_owner_plan
 
@@ -67,9 +68,14 @@ PRESETS = {
 
 
 def report(name: str, specs: Sequence[ParamSpec], params: int, world_size: int, cost: CostModel,
-           max_batch_numel: int = DEFAULT_BATCH_NUMEL) -> dict:
-    """The plan's figures and predicted times, as ``--json`` prints them."""
-    plan = make_owner_plan(specs, world_size, max_batch_numel)
+           max_batch_numel: int = DEFAULT_BATCH_NUMEL, replicas: int = 1, split_replicas: bool = True) -> dict:
+    """The plan's figures and predicted times, as ``--json`` prints them. With
+    ``replicas`` R > 1 the matrices are HSDP-sharded (R replicas of P / R shards), and
+    the row also says whether Newton-Schulz is split across replicas."""
+    if replicas > 1:
+        layout = Layout.hsdp(replicas, world_size // replicas)
+        specs = [replace(spec, layout=layout) for spec in specs]
+    plan = make_owner_plan(specs, world_size, max_batch_numel, split_replicas)
     ranks = range(world_size)
     total = sum(u.cost for u in plan.units)
     muon_elements = sum(math.prod(s.shape) for s in specs)
@@ -91,7 +97,8 @@ def report(name: str, specs: Sequence[ParamSpec], params: int, world_size: int, 
         "lpt_bound_efficiency": per_rank_ideal / lpt_bound_flops(plan) if total else 1.0,
         "batches": len(plan.batches),
         "bytes_sent_per_rank_max": max(plan.bytes_sent(r) for r in ranks),
-        "bytes_minimum": 4 * muon_elements * (world_size - 1) // world_size**2,
+        "bytes_minimum": min_bytes_per_rank("hsdp", (replicas, world_size // replicas), muon_elements, split_replicas)
+        if replicas > 1 else min_bytes_per_rank("fsdp", (world_size,), muon_elements, True),
         "peak_scratch_bytes_per_rank": max(plan.peak_scratch_bytes(r) for r in ranks),
         "predicted": {
             "ns_ms": sum(ns),
@@ -100,7 +107,7 @@ def report(name: str, specs: Sequence[ParamSpec], params: int, world_size: int, 
             "train_step_ms": train_ms,
             "optimizer_fraction": optimizer_ms / (train_ms + optimizer_ms),
         },
-    }
+    } | ({"replicas": replicas, "split_replicas": split_replicas} if replicas > 1 else {})
 
 
 def limit(row: dict) -> str:
@@ -114,14 +121,17 @@ def limit(row: dict) -> str:
 
 
 def format_table(rows: list[dict]) -> str:
-    header = (f"{'model':<12}{'P':>6}{'mats':>6}{'batch':>6}{'NS eff':>8}{'LPT':>6}{'bytes/min':>10}"
+    header = (f"{'model':<24}{'P':>6}{'mats':>6}{'batch':>6}{'NS eff':>8}{'LPT':>6}{'bytes/min':>10}"
               f"{'scratch MB':>11}{'NS ms':>8}{'comm ms':>9}{'opt ms':>8}{'train ms':>10}{'opt %':>7}  limit")
     lines = [header]
     for row in rows:
         p = row["predicted"]
+        model = row["model"]
+        if "replicas" in row:
+            model += f" R={row['replicas']}{' split' if row['split_replicas'] else ' apart'}"
         ratio = row["bytes_sent_per_rank_max"] / row["bytes_minimum"] if row["bytes_minimum"] else 1.0
         lines.append(
-            f"{row['model']:<12}{row['world_size']:>6}{row['matrices']:>6}{row['batches']:>6}"
+            f"{model:<24}{row['world_size']:>6}{row['matrices']:>6}{row['batches']:>6}"
             f"{row['ns_efficiency']:>8.3f}{row['lpt_bound_efficiency']:>6.3f}{ratio:>10.3f}"
             f"{row['peak_scratch_bytes_per_rank'] / 2**20:>11.0f}{p['ns_ms']:>8.1f}{p['comm_ms']:>9.1f}"
             f"{p['optimizer_ms']:>8.1f}{p['train_step_ms']:>10.1f}{100 * p['optimizer_fraction']:>7.2f}  {limit(row)}"
@@ -151,6 +161,9 @@ def main(argv: list[str] | None = None) -> None:
     source.add_argument("--model", nargs="+", choices=sorted(PRESETS), help="llama3 preset(s)")
     source.add_argument("--shapes", type=Path, help="JSON file of Muon matrix shapes")
     parser.add_argument("--world-size", type=int, nargs="+", required=True, help="rank count(s) P")
+    parser.add_argument("--replicas", type=int, nargs="+", default=[1],
+                        help="HSDP replica count(s) R (P / R shards each); R > 1 prints a row with Newton-Schulz "
+                             "split across replicas and one with replicas kept apart (default 1: FSDP)")
     parser.add_argument("--max-batch-numel", type=int, default=DEFAULT_BATCH_NUMEL,
                         help="DMuon's max_batch_numel (default %(default)s)")
     defaults = CostModel()
@@ -173,8 +186,11 @@ def main(argv: list[str] | None = None) -> None:
         models = [(args.shapes.stem, specs, params)]
     else:
         models = [(name, [ParamSpec(s) for s in PRESETS[name].matrices()], PRESETS[name].params()) for name in args.model]
-    rows = [report(name, specs, params, p, cost, args.max_batch_numel)
-            for name, specs, params in models for p in args.world_size]
+    if any(r < 1 or p % r for r in args.replicas for p in args.world_size):
+        parser.error("--replicas must divide every --world-size")
+    rows = [report(name, specs, params, p, cost, args.max_batch_numel, r, split)
+            for name, specs, params in models for p in args.world_size for r in args.replicas
+            for split in ((True, False) if r > 1 else (True,))]
     if args.json:
         json.dump(rows[0] if len(rows) == 1 else rows, sys.stdout, indent=2)
         print()
