@@ -4,7 +4,8 @@ This module is a *no-op when an accelerator exists* (``torch.accelerator``
 reports one). On a CPU-only machine it patches the few places where TorchTitan
 0.2.2 assumes CUDA, and works around one gloo shutdown crash. Nothing here changes
 numerics; it only picks the CPU device, the gloo-compatible way to reduce
-gradients, and how a finished process exits.
+gradients, CPU versions of two MoE routing helpers that give the results their
+GPU versions give, and how a finished process exits.
 
 What it patches and why:
 
@@ -53,6 +54,21 @@ What it patches and why:
    (TorchTitan's ``main`` does that only after training succeeded) and no
    exception escaped; any other exit is left alone.
 
+5. **Counting tokens per expert (MoE).** The MoE router and token reorderer
+   (``torchtitan.models.moe.moe``) count tokens per expert with ``torch.histc``
+   on int64 expert indices; the CPU kernel has no integer version
+   (``"histogram_cpu" not implemented for 'Long'``). We wrap ``torch.histc`` so
+   that a plain integer CPU tensor is counted by ``integer_histc``, which gives
+   the counts (and dtype) CUDA's integer ``histc`` gives. Every other call goes to
+   the original function unchanged.
+6. **Expert-parallel token permutation (MoE + EP).** After EP's all-to-all,
+   ``models.moe.utils._permute`` orders the received tokens by local expert with
+   ``generate_permute_indices``, whose default is a Triton kernel that cannot run
+   on CPU tensors. TorchTitan ships a CPU reference implementation behind that
+   function's ``use_cpu=True``; we rebind the name ``_permute`` looks up to a
+   wrapper that asks for it when the counts live on the CPU. (Grouped mm needs no
+   patch: the MoE model args switch to the per-expert for-loop without SM90.)
+
 No TOML option fixes any of these, hence a code layer. ``apply()`` runs when
 ``torchtitan_ext`` is imported, i.e. while TorchTitan parses the config and before
 the Trainer is built.
@@ -74,6 +90,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from torchtitan.tools.logging import logger
+
+from .integer_histc import HISTC_INTEGER_DTYPES, integer_histc
 
 # Modules that copy ``device_type`` / ``device_module`` at import time.
 _MODULES_WITH_DEVICE_COPIES = (
@@ -150,8 +168,45 @@ def _exit_before_finalization() -> None:
     os._exit(0)
 
 
+def _histc_with_integer_cpu_support(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """Patch 5: ``torch.histc`` that also counts plain integer CPU tensors."""
+
+    @functools.wraps(original)
+    def histc(input: torch.Tensor, bins: int = 100, min: Any = 0, max: Any = 0, *,
+              out: torch.Tensor | None = None) -> torch.Tensor:
+        # Only the case the CPU kernel rejects; subclasses (DTensor, ...) keep their own dispatch.
+        if type(input) is not torch.Tensor or input.device.type != "cpu" or input.dtype not in HISTC_INTEGER_DTYPES:
+            return original(input, bins, min, max, out=out) if out is not None else original(input, bins, min, max)
+        counts = integer_histc(input, bins, min, max)
+        if out is None:
+            return counts
+        return out.resize_(counts.shape).copy_(counts)
+
+    return histc
+
+
+def _permute_indices_on_cpu_when_needed(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Patch 6: ``generate_permute_indices`` that uses TorchTitan's CPU version for CPU tensors."""
+
+    @functools.wraps(original)
+    def generate_permute_indices(tokens_per_expert_group: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        # use_cpu is the 6th parameter; a caller that passes it positionally keeps its choice.
+        if tokens_per_expert_group.device.type == "cpu" and len(args) < 5:
+            kwargs["use_cpu"] = True
+        return original(tokens_per_expert_group, *args, **kwargs)
+
+    return generate_permute_indices
+
+
+def _install_moe_patches() -> None:
+    """Patches 5 and 6 (MoE models)."""
+    torch.histc = _histc_with_integer_cpu_support(torch.histc)
+    moe_utils = importlib.import_module("torchtitan.models.moe.utils")
+    moe_utils.generate_permute_indices = _permute_indices_on_cpu_when_needed(moe_utils.generate_permute_indices)
+
+
 def apply() -> None:
-    """Install patches 1, 2 and 4 above on a CPU-only machine; do nothing otherwise."""
+    """Install patches 1, 2, 4, 5 and 6 above on a CPU-only machine; do nothing otherwise."""
     global _applied
     if _applied or not needs_cpu_compat():
         return
@@ -164,6 +219,7 @@ def apply() -> None:
     metrics = importlib.import_module("torchtitan.components.metrics")
     metrics.build_device_memory_monitor = _build_cpu_memory_monitor
     atexit.register(_exit_before_finalization)
+    _install_moe_patches()
     _applied = True
     logger.info("torchtitan_ext.cpu_compat: no accelerator found, running TorchTitan on CPU/gloo")
 
