@@ -139,3 +139,9 @@ def test_a_per_iteration_coefficient_list_is_accepted_in_toml(tmp_path):
 def test_a_malformed_coefficient_list_in_toml_names_the_key(tmp_path):
     with pytest.raises(ValueError, match=r"\[optimizer\] ns_coefficients = \[\[3.0, -3.2\]\] is not known"):
         _write_toml(tmp_path, "ns_coefficients = [[3.0, -3.2]]\n")
+
+
+def test_an_unknown_split_replicas_is_rejected_naming_the_toml_key(tmp_path):
+    bad = toml_with(tmp_path, 'split_replicas = "auto"', 'split_replicas = "sometimes"')
+    with pytest.raises(ValueError, match=r"\[optimizer\] split_replicas = 'sometimes' is not known"):
+        parse("--job.config_file", str(bad))

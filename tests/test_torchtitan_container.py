@@ -161,6 +161,11 @@ def test_config_fields_map_onto_dmuon_arguments():
     assert (kwargs["ns_steps"], kwargs["momentum"], kwargs["nesterov"]) == (3, 0.9, False)
 
 
+def test_split_replicas_maps_auto_always_never_onto_none_true_false():
+    for value, expected in (("auto", None), ("always", True), ("never", False)):
+        assert dmuon_kwargs(optimizer_config("--optimizer.split_replicas", value))["split_replicas"] is expected
+
+
 def test_lr_scheduler_drives_both_groups():
     container = build([tiny_llama()], "--optimizer.lr", "0.02", "--optimizer.adamw_lr", "0.002")
     lr_config = ConfigManager().parse_args(["--lr_scheduler.warmup_steps", "4"]).lr_scheduler

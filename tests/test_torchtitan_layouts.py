@@ -8,11 +8,9 @@ parameter's mesh and placements under these layouts. PP has its test in
 from that checkpoint with the same losses.
 
 DMuon logs, at its first step, which communication path each Muon parameter
-takes (``comm_paths`` reads those lines back). Every Muon parameter should take
-a fast path (``local`` or ``all_to_all``); the generic ``redistribute`` path
-(an all-gather of the whole matrix on every rank) is the fallback. Today the 2-D
-meshes of HSDP, FSDP x TP and EP still fall back to it, so those assertions wait
-behind ``EXPECT_FAST_PATH_EVERYWHERE``.
+takes (``comm_paths`` reads those lines back). Every Muon parameter of these layouts
+takes a fast path (``local`` or ``all_to_all``), never the ``redistribute``
+reference path (an all-gather of the whole matrix on every rank).
 """
 
 from __future__ import annotations
@@ -22,12 +20,6 @@ import re
 import pytest
 
 from tests.titan_runs import copy_checkpoint, DMUON_TOML, torchrun
-
-# The planner rewrite on main gives 2-D meshes (HSDP, FSDP x TP, EP) a fast path.
-# Until it is merged those layouts still use "redistribute" for some parameters, and
-# the `assert "redistribute" not in paths` lines below would FAIL; flip this to True
-# after merging it.
-EXPECT_FAST_PATH_EVERYWHERE = False
 
 STEPS = 5
 # Four or five ranks' worth of work on two cores: every run is kept to a few steps.
@@ -76,10 +68,8 @@ def test_hsdp_2x2_trains_with_dmuon(short_run_args, tmp_path):
     assert_trained(log)
     paths = comm_paths(out)
     assert "layers.0.attention.wq.weight" in all_names(paths)
-    # Expected to FAIL until the planner rewrite (see EXPECT_FAST_PATH_EVERYWHERE):
-    # ("dp_replicate", "fsdp") placements (Replicate(), Shard(0)) fall back to redistribute.
-    if EXPECT_FAST_PATH_EVERYWHERE:
-        assert "redistribute" not in paths, paths
+    # ("dp_replicate", "fsdp") placements (Replicate(), Shard(0)) take the owner exchange.
+    assert "redistribute" not in paths, paths
 
 
 def test_fsdp_2_x_tp_2_trains_with_dmuon(short_run_args, tmp_path):
@@ -87,10 +77,8 @@ def test_fsdp_2_x_tp_2_trains_with_dmuon(short_run_args, tmp_path):
     assert_trained(log)
     paths = comm_paths(out)
     assert "layers.0.attention.wo.weight" in all_names(paths)
-    # Expected to FAIL until the planner rewrite (see EXPECT_FAST_PATH_EVERYWHERE):
     # ("fsdp", "tp") placements (_StridedShard(0), Shard(0)) / (Shard(0), Shard(1)).
-    if EXPECT_FAST_PATH_EVERYWHERE:
-        assert "redistribute" not in paths, paths
+    assert "redistribute" not in paths, paths
 
 
 def test_tp_2_trains_with_dmuon(short_run_args, tmp_path):
@@ -107,10 +95,8 @@ def test_deepseek_v3_with_expert_parallel_2_trains_with_dmuon(short_run_args, tm
     assert_trained(log)
     paths = comm_paths(out)
     assert "layers.1.moe.experts.w1" in all_names(paths)  # the [E, out, in] stacks are Muon matrices
-    # Expected to FAIL until the planner rewrite (see EXPECT_FAST_PATH_EVERYWHERE):
     # the expert stacks sit on ("efsdp", "ep") with (_StridedShard(0), Shard(0)).
-    if EXPECT_FAST_PATH_EVERYWHERE:
-        assert "redistribute" not in paths, paths
+    assert "redistribute" not in paths, paths
 
 
 CHECKPOINT_STEP = 3
@@ -130,10 +116,8 @@ def test_llama4_with_expert_parallel_2_trains_with_dmuon(llama4_ep_run):
     assert_trained(log)
     paths = comm_paths(out)
     assert "layers.1.moe.experts.w1" in all_names(paths)
-    # Expected to FAIL until the planner rewrite (see EXPECT_FAST_PATH_EVERYWHERE):
     # the expert stacks sit on ("efsdp", "ep") with (_StridedShard(0), Shard(0)).
-    if EXPECT_FAST_PATH_EVERYWHERE:
-        assert "redistribute" not in paths, paths
+    assert "redistribute" not in paths, paths
 
 
 def test_resuming_an_expert_parallel_run_reproduces_the_uninterrupted_losses(llama4_ep_run, short_run_args,

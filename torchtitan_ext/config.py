@@ -102,6 +102,15 @@ class Optimizer:
     "all_to_all" (batched, fast) or "redistribute" (DTensor reference path).
     """
 
+    split_replicas: str = "auto"
+    """
+    Under HSDP (data_parallel_replicate_degree > 1): "always" spreads Newton-Schulz over
+    every rank of every replica (each orthogonalizes ~1/(R*S) of the matrices; results
+    cross to the other replicas), "never" keeps each replica to itself (~1/S each, no
+    traffic between replicas), "auto" lets DMuon's cost model choose
+    (dmuon.cost_model.split_replicas_pays). No effect without replicas.
+    """
+
     telemetry: bool = False
     """
     Report, on each logged step, DMuon's step time, Newton-Schulz time, bytes sent, and
@@ -164,6 +173,10 @@ def validate_optimizer_config(optimizer_config: Any) -> None:
     if cfg.comm not in ("all_to_all", "redistribute"):
         raise ValueError(
             f"[optimizer] comm = {cfg.comm!r} is not known. Use 'all_to_all' or 'redistribute'."
+        )
+    if cfg.split_replicas not in ("auto", "always", "never"):
+        raise ValueError(
+            f"[optimizer] split_replicas = {cfg.split_replicas!r} is not known. Use 'auto', 'always' or 'never'."
         )
 
 

@@ -112,6 +112,10 @@ def group_layout(routed_parts: list[RoutedParameters]) -> list[str]:
     return layout
 
 
+# [optimizer] split_replicas -> DMuon's split_replicas.
+SPLIT_REPLICAS = {"auto": None, "always": True, "never": False}
+
+
 def dmuon_kwargs(optimizer_config: Any) -> dict[str, Any]:
     """Map ``[optimizer]`` fields onto ``dmuon.DMuon`` keyword arguments."""
     cfg = optimizer_config
@@ -128,6 +132,7 @@ def dmuon_kwargs(optimizer_config: Any) -> dict[str, Any]:
         "adamw_betas": (cfg.beta1, cfg.beta2),
         "adamw_eps": cfg.eps,
         "comm": cfg.comm,
+        "split_replicas": SPLIT_REPLICAS[cfg.split_replicas],
         "telemetry": cfg.telemetry,
     }
 
