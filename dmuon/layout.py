@@ -24,6 +24,7 @@ path.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from collections.abc import Sequence
@@ -39,11 +40,17 @@ Box = tuple[Range, ...]
 """One ``(start, length)`` per dim of the global tensor."""
 
 
+def chunk_range(length: int, chunks: int, index: int) -> Range:
+    """``(offset, size)`` of chunk ``index`` of ``chunks`` chunks of ``length``, as
+    ``torch.chunk`` (and DTensor's ``Shard``) cuts: equal ceil-sized chunks, the last
+    ones short or empty."""
+    size = -(-length // chunks)
+    return min(length, index * size), max(0, min(length, (index + 1) * size) - index * size)
+
+
 def chunk_ranges(length: int, chunks: int) -> list[Range]:
-    """``(offset, size)`` of each of ``chunks`` chunks of ``length``, as ``torch.chunk``
-    (and DTensor's ``Shard``) cuts: ``chunk_ranges(10, 4) == [(0, 3), (3, 3), (6, 3), (9, 1)]``."""
-    size = -(-length // chunks) if chunks else 0
-    return [(min(length, c * size), max(0, min(length, (c + 1) * size) - c * size)) for c in range(chunks)]
+    """Every chunk: ``chunk_ranges(10, 4) == [(0, 3), (3, 3), (6, 3), (9, 1)]``."""
+    return [chunk_range(length, chunks, c) for c in range(chunks)]
 
 
 def _take(indices: list[Range], offset: int, size: int) -> list[Range]:
@@ -79,7 +86,7 @@ def local_indices(
             pieces = [(0, total)]
         kept: list[Range] = []
         for piece_start, piece_length in pieces:
-            offset, size = chunk_ranges(piece_length, chunks)[mine]
+            offset, size = chunk_range(piece_length, chunks, mine)
             kept += _take(held[dim], piece_start + offset, size)
         held[dim] = kept
     return held
@@ -132,11 +139,9 @@ class Layout:
         return list(itertools.product(*(range(n) for n in self.mesh_shape)))
 
     def boxes(self, shape: Sequence[int]) -> dict[int, Box | None]:
-        """Plan rank -> the box it holds of a tensor of ``shape`` (None: not a box)."""
-        return {
-            rank: as_box(local_indices(shape, self.mesh_shape, self.placements, coordinate))
-            for rank, coordinate in zip(self.mesh_ranks, self.coordinates())
-        }
+        """Plan rank -> the box it holds of a tensor of ``shape`` (None: not a box).
+        Cached: a model repeats a few shapes many times."""
+        return _boxes(self, tuple(shape))
 
     def replica(self) -> dict[int, tuple[int, ...]]:
         """Plan rank -> its coordinates on the ``Replicate`` mesh dims: ranks that
@@ -146,3 +151,11 @@ class Layout:
             rank: tuple(coordinate[i] for i in replicated)
             for rank, coordinate in zip(self.mesh_ranks, self.coordinates())
         }
+
+
+@functools.lru_cache(maxsize=256)
+def _boxes(layout: Layout, shape: tuple[int, ...]) -> dict[int, Box | None]:
+    return {
+        rank: as_box(local_indices(shape, layout.mesh_shape, layout.placements, coordinate))
+        for rank, coordinate in zip(layout.mesh_ranks, layout.coordinates())
+    }

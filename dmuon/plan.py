@@ -157,7 +157,7 @@ class Block:
     offset: tuple[int, int]
     """Where the block sits in the unit's matrix (row, column)."""
 
-    @property
+    @cached_property
     def numel(self) -> int:
         return self.shape[0] * self.shape[1]
 
@@ -192,7 +192,7 @@ class Unit:
     def holders(self) -> tuple[int, ...]:
         return tuple(rank for rank, _ in self.blocks)
 
-    @property
+    @cached_property
     def travels(self) -> bool:
         """False when one rank holds the whole matrix (it owns it, and nothing moves)."""
         return len(self.blocks) > 1
@@ -249,8 +249,9 @@ class OwnerPlan:
             if unit.is_source(rank):
                 send[unit.owner] += unit.block_numel(rank)
             if unit.owner == rank:
-                for source in unit.sources:
-                    recv[source] += unit.block_numel(source)
+                for source, block in unit.blocks:
+                    if unit.is_source(source):
+                        recv[source] += block.numel
         return send, recv
 
     def scatter_splits(self, batch: Sequence[int], rank: int) -> tuple[list[int], list[int]]:
