@@ -353,6 +353,9 @@ class DMuon(Optimizer):
             split = self.split_replicas
             if split is None:
                 split = split_replicas_pays(specs, len(ranks), self.max_batch_numel)
+                if any(any(spec.layout.replica().values()) for spec in specs):
+                    logger.info("DMuon: the cost model %s Newton-Schulz across replicas (split_replicas=None)",
+                                "splits" if split else "does not split")
             plan = make_owner_plan(specs, len(ranks), self.max_batch_numel, split)
             params = [p for p, _ in members]
             fast = _FastPlan(group, plan_rank[dist.get_rank()], params, plan, mesh_device(params[0].device_mesh))

@@ -65,7 +65,7 @@ def test_state_tensors_are_dtensors_with_the_parameter_placement(ranks):
 
 def test_shards_that_are_not_torch_chunk_splits_make_every_rank_raise():
     errors = run_on_ranks(scenarios.custom_uneven_shards, 2, timeout=120)
-    assert all(e and "do not follow torch.chunk's split" in e for e in errors), errors
+    assert all(e and "are not the blocks their placements describe" in e for e in errors), errors
     assert "'odd'" in errors[0]
 
 

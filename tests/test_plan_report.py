@@ -79,3 +79,25 @@ def test_one_rank_moves_nothing(capsys):
     row = _report(capsys, "--model", "llama3-8b", "--world-size", "1")
     assert row["bytes_sent_per_rank_max"] == row["bytes_minimum"] == 0
     assert row["ns_efficiency"] == pytest.approx(1.0)
+
+
+def test_replicas_print_a_split_and_an_apart_row_each_against_its_own_minimum(capsys):
+    split, apart = _report(capsys, "--model", "llama3-8b", "--world-size", "64", "--replicas", "4")
+    assert (split["replicas"], split["split_replicas"], apart["split_replicas"]) == (4, True, False)
+    n = split["muon_elements"]
+    assert split["bytes_minimum"] == int(2 * n * (16 + 64 - 2) / (16 * 64))
+    assert apart["bytes_minimum"] == int(4 * n * 15 / 16**2)
+    for row in (split, apart):
+        assert row["bytes_sent_per_rank_max"] <= 1.25 * row["bytes_minimum"]
+
+
+def test_splitting_across_replicas_runs_newton_schulz_like_fsdp_over_every_rank(capsys):
+    fsdp, split, apart = _report(capsys, "--model", "llama3-8b", "--world-size", "64", "--replicas", "1", "4")
+    assert split["ns_flops_per_rank_max"] == fsdp["ns_flops_per_rank_max"]
+    assert apart["ns_flops_per_rank_max"] > 3 * split["ns_flops_per_rank_max"]  # R = 4 replicas each do all
+
+
+def test_replicas_must_divide_the_world_size(capsys):
+    with pytest.raises(SystemExit):
+        main(["--model", "llama3-8b", "--world-size", "64", "--replicas", "3"])
+    assert "--replicas must divide" in capsys.readouterr().err

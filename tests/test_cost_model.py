@@ -1,0 +1,43 @@
+"""The fast path's time model (dmuon.cost_model): what it charges and what it chooses."""
+
+from __future__ import annotations
+
+from dmuon.cost_model import CostModel, exchange_ms, min_bytes_per_rank, optimizer_ms, split_replicas_pays
+from dmuon.layout import Layout
+from dmuon.plan import ParamSpec, make_owner_plan
+
+HSDP_SPECS = [ParamSpec((512, 512), layout=Layout.hsdp(2, 2)) for _ in range(8)]
+
+
+def test_minimum_bytes_for_fsdp_is_an_owner_round_trip():
+    assert min_bytes_per_rank("fsdp", (4,), 1600, True) == 4 * 1600 * 3 // 16
+
+
+def test_hsdp_minimum_bytes_split_and_apart_agree_at_two_shards():
+    assert min_bytes_per_rank("hsdp", (2, 2), 1600, True) == min_bytes_per_rank("hsdp", (2, 2), 1600, False) == 1600
+
+
+def test_bytes_to_another_replica_are_charged_at_the_replica_link():
+    plan = make_owner_plan(HSDP_SPECS, 4, split_replicas=True)
+    fast = sum(sum(part) for part in exchange_ms(plan, CostModel()))
+    slow = sum(sum(part) for part in exchange_ms(plan, CostModel(replica_link_gbps=40.0)))
+    assert slow > 5 * fast
+
+
+def test_splitting_pays_when_links_between_replicas_are_fast():
+    assert split_replicas_pays(HSDP_SPECS, 4, cost=CostModel(ns_mfu=0.001))
+
+
+def test_keeping_replicas_apart_pays_when_their_links_are_slow():
+    assert not split_replicas_pays(HSDP_SPECS, 4, cost=CostModel(replica_link_gbps=0.001))
+
+
+def test_without_replicas_the_choice_is_moot_and_answered_no():
+    assert not split_replicas_pays([ParamSpec((64, 64))] * 4, 4)
+
+
+def test_the_predicted_step_is_at_least_its_newton_schulz():
+    plan = make_owner_plan(HSDP_SPECS, 4)
+    flops = max(plan.ns_flops(r) for r in range(4))
+    cost = CostModel()
+    assert optimizer_ms(plan, cost) >= flops / (cost.peak_tflops * 1e9 * cost.ns_mfu)
