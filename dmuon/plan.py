@@ -8,16 +8,17 @@ Vocabulary:
 - a *unit* is one matrix Newton-Schulz runs on: a 2-D parameter (or one block of
   ``split_rows`` rows of it: an attention head), one expert of a 3-D ``[E, A, B]``
   stack, or a 4-D+ parameter seen as ``[shape[0], prod(rest)]``;
-- on a 1-D mesh with placement ``Shard(d)``, rank ``r`` holds one *block* of every unit
-  it touches: a slice of the unit along one matrix dimension (rows for FSDP2's
-  ``Shard(0)``, columns for a ``Shard(1)`` weight), cut the way ``torch.chunk`` cuts
-  (DTensor's rule: uneven, possibly empty on the last ranks);
-- each unit has one *owner* rank. A unit whose blocks all live on one rank (an expert
-  that rank holds whole) is owned there and never travels. The others travel: every
-  holder sends its block to the owner (*gather*), the owner rebuilds exactly the bf16
-  matrix a single process would hold, orthogonalizes it, and sends each holder its
-  block of the result (*scatter*). Each gather and scatter is one ``all_to_all_single``
-  per *batch*.
+- each rank holds one *block* of every unit it touches: the part of the unit inside
+  the rank's box of the parameter (``dmuon.layout``: DTensor's placement rules on any
+  mesh, so FSDP's rows, TP's columns, FSDP over TP, an EP rank's experts); under
+  ``Replicate`` mesh dims (HSDP) every replica holds the same blocks;
+- each unit has one *owner* rank. A unit every holder has whole (an expert its EP rank
+  holds) is orthogonalized by each holder in place and never travels. The others
+  travel: the *sources* (the holders of one replica: the owner's) send their blocks
+  to the owner (*gather*), the owner rebuilds exactly the bf16 matrix a single process
+  would hold, orthogonalizes it, and sends every holder, every replica included, its
+  block of the result (*scatter*). Each gather and scatter is one
+  ``all_to_all_single`` per *batch*.
 
 Planning is two steps. Owners: longest-processing-time (LPT) over the whole step, by
 Newton-Schulz flops, so every rank carries the same cost. Batches: cut only so that
