@@ -46,9 +46,9 @@ def replica_of(plan: OwnerPlan) -> list[object]:
     dims); ranks in different replicas talk over ``replica_link_gbps``."""
     keys: list[object] = [() for _ in range(plan.world_size)]
     for spec in plan.params:
-        replica = spec.layout_on(plan.world_size).replica()
-        if any(replica.values()):
-            for rank, key in replica.items():
+        layout = spec.layout_on(plan.world_size)
+        if layout.has_replicas:
+            for rank, key in layout.replica().items():
                 keys[rank] = key
             break
     return keys
@@ -94,17 +94,29 @@ def optimizer_ms(plan: OwnerPlan, cost: CostModel) -> float:
     return overlapped_ms(newton_schulz_ms(plan, cost), *exchange_ms(plan, cost))
 
 
+def plan_with_best_split(
+    specs: Sequence[ParamSpec], world_size: int, max_batch_numel: int = DEFAULT_BATCH_NUMEL,
+    cost: CostModel = CostModel(),
+) -> tuple[OwnerPlan, bool]:
+    """The owner plan with Newton-Schulz spread over all replicas or kept inside each,
+    whichever is predicted faster (ties keep the replicas apart: less traffic), and
+    that choice. Without replicated parameters the choice changes nothing: one plan,
+    and False."""
+    if not any(spec.layout_on(world_size).has_replicas for spec in specs):
+        return make_owner_plan(specs, world_size, max_batch_numel, False), False
+    split = make_owner_plan(specs, world_size, max_batch_numel, True)
+    apart = make_owner_plan(specs, world_size, max_batch_numel, False)
+    pays = optimizer_ms(split, cost) < optimizer_ms(apart, cost)
+    return (split if pays else apart), pays
+
+
 def split_replicas_pays(
     specs: Sequence[ParamSpec], world_size: int, max_batch_numel: int = DEFAULT_BATCH_NUMEL,
     cost: CostModel = CostModel(),
 ) -> bool:
     """Whether spreading Newton-Schulz over all replicas is predicted to be faster than
-    keeping each replica to itself (ties keep the replicas apart: less traffic)."""
-    if not any(any(spec.layout_on(world_size).replica().values()) for spec in specs):
-        return False  # nothing is replicated: the choice changes nothing
-    split = optimizer_ms(make_owner_plan(specs, world_size, max_batch_numel, True), cost)
-    apart = optimizer_ms(make_owner_plan(specs, world_size, max_batch_numel, False), cost)
-    return split < apart
+    keeping each replica to itself (see :func:`plan_with_best_split`)."""
+    return plan_with_best_split(specs, world_size, max_batch_numel, cost)[1]
 
 
 def min_bytes_per_rank(layout: str, mesh_shape: Sequence[int], muon_elements: int, split_replicas: bool) -> int:

@@ -143,6 +143,11 @@ class Layout:
         Cached: a model repeats a few shapes many times."""
         return _boxes(self, tuple(shape))
 
+    @property
+    def has_replicas(self) -> bool:
+        """Whether some mesh dim replicates the parameter (HSDP's ``dp_replicate``)."""
+        return any(isinstance(p, Replicate) for p in self.placements)
+
     def replica(self) -> dict[int, tuple[int, ...]]:
         """Plan rank -> its coordinates on the ``Replicate`` mesh dims: ranks that
         differ only there hold the same box (one *replica* of the parameter each)."""

@@ -30,7 +30,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from torch.optim.optimizer import Optimizer, _get_scalar_dtype
 
 from dmuon.comm import CommStats, ScratchMeter, mesh_device
-from dmuon.cost_model import split_replicas_pays
+from dmuon.cost_model import plan_with_best_split
 from dmuon.grad_agreement import agree_on_grads, grad_problem
 from dmuon.newton_schulz import (
     DEFAULT_NS_EPS,
@@ -126,7 +126,7 @@ class DMuon(Optimizer):
             replica (each rank orthogonalizes ~1/(R*S) of the matrices; results travel
             to the other replicas), False keeps each replica to itself (each rank
             does ~1/S, as FSDP2 Muon does, nothing crosses replicas), None lets the
-            cost model (``dmuon.cost_model.split_replicas_pays``) choose.
+            cost model (``dmuon.cost_model.plan_with_best_split``) choose.
         telemetry: record each step's times, bytes and update/weight RMS, read with
             :meth:`telemetry` (``dmuon.telemetry``; adds one small ``all_reduce`` per step).
 
@@ -327,7 +327,7 @@ class DMuon(Optimizer):
         # mesh; a parameter on a mesh of other ranks takes the reference path.
         fast = [p for p, path in paths.items() if path == ALL_TO_ALL]
         for param in fast[1:]:
-            if _mesh_ranks(param) != _mesh_ranks(fast[0]):
+            if _mesh_ranks(param.device_mesh) != _mesh_ranks(fast[0].device_mesh):
                 paths[param] = REDISTRIBUTE
         self._paths = paths
         return paths
@@ -345,18 +345,18 @@ class DMuon(Optimizer):
                    if self._ensure_paths()[p] == ALL_TO_ALL]
         plans = []
         if members:
-            ranks = _mesh_ranks(members[0][0])
+            ranks = _mesh_ranks(members[0][0].device_mesh)
             group = _group_of(ranks, [p.device_mesh for p, _ in members])
             plan_rank = {r: dist.get_group_rank(group, r) for r in ranks}
             specs = [ParamSpec(tuple(p.shape), ns_steps=g["ns_steps"], split_rows=g["split_rows"],
                                layout=layout_of(p, plan_rank)) for p, g in members]
-            split = self.split_replicas
-            if split is None:
-                split = split_replicas_pays(specs, len(ranks), self.max_batch_numel)
-                if any(any(spec.layout.replica().values()) for spec in specs):
+            if self.split_replicas is None:
+                plan, split = plan_with_best_split(specs, len(ranks), self.max_batch_numel)
+                if any(spec.layout.has_replicas for spec in specs):
                     logger.info("DMuon: the cost model %s Newton-Schulz across replicas (split_replicas=None)",
                                 "splits" if split else "does not split")
-            plan = make_owner_plan(specs, len(ranks), self.max_batch_numel, split)
+            else:
+                plan = make_owner_plan(specs, len(ranks), self.max_batch_numel, self.split_replicas)
             params = [p for p, _ in members]
             fast = _FastPlan(group, plan_rank[dist.get_rank()], params, plan, mesh_device(params[0].device_mesh))
             self._check_shards_agree_with_plan(fast)
@@ -535,9 +535,9 @@ class DMuon(Optimizer):
                 )
 
 
-def _mesh_ranks(param: DTensor) -> tuple[int, ...]:
-    """The global ranks of a DTensor's mesh, sorted."""
-    return tuple(sorted(int(r) for r in param.device_mesh.mesh.flatten().tolist()))
+def _mesh_ranks(mesh: DeviceMesh) -> tuple[int, ...]:
+    """The global ranks of a mesh, sorted."""
+    return tuple(sorted(int(r) for r in mesh.mesh.flatten().tolist()))
 
 
 _GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}
@@ -551,7 +551,7 @@ def _group_of(ranks: tuple[int, ...], meshes: Sequence[DeviceMesh]) -> dist.Proc
     if ranks == tuple(range(dist.get_world_size())):
         return dist.group.WORLD
     for mesh in meshes:
-        if mesh.ndim == 1 and tuple(sorted(int(r) for r in mesh.mesh.tolist())) == ranks:
+        if mesh.ndim == 1 and _mesh_ranks(mesh) == ranks:
             return mesh.get_group()
     if ranks not in _GROUPS:
         _GROUPS[ranks] = dist.new_group(list(ranks), use_local_synchronization=True)

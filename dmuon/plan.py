@@ -39,7 +39,7 @@ from functools import cached_property
 import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-from dmuon.layout import Box, Layout
+from dmuon.layout import Box, Layout, chunk_ranges
 from dmuon.newton_schulz import DEFAULT_NS_STEPS, matrix_shape, newton_schulz_flops
 
 # How a Muon parameter reaches Newton-Schulz.
@@ -94,24 +94,39 @@ def shard_sizes(size: int, world_size: int) -> tuple[int, ...]:
 
     ``shard_sizes(10, 4) == (3, 3, 3, 1)`` and ``shard_sizes(3, 4) == (1, 1, 1, 0)``.
     """
-    chunk = -(-size // world_size)  # ceil division
-    return tuple(max(0, min(size, (r + 1) * chunk) - r * chunk) for r in range(world_size))
+    return tuple(length for _, length in chunk_ranges(size, world_size))
 
 
-def assign_owners(costs: Sequence[int], world_size: int, loads: Sequence[int] | None = None) -> tuple[int, ...]:
-    """Balance costs over ranks: longest job first, each to the least-loaded rank.
+def assign_owners(
+    costs: Sequence[int],
+    world_size: int,
+    loads: Sequence[int] | None = None,
+    candidates: Sequence[tuple[int, ...]] | None = None,
+) -> tuple[int, ...]:
+    """Balance costs over ranks: longest job first, each to the least-loaded rank (of
+    ``candidates[i]``, the ranks job ``i`` may go to; default: every rank).
 
     ``loads`` are costs the ranks already carry. Ties (equal cost, equal load) go to
     the lower index and the lower rank, so every rank computes the same assignment.
     For equal costs on idle ranks this is round-robin.
     """
+    loads = [0] * world_size if loads is None else list(loads)
+    everyone = tuple(range(world_size))
     owners = [0] * len(costs)
-    heap = [(0 if loads is None else loads[rank], rank) for rank in range(world_size)]
-    heapq.heapify(heap)
+    # One heap per candidate set; an entry whose load is stale is refreshed on pop.
+    heaps: dict[tuple[int, ...], list[tuple[int, int]]] = {}
     for index in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+        ranks = everyone if candidates is None else candidates[index]
+        heap = heaps.get(ranks)
+        if heap is None:
+            heap = heaps[ranks] = [(loads[r], r) for r in ranks]
+            heapq.heapify(heap)
         load, rank = heapq.heappop(heap)
+        while load != loads[rank]:
+            load, rank = heapq.heappushpop(heap, (loads[rank], rank))
         owners[index] = rank
-        heapq.heappush(heap, (load + costs[index], rank))
+        loads[rank] += costs[index]
+        heapq.heappush(heap, (loads[rank], rank))
     return tuple(owners)
 
 
@@ -444,10 +459,8 @@ def lpt_bound_flops(plan: OwnerPlan) -> int:
 
 
 def _whole_step_owners(units: Sequence[Unit], world_size: int) -> tuple[int, ...]:
-    """Longest job first, each to the least-loaded of its candidate ranks (a unit with
-    one candidate, held whole there, is placed first). Ties go to the lower rank, so
-    every rank computes the same owners; with all ranks as candidates this is
-    :func:`assign_owners` over the whole step."""
+    """A unit with one candidate (held whole there) is owned there; the rest go LPT over
+    the whole step (:func:`assign_owners`), each to one of its candidate ranks."""
     owners = [0] * len(units)
     loads = [0] * world_size
     free: list[int] = []
@@ -457,20 +470,9 @@ def _whole_step_owners(units: Sequence[Unit], world_size: int) -> tuple[int, ...
             loads[owners[i]] += unit.cost
         else:
             free.append(i)
-    # One heap per candidate set; an entry whose load is stale is refreshed on pop.
-    heaps: dict[tuple[int, ...], list[tuple[int, int]]] = {}
-    for i in sorted(free, key=lambda i: (-units[i].cost, i)):
-        candidates = units[i].candidates
-        heap = heaps.get(candidates)
-        if heap is None:
-            heap = heaps[candidates] = [(loads[r], r) for r in candidates]
-            heapq.heapify(heap)
-        load, rank = heapq.heappop(heap)
-        while load != loads[rank]:
-            load, rank = heapq.heappushpop(heap, (loads[rank], rank))
-        owners[i] = rank
-        loads[rank] += units[i].cost
-        heapq.heappush(heap, (loads[rank], rank))
+    chosen = assign_owners([units[i].cost for i in free], world_size, loads, [units[i].candidates for i in free])
+    for i, owner in zip(free, chosen):
+        owners[i] = owner
     return tuple(owners)
 
 
