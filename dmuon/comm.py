@@ -78,15 +78,17 @@ def mesh_device(mesh: DeviceMesh) -> torch.device:
 
 def gather_send_order(plan: OwnerPlan, batch: Sequence[int], rank: int) -> list[int]:
     """Units whose block ``rank`` sends, in send-buffer order: by owner, then batch order."""
-    mine = [i for i in plan.travelling(batch) if plan.units[i].is_source(rank)]
-    return sorted(mine, key=lambda i: plan.units[i].owner)  # stable: batch order within an owner
+    return _by_owner(plan, [i for i in plan.travelling(batch) if plan.units[i].is_source(rank)])
 
 
 def scatter_receive_order(plan: OwnerPlan, batch: Sequence[int], rank: int) -> list[int]:
     """Units whose result block ``rank`` receives, in receive-buffer order: by owner,
     then batch order."""
-    mine = [i for i in plan.travelling(batch) if plan.units[i].block(rank)]
-    return sorted(mine, key=lambda i: plan.units[i].owner)
+    return _by_owner(plan, [i for i in plan.travelling(batch) if plan.units[i].block(rank)])
+
+
+def _by_owner(plan: OwnerPlan, units: list[int]) -> list[int]:
+    return sorted(units, key=lambda i: plan.units[i].owner)  # stable: batch order within an owner
 
 
 def pack_gather(
