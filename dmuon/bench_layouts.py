@@ -15,11 +15,13 @@ The minimum bytes each layout must send are ``dmuon.cost_model.min_bytes_per_ran
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Placement
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
@@ -61,8 +63,14 @@ def _fully_shard(model: nn.Sequential, mesh: DeviceMesh) -> None:
     fully_shard(model, mesh=mesh)
 
 
-def like(param: DTensor, full: torch.Tensor) -> DTensor:
-    """``full`` laid out like ``param``: this rank's block, where DTensor says it is."""
-    shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+def as_dtensor(full: torch.Tensor, mesh: DeviceMesh, placements: Sequence[Placement]) -> DTensor:
+    """This rank's block of ``full``, where DTensor itself says it lives
+    (``compute_local_shape_and_global_offset``: no dmuon layout code involved)."""
+    shape, offset = compute_local_shape_and_global_offset(full.shape, mesh, placements)
     local = full[tuple(slice(o, o + n) for o, n in zip(offset, shape))].contiguous()
-    return DTensor.from_local(local, param.device_mesh, param.placements, shape=param.shape, stride=param.stride())
+    return DTensor.from_local(local, mesh, placements, shape=full.shape, stride=full.stride())
+
+
+def like(param: DTensor, full: torch.Tensor) -> DTensor:
+    """``full`` laid out like ``param``."""
+    return as_dtensor(full, param.device_mesh, param.placements)

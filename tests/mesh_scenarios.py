@@ -2,8 +2,9 @@
 parallel, and expert stacks under EP and EP + FSDP, on 4 ranks (a 2 x 2 mesh).
 
 Each DTensor is built from a full tensor by cutting out the block DTensor itself says
-the rank holds (``compute_local_shape_and_global_offset``), so the inputs do not
-depend on dmuon's own layout code. The oracle is single-process DMuon on the full
+the rank holds (``dmuon.bench_layouts.as_dtensor``: DTensor's
+``compute_local_shape_and_global_offset``), so the inputs do not depend on dmuon's
+own layout code. The oracle is single-process DMuon on the full
 tensors, in the same worker, one thread.
 """
 
@@ -14,12 +15,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Placement, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from dmuon import DMuon
+from dmuon.bench_layouts import as_dtensor
 from tests.distributed_scenarios import _device, device_type
 
 STEPS = 3
@@ -57,13 +58,6 @@ MESH_CASES: dict[str, list[tuple[str, tuple[int, ...], tuple[Placement, ...]]]] 
 def _tensors(seed: int, cases) -> dict[str, torch.Tensor]:
     generator = torch.Generator().manual_seed(seed)
     return {name: torch.randn(shape, generator=generator).to(_device()) for name, shape, _ in cases}
-
-
-def as_dtensor(full: torch.Tensor, mesh: DeviceMesh, placements: tuple[Placement, ...]) -> DTensor:
-    """This rank's block of ``full``, where DTensor says it lives."""
-    shape, offset = compute_local_shape_and_global_offset(full.shape, mesh, placements)
-    index = tuple(slice(o, o + n) for o, n in zip(offset, shape))
-    return DTensor.from_local(full[index].clone(), mesh, placements, shape=full.shape, stride=full.stride())
 
 
 def mesh_exactness(split_replicas: bool | None, max_batch_numel: int = 1 << 27) -> dict[str, Any]:
