@@ -63,30 +63,23 @@ def all_names(paths: dict[str, list[str]]) -> list[str]:
     return [name for names in paths.values() for name in names]
 
 
-def test_hsdp_2x2_trains_with_dmuon(short_run_args, tmp_path):
-    log, out = torchrun(DMUON_TOML, tmp_path, *short_run_args, *FEW_STEPS, *HSDP_2x2, nproc=4)
+# (flags, ranks, a Muon weight the run must log a path for). HSDP: ("dp_replicate", "fsdp")
+# with (Replicate(), Shard(0)); FSDP x TP: ("fsdp", "tp") with (_StridedShard(0), Shard(0)) /
+# (Shard(0), Shard(1)); TP: a 1-D ("tp",) mesh with Shard(0) / Shard(1) (wo is rowwise).
+DENSE_LAYOUTS = {
+    "hsdp_2x2": (HSDP_2x2, 4, "layers.0.attention.wq.weight"),
+    "fsdp_2_x_tp_2": (FSDP_2_TP_2, 4, "layers.0.attention.wo.weight"),
+    "tp_2": (TP_2, 2, "layers.0.attention.wo.weight"),
+}
+
+
+@pytest.mark.parametrize("layout", list(DENSE_LAYOUTS))
+def test_a_dense_layout_trains_with_dmuon_on_the_owner_exchange(short_run_args, tmp_path, layout):
+    flags, nproc, weight = DENSE_LAYOUTS[layout]
+    log, out = torchrun(DMUON_TOML, tmp_path, *short_run_args, *FEW_STEPS, *flags, nproc=nproc)
     assert_trained(log)
     paths = comm_paths(out)
-    assert "layers.0.attention.wq.weight" in all_names(paths)
-    # ("dp_replicate", "fsdp") placements (Replicate(), Shard(0)) take the owner exchange.
-    assert "redistribute" not in paths, paths
-
-
-def test_fsdp_2_x_tp_2_trains_with_dmuon(short_run_args, tmp_path):
-    log, out = torchrun(DMUON_TOML, tmp_path, *short_run_args, *FEW_STEPS, *FSDP_2_TP_2, nproc=4)
-    assert_trained(log)
-    paths = comm_paths(out)
-    assert "layers.0.attention.wo.weight" in all_names(paths)
-    # ("fsdp", "tp") placements (_StridedShard(0), Shard(0)) / (Shard(0), Shard(1)).
-    assert "redistribute" not in paths, paths
-
-
-def test_tp_2_trains_with_dmuon(short_run_args, tmp_path):
-    log, out = torchrun(DMUON_TOML, tmp_path, *short_run_args, *FEW_STEPS, *TP_2)
-    assert_trained(log)
-    paths = comm_paths(out)
-    assert "layers.0.attention.wo.weight" in all_names(paths)  # the Shard(1) (rowwise) matrices too
-    # A 1-D ("tp",) mesh with Shard(0) / Shard(1): the fast path already covers it.
+    assert weight in all_names(paths)
     assert "redistribute" not in paths, paths
 
 
