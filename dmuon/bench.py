@@ -4,17 +4,24 @@ Run::
 
     torchrun --nproc-per-node 2 -m dmuon.bench [--json PATH] [--dim 512 --layers 4]
         [--max-batch-numel N] [--device auto|cpu|cuda] [--layout fsdp|hsdp|fsdp_tp|tp [--mesh R,S]]
+        [--ns-dtype auto|bfloat16|float32]
 
 Every optimizer steps the same model (parallelized per ``--layout``, see
 ``dmuon.bench_layouts``: by default ``fully_shard``-ed, so parameters are ``Shard(0)``
 DTensors) with the same gradients:
 
 - ``dmuon``: DMuon's owner-computed fast path (``comm="all_to_all"``);
+- ``dmuon_bf16``: the same with Newton-Schulz in bf16, the dtype ``vanilla`` computes in,
+  so that "vs vanilla" compares like with like (skipped when ``dmuon`` is bf16 already);
 - ``redistribute``: DMuon's reference path (every rank gathers every matrix);
 - ``vanilla``: ``torch.optim.Muon`` applied directly to the DTensors;
 - ``adamw``: ``torch.optim.AdamW(foreach=True)`` on the shards;
 - ``single``: rank 0 alone runs DMuon on full plain tensors while the others wait;
   ``single / (P * dmuon)`` is the parallel efficiency of the fast path.
+
+DMuon rows use ``--ns-dtype`` (default ``auto``: bf16 on GPUs and CPUs with a native bf16
+matmul, fp32 elsewhere), and the table says which dtype each row ran. A last row gives
+the throughput of Newton-Schulz on one ``dim x dim`` matrix in each dtype, on rank 0.
 
 Step time is the median, over timed steps after warm-up, of the slowest rank's time.
 Bytes sent per rank: DMuon's own exact counters for ``dmuon``; for the others, the
@@ -44,11 +51,25 @@ from torch.distributed.tensor import DTensor
 
 from dmuon.bench_layouts import LAYOUTS, default_mesh_shape, like, parallelize
 from dmuon.cost_model import min_bytes_per_rank
-from dmuon.newton_schulz import DEFAULT_NS_STEPS, newton_schulz_flops
+from dmuon.newton_schulz import (
+    DEFAULT_NS_DTYPE,
+    DEFAULT_NS_STEPS,
+    NS_DTYPE_CHOICES,
+    NS_DTYPES,
+    native_bf16_matmul,
+    newton_schulz_flops,
+    ns_dtype_name,
+    orthogonalize,
+    resolve_ns_dtype,
+)
 from dmuon.optimizer import DMuon
 from dmuon.plan import DEFAULT_BATCH_NUMEL
 
-OPTIMIZERS = ("dmuon", "redistribute", "vanilla", "adamw", "single")
+OPTIMIZERS = ("dmuon", "dmuon_bf16", "redistribute", "vanilla", "adamw", "single")
+# The rows that run DMuon, and so Newton-Schulz in the chosen dtype (dmuon_bf16: in bf16),
+# and those on its fast path, whose bytes come from its own exact counters.
+DMUON_ROWS = ("dmuon", "dmuon_bf16", "redistribute", "single")
+FAST_PATH_ROWS = ("dmuon", "dmuon_bf16")
 LR = 0.02
 
 
@@ -75,6 +96,8 @@ class BenchConfig:
     """The layout's mesh; empty: ``default_mesh_shape(layout, world size)``."""
     split_replicas: bool = True
     """DMuon's split_replicas (matters for ``hsdp`` only)."""
+    ns_dtype: str = DEFAULT_NS_DTYPE
+    """DMuon's ns_dtype for the DMuon rows (``dmuon_bf16`` always runs bf16)."""
     json: str | None = None
     """Write the results here as JSON."""
     plot: str | None = None
@@ -184,9 +207,11 @@ def run_benchmark(cfg: BenchConfig) -> dict:
          f"on mesh {cfg.mesh_shape}; {cfg.layers} blocks of width {cfg.dim}: {len(shapes)} matrices, "
          f"{muon_elements / 1e6:.1f}M elements")
 
-    for name in cfg.optimizers:
+    ns_dtype = ns_dtype_name(resolve_ns_dtype(cfg.ns_dtype, device.type))
+    optimizers = [name for name in cfg.optimizers if not (name == "dmuon_bf16" and ns_dtype == "bfloat16")]
+    for name in optimizers:
         if name == "single":
-            results[name] = _bench_single(cfg, device)
+            results[name] = _bench_single(cfg, device) | {"ns_dtype": ns_dtype}
             continue
         model = build_model(cfg, device)
         params = list(model.parameters())
@@ -200,7 +225,7 @@ def run_benchmark(cfg: BenchConfig) -> dict:
 
         step_ms = time_steps(step, cfg, device, name)
         ns_flops = 0
-        if name == "dmuon":  # its own exact counters
+        if name in FAST_PATH_ROWS:  # its own exact counters
             before, flops_before = optimizer.comm_stats.bytes_sent, optimizer.comm_stats.ns_flops
             step()
             sent = optimizer.comm_stats.bytes_sent - before
@@ -209,14 +234,18 @@ def run_benchmark(cfg: BenchConfig) -> dict:
             sent = profiled_bytes_sent(step, world)
         maxima = torch.tensor([sent, ns_flops], dtype=torch.float64)
         dist.all_reduce(maxima, op=dist.ReduceOp.MAX)
-        results[name] = {"step_ms": step_ms, "bytes_sent_per_rank": int(maxima[0].item())}
+        results[name] = {"step_ms": step_ms, "bytes_sent_per_rank": int(maxima[0].item()),
+                         "ns_dtype": _row_ns_dtype(name, ns_dtype)}
         if name == "dmuon":
             results[name]["ns_flops_per_rank_max"] = int(maxima[1].item())
             results[name]["batches"] = len(optimizer.owner_plans()[0].batches) if world > 1 else 0
         del optimizer, model, params, grads
 
+    throughput = newton_schulz_throughput(cfg.dim, device) if dist.get_rank() == 0 else {}
+    dist.barrier()
     report = {
         "world_size": world,
+        "dim": cfg.dim,
         "muon_elements": muon_elements,
         "device": _device_name(device),
         "threads_per_rank": cfg.threads,
@@ -227,11 +256,14 @@ def run_benchmark(cfg: BenchConfig) -> dict:
         "ns_flops_total": ns_flops_total,
         "max_batch_numel": cfg.max_batch_numel,
         "results": results,
+        "ns_throughput_gflops": throughput,
     }
     if "single" in results and "dmuon" in results:
         report["parallel_efficiency"] = results["single"]["step_ms"] / (world * results["dmuon"]["step_ms"])
-    if "vanilla" in results and "dmuon" in results:
-        report["speedup_vs_vanilla"] = results["vanilla"]["step_ms"] / results["dmuon"]["step_ms"]
+    like_vanilla = next((results[n] for n in ("dmuon", "dmuon_bf16") if results.get(n, {}).get("ns_dtype") == "bfloat16"),
+                        None)
+    if "vanilla" in results and like_vanilla:
+        report["speedup_vs_vanilla"] = results["vanilla"]["step_ms"] / like_vanilla["step_ms"]
     if rank == 0:
         print(format_table(report), flush=True)
         if cfg.json:
@@ -244,12 +276,39 @@ def run_benchmark(cfg: BenchConfig) -> dict:
     return report
 
 
+def _row_ns_dtype(name: str, ns_dtype: str) -> str | None:
+    """The dtype a row's Newton-Schulz runs in (None: the row runs none)."""
+    if name in ("dmuon_bf16", "vanilla"):  # torch.optim.Muon computes in bf16
+        return "bfloat16"
+    return ns_dtype if name in DMUON_ROWS else None
+
+
+def newton_schulz_throughput(dim: int, device: torch.device, repeats: int = 2) -> dict[str, float]:
+    """GFLOP/s of Newton-Schulz on one ``dim x dim`` matrix in each compute dtype (best of
+    ``repeats`` after a small warm-up), on this rank alone."""
+    generator = torch.Generator().manual_seed(2)
+    matrix = torch.randn(dim, dim, generator=generator).bfloat16().to(device)
+    flops = newton_schulz_flops(matrix.shape)
+    rates = {}
+    for name, dtype in NS_DTYPES.items():
+        orthogonalize(matrix[:64, :64], dtype=dtype)
+        best = math.inf
+        for _ in range(repeats):
+            _sync(device)
+            start = time.perf_counter()
+            orthogonalize(matrix, dtype=dtype)
+            _sync(device)
+            best = min(best, time.perf_counter() - start)
+        rates[name] = flops / best / 1e9
+    return rates
+
+
 def _bench_single(cfg: BenchConfig, device: torch.device) -> dict[str, float]:
     """Rank 0 alone: DMuon on full plain tensors (the P = 1 baseline); others wait."""
     model = build_model(cfg, device)
     grads = [g.full_tensor() for g in make_grads(model)]
     params = [nn.Parameter(p.full_tensor()) for p in model.parameters()]
-    optimizer = DMuon(params, lr=LR)
+    optimizer = DMuon(params, lr=LR, ns_dtype=cfg.ns_dtype)
 
     def step() -> None:
         if dist.get_rank() == 0:
@@ -261,11 +320,11 @@ def _bench_single(cfg: BenchConfig, device: torch.device) -> dict[str, float]:
 
 
 def _make_optimizer(name: str, params: list[torch.Tensor], cfg: BenchConfig) -> torch.optim.Optimizer:
-    if name == "dmuon":
+    if name in ("dmuon", "dmuon_bf16"):
         return DMuon(params, lr=LR, comm="all_to_all", max_batch_numel=cfg.max_batch_numel,
-                     split_replicas=cfg.split_replicas)
+                     split_replicas=cfg.split_replicas, ns_dtype="bfloat16" if name == "dmuon_bf16" else cfg.ns_dtype)
     if name == "redistribute":
-        return DMuon(params, lr=LR, comm="redistribute")
+        return DMuon(params, lr=LR, comm="redistribute", ns_dtype=cfg.ns_dtype)
     if name == "vanilla":
         return torch.optim.Muon(params, lr=LR)
     if name == "adamw":
@@ -280,11 +339,14 @@ def format_table(report: dict) -> str:
     lines = [
         f"world size {report['world_size']}, {report['device']}, {report['threads_per_rank']} thread(s)/rank, "
         f"Muon elements N = {report['muon_elements']:,}, layout {report['layout']} on mesh {report['mesh_shape']}",
-        f"{'optimizer':<14}{'step ms':>10}{'vs vanilla':>12}{'bytes sent/rank':>18}",
+        f"{'optimizer':<14}{'NS dtype':>10}{'step ms':>10}{'vs vanilla':>12}{'bytes sent/rank':>18}",
     ]
     for name, row in results.items():
-        speedup = f"{vanilla / row['step_ms']:.2f}x" if vanilla else "-"
-        lines.append(f"{name:<14}{row['step_ms']:>10.1f}{speedup:>12}{row['bytes_sent_per_rank']:>18,}")
+        # Only a row whose Newton-Schulz runs in bf16, as vanilla's does, is compared with it.
+        comparable = vanilla and row.get("ns_dtype") in ("bfloat16", None)
+        speedup = f"{vanilla / row['step_ms']:.2f}x" if comparable else "-"
+        lines.append(f"{name:<14}{row.get('ns_dtype') or '-':>10}{row['step_ms']:>10.1f}{speedup:>12}"
+                     f"{row['bytes_sent_per_rank']:>18,}")
     lines.append(f"owner-exchange minimum for this layout = {report['min_bytes_per_rank']:,} bytes/rank "
                  f"(dmuon.cost_model.min_bytes_per_rank)")
     dmuon = results.get("dmuon", {})
@@ -295,6 +357,12 @@ def format_table(report: dict) -> str:
                      f"= {dmuon['ns_flops_per_rank_max'] / ideal:.2f} x total/P")
     if "parallel_efficiency" in report:
         lines.append(f"parallel efficiency single / (P * dmuon) = {report['parallel_efficiency']:.2f}")
+    rates = report.get("ns_throughput_gflops")
+    if rates:
+        dim = report.get("dim", "dim")
+        lines.append(f"Newton-Schulz on one {dim} x {dim} matrix, rank 0: "
+                     + ", ".join(f"{name} {rate:.1f} GFLOP/s" for name, rate in rates.items())
+                     + f" (fp32 / bf16 = {rates['float32'] / rates['bfloat16']:.2f})")
     return "\n".join(lines)
 
 
@@ -334,7 +402,8 @@ def _device(choice: str = "auto") -> torch.device:
 def _device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    return f"cpu ({os.cpu_count()} cores)"
+    native = "yes" if native_bf16_matmul("cpu") else "no"
+    return f"cpu ({os.cpu_count()} cores, {torch.backends.cpu.get_cpu_capability()}, native bf16 matmul: {native})"
 
 
 def _sync(device: torch.device) -> None:
@@ -365,6 +434,8 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
     parser.add_argument("--mesh", default="", help="mesh shape, e.g. 2,2 (default: per layout, see dmuon.bench_layouts)")
     parser.add_argument("--no-split-replicas", action="store_true",
                         help="hsdp: keep each replica's Newton-Schulz to itself")
+    parser.add_argument("--ns-dtype", choices=NS_DTYPE_CHOICES, default=defaults.ns_dtype,
+                        help="DMuon's Newton-Schulz compute dtype (default %(default)s)")
     parser.add_argument("--json", default=None, help="write the results to this JSON file")
     parser.add_argument("--plot", default=None, help="write a PNG bar chart to this path (needs matplotlib)")
     args = parser.parse_args(argv)
@@ -376,7 +447,8 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
         parser.error("--device cuda: no CUDA device is visible")
     mesh_shape = tuple(int(n) for n in args.mesh.split(",") if n)
     return BenchConfig(args.dim, args.layers, args.steps, args.warmup, args.threads, chosen, args.max_batch_numel,
-                       args.device, args.layout, mesh_shape, not args.no_split_replicas, args.json, args.plot)
+                       args.device, args.layout, mesh_shape, not args.no_split_replicas, args.ns_dtype, args.json,
+                       args.plot)
 
 
 def main(argv: list[str] | None = None) -> None:

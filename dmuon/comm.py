@@ -23,9 +23,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from dmuon.newton_schulz import UPDATE_DTYPE as WIRE_DTYPE
 from dmuon.plan import Block, OwnerPlan
-
-WIRE_DTYPE = torch.bfloat16
 
 
 @dataclass

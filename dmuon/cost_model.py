@@ -1,6 +1,7 @@
 """A simple time model of the fast path, from its plan alone (no processes, no GPU).
 
-- Newton-Schulz of batch ``b`` takes ``NS_b = max_r flops(r, b) / (peak * ns_mfu)``;
+- Newton-Schulz of batch ``b`` takes ``NS_b = max_r flops(r, b) / (peak * ns_mfu)``, with
+  the peak of the dtype it multiplies in (``ns_dtype``);
 - its gather and scatter take ``G_b``, ``S_b``: the slowest rank's bytes to other ranks
   over the per-rank link bandwidth (bytes to another replica over ``replica_link_gbps``);
 - the step overlaps batch ``b``'s Newton-Schulz with gather ``b + 1`` and scatter
@@ -19,15 +20,23 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import torch
+
 from dmuon.plan import DEFAULT_BATCH_NUMEL, WIRE_BYTES, OwnerPlan, ParamSpec, make_owner_plan
 
 H100_BF16_DENSE_TFLOPS = 989.0
+# fp32 without TF32 (torch's default for fp32 matmuls), H100 SXM.
+H100_FP32_DENSE_TFLOPS = 67.0
 
 
 @dataclass(frozen=True)
 class CostModel:
     peak_tflops: float = H100_BF16_DENSE_TFLOPS
     """Dense bf16 peak of one GPU, TFLOP/s (H100 SXM: 989)."""
+    fp32_peak_tflops: float = H100_FP32_DENSE_TFLOPS
+    """Dense fp32 peak of one GPU without TF32, TFLOP/s (H100 SXM: 67)."""
+    ns_dtype: torch.dtype = torch.bfloat16
+    """What Newton-Schulz multiplies in (DMuon's ns_dtype, resolved): picks its peak."""
     ns_mfu: float = 0.6
     """Fraction of peak Newton-Schulz's matmuls reach."""
     link_gbps: float = 400.0
@@ -39,6 +48,10 @@ class CostModel:
     """Tokens each rank processes per training step."""
     train_mfu: float = 0.4
     """Model FLOPs utilization of forward and backward."""
+
+    @property
+    def ns_peak_tflops(self) -> float:
+        return self.fp32_peak_tflops if self.ns_dtype == torch.float32 else self.peak_tflops
 
 
 def replica_of(plan: OwnerPlan) -> list[object]:
@@ -74,7 +87,7 @@ def exchange_ms(plan: OwnerPlan, cost: CostModel) -> tuple[list[float], list[flo
 
 def newton_schulz_ms(plan: OwnerPlan, cost: CostModel) -> list[float]:
     """Per batch: the slowest rank's Newton-Schulz time."""
-    flops_per_ms = cost.peak_tflops * 1e9 * cost.ns_mfu
+    flops_per_ms = cost.ns_peak_tflops * 1e9 * cost.ns_mfu
     return [max(plan.ns_flops(r, b) for r in range(plan.world_size)) / flops_per_ms for b in plan.batches]
 
 

@@ -11,6 +11,8 @@ single process would build, so both get the same bits.
 
 from __future__ import annotations
 
+import functools
+import logging
 import math
 from collections.abc import Sequence
 
@@ -59,9 +61,55 @@ DEFAULT_NS_EPS = 1e-7
 # torch.optim.Muon refuses 100 or more steps; more never helps the quintic iteration.
 MAX_NS_STEPS = 100
 
-# Newton-Schulz always runs in bf16: it is what Muon is tuned for, and it is the dtype
-# in which matrices travel between ranks.
-NS_DTYPE = torch.bfloat16
+# Muon's update is bf16 before and after Newton-Schulz: the dtype matrices travel in
+# between ranks, and the dtype of every result, whatever Newton-Schulz computed in.
+UPDATE_DTYPE = torch.bfloat16
+
+# The dtype Newton-Schulz multiplies in (``DMuon(ns_dtype=...)``). "bfloat16" is what
+# Muon is tuned for and what torch.optim.Muon does; "float32" is for CPUs whose bf16
+# matmul is a slow fallback (~50x fp32 without AVX-512/AMX); "auto" picks per device
+# with :func:`native_bf16_matmul`. The input is always the bf16 update and the output
+# is rounded back to bf16, so every choice keeps the owner's input and the result's
+# dtype the same on every rank and at every world size.
+NS_DTYPES: dict[str, torch.dtype] = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+NS_DTYPE_CHOICES = ("auto", *NS_DTYPES)
+DEFAULT_NS_DTYPE = "auto"
+
+logger = logging.getLogger("dmuon")
+
+
+def ns_dtype_name(dtype: torch.dtype) -> str:
+    """The :data:`NS_DTYPES` name of a compute dtype (``torch.float32`` -> ``"float32"``)."""
+    return next(name for name, known in NS_DTYPES.items() if known == dtype)
+
+
+def native_bf16_matmul(device_type: str) -> bool:
+    """Whether bf16 matrix multiply runs at hardware speed on this kind of device.
+
+    The rule: every accelerator (CUDA, ROCm, XPU, ...) does; a CPU does when oneDNN has a
+    bf16 GEMM for it (``torch.ops.mkldnn._is_mkldnn_bf16_supported()``: AVX-512 BF16 or
+    AVX-512 core, AMX, Arm BF16). Elsewhere, e.g. a CPU whose
+    ``torch.backends.cpu.get_cpu_capability()`` is ``AVX2``, torch's bf16 GEMM is a
+    scalar fallback about 50x slower than fp32.
+    """
+    if device_type != "cpu":
+        return True
+    return torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+@functools.lru_cache(maxsize=None)
+def resolve_ns_dtype(choice: str, device_type: str) -> torch.dtype:
+    """The dtype Newton-Schulz runs in for ``choice`` (one of :data:`NS_DTYPE_CHOICES`)
+    on a device of ``device_type``. Decided once per process and device type; an
+    ``"auto"`` choice is logged."""
+    if choice != "auto":
+        return NS_DTYPES[choice]
+    native = native_bf16_matmul(device_type)
+    dtype = torch.bfloat16 if native else torch.float32
+    detail = f"capability {torch.backends.cpu.get_cpu_capability()}, " if device_type == "cpu" else ""
+    logger.info("DMuon: ns_dtype='auto' runs Newton-Schulz in %s on %s (%snative bf16 matmul: %s)",
+                ns_dtype_name(dtype), device_type, detail, "yes" if native else "no")
+    return dtype
 
 
 def matrix_shape(shape: Sequence[int]) -> tuple[int, ...]:
@@ -99,13 +147,15 @@ def orthogonalize(
     coefficients: str | Triple | Sequence[Triple] = KELLER_COEFFICIENTS,
     steps: int = DEFAULT_NS_STEPS,
     eps: float = DEFAULT_NS_EPS,
+    dtype: torch.dtype = torch.bfloat16,
 ) -> torch.Tensor:
     """Approximate the polar factor ``U V^T`` of ``update`` with quintic Newton-Schulz.
 
     ``coefficients``: see :func:`coefficient_schedule` (Keller Jordan's by default).
+    ``dtype``: what the iteration multiplies in (a value of :data:`NS_DTYPES`).
 
     ``update`` is 2-D ``[A, B]`` or a 3-D stack ``[E, A, B]`` (see :func:`matrix_shape`).
-    Returns a new bf16 tensor of the same shape; ``update`` is never modified (this
+    Returns a new bf16 tensor of the same shape (rounded from ``dtype``); ``update`` is never modified (this
     avoids torch.optim.Muon's aliasing defect, where ``x.bfloat16()`` of a bf16 buffer
     is the buffer itself and the in-place normalization corrupts momentum).
 
@@ -118,11 +168,11 @@ def orthogonalize(
     gets torch's bits.
     """
     if update.ndim == 3:
-        return torch.stack([orthogonalize(matrix, coefficients, steps, eps) for matrix in update])
+        return torch.stack([orthogonalize(matrix, coefficients, steps, eps, dtype) for matrix in update])
     if update.ndim != 2:
         raise ValueError(f"orthogonalize expects a 2-D or 3-D tensor, got shape {tuple(update.shape)}")
     schedule, safety = coefficient_schedule(coefficients, steps)
-    x = update.to(NS_DTYPE, copy=True)
+    x = update.to(dtype, copy=True)
     # Work on the wide orientation (rows <= cols): the Gram matrix X X^T is then the
     # small one, which makes each step cheaper.
     tall = x.size(0) > x.size(1)
@@ -137,7 +187,7 @@ def orthogonalize(
         gram = x @ x.T
         poly = torch.addmm(gram, gram, gram, beta=b, alpha=c)
         x = torch.addmm(x, poly, x, beta=a)
-    return x.T if tall else x
+    return (x.T if tall else x).to(UPDATE_DTYPE)
 
 
 def orthogonalize_row_blocks(
@@ -146,11 +196,12 @@ def orthogonalize_row_blocks(
     coefficients: str | Triple | Sequence[Triple] = KELLER_COEFFICIENTS,
     steps: int = DEFAULT_NS_STEPS,
     eps: float = DEFAULT_NS_EPS,
+    dtype: torch.dtype = torch.bfloat16,
 ) -> torch.Tensor:
     """Orthogonalize each block of ``split_rows`` consecutive rows of a 2-D ``update`` on
     its own (one attention head of ``wq``, ``wk`` or ``wv``); block ``h`` of the result is
     ``orthogonalize(update[h * split_rows : (h + 1) * split_rows])``, bit for bit."""
-    return torch.cat([orthogonalize(block, coefficients, steps, eps) for block in update.split(split_rows)])
+    return torch.cat([orthogonalize(block, coefficients, steps, eps, dtype) for block in update.split(split_rows)])
 
 
 def newton_schulz_flops(shape: Sequence[int], steps: int = DEFAULT_NS_STEPS) -> int:

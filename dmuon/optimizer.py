@@ -30,15 +30,17 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from torch.optim.optimizer import Optimizer, _get_scalar_dtype
 
 from dmuon.comm import CommStats, ScratchMeter, mesh_device
-from dmuon.cost_model import plan_with_best_split
+from dmuon.cost_model import CostModel, plan_with_best_split
 from dmuon.grad_agreement import agree_on_grads, grad_problem
 from dmuon.newton_schulz import (
+    DEFAULT_NS_DTYPE,
     DEFAULT_NS_EPS,
     DEFAULT_NS_STEPS,
     KELLER_COEFFICIENTS,
     matrix_shape,
     newton_schulz_flops,
     orthogonalize,
+    resolve_ns_dtype,
 )
 from dmuon.transport.local import orthogonalize_local
 from dmuon.transport.owner_exchange import run_owner_plan
@@ -49,6 +51,7 @@ from dmuon.param_groups import (
     check_adamw_hyperparameters,
     check_muon_hyperparameters,
     check_muon_param,
+    check_ns_dtype,
     default_use_muon,
 )
 from dmuon.plan import (
@@ -127,6 +130,13 @@ class DMuon(Optimizer):
             to the other replicas), False keeps each replica to itself (each rank
             does ~1/S, as FSDP2 Muon does, nothing crosses replicas), None lets the
             cost model (``dmuon.cost_model.plan_with_best_split``) choose.
+        ns_dtype: what Newton-Schulz multiplies in: ``"bfloat16"`` (Muon's usual
+            choice, torch.optim.Muon's bits), ``"float32"`` (for CPUs without a native
+            bf16 matmul, where bf16 is ~50x slower), or ``"auto"``: bfloat16 on
+            accelerators and on CPUs with one, float32 elsewhere
+            (``dmuon.newton_schulz.native_bf16_matmul``, decided per process). Updates
+            travel and results come back in bf16 whatever it is, so every choice is
+            exact across world sizes.
         telemetry: record each step's times, bytes and update/weight RMS, read with
             :meth:`telemetry` (``dmuon.telemetry``; adds one small ``all_reduce`` per step).
 
@@ -157,6 +167,7 @@ class DMuon(Optimizer):
         comm: str = ALL_TO_ALL,
         max_batch_numel: int = DEFAULT_BATCH_NUMEL,
         split_replicas: bool | None = None,
+        ns_dtype: str | torch.dtype = DEFAULT_NS_DTYPE,
         telemetry: bool = False,
     ) -> None:
         if isinstance(params, (set, frozenset)):
@@ -196,6 +207,7 @@ class DMuon(Optimizer):
         self.comm = comm
         self.max_batch_numel = max_batch_numel
         self.split_replicas = split_replicas
+        self.ns_dtype = check_ns_dtype(ns_dtype)
         self.comm_stats = CommStats()
         """Bytes and collectives of the fast path since construction."""
         self._names: dict[torch.Tensor, str] = {}
@@ -350,15 +362,17 @@ class DMuon(Optimizer):
             plan_rank = {r: dist.get_group_rank(group, r) for r in ranks}
             specs = [ParamSpec(tuple(p.shape), ns_steps=g["ns_steps"], split_rows=g["split_rows"],
                                layout=layout_of(p, plan_rank)) for p, g in members]
+            device = mesh_device(members[0][0].device_mesh)
             if self.split_replicas is None:
-                plan, split = plan_with_best_split(specs, len(ranks), self.max_batch_numel)
+                cost = CostModel(ns_dtype=resolve_ns_dtype(self.ns_dtype, device.type))
+                plan, split = plan_with_best_split(specs, len(ranks), self.max_batch_numel, cost)
                 if any(spec.layout.has_replicas for spec in specs):
                     logger.info("DMuon: the cost model %s Newton-Schulz across replicas (split_replicas=None)",
                                 "splits" if split else "does not split")
             else:
                 plan = make_owner_plan(specs, len(ranks), self.max_batch_numel, self.split_replicas)
             params = [p for p, _ in members]
-            fast = _FastPlan(group, plan_rank[dist.get_rank()], params, plan, mesh_device(params[0].device_mesh))
+            fast = _FastPlan(group, plan_rank[dist.get_rank()], params, plan, device)
             self._check_shards_agree_with_plan(fast)
             plans.append(fast)
         self._fast_plans = plans
@@ -502,7 +516,8 @@ class DMuon(Optimizer):
         """Newton-Schulz with the group's settings; counts the flops run on this rank."""
         self.comm_stats.ns_flops += newton_schulz_flops(matrix.shape, group["ns_steps"])
         with self._telemetry.newton_schulz():
-            return orthogonalize(matrix, group["ns_coefficients"], group["ns_steps"], group["eps"])
+            dtype = resolve_ns_dtype(self.ns_dtype, matrix.device.type)
+            return orthogonalize(matrix, group["ns_coefficients"], group["ns_steps"], group["eps"], dtype)
 
     def _apply(self, param: torch.Tensor, target: torch.Tensor, ortho: torch.Tensor, group: dict[str, Any]) -> None:
         # With split_rows, each block is its own matrix for the shape scale too.

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from dmuon.newton_schulz import MAX_NS_STEPS, NS_COEFFICIENT_SETS
+from dmuon.newton_schulz import MAX_NS_STEPS, NS_COEFFICIENT_SETS, NS_DTYPE_CHOICES, NS_DTYPES, ns_dtype_name
 from dmuon.update_rules import ADJUST_LR_CHOICES
 
 # By default, a parameter with ndim >= 2 gets Muon unless its name marks it as an
@@ -77,6 +77,20 @@ def _is_triple(value: Any) -> bool:
     return len(items) == 3 and all(
         isinstance(c, (int, float)) and not isinstance(c, bool) and math.isfinite(c) for c in items
     )
+
+
+def check_ns_dtype(value: Any, where: str = "DMuon") -> str:
+    """The name of a Newton-Schulz compute dtype (``"auto"``, ``"bfloat16"``,
+    ``"float32"``; ``torch.bfloat16`` and ``torch.float32`` are taken too), or a
+    ``ValueError`` naming ``where``."""
+    if isinstance(value, torch.dtype) and value in NS_DTYPES.values():
+        value = ns_dtype_name(value)
+    if value not in NS_DTYPE_CHOICES:
+        raise ValueError(
+            f"{where}: ns_dtype must be one of {NS_DTYPE_CHOICES}, got {value!r}. \"auto\" uses bfloat16 on "
+            "accelerators and on CPUs with a native bf16 matmul, float32 on other CPUs."
+        )
+    return value
 
 
 def check_muon_hyperparameters(group: dict[str, Any], where: str) -> None:

@@ -11,7 +11,8 @@ matrices of a model, FSDP2-sharded (``Shard(0)``) over P ranks, and reports the 
 of Newton-Schulz work, the bytes each rank sends, the scratch memory, and a predicted
 time from a simple cost model:
 
-- Newton-Schulz of batch ``b`` takes ``NS_b = max_r flops(r, b) / (peak * ns_mfu)``;
+- Newton-Schulz of batch ``b`` takes ``NS_b = max_r flops(r, b) / (peak * ns_mfu)``, with
+  the bf16 peak, or the fp32 one for ``--ns-dtype float32``;
 - its gather and scatter take ``G_b``, ``S_b`` = the most bytes a rank sends in them
   divided by the per-rank link bandwidth;
 - the step overlaps batch ``b``'s Newton-Schulz with gather ``b + 1`` and scatter
@@ -37,7 +38,7 @@ from pathlib import Path
 
 from dmuon.cost_model import CostModel, exchange_ms, min_bytes_per_rank, newton_schulz_ms, overlapped_ms
 from dmuon.layout import Layout
-from dmuon.newton_schulz import DEFAULT_NS_STEPS, newton_schulz_flops
+from dmuon.newton_schulz import DEFAULT_NS_STEPS, NS_DTYPES, newton_schulz_flops
 from dmuon.plan import DEFAULT_BATCH_NUMEL, WIRE_BYTES, OwnerPlan, ParamSpec, lpt_bound_flops, make_owner_plan
 
 @dataclass(frozen=True)
@@ -168,6 +169,11 @@ def main(argv: list[str] | None = None) -> None:
                         help="DMuon's max_batch_numel (default %(default)s)")
     defaults = CostModel()
     parser.add_argument("--peak-tflops", type=float, default=defaults.peak_tflops, help="bf16 peak (default %(default)s)")
+    parser.add_argument("--fp32-peak-tflops", type=float, default=defaults.fp32_peak_tflops,
+                        help="fp32 peak without TF32, for --ns-dtype float32 (default %(default)s)")
+    parser.add_argument("--ns-dtype", choices=sorted(NS_DTYPES), default="bfloat16",
+                        help="what Newton-Schulz multiplies in (DMuon's ns_dtype; 'auto' is bfloat16 on GPUs); "
+                             "sets its peak (default %(default)s)")
     parser.add_argument("--ns-mfu", type=float, default=defaults.ns_mfu, help="default %(default)s")
     parser.add_argument("--link-gbps", type=float, default=defaults.link_gbps, help="per-rank Gbit/s (default %(default)s)")
     parser.add_argument("--replica-link-gbps", type=float, default=defaults.replica_link_gbps,
@@ -178,7 +184,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if any(p < 1 for p in args.world_size):
         parser.error("--world-size must be positive")
-    cost = CostModel(peak_tflops=args.peak_tflops, ns_mfu=args.ns_mfu, link_gbps=args.link_gbps,
+    cost = CostModel(peak_tflops=args.peak_tflops, fp32_peak_tflops=args.fp32_peak_tflops,
+                     ns_dtype=NS_DTYPES[args.ns_dtype], ns_mfu=args.ns_mfu, link_gbps=args.link_gbps,
                      replica_link_gbps=args.replica_link_gbps, tokens_per_rank=args.tokens_per_rank,
                      train_mfu=args.train_mfu)
     if args.shapes:

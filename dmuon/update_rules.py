@@ -4,7 +4,7 @@ Muon, for a matrix W (A x B) with gradient G (torch.optim.Muon semantics)::
 
     buf = lerp(buf, G, 1 - momentum)                   # EMA momentum
     U   = lerp(G, buf, momentum) if nesterov else buf  # Nesterov look-ahead
-    O   = orthogonalize(U)                             # newton_schulz.py, bf16
+    O   = orthogonalize(U)                             # newton_schulz.py, bf16 in and out
     W   = W * (1 - lr * weight_decay)                  # decoupled decay, unscaled lr
     W   = W - lr * shape_scale(A, B) * O
 
@@ -21,7 +21,7 @@ from collections.abc import Sequence
 import torch
 from torch.optim.adamw import adamw as _torch_adamw
 
-from dmuon.newton_schulz import matrix_shape
+from dmuon.newton_schulz import UPDATE_DTYPE, matrix_shape
 
 # Shape-aware learning-rate scales (``DMuon(adjust_lr=...)``).
 ADJUST_LR_CHOICES = ("original", "match_rms_adamw", "spectral", None)
@@ -59,7 +59,7 @@ def muon_momentum_(grad: torch.Tensor, buf: torch.Tensor, momentum: float, neste
     """
     buf.lerp_(grad, 1 - momentum)
     update = grad.lerp(buf, momentum) if nesterov else buf
-    return update.to(torch.bfloat16, copy=True)
+    return update.to(UPDATE_DTYPE, copy=True)
 
 
 def apply_muon_update_(

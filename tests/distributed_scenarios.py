@@ -8,6 +8,7 @@ each; the workers batch the process start-up, which dominates their cost.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -20,6 +21,8 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from dmuon import DMuon
 
 STEPS = 3
+# Every exactness scenario runs with each Newton-Schulz compute dtype (DMuon's ns_dtype).
+NS_DTYPES = ("bfloat16", "float32")
 # (name, shape, group): the cases the exactness tests name. Rows are chosen so that
 # 4 ranks give uneven and empty shards: 10 rows -> 3,3,3,1; 3 rows -> 1,1,1,0.
 CASES: list[tuple[str, tuple[int, ...], str]] = [
@@ -72,20 +75,25 @@ def _run(params: dict[str, torch.Tensor], grads_for_step, **kwargs: Any) -> DMuo
     return optimizer
 
 
-def single_process_params() -> dict[str, torch.Tensor]:
+def single_process_params(ns_dtype: str) -> dict[str, torch.Tensor]:
     """The oracle: DMuon on full plain tensors, in this process, one thread."""
     params = {n: nn.Parameter(t) for n, t in _case_tensors(0).items()}
-    _run(params, lambda step: _case_tensors(100 + step))
+    _run(params, lambda step: _case_tensors(100 + step), ns_dtype=ns_dtype)
     return {n: p.detach() for n, p in params.items()}
 
 
-def exactness() -> dict[str, Any]:
+def per_ns_dtype(scenario: Callable[..., Any], *args: Any) -> dict[str, Any]:
+    """``{ns_dtype: scenario(*args, ns_dtype=ns_dtype)}`` for each of NS_DTYPES, in one launch."""
+    return {ns_dtype: scenario(*args, ns_dtype=ns_dtype) for ns_dtype in NS_DTYPES}
+
+
+def exactness(ns_dtype: str = "auto") -> dict[Any, Any]:
     """Fast and reference paths on Shard(0) (and 2-D meshes at 4 ranks) vs the oracle.
 
     Returns ``{(layout, comm): {case: bitwise_equal}}`` plus paths and byte counts.
     """
     world = dist.get_world_size()
-    oracle = single_process_params()
+    oracle = single_process_params(ns_dtype)
     layouts = {"fsdp": (init_device_mesh(device_type(), (world,)), [Shard(0)])}
     if world == 4:
         mesh_2d = init_device_mesh(device_type(), (2, 2))
@@ -98,11 +106,13 @@ def exactness() -> dict[str, Any]:
                 return distribute_tensor(t, mesh, placements, src_data_rank=None)
 
             params = {n: nn.Parameter(shard(t)) for n, t in _case_tensors(0).items()}
-            optimizer = _run(params, lambda step: {n: shard(t) for n, t in _case_tensors(100 + step).items()}, comm=comm)
+            optimizer = _run(params, lambda step: {n: shard(t) for n, t in _case_tensors(100 + step).items()}, comm=comm,
+                             ns_dtype=ns_dtype)
             out[(layout, comm)] = {n: torch.equal(params[n].full_tensor(), oracle[n]) for n in oracle}
             out[(layout, comm, "paths")] = optimizer.comm_paths()
             out[(layout, comm, "bytes")] = optimizer.comm_stats.bytes_sent
             out[(layout, comm, "local_rows")] = {n: p.to_local().shape[0] for n, p in params.items()}
+            out[(layout, comm, "checksum")] = sum(p.full_tensor().double().sum().item() for p in params.values())
     return out
 
 
@@ -319,7 +329,13 @@ def small_benchmark(json_path: str, **options: Any) -> dict[str, Any]:
     """dmuon.bench end to end on a tiny stack (structure, not speed)."""
     from dmuon.bench import BenchConfig, run_benchmark
 
+    options = {"ns_dtype": "float32"} | options  # float32: the dmuon_bf16 row runs too, on any CPU
     return run_benchmark(BenchConfig(dim=64, layers=2, steps=1, warmup=1, json=json_path, **options))
+
+
+def bf16_benchmark(json_path: str) -> dict[str, Any]:
+    """dmuon and dmuon_bf16 asked for, with ns_dtype already bfloat16."""
+    return small_benchmark(json_path, optimizers=("dmuon", "dmuon_bf16"), ns_dtype="bfloat16")
 
 
 def small_batches_benchmark(json_path: str) -> dict[str, Any]:
@@ -382,13 +398,15 @@ HEAD_CASES: list[tuple[str, tuple[int, ...], int]] = [
 ]
 
 
-def layout_exactness(case_names: list[str], max_batch_numel: int, split_rows: int | None = None) -> dict[str, Any]:
+def layout_exactness(case_names: list[str], max_batch_numel: int, split_rows: int | None = None,
+                     ns_dtype: str = "auto") -> dict[str, Any]:
     """The cases named (from LAYOUT_CASES and HEAD_CASES), each sharded on its dim, vs
     single-process DMuon with the same options; plus paths, bytes and batches."""
     world = dist.get_world_size()
     cases = [c for c in LAYOUT_CASES + HEAD_CASES if c[0] in case_names]
     mesh = init_device_mesh(device_type(), (world,))
-    options = dict(lr=0.03, momentum=0.9, weight_decay=0.05, max_batch_numel=max_batch_numel, split_rows=split_rows)
+    options = dict(lr=0.03, momentum=0.9, weight_decay=0.05, max_batch_numel=max_batch_numel, split_rows=split_rows,
+                   ns_dtype=ns_dtype)
 
     def shard(name: str, t: torch.Tensor) -> DTensor:
         dim = next(d for n, _, d in cases if n == name)

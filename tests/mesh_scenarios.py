@@ -21,7 +21,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from dmuon import DMuon
 from dmuon.bench_layouts import as_dtensor
-from tests.distributed_scenarios import _device, device_type
+from tests.distributed_scenarios import NS_DTYPES, _device, device_type
 
 STEPS = 3
 OPTIONS = dict(lr=0.03, momentum=0.9, weight_decay=0.05)
@@ -60,16 +60,16 @@ def _tensors(seed: int, cases) -> dict[str, torch.Tensor]:
     return {name: torch.randn(shape, generator=generator).to(_device()) for name, shape, _ in cases}
 
 
-def mesh_exactness(split_replicas: bool | None, max_batch_numel: int = 1 << 27) -> dict[str, Any]:
+def mesh_exactness(split_replicas: bool | None, max_batch_numel: int = 1 << 27, ns_dtype: str = "auto") -> dict[str, Any]:
     """Every MESH_CASES parameter in one DMuon on a 2 x 2 mesh vs the oracle."""
     mesh = init_device_mesh(device_type(), (2, 2))
     cases = [case for group in MESH_CASES.values() for case in group]
     placements = {name: p for name, _, p in cases}
     params = {n: nn.Parameter(as_dtensor(t, mesh, placements[n])) for n, t in _tensors(0, cases).items()}
     oracle = {n: nn.Parameter(t) for n, t in _tensors(0, cases).items()}
-    optimizer = DMuon([{"params": list(params.items()), "use_muon": True}], **OPTIONS,
+    optimizer = DMuon([{"params": list(params.items()), "use_muon": True}], **OPTIONS, ns_dtype=ns_dtype,
                       split_replicas=split_replicas, max_batch_numel=max_batch_numel)
-    reference = DMuon([{"params": list(oracle.items()), "use_muon": True}], **OPTIONS)
+    reference = DMuon([{"params": list(oracle.items()), "use_muon": True}], **OPTIONS, ns_dtype=ns_dtype)
     for step in range(STEPS):
         for name, grad in _tensors(100 + step, cases).items():
             params[name].grad = as_dtensor(grad, mesh, placements[name])
@@ -137,19 +137,26 @@ def titan_llama3_exactness(dp_replicate: int, dp_shard: int, tp: int) -> dict[st
     full = {n: p.detach().clone() for n, p in model.named_parameters() if p.ndim == 2 and "layers" in n}
     parallelize_llama(model, dims, job)
     params = {n: p for n, p in model.named_parameters() if n in full}
-    oracle = {n: nn.Parameter(t.clone()) for n, t in full.items()}
-    optimizer = DMuon([{"params": list(params.items()), "use_muon": True}], **OPTIONS)
-    reference = DMuon([{"params": list(oracle.items()), "use_muon": True}], **OPTIONS)
-    for step in range(STEPS):
-        generator = torch.Generator().manual_seed(100 + step)
-        for name, param in params.items():
-            grad = torch.randn(full[name].shape, generator=generator).to(_device())
-            param.grad = as_dtensor(grad, param.device_mesh, tuple(param.placements))
-            oracle[name].grad = grad
-        optimizer.step()
-        reference.step()
+    start = {n: p.to_local().clone() for n, p in params.items()}
+    equal = {}
+    for ns_dtype in NS_DTYPES:  # each from the same start
+        with torch.no_grad():
+            for name, param in params.items():
+                param.to_local().copy_(start[name])
+        oracle = {n: nn.Parameter(t.clone()) for n, t in full.items()}
+        optimizer = DMuon([{"params": list(params.items()), "use_muon": True}], **OPTIONS, ns_dtype=ns_dtype)
+        reference = DMuon([{"params": list(oracle.items()), "use_muon": True}], **OPTIONS, ns_dtype=ns_dtype)
+        for step in range(STEPS):
+            generator = torch.Generator().manual_seed(100 + step)
+            for name, param in params.items():
+                grad = torch.randn(full[name].shape, generator=generator).to(_device())
+                param.grad = as_dtensor(grad, param.device_mesh, tuple(param.placements))
+                oracle[name].grad = grad
+            optimizer.step()
+            reference.step()
+        equal[ns_dtype] = {n: torch.equal(p.full_tensor(), oracle[n].detach()) for n, p in params.items()}
     return {
-        "equal": {n: torch.equal(p.full_tensor(), oracle[n].detach()) for n, p in params.items()},
+        "equal": equal,
         "placements": {n: str(tuple(p.placements)) for n, p in params.items()},
         "paths": optimizer.comm_paths(),
     }

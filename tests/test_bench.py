@@ -51,6 +51,36 @@ def test_newton_schulz_work_is_split_evenly_between_the_ranks(report):
     assert report["results"]["dmuon"]["ns_flops_per_rank_max"] <= 1.1 * total / 2
 
 
+def test_each_row_says_which_dtype_its_newton_schulz_ran_in(report):
+    dtypes = {name: row["ns_dtype"] for name, row in report["results"].items()}
+    assert dtypes == {"dmuon": "float32", "dmuon_bf16": "bfloat16", "redistribute": "float32",
+                      "vanilla": "bfloat16", "adamw": None, "single": "float32"}
+
+
+def test_vanilla_is_compared_with_dmuon_in_bf16_only(report):
+    results = report["results"]
+    assert report["speedup_vs_vanilla"] == results["vanilla"]["step_ms"] / results["dmuon_bf16"]["step_ms"]
+    rows = {line.split()[0]: line.split() for line in format_table(report).splitlines()[2:8]}
+    assert rows["dmuon"][1:2] == ["float32"] and rows["dmuon"][3] == "-"
+    assert rows["dmuon_bf16"][1:2] == ["bfloat16"] and rows["dmuon_bf16"][3].endswith("x")
+
+
+def test_dmuon_in_bf16_sends_the_same_bytes_as_dmuon(report):
+    assert report["results"]["dmuon_bf16"]["bytes_sent_per_rank"] == report["results"]["dmuon"]["bytes_sent_per_rank"]
+
+
+def test_newton_schulz_throughput_is_reported_for_both_dtypes(report):
+    rates = report["ns_throughput_gflops"]
+    assert set(rates) == {"bfloat16", "float32"} and all(rate > 0 for rate in rates.values())
+    assert "Newton-Schulz on one 64 x 64 matrix" in format_table(report)
+
+
+def test_the_bf16_row_is_skipped_when_dmuon_already_runs_in_bf16(tmp_path):
+    path = tmp_path / "bench.json"
+    run_on_ranks(scenarios.bf16_benchmark, 1, str(path))
+    assert set(json.loads(path.read_text())["results"]) == {"dmuon"}
+
+
 def test_vanilla_muon_sends_more_than_dmuon(report):
     assert report["results"]["vanilla"]["bytes_sent_per_rank"] > report["results"]["dmuon"]["bytes_sent_per_rank"]
 

@@ -37,7 +37,7 @@ def test_dmuon_on_one_gpu_is_bitwise_equal_to_torch_muon():
     grads = [[torch.randn(w.shape, generator=generator).cuda() for w in weights] for _ in range(3)]
     ours = [nn.Parameter(w.clone()) for w in weights]
     theirs = [nn.Parameter(w.clone()) for w in weights]
-    dmuon = DMuon([{"params": ours, "use_muon": True}], lr=0.02, weight_decay=0.1)
+    dmuon = DMuon([{"params": ours, "use_muon": True}], lr=0.02, weight_decay=0.1, ns_dtype="bfloat16")
     muon = torch.optim.Muon(theirs, lr=0.02, weight_decay=0.1)
     for step_grads in grads:
         for a, b, g in zip(ours, theirs, step_grads):

@@ -3,7 +3,8 @@
 The oracle runs in the worker too (one thread, plain tensors), after the distributed
 run. Cases: square, tall and wide matrices, an uneven split, a matrix with an empty
 shard on the last rank (at P = 4), a 3-D expert weight, two Muon groups with different
-lr and momentum, and an AdamW group, all in one optimizer.
+lr and momentum, and an AdamW group, all in one optimizer; each with Newton-Schulz in bf16 and in fp32
+(``ns_dtype``), since both must be exact.
 """
 
 from __future__ import annotations
@@ -18,27 +19,45 @@ CASE_NAMES = [name for name, _, _ in scenarios.CASES]
 
 
 @pytest.fixture(scope="module")
-def results() -> dict[int, dict]:
-    return {world: run_on_ranks(scenarios.exactness, world)[0] for world in WORLD_SIZES}
+def every_dtype() -> dict[int, dict[str, dict]]:
+    """Per world size, per ns_dtype: the exactness scenario's figures (rank 0)."""
+    return {world: run_on_ranks(scenarios.per_ns_dtype, world, scenarios.exactness)[0] for world in WORLD_SIZES}
+
+
+@pytest.fixture(scope="module")
+def results(every_dtype) -> dict[int, dict]:
+    """The figures with Newton-Schulz in bf16 (what the checks of paths and bytes read)."""
+    return {world: by_dtype["bfloat16"] for world, by_dtype in every_dtype.items()}
 
 
 @pytest.mark.parametrize("case", CASE_NAMES)
 @pytest.mark.parametrize("world", WORLD_SIZES)
-def test_fast_path_is_bitwise_equal_to_single_process(results, world, case):
-    assert results[world][("fsdp", "all_to_all")][case]
+@pytest.mark.parametrize("ns_dtype", scenarios.NS_DTYPES)
+def test_fast_path_is_bitwise_equal_to_single_process(every_dtype, ns_dtype, world, case):
+    assert every_dtype[world][ns_dtype][("fsdp", "all_to_all")][case]
 
 
 @pytest.mark.parametrize("case", CASE_NAMES)
 @pytest.mark.parametrize("world", WORLD_SIZES)
-def test_reference_path_is_bitwise_equal_to_single_process(results, world, case):
-    assert results[world][("fsdp", "redistribute")][case]
+@pytest.mark.parametrize("ns_dtype", scenarios.NS_DTYPES)
+def test_reference_path_is_bitwise_equal_to_single_process(every_dtype, ns_dtype, world, case):
+    assert every_dtype[world][ns_dtype][("fsdp", "redistribute")][case]
 
 
 @pytest.mark.parametrize("comm", ["all_to_all", "redistribute"])
 @pytest.mark.parametrize("layout", ["hsdp", "fsdp_tp"])
-def test_hsdp_and_fsdp_tp_are_bitwise_equal_on_the_path_comm_asks_for(results, layout, comm):
-    assert all(results[4][(layout, comm)].values()), results[4][(layout, comm)]
-    assert set(results[4][(layout, comm, "paths")].values()) == {comm}
+@pytest.mark.parametrize("ns_dtype", scenarios.NS_DTYPES)
+def test_hsdp_and_fsdp_tp_are_bitwise_equal_on_the_path_comm_asks_for(every_dtype, ns_dtype, layout, comm):
+    four = every_dtype[4][ns_dtype]
+    assert set(four[(layout, comm)]) == set(CASE_NAMES)
+    assert all(four[(layout, comm)].values()), four[(layout, comm)]
+    assert set(four[(layout, comm, "paths")].values()) == {comm}
+
+
+def test_the_two_compute_dtypes_give_different_weights(every_dtype):
+    """So the bitwise checks above compare two different computations, not one twice."""
+    sharded = {dtype: every_dtype[2][dtype][("fsdp", "all_to_all", "checksum")] for dtype in scenarios.NS_DTYPES}
+    assert sharded["bfloat16"] != sharded["float32"]
 
 
 def test_the_cases_include_an_empty_shard_at_four_ranks(results):

@@ -11,25 +11,33 @@ from __future__ import annotations
 import pytest
 
 from tests import mesh_scenarios as scenarios
+from tests.distributed_scenarios import NS_DTYPES, per_ns_dtype
 from tests.multiprocess import run_on_ranks
 
 CASE_NAMES = [name for group in scenarios.MESH_CASES.values() for name, _, _ in group]
 
 
 @pytest.fixture(scope="module")
-def results() -> dict[str, list[dict]]:
-    """Per setting of split_replicas, every rank's figures."""
-    return {
-        "split": run_on_ranks(scenarios.mesh_exactness, 4, True),
-        "apart": run_on_ranks(scenarios.mesh_exactness, 4, False),
-        "tiny_batches": run_on_ranks(scenarios.mesh_exactness, 4, True, 16),
-    }
+def every_dtype() -> dict[str, dict[str, list[dict]]]:
+    """Per setting of split_replicas (and batch size), per ns_dtype, every rank's figures."""
+    settings = {"split": (True,), "apart": (False,), "tiny_batches": (True, 16)}
+    by_rank = {setting: run_on_ranks(per_ns_dtype, 4, scenarios.mesh_exactness, *args)
+               for setting, args in settings.items()}
+    return {setting: {dtype: [rank[dtype] for rank in ranks] for dtype in NS_DTYPES}
+            for setting, ranks in by_rank.items()}
+
+
+@pytest.fixture(scope="module")
+def results(every_dtype) -> dict[str, list[dict]]:
+    """The figures with Newton-Schulz in bf16 (what the checks of paths, bytes and flops read)."""
+    return {setting: by_dtype["bfloat16"] for setting, by_dtype in every_dtype.items()}
 
 
 @pytest.mark.parametrize("case", CASE_NAMES)
 @pytest.mark.parametrize("setting", ["split", "apart", "tiny_batches"])
-def test_every_layout_is_bitwise_equal_to_single_process(results, setting, case):
-    assert all(rank["equal"][case] for rank in results[setting])
+@pytest.mark.parametrize("ns_dtype", NS_DTYPES)
+def test_every_layout_is_bitwise_equal_to_single_process(every_dtype, ns_dtype, setting, case):
+    assert all(rank["equal"][case] for rank in every_dtype[setting][ns_dtype])
 
 
 def test_no_muon_parameter_of_these_layouts_takes_the_reference_path(results):

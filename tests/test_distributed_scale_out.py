@@ -16,19 +16,24 @@ DEFAULT_CAP = 1 << 27
 
 
 @pytest.fixture(scope="module")
-def every_layout() -> dict[int, dict]:
-    return {world: run_on_ranks(scenarios.layout_exactness, world, ALL, DEFAULT_CAP)[0] for world in (1, 2, 4)}
+def every_layout() -> dict[int, dict[str, dict]]:
+    """Per world size, per ns_dtype: the layout scenario's figures (rank 0)."""
+    return {world: run_on_ranks(scenarios.per_ns_dtype, world, scenarios.layout_exactness, ALL, DEFAULT_CAP)[0]
+            for world in (1, 2, 4)}
 
 
 @pytest.mark.parametrize("case", ALL)
 @pytest.mark.parametrize("world", [1, 2, 4])
-def test_every_block_layout_is_bitwise_equal_to_single_process(every_layout, world, case):
-    assert every_layout[world]["equal"][case]
+@pytest.mark.parametrize("ns_dtype", scenarios.NS_DTYPES)
+def test_every_block_layout_is_bitwise_equal_to_single_process(every_layout, ns_dtype, world, case):
+    assert every_layout[world][ns_dtype]["equal"][case]
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_every_block_layout_takes_the_fast_path(every_layout, world):
-    assert set(every_layout[world]["paths"].values()) == {"all_to_all"}
+@pytest.mark.parametrize("ns_dtype", scenarios.NS_DTYPES)
+def test_every_block_layout_takes_the_fast_path(every_layout, ns_dtype, world):
+    assert set(every_layout[world][ns_dtype]["paths"]) == set(ALL)
+    assert set(every_layout[world][ns_dtype]["paths"].values()) == {"all_to_all"}
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])
@@ -53,7 +58,7 @@ def test_more_ranks_than_matrices_stays_bitwise():
     assert all(result["equal"].values()), result["equal"]
 
 
-def test_experts_split_across_ranks_travel_and_stay_bitwise(every_layout):
+def test_experts_split_across_ranks_travel_and_stay_bitwise():
     split = run_on_ranks(scenarios.layout_exactness, 4, ["experts_split_rows", "experts_split_cols"], DEFAULT_CAP)
     assert all(rank["bytes"] > 0 for rank in split)
     assert all(split[0]["equal"].values())

@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 
 from tests import mesh_scenarios as scenarios
+from tests.distributed_scenarios import NS_DTYPES
 from tests.multiprocess import run_on_ranks
 
 # (dp_replicate, dp_shard, tp) and the world size.
@@ -28,8 +29,10 @@ def runs() -> dict[str, list[dict]]:
 
 
 @pytest.mark.parametrize("setup", list(SETUPS))
-def test_every_hidden_weight_is_bitwise_equal_to_single_process(runs, setup):
-    assert all(all(rank["equal"].values()) for rank in runs[setup]), runs[setup][0]["equal"]
+@pytest.mark.parametrize("ns_dtype", NS_DTYPES)
+def test_every_hidden_weight_is_bitwise_equal_to_single_process(runs, ns_dtype, setup):
+    equal = [rank["equal"][ns_dtype] for rank in runs[setup]]
+    assert equal[0] and all(all(rank.values()) for rank in equal), equal[0]
 
 
 @pytest.mark.parametrize("setup", list(SETUPS))

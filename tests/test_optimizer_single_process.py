@@ -13,6 +13,9 @@ from dmuon import DMuon
 from dmuon.update_rules import shape_scale
 
 MUON_SHAPES = [(32, 16), (16, 48), (24, 24)]  # tall, wide, square
+# torch.optim.Muon runs Newton-Schulz in bf16: parity tests pin DMuon's ns_dtype to it
+# (its default, "auto", is float32 on CPUs without a native bf16 matmul).
+TORCH_MUON_DTYPE = "bfloat16"
 
 
 @pytest.fixture(autouse=True)
@@ -113,7 +116,7 @@ def _rms(tensor: torch.Tensor) -> float:
 def test_muon_is_bitwise_torch_optim_muon(adjust_lr, nesterov):
     ours, theirs = _matrices(), _matrices()
     hyper = dict(lr=0.02, weight_decay=0.1, momentum=0.9, nesterov=nesterov)
-    dmuon = DMuon([{"params": ours, "use_muon": True}], adjust_lr=adjust_lr, **hyper)
+    dmuon = DMuon([{"params": ours, "use_muon": True}], adjust_lr=adjust_lr, ns_dtype=TORCH_MUON_DTYPE, **hyper)
     reference = torch.optim.Muon(theirs, adjust_lr_fn=adjust_lr, **hyper)
 
     _run(dmuon, ours, range(3))
@@ -151,7 +154,8 @@ def test_adamw_group_is_bitwise_torch_optim_adamw():
 
 def test_whole_model_is_bitwise_torch_muon_plus_torch_adamw():
     ours, theirs = _tiny_lm(), _tiny_lm()
-    dmuon = DMuon(ours.named_parameters(), lr=0.02, weight_decay=0.1, adamw_lr=1e-3, adamw_betas=(0.9, 0.95))
+    dmuon = DMuon(ours.named_parameters(), lr=0.02, weight_decay=0.1, adamw_lr=1e-3, adamw_betas=(0.9, 0.95),
+                  ns_dtype=TORCH_MUON_DTYPE)
     muon_params = [p for n, p in theirs.named_parameters() if n in MUON_NAMES]
     adamw_params = [p for n, p in theirs.named_parameters() if n in ADAMW_NAMES]
     muon = torch.optim.Muon(muon_params, lr=0.02, weight_decay=0.1, adjust_lr_fn="original")
@@ -221,6 +225,7 @@ def test_per_group_lr_and_momentum_overrides_are_used():
         [{"params": ours[:1], "use_muon": True, "lr": 0.05, "momentum": 0.8}, {"params": ours[1:], "use_muon": True}],
         lr=0.02,
         weight_decay=0.1,
+        ns_dtype=TORCH_MUON_DTYPE,
     )
     reference = torch.optim.Muon(
         [{"params": theirs[:1], "lr": 0.05, "momentum": 0.8}, {"params": theirs[1:]}],
@@ -471,7 +476,8 @@ def test_split_rows_orthogonalizes_each_block_of_rows_on_its_own():
     weight, grad = torch.randn(12, 20, generator=generator), torch.randn(12, 20, generator=generator)
     param = nn.Parameter(weight.clone())
     param.grad = grad.clone()
-    DMuon([param], lr=0.1, momentum=0.0, nesterov=False, split_rows=4, adjust_lr="spectral").step()
+    DMuon([param], lr=0.1, momentum=0.0, nesterov=False, split_rows=4, adjust_lr="spectral",
+          ns_dtype="bfloat16").step()
     scale = shape_scale((4, 20), "spectral", 0.2)  # a block's A x B, not the whole matrix's
     expected = weight.clone().add_(orthogonalize_row_blocks(grad, 4), alpha=-0.1 * scale)
     assert torch.equal(param.detach(), expected)
@@ -482,7 +488,7 @@ def test_split_rows_scales_the_update_by_the_block_shape():
     weight, grad = torch.randn(8, 4, generator=generator), torch.randn(8, 4, generator=generator)
     split, whole = nn.Parameter(weight.clone()), nn.Parameter(weight.clone())
     split.grad, whole.grad = grad.clone(), grad.clone()
-    DMuon([split], lr=0.1, momentum=0.0, nesterov=False, split_rows=4).step()  # 4 x 4 blocks: scale 1
+    DMuon([split], lr=0.1, momentum=0.0, nesterov=False, split_rows=4, ns_dtype="bfloat16").step()  # scale 1
     from dmuon.newton_schulz import orthogonalize_row_blocks
 
     assert torch.equal(split.detach(), weight - 0.1 * orthogonalize_row_blocks(grad, 4).float())

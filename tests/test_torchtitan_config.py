@@ -77,6 +77,23 @@ def test_unknown_adjust_lr_is_rejected_naming_the_toml_key(tmp_path):
         parse("--job.config_file", str(path))
 
 
+def test_ns_dtype_defaults_to_auto_and_is_set_in_the_shipped_dmuon_configs():
+    assert parse(*EXT).optimizer.ns_dtype == "auto"
+    for name in ("llama3_debug_dmuon.toml", "llama3_8b_dmuon.toml"):
+        assert parse("--job.config_file", str(CONFIGS / name)).optimizer.ns_dtype == "auto"
+
+
+def test_unknown_ns_dtype_is_rejected_with_dmuons_own_message_naming_the_section(tmp_path):
+    from dmuon.param_groups import check_ns_dtype
+
+    with pytest.raises(ValueError) as rule:
+        check_ns_dtype("fp16", "[optimizer]")
+    path = toml_with(tmp_path, 'ns_dtype = "auto"', 'ns_dtype = "fp16"')
+    with pytest.raises(ValueError) as from_toml:
+        parse("--job.config_file", str(path))
+    assert str(from_toml.value) == str(rule.value)
+
+
 def test_invalid_regex_is_rejected_naming_the_toml_key(tmp_path):
     path = toml_with(tmp_path, "adamw_param_regex = '", "adamw_param_regex = '(unclosed|")
     with pytest.raises(ValueError, match=r"\[optimizer\] adamw_param_regex = .* is not a valid"):

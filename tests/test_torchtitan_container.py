@@ -161,6 +161,11 @@ def test_config_fields_map_onto_dmuon_arguments():
     assert (kwargs["ns_steps"], kwargs["momentum"], kwargs["nesterov"]) == (3, 0.9, False)
 
 
+def test_ns_dtype_reaches_every_dmuon_of_the_container():
+    (optimizer,) = build([tiny_llama()], "--optimizer.ns_dtype", "float32")
+    assert optimizer.ns_dtype == "float32"
+
+
 def test_split_replicas_maps_auto_always_never_onto_none_true_false():
     for value, expected in (("auto", None), ("always", True), ("never", False)):
         assert dmuon_kwargs(optimizer_config("--optimizer.split_replicas", value))["split_replicas"] is expected

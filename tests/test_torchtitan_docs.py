@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import os
 import re
-import signal
-import subprocess
 import sys
 from pathlib import Path
+
+from tests import launch
 
 REPO = Path(__file__).resolve().parents[1]
 DOC = REPO / "README.md"
@@ -20,14 +20,8 @@ def test_the_fsdp2_example_in_the_docs_trains_on_two_cpu_ranks(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
            "--local-ranks-filter=0", str(script)]
-    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=180)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # the whole torchrun process group
-        out, _ = proc.communicate()
-        raise AssertionError(f"example timed out:\n{out[-4000:]}")
+    proc = launch.run(cmd, timeout_s=180, cwd=tmp_path, env=env)
+    out = proc.stdout
     losses = [float(x) for x in re.findall(r"step \d+: loss ([0-9.]+)", out)]
     assert len(losses) == 3 and losses[-1] < losses[0] / 2, out[-2000:]
     # A plain gloo program can abort at interpreter exit after finishing its work: a gloo

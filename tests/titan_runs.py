@@ -1,8 +1,8 @@
 """Launching real ``torchrun`` TorchTitan jobs from tests, and reading what they left behind.
 
 Every launch is ``torchrun --standalone`` (a free port is picked) with
-``OMP_NUM_THREADS=1``, a timeout, and its own process group, which is killed
-whole if the run hangs. Every rank's output is kept under
+``OMP_NUM_THREADS=1`` and a timeout, through ``tests.launch``: a run that hangs is
+stopped with every process it started, torchrun's workers included. Every rank's output is kept under
 ``<dump_folder>/torchrun_logs/<run id>/attempt_<n>/<rank>/`` and shown when a
 run fails.
 """
@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
+from tests import launch
 from torchtitan_ext.titan_log import parse_log, TitanLog
 
 REPO = Path(__file__).resolve().parents[1]
@@ -61,15 +60,11 @@ def torchrun(toml: Path, dump_folder: Path, *overrides: str, nproc: int = 2, che
     if max_restarts:
         run_env.update(RESTART_SAFE_ENV)
     run_env.update(env or {})
-    # A new session makes the run a process group we can kill as a whole.
-    proc = subprocess.Popen(cmd, cwd=REPO, env=run_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
     try:
-        out, _ = proc.communicate(timeout=RUN_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        raise RunFailed(f"torchrun timed out after {RUN_TIMEOUT_S}s:\n{out[-4000:]}{_tails(dump_folder)}")
+        proc = launch.run(cmd, timeout_s=RUN_TIMEOUT_S, cwd=REPO, env=run_env)
+    except launch.LaunchTimedOut as timed_out:
+        raise RunFailed(f"{timed_out}{_tails(dump_folder)}") from None
+    out = proc.stdout
     if check and proc.returncode != 0:
         raise RunFailed(f"torchrun exited with {proc.returncode}:\n{out[-6000:]}{_tails(dump_folder)}")
     return parse_log(out), out

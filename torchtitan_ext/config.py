@@ -28,7 +28,8 @@ from typing import Any
 
 from dmuon import ADJUST_LR_CHOICES as _DMUON_ADJUST_LR_CHOICES
 from dmuon import DEFAULT_ADAMW_NAME_PATTERN, NS_COEFFICIENT_SETS
-from dmuon.param_groups import resolve_ns_coefficients
+from dmuon.newton_schulz import DEFAULT_NS_DTYPE
+from dmuon.param_groups import check_ns_dtype, resolve_ns_coefficients
 
 DMUON_NAME = "DMuon"
 
@@ -61,6 +62,14 @@ class Optimizer:
     ("keller": Keller Jordan's quintic (3.4445, -4.7750, 2.0315) in every iteration;
     "polar_express": the Polar Express schedule, a different quintic per iteration),
     or a list of [a, b, c] triples, one per iteration (the last repeats).
+    """
+
+    ns_dtype: str = DEFAULT_NS_DTYPE
+    """
+    What Newton-Schulz multiplies in: "bfloat16" (what Muon is tuned for), "float32"
+    (for CPUs without a native bf16 matmul, where bf16 runs ~50x slower), or "auto":
+    bfloat16 on GPUs and on CPUs with native bf16 (AVX-512/AMX), float32 on other CPUs
+    (AVX2). Matrices travel and results come back in bf16 either way.
     """
 
     adjust_lr: str = "original"
@@ -166,6 +175,7 @@ def validate_optimizer_config(optimizer_config: Any) -> None:
             f"[optimizer] ns_coefficients = {cfg.ns_coefficients!r} is not known. "
             f"Use one of {known_sets}, or a list of [a, b, c] triples (one per iteration)."
         ) from None
+    check_ns_dtype(cfg.ns_dtype, "[optimizer]")
     if cfg.ns_steps < 1:
         raise ValueError(f"[optimizer] ns_steps = {cfg.ns_steps} must be at least 1.")
     if not 0.0 <= cfg.momentum < 1.0:

@@ -133,6 +133,7 @@ def dmuon_kwargs(optimizer_config: Any) -> dict[str, Any]:
         "adamw_eps": cfg.eps,
         "comm": cfg.comm,
         "split_replicas": SPLIT_REPLICAS[cfg.split_replicas],
+        "ns_dtype": cfg.ns_dtype,
         "telemetry": cfg.telemetry,
     }
 
