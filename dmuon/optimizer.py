@@ -77,6 +77,18 @@ WHOLE_TENSOR_TRANSPORTS = {LOCAL: orthogonalize_local, REDISTRIBUTE: orthogonali
 
 ParamsArg = Iterable[torch.Tensor] | Iterable[tuple[str, torch.Tensor]] | Iterable[dict[str, Any]]
 
+# What a pickle or deepcopy of a DMuon keeps besides torch's defaults, state and
+# param_groups: its configuration. The paths and owner plans are derived from the
+# parameters (and a plan holds process groups, which do not pickle): the copy rebuilds
+# them at its first step. Its measurements (comm_stats, scratch_stats, telemetry) start afresh.
+PICKLED_ATTRIBUTES = (
+    "_muon_defaults", "_adamw_defaults", "_names", "_groups_added", "comm", "max_batch_numel", "split_replicas",
+    "ns_dtype",
+)
+# The key under which a pickle keeps ``telemetry``. It also tells __setstate__ that it
+# makes a copy: load_state_dict calls it too, with only state and param_groups.
+TELEMETRY_STATE_KEY = "telemetry_enabled"
+
 
 @dataclass
 class _FastPlan:
@@ -208,18 +220,37 @@ class DMuon(Optimizer):
         self.max_batch_numel = max_batch_numel
         self.split_replicas = split_replicas
         self.ns_dtype = check_ns_dtype(ns_dtype)
-        self.comm_stats = CommStats()
-        """Bytes and collectives of the fast path since construction."""
         self._names: dict[torch.Tensor, str] = {}
         self._groups_added = 0  # groups as the user wrote them, before any split
+        self._start_afresh(telemetry)
+        defaults = dict(muon_defaults, adamw_lr=adamw_lr, adamw_betas=adamw_betas, adamw_eps=adamw_eps,
+                        adamw_weight_decay=adamw_weight_decay, comm=comm)
+        super().__init__(params, defaults)
+
+    def _start_afresh(self, telemetry: bool) -> None:
+        """Measurements from zero, and no paths or plans yet (made at the first step)."""
+        self.comm_stats = CommStats()
+        """Bytes and collectives of the fast path since construction."""
         self.scratch_stats = ScratchMeter()
         """Live and peak bytes of the fast path's scratch; the peak is reset each step."""
         self._telemetry = Telemetry(telemetry)
         self._fast_plans: list[_FastPlan] | None = None
         self._paths: dict[torch.Tensor, str] | None = None
-        defaults = dict(muon_defaults, adamw_lr=adamw_lr, adamw_betas=adamw_betas, adamw_eps=adamw_eps,
-                        adamw_weight_decay=adamw_weight_decay, comm=comm)
-        super().__init__(params, defaults)
+
+    # ------------------------------------------------------------------ pickling
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state.update({name: getattr(self, name) for name in PICKLED_ATTRIBUTES})
+        state[TELEMETRY_STATE_KEY] = self._telemetry.enabled
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        state = dict(state)
+        telemetry = state.pop(TELEMETRY_STATE_KEY, None)
+        super().__setstate__(state)
+        if telemetry is not None:  # a copy, not load_state_dict: nothing derived came with it
+            self._start_afresh(telemetry)
 
     # ------------------------------------------------------------------ groups
 
