@@ -112,7 +112,8 @@ class DMuon(Optimizer):
             without it is split: ndim >= 2 parameters go to Muon unless their name marks
             an embedding or output head (see ``DEFAULT_ADAMW_NAME_PATTERN``), the rest
             to AdamW.
-        lr: Muon learning rate (also AdamW's unless ``adamw_lr`` is set).
+        lr: Muon learning rate (also AdamW's unless ``adamw_lr`` is set): a float or a
+            one-element Tensor of any shape (used as torch.optim.Muon and AdamW use one).
         momentum: Muon's EMA momentum coefficient.
         nesterov: use the Nesterov look-ahead ``lerp(grad, buf, momentum)``.
         weight_decay: decoupled weight decay, applied as ``p *= 1 - lr * weight_decay``.
@@ -161,7 +162,7 @@ class DMuon(Optimizer):
     def __init__(
         self,
         params: ParamsArg,
-        lr: float = 0.02,
+        lr: float | torch.Tensor = 0.02,
         momentum: float = 0.95,
         nesterov: bool = True,
         weight_decay: float = 0.0,

@@ -156,6 +156,9 @@ def _check_range(
 ) -> None:
     value = group[key]
     if isinstance(value, torch.Tensor):
+        if value.numel() != 1:  # torch.optim's rule: a Tensor lr is one value, of any shape
+            raise ValueError(f"{where}: a Tensor {key} must be 1-element (one value), got shape "
+                             f"{tuple(value.shape)}; pass a float or a one-element Tensor")
         value = value.item()
     ok = isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value)
     ok = ok and (value > low if low_open else value >= low) and (value < high if high_open else value <= high)

@@ -63,9 +63,16 @@ def muon_momentum_(grad: torch.Tensor, buf: torch.Tensor, momentum: float, neste
 
 
 def apply_muon_update_(
-    param: torch.Tensor, ortho: torch.Tensor, lr: float, weight_decay: float, scale: float
+    param: torch.Tensor, ortho: torch.Tensor, lr: float | torch.Tensor, weight_decay: float, scale: float
 ) -> None:
-    """Decoupled weight decay with the unscaled ``lr``, then the scaled orthogonal step."""
+    """Decoupled weight decay with the unscaled ``lr``, then the scaled orthogonal step.
+
+    A Tensor ``lr`` (one element, any shape) is used as torch.optim.Muon uses it: as a
+    0-dim tensor (``alpha`` takes no other), with the same tensor arithmetic, so the bits
+    are torch's for that Tensor.
+    """
+    if isinstance(lr, torch.Tensor):
+        lr = lr.squeeze()
     param.mul_(1 - lr * weight_decay)
     param.add_(ortho, alpha=-lr * scale)
 
@@ -77,14 +84,15 @@ def adamw_step_(
     exp_avg_sqs: list[torch.Tensor],
     steps: list[torch.Tensor],
     *,
-    lr: float,
+    lr: float | torch.Tensor,
     betas: tuple[float, float],
     eps: float,
     weight_decay: float,
     has_complex: bool,
 ) -> None:
     """One AdamW step, delegated to torch's functional AdamW so the bits match
-    ``torch.optim.AdamW`` with the same hyperparameters (it also handles DTensors)."""
+    ``torch.optim.AdamW`` with the same hyperparameters, a one-element Tensor ``lr``
+    included (it also handles DTensors)."""
     _torch_adamw(
         params,
         grads,

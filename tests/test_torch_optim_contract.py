@@ -91,3 +91,39 @@ def test_copied_optimizer_steps_bitwise_like_the_original_as_torch_optimizers_do
     _assert_bitwise_equal(_run([copies[0]], range(2, 3)), expected)
     _assert_bitwise_equal(_run(copies[1], range(2, 3)), expected)
     _assert_bitwise_equal(_run(reference, range(2, 3)), expected)
+
+
+# ------------------------------------------------------------------ Tensor lr
+
+
+@pytest.mark.parametrize("shape", [(), (1,), (1, 1)])
+def test_one_element_tensor_lr_of_any_shape_steps_bitwise_like_torch(shape):
+    def tensor(value: float) -> torch.Tensor:
+        return torch.tensor(value).reshape(shape)
+
+    dmuon = DMuon(_tiny_lm().named_parameters(), **dict(HYPER, lr=tensor(MUON_LR), adamw_lr=tensor(ADAMW_LR)))
+    reference = _torch_pair(_tiny_lm(), muon_lr=tensor(MUON_LR), adamw_lr=tensor(ADAMW_LR))
+    with_floats = DMuon(_tiny_lm().named_parameters(), **dict(HYPER, lr=tensor(MUON_LR).item(),
+                                                              adamw_lr=tensor(ADAMW_LR).item()))
+
+    ours = _run([dmuon], range(3))
+
+    _assert_bitwise_equal(ours, _run(reference, range(3)))
+    # torch computes with a Tensor lr in the Tensor's dtype and with a float in float64,
+    # so the two may differ in the last bit (torch.optim.AdamW and Muon alike).
+    for a, e in zip(ours, _run([with_floats], range(3))):
+        torch.testing.assert_close(a, e)
+
+
+def test_tensor_lr_with_more_than_one_element_is_refused_like_torch():
+    matrix, vector, two = nn.Parameter(torch.randn(4, 4)), nn.Parameter(torch.randn(4)), torch.tensor([0.01, 0.02])
+    for optimizer_class in (torch.optim.Muon, torch.optim.AdamW):
+        with pytest.raises(ValueError, match="Tensor lr must be 1-element"):
+            optimizer_class([matrix], lr=two)
+    with pytest.raises(ValueError, match=r"^DMuon: a Tensor lr must be 1-element .*got shape \(2,\)"):
+        DMuon([matrix], lr=two)
+    with pytest.raises(ValueError, match=r"AdamW part\): a Tensor lr must be 1-element"):
+        DMuon([matrix], adamw_lr=two)
+    optimizer = DMuon([matrix])
+    with pytest.raises(ValueError, match=r"param group 1: a Tensor lr must be 1-element"):
+        optimizer.add_param_group({"params": [vector], "lr": two})
