@@ -45,15 +45,7 @@ from dmuon.newton_schulz import (
 from dmuon.transport.local import orthogonalize_local
 from dmuon.transport.owner_exchange import run_owner_plan
 from dmuon.transport.reference import orthogonalize_gathered
-from dmuon.param_groups import (
-    ADAMW_KEYS,
-    MUON_KEYS,
-    check_adamw_hyperparameters,
-    check_muon_hyperparameters,
-    check_muon_param,
-    check_ns_dtype,
-    default_use_muon,
-)
+from dmuon.param_groups import build_param_groups, check_adamw_hyperparameters, check_muon_hyperparameters, check_ns_dtype
 from dmuon.plan import (
     ALL_TO_ALL,
     COMM_CHOICES,
@@ -108,10 +100,15 @@ class DMuon(Optimizer):
 
     Args:
         params: tensors, ``(name, tensor)`` pairs (e.g. ``model.named_parameters()``),
-            or param-group dicts. A group's ``use_muon`` key picks the algorithm; a group
-            without it is split: ndim >= 2 parameters go to Muon unless their name marks
-            an embedding or output head (see ``DEFAULT_ADAMW_NAME_PATTERN``), the rest
-            to AdamW.
+            or param-group dicts; as in torch.optim, either every parameter has a name or
+            none has, and the names are kept in each group's ``param_names``. A group's
+            ``use_muon`` key picks the algorithm; a group without it is split: ndim >= 2
+            parameters go to Muon unless their name marks an embedding or output head
+            (see ``DEFAULT_ADAMW_NAME_PATTERN``), the rest to AdamW. A group may set any
+            key of ``defaults``: the options from ``lr`` to ``split_rows`` (``comm`` and
+            those after it are the whole optimizer's). For a group's AdamW parameters
+            ``adamw_<x>`` wins over ``<x>`` (``adamw_lr`` over ``lr``), as in the
+            constructor; a ``use_muon=True`` group refuses the ``adamw_*`` keys.
         lr: Muon learning rate (also AdamW's unless ``adamw_lr`` is set): a float or a
             one-element Tensor of any shape (used as torch.optim.Muon and AdamW use one).
         momentum: Muon's EMA momentum coefficient.
@@ -224,8 +221,9 @@ class DMuon(Optimizer):
         self._names: dict[torch.Tensor, str] = {}
         self._groups_added = 0  # groups as the user wrote them, before any split
         self._start_afresh(telemetry)
+        # The options a group may set (comm, ns_dtype and the rest are the whole optimizer's).
         defaults = dict(muon_defaults, adamw_lr=adamw_lr, adamw_betas=adamw_betas, adamw_eps=adamw_eps,
-                        adamw_weight_decay=adamw_weight_decay, comm=comm)
+                        adamw_weight_decay=adamw_weight_decay)
         super().__init__(params, defaults)
 
     def _start_afresh(self, telemetry: bool) -> None:
@@ -250,87 +248,25 @@ class DMuon(Optimizer):
         state = dict(state)
         telemetry = state.pop(TELEMETRY_STATE_KEY, None)
         super().__setstate__(state)
+        # torch's __setstate__ (also run by load_state_dict) adds differentiable=False to
+        # defaults; DMuon has no such option, and defaults stay the keys a group may set.
+        self.defaults.pop("differentiable", None)
         if telemetry is not None:  # a copy, not load_state_dict: nothing derived came with it
             self._start_afresh(telemetry)
 
     # ------------------------------------------------------------------ groups
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Add a group; one without ``use_muon`` is split into a Muon and an AdamW group."""
-        if not isinstance(param_group, dict):
-            raise TypeError(f"DMuon: a param group must be a dict, got {type(param_group).__name__}")
-        if "params" not in param_group:
-            raise ValueError("DMuon: a param group needs a 'params' entry")
-        raw = param_group["params"]
-        if isinstance(raw, torch.Tensor):
-            raw = [raw]
-        elif isinstance(raw, set):
-            raise TypeError("DMuon: params must be an ordered collection (list), not a set")
-        user_group = self._groups_added
+        """Add a group; one without ``use_muon`` is split into a Muon and an AdamW group
+        (``dmuon.param_groups.build_param_groups``)."""
+        built = build_param_groups(param_group, self._groups_added, self.param_groups, self._muon_defaults,
+                                   self._adamw_defaults)
         self._groups_added += 1
-        named = [self._name_param(item, user_group, i) for i, item in enumerate(raw)]
-        if not named:
-            raise ValueError(f"DMuon: param group {user_group} is empty")
-        in_other_groups = {id(p) for group in self.param_groups for p in group["params"]}
-        seen: set[int] = set()
-        for name, param in named:
-            if id(param) in in_other_groups:
-                raise ValueError(f"DMuon: parameter {name!r} appears in more than one param group")
-            if id(param) in seen:
-                raise ValueError(f"DMuon: parameter {name!r} appears twice in param group {user_group}")
-            seen.add(id(param))
-        options = {k: v for k, v in param_group.items() if k != "params"}
-        use_muon = options.pop("use_muon", None)
-        where = f"DMuon param group {user_group}"
-        if use_muon is None:
-            # Split by the default routing; each half takes the options it knows
-            # (shared keys such as lr and weight_decay go to both).
-            unknown = set(options) - set(MUON_KEYS) - set(ADAMW_KEYS) - {"initial_lr"}
-            if unknown:
-                raise ValueError(f"{where}: unknown option(s) {sorted(unknown)}; known: {sorted(set(MUON_KEYS) | set(ADAMW_KEYS))}")
-            for flag, keys in ((True, MUON_KEYS), (False, ADAMW_KEYS)):
-                members = [(n, p) for n, p in named if default_use_muon(n, p) == flag]
-                if members:
-                    kept = {k: v for k, v in options.items() if k in keys or k == "initial_lr"}
-                    self._append_group(members, flag, kept, where)
-        elif isinstance(use_muon, bool):
-            self._append_group(named, use_muon, options, where)
-        else:
-            raise TypeError(f"{where}: use_muon must be a bool, got {use_muon!r}")
+        for names, group in built:
+            self._names.update(zip(group["params"], names))
+            self.param_groups.append(group)
         # Paths and plans cover every Muon parameter: rebuild them.
         self._paths, self._fast_plans = None, None
-
-    def _name_param(self, item: Any, group_index: int, index: int) -> tuple[str, torch.Tensor]:
-        if isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str):
-            name, param = item
-        else:
-            name, param = f"param_groups[{group_index}][{index}]", item
-        if not isinstance(param, torch.Tensor):
-            raise TypeError(f"DMuon: parameter {name!r} is a {type(param).__name__}, expected a torch.Tensor")
-        if not param.is_leaf:
-            raise ValueError(f"DMuon: parameter {name!r} is not a leaf tensor; pass model parameters")
-        return name, param
-
-    def _append_group(
-        self, members: list[tuple[str, torch.Tensor]], use_muon: bool, options: dict[str, Any], where: str
-    ) -> None:
-        if use_muon:
-            group = {key: options.get(key, self._muon_defaults[key]) for key in MUON_KEYS}
-            check_muon_hyperparameters(group, where)
-            for name, param in members:
-                check_muon_param(param, name, group["split_rows"])
-        else:
-            group = {key: options.get(key, self._adamw_defaults[key]) for key in ADAMW_KEYS}
-            check_adamw_hyperparameters(group, where)
-        unknown = set(options) - set(group) - {"initial_lr"}
-        if unknown:
-            known = MUON_KEYS if use_muon else ADAMW_KEYS
-            raise ValueError(f"{where}: unknown option(s) {sorted(unknown)} for a {'Muon' if use_muon else 'AdamW'} group; known: {known}")
-        if "initial_lr" in options:
-            group["initial_lr"] = options["initial_lr"]
-        for name, param in members:
-            self._names[param] = name
-        self.param_groups.append({"params": [p for _, p in members], "use_muon": use_muon, **group})
 
     def param_name(self, param: torch.Tensor) -> str:
         """The name a parameter was given (or its group position)."""

@@ -35,6 +35,21 @@ MUON_KEYS = (
     "split_rows",
 )
 ADAMW_KEYS = ("lr", "betas", "eps", "weight_decay")
+# The constructor's AdamW keywords, accepted as group keys too: each sets the AdamW
+# value of its plain key and, as ``adamw_lr`` over ``lr`` in the constructor, wins over
+# it. None (the constructor's default of ``adamw_lr``) means unset.
+ADAMW_ALIASES = {"adamw_lr": "lr", "adamw_betas": "betas", "adamw_eps": "eps", "adamw_weight_decay": "weight_decay"}
+# The LR schedulers' key: it goes to every group made from the user's group.
+SCHEDULER_KEYS = ("initial_lr",)
+# The options a user's group may set (besides ``params``, ``param_names`` and
+# ``use_muon``), by what it becomes: a Muon group (``use_muon=True``), an AdamW group
+# (``use_muon=False``), or both (no ``use_muon``: split by the default routing).
+GROUP_OPTIONS = {
+    True: frozenset(MUON_KEYS + SCHEDULER_KEYS),
+    False: frozenset(ADAMW_KEYS + tuple(ADAMW_ALIASES) + SCHEDULER_KEYS),
+    None: frozenset(MUON_KEYS + ADAMW_KEYS + tuple(ADAMW_ALIASES) + SCHEDULER_KEYS),
+}
+GROUP_KIND = {True: "a Muon group", False: "an AdamW group", None: "a group without use_muon (split)"}
 
 
 def default_use_muon(name: str | None, param: torch.Tensor, adamw_name_pattern: str = DEFAULT_ADAMW_NAME_PATTERN) -> bool:
@@ -43,6 +58,123 @@ def default_use_muon(name: str | None, param: torch.Tensor, adamw_name_pattern: 
     if param.ndim < 2 or param.is_complex():
         return False
     return name is None or re.search(adamw_name_pattern, name) is None
+
+
+def build_param_groups(
+    param_group: Any,
+    index: int,
+    existing: list[dict[str, Any]],
+    muon_defaults: dict[str, Any],
+    adamw_defaults: dict[str, Any],
+) -> list[tuple[list[str], dict[str, Any]]]:
+    """DMuon's groups for the user's ``index``-th group, each with its parameters'
+    display names; ``existing`` (the groups made so far) is only read.
+
+    A group without ``use_muon`` is split by :func:`default_use_muon` into a Muon and
+    an AdamW group (each keeps the options it knows). A group of ``(name, tensor)``
+    pairs keeps the names, in order, under ``param_names``, as torch.optim does.
+    """
+    if not isinstance(param_group, dict):
+        raise TypeError(f"DMuon: a param group must be a dict, got {type(param_group).__name__}")
+    if "params" not in param_group:
+        raise ValueError("DMuon: a param group needs a 'params' entry")
+    where = f"DMuon param group {index}"
+    named, has_names = _named_params(param_group, index, where)
+    _check_membership(named, has_names, index, existing, where)
+    use_muon = param_group.get("use_muon")
+    if use_muon is not None and not isinstance(use_muon, bool):
+        raise TypeError(f"{where}: use_muon must be a bool, got {use_muon!r}")
+    options = {k: v for k, v in param_group.items() if k not in ("params", "param_names", "use_muon")}
+    unknown = set(options) - GROUP_OPTIONS[use_muon]
+    if unknown:
+        raise ValueError(f"{where}: unknown option(s) {sorted(unknown)} for {GROUP_KIND[use_muon]}; "
+                         f"known: {sorted(GROUP_OPTIONS[use_muon])}")
+    groups = []
+    for kind in (True, False) if use_muon is None else (use_muon,):
+        members = [(n, p) for n, p in named if use_muon is not None or default_use_muon(n, p) == kind]
+        if members:
+            defaults = muon_defaults if kind else adamw_defaults
+            groups.append(([n for n, _ in members], _make_group(members, kind, has_names, options, defaults, where)))
+    return groups
+
+
+def _named_params(param_group: dict[str, Any], index: int, where: str) -> tuple[list[tuple[str, torch.Tensor]], bool]:
+    """``(name, tensor)`` of each parameter (a bare tensor is named by its position),
+    and whether the user named them: all of them or none, as torch.optim requires."""
+    raw = param_group["params"]
+    if isinstance(raw, torch.Tensor):
+        raw = [raw]
+    elif isinstance(raw, (set, frozenset)):
+        raise TypeError("DMuon: params must be an ordered collection (list), not a set")
+    raw = list(raw)
+    if not raw:
+        raise ValueError(f"{where} is empty")
+    pairs = [isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str) for item in raw]
+    if "param_names" in param_group:
+        names = list(param_group["param_names"])
+        if any(pairs) or len(names) != len(raw) or not all(isinstance(n, str) for n in names):
+            raise ValueError(f"{where}: param_names must be one str per parameter, with bare tensors as params; "
+                             "or pass (name, tensor) pairs without param_names")
+        raw, pairs = list(zip(names, raw)), [True] * len(raw)  # as if given as pairs
+    if any(pairs) and not all(pairs):
+        raise ValueError(
+            f"{where}: all parameters should be with or without names, but {sum(pairs)} of {len(raw)} are "
+            "(name, tensor) pairs; pass every parameter with its name (model.named_parameters()) or none"
+        )
+    named = raw if all(pairs) else [(f"param_groups[{index}][{i}]", item) for i, item in enumerate(raw)]
+    for name, param in named:
+        if not isinstance(param, torch.Tensor):
+            raise TypeError(f"DMuon: parameter {name!r} is a {type(param).__name__}, expected a torch.Tensor")
+        if not param.is_leaf:
+            raise ValueError(f"DMuon: parameter {name!r} is not a leaf tensor; pass model parameters")
+    return named, all(pairs)
+
+
+def _check_membership(
+    named: list[tuple[str, torch.Tensor]], has_names: bool, index: int, existing: list[dict[str, Any]], where: str
+) -> None:
+    """Each parameter in one group only, once; names in every group or in none."""
+    in_other_groups = {id(p) for group in existing for p in group["params"]}
+    seen: set[int] = set()
+    for name, param in named:
+        if id(param) in in_other_groups:
+            raise ValueError(f"DMuon: parameter {name!r} appears in more than one param group")
+        if id(param) in seen:
+            raise ValueError(f"DMuon: parameter {name!r} appears twice in param group {index}")
+        seen.add(id(param))
+    if existing and ("param_names" in existing[0]) != has_names:
+        this, others = ("has", "have none") if has_names else ("has none", "have")
+        raise ValueError(
+            f"{where}: all param groups should be with or without names, but this one {this} and the groups "
+            f"before it {others}; pass (name, tensor) pairs in every group or in none"
+        )
+
+
+def _make_group(
+    members: list[tuple[str, torch.Tensor]],
+    use_muon: bool,
+    has_names: bool,
+    options: dict[str, Any],
+    defaults: dict[str, Any],
+    where: str,
+) -> dict[str, Any]:
+    """One checked Muon or AdamW group: the group's options over the optimizer's defaults."""
+    if use_muon:
+        values = {key: options.get(key, defaults[key]) for key in MUON_KEYS}
+        check_muon_hyperparameters(values, where)
+        for name, param in members:
+            check_muon_param(param, name, values["split_rows"])
+    else:
+        values = {key: options.get(key, defaults[key]) for key in ADAMW_KEYS}
+        values.update({key: options[alias] for alias, key in ADAMW_ALIASES.items() if options.get(alias) is not None})
+        check_adamw_hyperparameters(values, where)
+    group: dict[str, Any] = {"params": [p for _, p in members]}
+    if has_names:
+        group["param_names"] = [n for n, _ in members]
+    group.update(use_muon=use_muon, **values)
+    if "initial_lr" in options:
+        group["initial_lr"] = options["initial_lr"]
+    return group
 
 
 def resolve_ns_coefficients(value: Any) -> str | tuple[float, float, float] | tuple[tuple[float, float, float], ...]:

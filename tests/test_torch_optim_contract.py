@@ -11,7 +11,14 @@ import pickle
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
 
 from dmuon import DMuon
 from tests.test_optimizer_single_process import ADAMW_NAMES, MUON_NAMES, TORCH_MUON_DTYPE, TinyLM
@@ -87,6 +94,7 @@ def test_copied_optimizer_steps_bitwise_like_the_original_as_torch_optimizers_do
     assert "_paths" not in dmuon.__getstate__() and "_fast_plans" not in dmuon.__getstate__()
     public = {k for k in vars(dmuon) if not k.startswith("_")}
     assert {k for k in vars(copies[0]) if not k.startswith("_")} == public
+    assert copies[0].defaults == dmuon.defaults  # still the keys a group may set
     expected = _run([dmuon], range(2, 3))
     _assert_bitwise_equal(_run([copies[0]], range(2, 3)), expected)
     _assert_bitwise_equal(_run(copies[1], range(2, 3)), expected)
@@ -127,3 +135,118 @@ def test_tensor_lr_with_more_than_one_element_is_refused_like_torch():
     optimizer = DMuon([matrix])
     with pytest.raises(ValueError, match=r"param group 1: a Tensor lr must be 1-element"):
         optimizer.add_param_group({"params": [vector], "lr": two})
+
+
+# ------------------------------------------------------------------ names
+
+
+MIXED_NAMES = {
+    "in one group": lambda w, b: [("w", w), b],
+    "named then unnamed group": lambda w, b: [{"params": [("w", w)]}, {"params": [b]}],
+    "unnamed then named group": lambda w, b: [{"params": [w]}, {"params": [("b", b)]}],
+}
+
+
+@pytest.mark.parametrize("layout", MIXED_NAMES.values(), ids=MIXED_NAMES.keys())
+def test_named_and_unnamed_parameters_mixed_are_refused_like_torch(layout):
+    def params():
+        return layout(nn.Parameter(torch.randn(4, 4)), nn.Parameter(torch.randn(4)))
+
+    with pytest.raises(ValueError, match="with/without names"):
+        torch.optim.AdamW(params())
+    with pytest.raises(ValueError, match=r"should be with or without names.*\(name, tensor\) pairs"):
+        DMuon(params())
+
+
+def test_state_dict_param_groups_keep_each_half_s_param_names_like_torch():
+    model = _tiny_lm()
+    dmuon = DMuon(model.named_parameters())  # one group, split into Muon and AdamW
+    reference = _torch_pair(model)
+
+    ours = [g["param_names"] for g in dmuon.state_dict()["param_groups"]]
+    theirs = [g["param_names"] for opt in reference for g in opt.state_dict()["param_groups"]]
+
+    assert ours == theirs and len(ours) == 2
+    assert ours == [[dmuon.param_name(p) for p in g["params"]] for g in dmuon.param_groups]
+
+
+def test_param_names_given_as_a_group_key_name_bare_tensors_like_torch():
+    """A group as torch.optim keeps it (``params`` plus ``param_names``) is taken as such."""
+    matrix, vector = nn.Parameter(torch.randn(4, 4)), nn.Parameter(torch.randn(4))
+    theirs = torch.optim.AdamW([{"params": [matrix, vector], "param_names": ["w", "b"]}])
+    ours = DMuon([{"params": [matrix, vector], "param_names": ["w", "b"], "use_muon": False}])
+
+    assert ours.param_groups[0]["param_names"] == theirs.param_groups[0]["param_names"] == ["w", "b"]
+    assert ours.param_name(vector) == "b"
+    with pytest.raises(ValueError, match="param_names must be one str per parameter"):
+        DMuon([{"params": [matrix, vector], "param_names": ["w"]}])
+
+
+@pytest.fixture
+def one_rank_gloo():
+    """A world-size-1 gloo group in this process, as DCP's state-dict helpers expect."""
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_param_names_survive_torchtitans_flattened_checkpoint_round_trip_bitwise(one_rank_gloo, tmp_path):
+    """TorchTitan's way: get_optimizer_state_dict(flatten_optimizer_state_dict=True),
+    dcp.save, then dcp.load into a fresh optimizer's flat dict and set_optimizer_state_dict."""
+    options = StateDictOptions(flatten_optimizer_state_dict=True)
+    model = _tiny_lm()
+    original = DMuon(model.named_parameters(), **HYPER)
+    _run([original], range(2))
+    dcp.save({"optimizer": get_optimizer_state_dict(model, original, options=options)}, checkpoint_id=str(tmp_path))
+    restored_model = copy.deepcopy(model)
+    restored = DMuon(restored_model.named_parameters(), **HYPER)
+
+    flat = get_optimizer_state_dict(restored_model, restored, options=options)
+    dcp.load({"optimizer": flat}, checkpoint_id=str(tmp_path))
+    set_optimizer_state_dict(restored_model, restored, flat, options=options)
+
+    assert flat["param_groups.norm.weight.param_names"] == original.param_groups[1]["param_names"]
+    assert [g["param_names"] for g in restored.param_groups] == [g["param_names"] for g in original.param_groups]
+    _assert_bitwise_equal(_run([restored], range(2, 4)), _run([original], range(2, 4)))
+    for p, q in zip(_params(restored), _params(original)):
+        _assert_bitwise_equal(list(restored.state[p].values()), list(original.state[q].values()))
+
+
+# ------------------------------------------------------------------ group keys
+
+
+def test_adamw_keys_in_a_split_group_set_its_adamw_half_like_torch_adamw():
+    adamw = dict(betas=(0.8, 0.99), eps=1e-6, weight_decay=0.01)
+    group = dict(lr=MUON_LR, weight_decay=WEIGHT_DECAY, adamw_lr=ADAMW_LR, **{f"adamw_{k}": v for k, v in adamw.items()})
+    dmuon = DMuon([{"params": list(_tiny_lm().named_parameters()), **group}], ns_dtype=TORCH_MUON_DTYPE)
+    reference = _torch_pair(_tiny_lm(), **adamw)
+
+    _assert_bitwise_equal(_run([dmuon], range(2)), _run(reference, range(2)))
+
+
+def test_adamw_keys_in_a_use_muon_false_group_mean_the_plain_keys_and_win_over_them():
+    vectors = [nn.Parameter(torch.randn(6, generator=torch.Generator().manual_seed(i))) for i in range(2)]
+    theirs = [nn.Parameter(v.detach().clone()) for v in vectors]
+    plain = dict(lr=0.5, betas=(0.5, 0.5), eps=1e-3, weight_decay=0.5)  # each overridden below
+    adamw = dict(lr=ADAMW_LR, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.01)
+    dmuon = DMuon([{"params": vectors, "use_muon": False, **plain, **{f"adamw_{k}": v for k, v in adamw.items()}}])
+    reference = torch.optim.AdamW(theirs, **adamw)
+
+    _assert_bitwise_equal(_run([dmuon], range(2)), _run([reference], range(2)))
+
+
+def test_a_group_may_set_every_key_of_defaults_like_torch():
+    """A group holding every key of ``defaults`` is accepted and rebuilds the same groups."""
+    for optimizer_class, make in ((torch.optim.Muon, lambda: [nn.Parameter(torch.zeros(4, 4))]),
+                                  (torch.optim.AdamW, lambda: [nn.Parameter(torch.zeros(4))]),
+                                  (DMuon, lambda: list(_tiny_lm().named_parameters()))):
+        kwargs = dict(lr=0.03, weight_decay=0.2) | (dict(adamw_lr=ADAMW_LR, adamw_betas=(0.8, 0.9)) if optimizer_class is DMuon else {})
+        first = optimizer_class(make(), **kwargs)
+        again = optimizer_class([{"params": make(), **first.defaults}])
+
+        def options(optimizer):
+            return [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+
+        assert options(again) == options(first), optimizer_class.__name__
