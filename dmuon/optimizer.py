@@ -111,6 +111,7 @@ class DMuon(Optimizer):
             constructor; a ``use_muon=True`` group refuses the ``adamw_*`` keys.
         lr: Muon learning rate (also AdamW's unless ``adamw_lr`` is set): a float or a
             one-element Tensor of any shape (used as torch.optim.Muon and AdamW use one).
+            The options after it are keyword-only.
         momentum: Muon's EMA momentum coefficient.
         nesterov: use the Nesterov look-ahead ``lerp(grad, buf, momentum)``.
         weight_decay: decoupled weight decay, applied as ``p *= 1 - lr * weight_decay``.
@@ -160,6 +161,7 @@ class DMuon(Optimizer):
         self,
         params: ParamsArg,
         lr: float | torch.Tensor = 0.02,
+        *,
         momentum: float = 0.95,
         nesterov: bool = True,
         weight_decay: float = 0.0,
@@ -172,7 +174,6 @@ class DMuon(Optimizer):
         adamw_betas: tuple[float, float] = (0.9, 0.95),
         adamw_eps: float = 1e-8,
         adamw_weight_decay: float | None = None,
-        *,
         split_rows: int | None = None,
         comm: str = ALL_TO_ALL,
         max_batch_numel: int = DEFAULT_BATCH_NUMEL,

@@ -7,6 +7,7 @@ outcome: the same bits after a step, the same error, the same ``state_dict`` con
 from __future__ import annotations
 
 import copy
+import inspect
 import pickle
 
 import pytest
@@ -250,3 +251,18 @@ def test_a_group_may_set_every_key_of_defaults_like_torch():
             return [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
 
         assert options(again) == options(first), optimizer_class.__name__
+
+
+# ------------------------------------------------------------------ signature
+
+
+def test_options_after_lr_are_keyword_only_and_lr_stays_positional_as_in_torch_muon():
+    kinds = {name: p.kind for name, p in inspect.signature(DMuon).parameters.items()}
+    assert [name for name, kind in kinds.items() if kind != inspect.Parameter.KEYWORD_ONLY] == ["params", "lr"]
+    with pytest.raises(TypeError, match="positional"):
+        DMuon([nn.Parameter(torch.zeros(4, 4))], 0.02, 0.9)
+
+    ours, theirs = (nn.Parameter(torch.randn(8, 4, generator=torch.Generator().manual_seed(0))) for _ in range(2))
+    dmuon = DMuon([ours], 0.05, ns_dtype=TORCH_MUON_DTYPE)
+    reference = torch.optim.Muon([theirs], 0.05, weight_decay=0.0, adjust_lr_fn="original")
+    _assert_bitwise_equal(_run([dmuon], range(2)), _run([reference], range(2)))
