@@ -300,7 +300,7 @@ def state_dict_resume() -> dict[str, bool]:
 
 
 def path_log() -> list[str]:
-    """The log lines DMuon emits about paths, over two steps."""
+    """The log lines DMuon emits over two steps (paths and the compute dtype)."""
     records: list[str] = []
 
     class Capture(logging.Handler):

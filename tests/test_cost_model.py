@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from dmuon.cost_model import CostModel, exchange_ms, min_bytes_per_rank, optimizer_ms, split_replicas_pays
 from dmuon.layout import Layout
 from dmuon.plan import ParamSpec, make_owner_plan
@@ -41,3 +42,14 @@ def test_the_predicted_step_is_at_least_its_newton_schulz():
     flops = max(plan.ns_flops(r) for r in range(4))
     cost = CostModel()
     assert optimizer_ms(plan, cost) >= flops / (cost.peak_tflops * 1e9 * cost.ns_mfu)
+
+
+def test_newton_schulz_in_float32_is_charged_at_the_fp32_peak():
+    import torch
+
+    from dmuon.cost_model import newton_schulz_ms
+
+    plan = make_owner_plan([ParamSpec((512, 512)) for _ in range(4)], 2)
+    bf16 = sum(newton_schulz_ms(plan, CostModel()))
+    fp32 = sum(newton_schulz_ms(plan, CostModel(ns_dtype=torch.float32)))
+    assert fp32 == pytest.approx(bf16 * CostModel().peak_tflops / CostModel().fp32_peak_tflops)

@@ -21,10 +21,19 @@ def test_dcp_save_and_load_resumes_bitwise(resumed):
     assert resumed["dcp"]
 
 
-def test_each_path_is_logged_once_with_its_parameters():
-    lines = run_on_ranks(scenarios.path_log, 2)[0]
-    assert lines == [
+@pytest.fixture(scope="module")
+def log_lines() -> list[str]:
+    return run_on_ranks(scenarios.path_log, 2)[0]
+
+
+def test_each_path_is_logged_once_with_its_parameters(log_lines):
+    assert [line for line in log_lines if "path" in line] == [
         "DMuon: 7 Muon parameter(s) use the all_to_all path: square, tall, empty_shard, wide, uneven, experts_3d, "
         "col_sharded",
         "DMuon: 1 Muon parameter(s) use the redistribute path: conv",
     ]
+
+
+def test_the_auto_compute_dtype_is_logged_once_per_process(log_lines):
+    (line,) = [line for line in log_lines if "ns_dtype" in line]
+    assert line.startswith("DMuon: ns_dtype='auto' runs Newton-Schulz in ")

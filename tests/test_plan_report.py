@@ -101,3 +101,11 @@ def test_replicas_must_divide_the_world_size(capsys):
     with pytest.raises(SystemExit):
         main(["--model", "llama3-8b", "--world-size", "64", "--replicas", "3"])
     assert "--replicas must divide" in capsys.readouterr().err
+
+
+def test_ns_dtype_float32_predicts_slower_newton_schulz(capsys):
+    times = {}
+    for dtype in ("bfloat16", "float32"):
+        main(["--model", "llama3-8b", "--world-size", "8", "--json", "--ns-dtype", dtype])
+        times[dtype] = json.loads(capsys.readouterr().out)["predicted"]["ns_ms"]
+    assert times["float32"] > 10 * times["bfloat16"]
