@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from dmuon.layout import Layout
+from dmuon.layout import Layout, chunk_ranges
 from dmuon.newton_schulz import newton_schulz_flops
 from dmuon.plan import (
     ALL_TO_ALL,
@@ -25,39 +25,7 @@ from dmuon.plan import (
     layout_problem,
     make_units,
     scratch_events,
-    shard_sizes,
 )
-
-# ------------------------------------------------------------------ shard_sizes
-
-
-@pytest.mark.parametrize(
-    "size, world_size, expected",
-    [
-        (8, 2, (4, 4)),
-        (8, 4, (2, 2, 2, 2)),
-        (10, 4, (3, 3, 3, 1)),
-        (9, 4, (3, 3, 3, 0)),  # uneven and one empty shard
-        (5, 4, (2, 2, 1, 0)),
-        (7, 1, (7,)),
-    ],
-)
-def test_shard_sizes(size, world_size, expected):
-    assert shard_sizes(size, world_size) == expected
-
-
-@pytest.mark.parametrize("size, world_size", [(3, 4), (1, 8), (0, 3)])
-def test_shard_sizes_with_more_ranks_than_rows_gives_trailing_zeros(size, world_size):
-    assert shard_sizes(size, world_size) == (1,) * size + (0,) * (world_size - size)
-
-
-def test_shard_sizes_follow_torch_chunk_like_dtensor_and_fsdp2():
-    for world_size in range(1, 9):
-        for size in range(0, 30):
-            chunks = [len(c) for c in torch.arange(size).chunk(world_size)] if size else []
-            expected = tuple(chunks) + (0,) * (world_size - len(chunks))
-            assert shard_sizes(size, world_size) == expected, (size, world_size)
-
 
 # ------------------------------------------------------------------ assign_owners
 
@@ -113,7 +81,7 @@ def _blocks(unit):
 def test_a_2d_parameter_is_one_unit_whose_blocks_are_its_row_shards():
     (unit,) = make_units([ParamSpec((10, 6))], 4)
     assert unit.matrix == (10, 6) and unit.travels
-    assert [b.shape[0] for _, b in unit.blocks] == list(shard_sizes(10, 4)) == [3, 3, 3, 1]
+    assert [b.shape[0] for _, b in unit.blocks] == [3, 3, 3, 1]  # torch.chunk's rows
     assert [b.offset for _, b in unit.blocks] == [(0, 0), (3, 0), (6, 0), (9, 0)]
 
 
@@ -147,7 +115,7 @@ def test_experts_sharded_inside_the_matrix_travel_as_blocks(shard_dim):
     units = make_units([ParamSpec((3, 8, 12), shard_dim=shard_dim)], 4)
     assert all(u.travels and len(u.blocks) == 4 for u in units)
     cut = shard_dim - 1  # dim 1 cuts an expert's rows, dim 2 its columns
-    assert [b.shape[cut] for _, b in units[0].blocks] == list(shard_sizes((8, 12)[cut], 4))
+    assert [b.shape[cut] for _, b in units[0].blocks] == [n for _, n in chunk_ranges((8, 12)[cut], 4)]
 
 
 def test_a_4d_parameter_sharded_past_dim_0_has_no_block_layout():
