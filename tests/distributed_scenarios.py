@@ -326,8 +326,8 @@ def path_log() -> list[str]:
 
 
 def small_benchmark(json_path: str, **options: Any) -> dict[str, Any]:
-    """dmuon.bench end to end on a tiny stack (structure, not speed)."""
-    from dmuon.bench import BenchConfig, run_benchmark
+    """benchmarks.bench end to end on a tiny stack (structure, not speed)."""
+    from benchmarks.bench import BenchConfig, run_benchmark
 
     options = {"ns_dtype": "float32"} | options  # float32: the dmuon_bf16 row runs too, on any CPU
     return run_benchmark(BenchConfig(dim=64, layers=2, steps=1, warmup=1, json=json_path, **options))

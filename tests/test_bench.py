@@ -1,4 +1,4 @@
-"""dmuon.bench runs end to end and reports what the README promises (not speed:
+"""benchmarks.bench runs end to end and reports what the README promises (not speed:
 speed lives in the benchmark itself)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from dmuon.bench import OPTIMIZERS, ffn_hidden, format_table, parse_args
+from benchmarks.bench import OPTIMIZERS, ffn_hidden, format_table, parse_args
 from tests import distributed_scenarios as scenarios
 from tests.multiprocess import run_on_ranks
 
