@@ -131,6 +131,11 @@ class _TinyLM(nn.Module):
         return self.output(self.norm(h))
 
 
+# What fsdp2_training reports on: _TinyLM's parameters (fully_shard keeps their names).
+TINY_LM_PARAMS = frozenset({"tok_embeddings.weight", "up.weight", "down.weight", "norm.weight", "norm.bias",
+                            "output.weight"})
+
+
 def fsdp2_training() -> dict[str, bool]:
     """A real fully_shard model trained a few steps vs the oracle on the gathered grads."""
     from torch.distributed.fsdp import fully_shard

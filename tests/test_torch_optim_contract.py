@@ -71,7 +71,7 @@ def _run(optimizers, steps: range) -> list[torch.Tensor]:
 
 
 def _assert_bitwise_equal(actual: list[torch.Tensor], expected: list[torch.Tensor]) -> None:
-    assert len(actual) == len(expected)
+    assert len(actual) == len(expected) > 0
     assert all(torch.equal(a, e) for a, e in zip(actual, expected))
 
 

@@ -85,4 +85,5 @@ def test_without_telemetry_the_step_line_and_metrics_are_torchtitans(optimizers,
     line = _log_step(processor, caplog)
     assert line.endswith("mfu: 0.00%")
     ((metrics, _),) = processor.logger.logged
+    assert metrics["lr"] == 0.01  # TorchTitan's own metrics still arrive
     assert not any(key.startswith("dmuon/") for key in metrics)
