@@ -29,6 +29,8 @@ from dmuon.layout import Layout
 from dmuon.newton_schulz import orthogonalize
 from dmuon.plan import OwnerPlan, ParamSpec, make_owner_plan
 
+pytestmark = pytest.mark.unit
+
 CPU = torch.device("cpu")
 # Uneven shards (10 rows over 4), empty shards (3 rows over 4, 2 rows over 4), a tall
 # matrix (its orthogonalized form is a transposed view), a column-sharded matrix, and

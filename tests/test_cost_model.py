@@ -7,6 +7,8 @@ from dmuon.cost_model import CostModel, exchange_ms, optimizer_ms, plan_with_bes
 from dmuon.layout import Layout
 from dmuon.plan import ParamSpec, make_owner_plan
 
+pytestmark = pytest.mark.unit
+
 HSDP_SPECS = [ParamSpec((512, 512), layout=Layout.hsdp(2, 2)) for _ in range(8)]
 
 

@@ -16,7 +16,7 @@ from tests import distributed_scenarios as scenarios
 from tests.multiprocess import run_on_ranks
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
-pytestmark = pytest.mark.skipif(GPUS == 0, reason="no CUDA device")
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(GPUS == 0, reason="no CUDA device")]
 needs_two = pytest.mark.skipif(GPUS < 2, reason="needs 2 or more GPUs")
 WORLDS = [w for w in (2, 4) if w <= GPUS]
 ALL_LAYOUTS = [name for name, _, _ in scenarios.LAYOUT_CASES]

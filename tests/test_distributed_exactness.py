@@ -14,6 +14,8 @@ import pytest
 from tests import distributed_scenarios as scenarios
 from tests.multiprocess import run_on_ranks
 
+pytestmark = pytest.mark.multirank
+
 WORLD_SIZES = (1, 2, 4)
 CASE_NAMES = [name for name, _, _ in scenarios.CASES]
 

@@ -14,6 +14,8 @@ from tests import mesh_scenarios as scenarios
 from tests.distributed_scenarios import NS_DTYPES, per_ns_dtype
 from tests.multiprocess import run_on_ranks
 
+pytestmark = pytest.mark.multirank
+
 CASE_NAMES = [name for group in scenarios.MESH_CASES.values() for name, _, _ in group]
 
 

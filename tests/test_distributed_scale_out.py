@@ -11,6 +11,8 @@ import pytest
 from tests import distributed_scenarios as scenarios
 from tests.multiprocess import run_on_ranks
 
+pytestmark = pytest.mark.multirank
+
 ALL = [name for name, _, _ in scenarios.LAYOUT_CASES]
 DEFAULT_CAP = 1 << 27
 

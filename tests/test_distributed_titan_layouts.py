@@ -14,6 +14,8 @@ from tests import mesh_scenarios as scenarios
 from tests.distributed_scenarios import NS_DTYPES
 from tests.multiprocess import run_on_ranks
 
+pytestmark = pytest.mark.multirank
+
 # (dp_replicate, dp_shard, tp) and the world size.
 SETUPS = {
     "fsdp2_tp2": ((1, 2, 2), 4),

@@ -13,6 +13,8 @@ import pytest
 
 from tests import launch
 
+pytestmark = pytest.mark.torchrun
+
 # Each worker ignores SIGTERM (so torchrun's own teardown cannot stop it) and starts a
 # grandchild in yet another session; both write their PIDs, then everything sleeps.
 HANGING_WORKER = textwrap.dedent("""

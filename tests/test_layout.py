@@ -10,6 +10,8 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from dmuon.layout import Layout, chunk_ranges, local_indices
 
+pytestmark = pytest.mark.unit
+
 
 def test_chunks_follow_torch_chunk_with_short_and_empty_last_chunks():
     assert chunk_ranges(10, 4) == [(0, 3), (3, 3), (6, 3), (9, 1)]

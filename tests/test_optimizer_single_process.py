@@ -12,6 +12,8 @@ from torch import nn
 from dmuon import DMuon
 from dmuon.update_rules import shape_scale
 
+pytestmark = pytest.mark.unit
+
 MUON_SHAPES = [(32, 16), (16, 48), (24, 24)]  # tall, wide, square
 # torch.optim.Muon runs Newton-Schulz in bf16: parity tests pin DMuon's ns_dtype to it
 # (its default, "auto", is float32 on CPUs without a native bf16 matmul).

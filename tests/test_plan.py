@@ -27,6 +27,8 @@ from dmuon.plan import (
     scratch_events,
 )
 
+pytestmark = pytest.mark.unit
+
 # ------------------------------------------------------------------ assign_owners
 
 

@@ -9,6 +9,8 @@ import pytest
 from dmuon.newton_schulz import newton_schulz_flops
 from dmuon.plan_report import PRESETS, main, min_bytes_per_rank
 
+pytestmark = pytest.mark.unit
+
 KEYS = {
     "model", "world_size", "matrices", "muon_elements", "ns_flops_total", "ns_flops_per_rank_max",
     "ns_critical_path_flops", "ns_efficiency", "lpt_bound_efficiency", "batches", "bytes_sent_per_rank_max",

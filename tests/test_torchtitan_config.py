@@ -12,6 +12,8 @@ import pytest
 
 from torchtitan.config import ConfigManager
 
+pytestmark = pytest.mark.unit
+
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "train_configs"
 EXT = ["--job.custom_config_module", "torchtitan_ext"]

@@ -23,6 +23,8 @@ from torchtitan_ext.optimizer_container import (
     route_parameters,
 )
 
+pytestmark = pytest.mark.unit
+
 
 def optimizer_config(*args: str):
     """The ``[optimizer]`` section as TorchTitan parses it with the extension."""

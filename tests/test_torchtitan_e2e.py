@@ -24,6 +24,8 @@ from tests.titan_runs import (
     torchrun,
 )
 
+pytestmark = pytest.mark.torchrun
+
 
 def test_dmuon_loss_at_the_last_step_is_clearly_below_the_first(dmuon_run):
     log, _ = dmuon_run

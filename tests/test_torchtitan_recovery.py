@@ -36,6 +36,8 @@ from torchtitan_ext.fault_injection import KillPlan, plan_from_env
 from torchtitan_ext.launch_checks import restarts_share_a_stale_store
 from torchtitan_ext.titan_log import parse_log
 
+pytestmark = pytest.mark.torchrun
+
 
 @dataclass(frozen=True)
 class Scenario:

@@ -18,6 +18,8 @@ from torchtitan.tools.utils import NoColor
 from dmuon.telemetry import StepFigures
 from torchtitan_ext.step_metrics import METRICS
 
+pytestmark = pytest.mark.unit
+
 FIGURES = StepFigures.from_sums(0.15, 0.1, 2**20, [4.0, 100.0, 400.0, 1.0, 25.0, 100.0])
 
 

@@ -9,8 +9,12 @@ world size 1) cover it through the optimizer.
 
 from __future__ import annotations
 
+import pytest
+
 from tests import mesh_scenarios
 from tests.multiprocess import run_on_ranks
+
+pytestmark = pytest.mark.multirank
 
 
 # Every 2-D case of mesh_scenarios.MESH_CASES (the scenario leaves out the expert stacks).
