@@ -2,6 +2,10 @@
 
 ``DMuon`` orthogonalizes each sharded matrix once, on one owner rank, and keeps
 everything elementwise on the local shards. See README.md.
+
+``python -m dmuon.plan_report`` models the plan at scale from shapes alone. The step
+benchmark is not part of this package: it is ``benchmarks.bench`` in the repository,
+run from its root (``torchrun --standalone --nproc-per-node 2 -m benchmarks.bench``).
 """
 
 from dmuon.comm import CommStats

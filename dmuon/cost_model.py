@@ -11,12 +11,11 @@
 Left out: the elementwise momentum and update (memory-bound, a few ms at most),
 collective latency, and Newton-Schulz kernels running below ``ns_mfu`` on small
 matrices. ``plan_report`` prints these figures; the optimizer uses
-:func:`split_replicas_pays` to choose whether Newton-Schulz spans replicas.
+:func:`plan_with_best_split` to choose whether Newton-Schulz spans replicas.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -121,34 +120,3 @@ def plan_with_best_split(
     apart = make_owner_plan(specs, world_size, max_batch_numel, False)
     pays = optimizer_ms(split, cost) < optimizer_ms(apart, cost)
     return (split if pays else apart), pays
-
-
-def split_replicas_pays(
-    specs: Sequence[ParamSpec], world_size: int, max_batch_numel: int = DEFAULT_BATCH_NUMEL,
-    cost: CostModel = CostModel(),
-) -> bool:
-    """Whether spreading Newton-Schulz over all replicas is predicted to be faster than
-    keeping each replica to itself (see :func:`plan_with_best_split`)."""
-    return plan_with_best_split(specs, world_size, max_batch_numel, cost)[1]
-
-
-def min_bytes_per_rank(layout: str, mesh_shape: Sequence[int], muon_elements: int, split_replicas: bool) -> int:
-    """The owner exchange's minimum bytes per rank for N Muon elements in bf16: every
-    matrix must reach its owner from the ranks holding it and go back to them.
-
-    - P ranks each holding a 1/P block (``fsdp``, ``fsdp_tp``, ``tp``): the owner
-      receives ``(P-1)/P`` of it and sends ``(P-1)/P`` back: ``4 N (P-1) / P^2``;
-    - ``hsdp``, mesh ``(R, S)``, Newton-Schulz split over all P = R S ranks: the owner
-      gathers ``(S-1)/S`` from its replica and sends a 1/S block to each of the other
-      ``P - 1`` holders: ``2 N (S + P - 2) / (S P)``;
-    - ``hsdp`` with replicas kept apart: FSDP inside each replica, ``4 N (S-1) / S^2``.
-    """
-    n = muon_elements
-    if layout == "hsdp":
-        replicas, shards = mesh_shape
-        world = replicas * shards
-        if split_replicas:
-            return int(2 * n * (shards + world - 2) / (shards * world))
-        return int(4 * n * (shards - 1) / shards**2)
-    world = math.prod(mesh_shape)
-    return int(4 * n * (world - 1) / world**2)

@@ -89,14 +89,6 @@ def layout_of(param: DTensor, plan_rank: Mapping[int, int] | None = None) -> Lay
     return Layout(tuple(mesh.shape), tuple(param.placements), tuple(ranks))
 
 
-def shard_sizes(size: int, world_size: int) -> tuple[int, ...]:
-    """Extent each rank holds of a dim of ``size`` under ``Shard`` (``torch.chunk``'s split).
-
-    ``shard_sizes(10, 4) == (3, 3, 3, 1)`` and ``shard_sizes(3, 4) == (1, 1, 1, 0)``.
-    """
-    return tuple(length for _, length in chunk_ranges(size, world_size))
-
-
 def assign_owners(
     costs: Sequence[int],
     world_size: int,

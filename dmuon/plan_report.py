@@ -36,7 +36,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from dmuon.cost_model import CostModel, exchange_ms, min_bytes_per_rank, newton_schulz_ms, overlapped_ms
+from dmuon.cost_model import CostModel, exchange_ms, newton_schulz_ms, overlapped_ms
 from dmuon.layout import Layout
 from dmuon.newton_schulz import DEFAULT_NS_STEPS, NS_DTYPES, newton_schulz_flops
 from dmuon.plan import DEFAULT_BATCH_NUMEL, WIRE_BYTES, OwnerPlan, ParamSpec, lpt_bound_flops, make_owner_plan
@@ -66,6 +66,31 @@ PRESETS = {
     "llama3-70b": Llama3(dim=8192, ffn=28672, kv=1024, layers=80),
     "llama3-405b": Llama3(dim=16384, ffn=53248, kv=1024, layers=126),
 }
+
+
+def min_bytes_per_rank(layout: str, mesh_shape: Sequence[int], muon_elements: int, split_replicas: bool) -> int:
+    """The owner exchange's minimum bytes per rank for N Muon elements in bf16: every
+    matrix must reach its owner from the ranks holding it and go back to them.
+    ``layout`` is one of ``benchmarks.bench``'s ``--layout`` names. Only the reports
+    need this yardstick (this one's ``bytes/min`` column and the benchmark's table), so
+    it lives here, outside what the optimizer imports.
+
+    - P ranks each holding a 1/P block (``fsdp``, ``fsdp_tp``, ``tp``): the owner
+      receives ``(P-1)/P`` of it and sends ``(P-1)/P`` back: ``4 N (P-1) / P^2``;
+    - ``hsdp``, mesh ``(R, S)``, Newton-Schulz split over all P = R S ranks: the owner
+      gathers ``(S-1)/S`` from its replica and sends a 1/S block to each of the other
+      ``P - 1`` holders: ``2 N (S + P - 2) / (S P)``;
+    - ``hsdp`` with replicas kept apart: FSDP inside each replica, ``4 N (S-1) / S^2``.
+    """
+    n = muon_elements
+    if layout == "hsdp":
+        replicas, shards = mesh_shape
+        world = replicas * shards
+        if split_replicas:
+            return int(2 * n * (shards + world - 2) / (shards * world))
+        return int(4 * n * (shards - 1) / shards**2)
+    world = math.prod(mesh_shape)
+    return int(4 * n * (world - 1) / world**2)
 
 
 def report(name: str, specs: Sequence[ParamSpec], params: int, world_size: int, cost: CostModel,

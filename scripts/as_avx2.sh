@@ -6,7 +6,7 @@
 # fast there, e.g.
 #
 #   bash scripts/as_avx2.sh bash scripts/test.sh
-#   bash scripts/as_avx2.sh torchrun --standalone --nproc-per-node 1 -m dmuon.bench --optimizers dmuon,dmuon_bf16
+#   bash scripts/as_avx2.sh torchrun --standalone --nproc-per-node 1 -m benchmarks.bench --optimizers dmuon,dmuon_bf16
 set -euo pipefail
 export ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2
 exec "$@"

@@ -1,4 +1,9 @@
-"""Fixtures shared by the TorchTitan end-to-end test files.
+"""The rule that every test says what it needs, and fixtures shared by the
+TorchTitan end-to-end test files.
+
+Every test carries exactly one of the marks in ``TEST_KINDS`` (registered in
+pyproject.toml); collecting one without, or with two, stops the run, so that
+``pytest -m unit`` stays the whole in-process suite and nothing slow slips into it.
 
 One uninterrupted 2-rank DMuon run (``dmuon_run``) is the reference for the
 resume tests in ``test_torchtitan_e2e.py`` and the killed-rank tests in
@@ -11,6 +16,22 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
+TEST_KINDS = ("unit", "multirank", "torchrun", "cuda")
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects: an unmarked test fails every run, not only unfiltered ones
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    wrong = []
+    for item in items:
+        kinds = sorted({mark.name for mark in item.iter_markers() if mark.name in TEST_KINDS})
+        if len(kinds) != 1:
+            wrong.append(f"  {item.nodeid}: {', '.join(kinds) or 'none'}")
+    if wrong:
+        raise pytest.UsageError(
+            f"every test needs exactly one of the marks {', '.join(TEST_KINDS)} (pyproject.toml says what each "
+            f"means; set pytestmark in the module or mark the test). These have none or several:\n"
+            + "\n".join(wrong))
 
 
 @pytest.fixture(scope="session")

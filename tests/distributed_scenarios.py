@@ -131,6 +131,11 @@ class _TinyLM(nn.Module):
         return self.output(self.norm(h))
 
 
+# What fsdp2_training reports on: _TinyLM's parameters (fully_shard keeps their names).
+TINY_LM_PARAMS = frozenset({"tok_embeddings.weight", "up.weight", "down.weight", "norm.weight", "norm.bias",
+                            "output.weight"})
+
+
 def fsdp2_training() -> dict[str, bool]:
     """A real fully_shard model trained a few steps vs the oracle on the gathered grads."""
     from torch.distributed.fsdp import fully_shard
@@ -326,8 +331,8 @@ def path_log() -> list[str]:
 
 
 def small_benchmark(json_path: str, **options: Any) -> dict[str, Any]:
-    """dmuon.bench end to end on a tiny stack (structure, not speed)."""
-    from dmuon.bench import BenchConfig, run_benchmark
+    """benchmarks.bench end to end on a tiny stack (structure, not speed)."""
+    from benchmarks.bench import BenchConfig, run_benchmark
 
     options = {"ns_dtype": "float32"} | options  # float32: the dmuon_bf16 row runs too, on any CPU
     return run_benchmark(BenchConfig(dim=64, layers=2, steps=1, warmup=1, json=json_path, **options))

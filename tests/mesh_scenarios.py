@@ -2,7 +2,7 @@
 parallel, and expert stacks under EP and EP + FSDP, on 4 ranks (a 2 x 2 mesh).
 
 Each DTensor is built from a full tensor by cutting out the block DTensor itself says
-the rank holds (``dmuon.bench_layouts.as_dtensor``: DTensor's
+the rank holds (``benchmarks.layouts.as_dtensor``: DTensor's
 ``compute_local_shape_and_global_offset``), so the inputs do not depend on dmuon's
 own layout code. The oracle is single-process DMuon on the full
 tensors, in the same worker, one thread.
@@ -19,8 +19,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Placement, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from benchmarks.layouts import as_dtensor
 from dmuon import DMuon
-from dmuon.bench_layouts import as_dtensor
 from tests.distributed_scenarios import NS_DTYPES, _device, device_type
 
 STEPS = 3

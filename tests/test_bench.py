@@ -1,4 +1,4 @@
-"""dmuon.bench runs end to end and reports what the README promises (not speed:
+"""benchmarks.bench runs end to end and reports what the README promises (not speed:
 speed lives in the benchmark itself)."""
 
 from __future__ import annotations
@@ -7,9 +7,12 @@ import json
 
 import pytest
 
-from dmuon.bench import OPTIMIZERS, ffn_hidden, format_table, parse_args
+from benchmarks.bench import OPTIMIZERS, ffn_hidden, format_table, parse_args
 from tests import distributed_scenarios as scenarios
 from tests.multiprocess import run_on_ranks
+
+# Marked per test: the report comes from the benchmark run on gloo ranks (multirank); the
+# argument parsing and model sizing run in-process (unit).
 
 
 @pytest.fixture(scope="module")
@@ -19,6 +22,7 @@ def report(tmp_path_factory) -> dict:
     return json.loads(path.read_text())
 
 
+@pytest.mark.multirank
 def test_json_has_the_documented_shape(report):
     assert report["world_size"] == 2
     assert report["muon_elements"] == 2 * (4 * 64 * 64 + 3 * 64 * ffn_hidden(64))
@@ -28,11 +32,13 @@ def test_json_has_the_documented_shape(report):
         assert isinstance(row["bytes_sent_per_rank"], int)
 
 
+@pytest.mark.multirank
 def test_dmuon_sends_exactly_the_owner_computed_minimum(report):
     n, p = report["muon_elements"], report["world_size"]
     assert report["results"]["dmuon"]["bytes_sent_per_rank"] == 4 * n * (p - 1) // p**2
 
 
+@pytest.mark.multirank
 def test_one_matrix_per_batch_still_sends_exactly_the_minimum(tmp_path):
     path = tmp_path / "bench.json"
     run_on_ranks(scenarios.small_batches_benchmark, 2, str(path))
@@ -43,6 +49,7 @@ def test_one_matrix_per_batch_still_sends_exactly_the_minimum(tmp_path):
     assert dmuon["bytes_sent_per_rank"] == 4 * n * (p - 1) // p**2
 
 
+@pytest.mark.multirank
 def test_newton_schulz_work_is_split_evenly_between_the_ranks(report):
     from dmuon.newton_schulz import newton_schulz_flops
 
@@ -51,12 +58,14 @@ def test_newton_schulz_work_is_split_evenly_between_the_ranks(report):
     assert report["results"]["dmuon"]["ns_flops_per_rank_max"] <= 1.1 * total / 2
 
 
+@pytest.mark.multirank
 def test_each_row_says_which_dtype_its_newton_schulz_ran_in(report):
     dtypes = {name: row["ns_dtype"] for name, row in report["results"].items()}
     assert dtypes == {"dmuon": "float32", "dmuon_bf16": "bfloat16", "redistribute": "float32",
                       "vanilla": "bfloat16", "adamw": None, "single": "float32"}
 
 
+@pytest.mark.multirank
 def test_vanilla_is_compared_with_dmuon_in_bf16_only(report):
     results = report["results"]
     assert report["speedup_vs_vanilla"] == results["vanilla"]["step_ms"] / results["dmuon_bf16"]["step_ms"]
@@ -65,40 +74,48 @@ def test_vanilla_is_compared_with_dmuon_in_bf16_only(report):
     assert rows["dmuon_bf16"][1:2] == ["bfloat16"] and rows["dmuon_bf16"][3].endswith("x")
 
 
+@pytest.mark.multirank
 def test_dmuon_in_bf16_sends_the_same_bytes_as_dmuon(report):
     assert report["results"]["dmuon_bf16"]["bytes_sent_per_rank"] == report["results"]["dmuon"]["bytes_sent_per_rank"]
 
 
+@pytest.mark.multirank
 def test_newton_schulz_throughput_is_reported_for_both_dtypes(report):
     rates = report["ns_throughput_gflops"]
     assert set(rates) == {"bfloat16", "float32"} and all(rate > 0 for rate in rates.values())
     assert "Newton-Schulz on one 64 x 64 matrix" in format_table(report)
 
 
+@pytest.mark.multirank
 def test_the_bf16_row_is_skipped_when_dmuon_already_runs_in_bf16(tmp_path):
     path = tmp_path / "bench.json"
     run_on_ranks(scenarios.bf16_benchmark, 1, str(path))
     assert set(json.loads(path.read_text())["results"]) == {"dmuon"}
 
 
+@pytest.mark.multirank
 def test_vanilla_muon_sends_more_than_dmuon(report):
     assert report["results"]["vanilla"]["bytes_sent_per_rank"] > report["results"]["dmuon"]["bytes_sent_per_rank"]
 
 
+@pytest.mark.multirank
 def test_adamw_sends_nothing_in_its_step(report):
     assert report["results"]["adamw"]["bytes_sent_per_rank"] == 0
 
 
+@pytest.mark.multirank
 def test_table_shows_every_optimizer_and_the_efficiency(report):
     table = format_table(report)
     assert all(name in table for name in OPTIMIZERS)
     assert "parallel efficiency" in table
 
 
+@pytest.mark.unit
 def test_llama_ffn_hidden_size_is_rounded_up():
     assert ffn_hidden(512) == 1536
 
 
+@pytest.mark.unit
 def test_unknown_optimizer_name_is_rejected():
     with pytest.raises(SystemExit):
         parse_args(["--optimizers", "dmuon,sgd"])

@@ -29,6 +29,8 @@ from dmuon.layout import Layout
 from dmuon.newton_schulz import orthogonalize
 from dmuon.plan import OwnerPlan, ParamSpec, make_owner_plan
 
+pytestmark = pytest.mark.unit
+
 CPU = torch.device("cpu")
 # Uneven shards (10 rows over 4), empty shards (3 rows over 4, 2 rows over 4), a tall
 # matrix (its orthogonalized form is a transposed view), a column-sharded matrix, and
@@ -192,6 +194,7 @@ def test_empty_buffers_are_made_on_the_device_asked_for():
 def test_pack_and_unpack_run_on_meta_tensors_of_every_layout():
     meta = torch.device("meta")
     plan = make_owner_plan(SPECS, 4, max_batch_numel=40)
+    whole, blocks_back = [], []  # (unit, rank) of every matrix and block unpacked
     for batch in plan.batches:
         for rank in range(4):
             send = pack_gather(plan, batch, rank, lambda i: torch.empty(plan.units[i].block(rank).shape,
@@ -200,11 +203,18 @@ def test_pack_and_unpack_run_on_meta_tensors_of_every_layout():
             recv = torch.empty(sum(plan.gather_splits(batch, rank)[1]), dtype=WIRE_DTYPE, device=meta)
             full = unpack_gather(plan, batch, rank, recv)
             assert all(m.device == meta and m.shape == plan.units[i].matrix for i, m in full.items())
+            whole += [(i, rank) for i in full]
             back = pack_scatter(plan, batch, rank, full, meta)
             assert back.device == meta and back.numel() == sum(plan.scatter_splits(batch, rank)[0])
             recv = torch.empty(sum(plan.scatter_splits(batch, rank)[1]), dtype=WIRE_DTYPE, device=meta)
             blocks = unpack_scatter(plan, batch, rank, recv)
             assert all(b.device == meta for b in blocks.values())
+            blocks_back += [(i, rank) for i in blocks]
+    # Every travelling matrix came whole to its owner, and went back to every rank holding a block of it.
+    travelling = [i for batch in plan.batches for i in plan.travelling(batch)]
+    assert travelling
+    assert sorted(whole) == sorted((i, plan.units[i].owner) for i in travelling)
+    assert sorted(blocks_back) == sorted((i, r) for i in travelling for r in range(4) if plan.units[i].block(r))
 
 
 def test_exchange_refuses_a_buffer_off_the_mesh_device_before_any_collective():

@@ -3,19 +3,13 @@
 from __future__ import annotations
 
 import pytest
-from dmuon.cost_model import CostModel, exchange_ms, min_bytes_per_rank, optimizer_ms, split_replicas_pays
+from dmuon.cost_model import CostModel, exchange_ms, optimizer_ms, plan_with_best_split
 from dmuon.layout import Layout
 from dmuon.plan import ParamSpec, make_owner_plan
 
+pytestmark = pytest.mark.unit
+
 HSDP_SPECS = [ParamSpec((512, 512), layout=Layout.hsdp(2, 2)) for _ in range(8)]
-
-
-def test_minimum_bytes_for_fsdp_is_an_owner_round_trip():
-    assert min_bytes_per_rank("fsdp", (4,), 1600, True) == 4 * 1600 * 3 // 16
-
-
-def test_hsdp_minimum_bytes_split_and_apart_agree_at_two_shards():
-    assert min_bytes_per_rank("hsdp", (2, 2), 1600, True) == min_bytes_per_rank("hsdp", (2, 2), 1600, False) == 1600
 
 
 def test_bytes_to_another_replica_are_charged_at_the_replica_link():
@@ -25,16 +19,21 @@ def test_bytes_to_another_replica_are_charged_at_the_replica_link():
     assert slow > 5 * fast
 
 
+def _splits(specs, world_size: int, cost: CostModel = CostModel()) -> bool:
+    """Whether the cost model chooses to spread Newton-Schulz over all replicas."""
+    return plan_with_best_split(specs, world_size, cost=cost)[1]
+
+
 def test_splitting_pays_when_links_between_replicas_are_fast():
-    assert split_replicas_pays(HSDP_SPECS, 4, cost=CostModel(ns_mfu=0.001))
+    assert _splits(HSDP_SPECS, 4, cost=CostModel(ns_mfu=0.001))
 
 
 def test_keeping_replicas_apart_pays_when_their_links_are_slow():
-    assert not split_replicas_pays(HSDP_SPECS, 4, cost=CostModel(replica_link_gbps=0.001))
+    assert not _splits(HSDP_SPECS, 4, cost=CostModel(replica_link_gbps=0.001))
 
 
 def test_without_replicas_the_choice_is_moot_and_answered_no():
-    assert not split_replicas_pays([ParamSpec((64, 64))] * 4, 4)
+    assert not _splits([ParamSpec((64, 64))] * 4, 4)
 
 
 def test_the_predicted_step_is_at_least_its_newton_schulz():

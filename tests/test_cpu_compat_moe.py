@@ -19,6 +19,8 @@ from torchtitan_ext.cpu_compat import (
 )
 from torchtitan_ext.integer_histc import integer_histc
 
+pytestmark = pytest.mark.unit
+
 # torch.histc as torch ships it (the import above may have wrapped it).
 STOCK_HISTC = getattr(torch.histc, "__wrapped__", torch.histc)
 

@@ -14,6 +14,8 @@ from tests import mesh_scenarios as scenarios
 from tests.distributed_scenarios import NS_DTYPES, per_ns_dtype
 from tests.multiprocess import run_on_ranks
 
+pytestmark = pytest.mark.multirank
+
 CASE_NAMES = [name for group in scenarios.MESH_CASES.values() for name, _, _ in group]
 
 
@@ -37,7 +39,7 @@ def results(every_dtype) -> dict[str, list[dict]]:
 @pytest.mark.parametrize("setting", ["split", "apart", "tiny_batches"])
 @pytest.mark.parametrize("ns_dtype", NS_DTYPES)
 def test_every_layout_is_bitwise_equal_to_single_process(every_dtype, ns_dtype, setting, case):
-    assert all(rank["equal"][case] for rank in every_dtype[setting][ns_dtype])
+    assert [rank["equal"][case] for rank in every_dtype[setting][ns_dtype]] == [True] * 4
 
 
 def test_no_muon_parameter_of_these_layouts_takes_the_reference_path(results):
@@ -59,5 +61,5 @@ def test_splitting_across_replicas_runs_less_newton_schulz_on_the_busiest_rank(r
 
 def test_pipeline_stages_plan_over_their_own_ranks_only():
     stages = run_on_ranks(scenarios.two_stages_on_their_own_ranks, 4)
-    assert all(stage["equal"] for stage in stages)
-    assert all(stage["paths"] == {"w": "all_to_all"} for stage in stages)
+    assert [stage["equal"] for stage in stages] == [True] * 4
+    assert [stage["paths"] for stage in stages] == [{"w": "all_to_all"}] * 4

@@ -11,6 +11,8 @@ import pytest
 from tests import distributed_scenarios as scenarios
 from tests.multiprocess import run_on_ranks
 
+pytestmark = pytest.mark.multirank
+
 ALL = [name for name, _, _ in scenarios.LAYOUT_CASES]
 DEFAULT_CAP = 1 << 27
 
@@ -40,7 +42,7 @@ def test_every_block_layout_takes_the_fast_path(every_layout, ns_dtype, world):
 def test_heads_orthogonalized_apart_are_bitwise_equal_to_single_process_even_split_across_ranks(world):
     heads = [name for name, _, _ in scenarios.HEAD_CASES]
     result = run_on_ranks(scenarios.layout_exactness, world, heads, DEFAULT_CAP, 4)[0]
-    assert all(result["equal"].values()), result["equal"]
+    assert result["equal"] == dict.fromkeys(heads, True)
     if world > 1:
         assert set(result["paths"].values()) == {"all_to_all"}
         assert len([i for batch in result["batches"] for i in batch]) == 5 + 3  # one unit per head
@@ -50,24 +52,24 @@ def test_tiny_batches_leave_some_rank_idle_and_stay_bitwise():
     result = run_on_ranks(scenarios.layout_exactness, 4, ALL, 64)[0]
     assert len(result["batches"]) > 1
     assert result["idle_in_some_batch"]
-    assert all(result["equal"].values()), result["equal"]
+    assert result["equal"] == dict.fromkeys(ALL, True)
 
 
 def test_more_ranks_than_matrices_stays_bitwise():
     result = run_on_ranks(scenarios.layout_exactness, 4, ["rows", "tall"], DEFAULT_CAP)[0]
-    assert all(result["equal"].values()), result["equal"]
+    assert result["equal"] == {"rows": True, "tall": True}
 
 
 def test_experts_split_across_ranks_travel_and_stay_bitwise():
     split = run_on_ranks(scenarios.layout_exactness, 4, ["experts_split_rows", "experts_split_cols"], DEFAULT_CAP)
-    assert all(rank["bytes"] > 0 for rank in split)
-    assert all(split[0]["equal"].values())
+    assert len(split) == 4 and all(rank["bytes"] > 0 for rank in split)
+    assert split[0]["equal"] == {"experts_split_rows": True, "experts_split_cols": True}
 
 
 def test_experts_whole_on_each_rank_are_orthogonalized_in_place_without_bytes():
     ranks = run_on_ranks(scenarios.layout_exactness, 4, ["experts_whole"], DEFAULT_CAP)
     assert [rank["bytes"] for rank in ranks] == [0, 0, 0, 0]
-    assert all(rank["ns_flops"] > 0 for rank in ranks)  # each rank ran its own expert
+    assert len(ranks) == 4 and all(rank["ns_flops"] > 0 for rank in ranks)  # each rank ran its own expert
     assert ranks[0]["equal"] == {"experts_whole": True}
 
 

@@ -7,6 +7,8 @@ import pytest
 from tests import distributed_scenarios as scenarios
 from tests.multiprocess import run_on_ranks
 
+pytestmark = pytest.mark.multirank
+
 
 @pytest.fixture(scope="module")
 def resumed() -> dict[str, bool]:

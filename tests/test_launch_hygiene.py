@@ -13,6 +13,9 @@ import pytest
 
 from tests import launch
 
+# Marked per test: the hanging launch runs torchrun (torchrun); the launches of a plain
+# Python one-liner finish in a fraction of a second (unit).
+
 # Each worker ignores SIGTERM (so torchrun's own teardown cannot stop it) and starts a
 # grandchild in yet another session; both write their PIDs, then everything sleeps.
 HANGING_WORKER = textwrap.dedent("""
@@ -33,6 +36,7 @@ def _alive(pid: int) -> bool:
     return stat[stat.rindex(")") + 2] != "Z"
 
 
+@pytest.mark.torchrun
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds processes through /proc")
 def test_a_torchrun_launch_that_hangs_is_stopped_with_every_process_it_started(tmp_path):
     worker = tmp_path / "hang.py"
@@ -48,11 +52,13 @@ def test_a_torchrun_launch_that_hangs_is_stopped_with_every_process_it_started(t
     assert time.monotonic() - started < 60
 
 
+@pytest.mark.unit
 def test_a_launch_that_finishes_returns_its_output_and_exit_code():
     done = launch.run([sys.executable, "-c", "print('hello'); raise SystemExit(3)"], timeout_s=30)
     assert (done.returncode, done.stdout) == (3, "hello\n")
 
 
+@pytest.mark.unit
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds processes through /proc")
 def test_a_process_a_finished_launch_left_behind_is_stopped_too(tmp_path):
     pid_file = tmp_path / "orphan"

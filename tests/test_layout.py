@@ -3,16 +3,51 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from dmuon.layout import Layout, chunk_ranges, local_indices
 
+pytestmark = pytest.mark.unit
+
 
 def test_chunks_follow_torch_chunk_with_short_and_empty_last_chunks():
     assert chunk_ranges(10, 4) == [(0, 3), (3, 3), (6, 3), (9, 1)]
     assert chunk_ranges(3, 4) == [(0, 1), (1, 1), (2, 1), (3, 0)]
+
+
+def _lengths(length: int, chunks: int) -> tuple[int, ...]:
+    return tuple(n for _, n in chunk_ranges(length, chunks))
+
+
+@pytest.mark.parametrize(
+    "length, chunks, expected",
+    [
+        (8, 2, (4, 4)),
+        (8, 4, (2, 2, 2, 2)),
+        (10, 4, (3, 3, 3, 1)),
+        (9, 4, (3, 3, 3, 0)),  # uneven and one empty chunk
+        (5, 4, (2, 2, 1, 0)),
+        (7, 1, (7,)),
+    ],
+)
+def test_chunk_lengths_are_ceil_sized_with_the_last_ones_short_or_empty(length, chunks, expected):
+    assert _lengths(length, chunks) == expected
+
+
+@pytest.mark.parametrize("length, chunks", [(3, 4), (1, 8), (0, 3)])
+def test_more_chunks_than_rows_gives_one_row_each_then_empty_chunks(length, chunks):
+    assert _lengths(length, chunks) == (1,) * length + (0,) * (chunks - length)
+
+
+def test_chunks_are_the_pieces_torch_chunk_cuts_as_dtensor_and_fsdp2_do():
+    for chunks in range(1, 9):
+        for length in range(0, 30):
+            pieces = torch.arange(length).chunk(chunks) if length else ()
+            expected = [(int(p[0]), len(p)) for p in pieces] + [(length, 0)] * (chunks - len(pieces))
+            assert chunk_ranges(length, chunks) == expected, (length, chunks)
 
 
 PLACEMENTS = {

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.unit
+
 _PATH = Path(__file__).resolve().parents[1] / "scripts" / "leading_steps.py"
 _spec = importlib.util.spec_from_file_location("leading_steps", _PATH)
 leading = importlib.util.module_from_spec(_spec)

@@ -7,6 +7,8 @@ import torch
 
 from dmuon.newton_schulz import KELLER_COEFFICIENTS, matrix_shape, newton_schulz_flops, orthogonalize
 
+pytestmark = pytest.mark.unit
+
 
 def _randn(*shape: int, seed: int = 0, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     generator = torch.Generator().manual_seed(seed)

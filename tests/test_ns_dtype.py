@@ -21,6 +21,8 @@ from dmuon.newton_schulz import (
 )
 from dmuon.param_groups import check_ns_dtype
 
+pytestmark = pytest.mark.unit
+
 # What a CPU without bf16 hardware looks like to torch (scripts/as_avx2.sh): ATen's, oneDNN's
 # and MKL's kernels capped at AVX2 (then torch.ops.mkldnn._is_mkldnn_bf16_supported() is False).
 AVX2_ONLY_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}

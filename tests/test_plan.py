@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from dmuon.layout import Layout
+from dmuon.layout import Layout, chunk_ranges
 from dmuon.newton_schulz import newton_schulz_flops
 from dmuon.plan import (
     ALL_TO_ALL,
@@ -25,39 +25,9 @@ from dmuon.plan import (
     layout_problem,
     make_units,
     scratch_events,
-    shard_sizes,
 )
 
-# ------------------------------------------------------------------ shard_sizes
-
-
-@pytest.mark.parametrize(
-    "size, world_size, expected",
-    [
-        (8, 2, (4, 4)),
-        (8, 4, (2, 2, 2, 2)),
-        (10, 4, (3, 3, 3, 1)),
-        (9, 4, (3, 3, 3, 0)),  # uneven and one empty shard
-        (5, 4, (2, 2, 1, 0)),
-        (7, 1, (7,)),
-    ],
-)
-def test_shard_sizes(size, world_size, expected):
-    assert shard_sizes(size, world_size) == expected
-
-
-@pytest.mark.parametrize("size, world_size", [(3, 4), (1, 8), (0, 3)])
-def test_shard_sizes_with_more_ranks_than_rows_gives_trailing_zeros(size, world_size):
-    assert shard_sizes(size, world_size) == (1,) * size + (0,) * (world_size - size)
-
-
-def test_shard_sizes_follow_torch_chunk_like_dtensor_and_fsdp2():
-    for world_size in range(1, 9):
-        for size in range(0, 30):
-            chunks = [len(c) for c in torch.arange(size).chunk(world_size)] if size else []
-            expected = tuple(chunks) + (0,) * (world_size - len(chunks))
-            assert shard_sizes(size, world_size) == expected, (size, world_size)
-
+pytestmark = pytest.mark.unit
 
 # ------------------------------------------------------------------ assign_owners
 
@@ -113,7 +83,7 @@ def _blocks(unit):
 def test_a_2d_parameter_is_one_unit_whose_blocks_are_its_row_shards():
     (unit,) = make_units([ParamSpec((10, 6))], 4)
     assert unit.matrix == (10, 6) and unit.travels
-    assert [b.shape[0] for _, b in unit.blocks] == list(shard_sizes(10, 4)) == [3, 3, 3, 1]
+    assert [b.shape[0] for _, b in unit.blocks] == [3, 3, 3, 1]  # torch.chunk's rows
     assert [b.offset for _, b in unit.blocks] == [(0, 0), (3, 0), (6, 0), (9, 0)]
 
 
@@ -145,9 +115,9 @@ def test_experts_sharded_on_dim_0_are_whole_on_one_rank_and_do_not_travel():
 @pytest.mark.parametrize("shard_dim", [1, 2])
 def test_experts_sharded_inside_the_matrix_travel_as_blocks(shard_dim):
     units = make_units([ParamSpec((3, 8, 12), shard_dim=shard_dim)], 4)
-    assert all(u.travels and len(u.blocks) == 4 for u in units)
+    assert len(units) == 3 and all(u.travels and len(u.blocks) == 4 for u in units)
     cut = shard_dim - 1  # dim 1 cuts an expert's rows, dim 2 its columns
-    assert [b.shape[cut] for _, b in units[0].blocks] == list(shard_sizes((8, 12)[cut], 4))
+    assert [b.shape[cut] for _, b in units[0].blocks] == [n for _, n in chunk_ranges((8, 12)[cut], 4)]
 
 
 def test_a_4d_parameter_sharded_past_dim_0_has_no_block_layout():
@@ -194,7 +164,7 @@ def test_split_replicas_spreads_newton_schulz_over_every_rank():
     for batch in apart.batches:
         for rank in range(4):
             for send in (apart.gather_splits(batch, rank)[0], apart.scatter_splits(batch, rank)[0]):
-                assert all(n == 0 for peer, n in enumerate(send) if peer // 2 != rank // 2)
+                assert [n for peer, n in enumerate(send) if peer // 2 != rank // 2] == [0, 0]
 
 
 def test_a_replicated_expert_held_whole_is_orthogonalized_by_each_holder_in_place():
@@ -278,8 +248,8 @@ def test_a_rank_owns_at_most_the_cap_or_the_batch_s_tallest_matrix_per_batch(cap
 
 def test_a_cap_below_every_matrix_gives_one_matrix_per_rank_per_batch():
     plan = make_owner_plan(_llama_like(layers=2, dim=64, hidden=160), 2, max_batch_numel=1)
-    for batch in plan.batches:
-        assert all(sum(1 for i in batch if plan.units[i].owner == r) <= 1 for r in range(2))
+    # 14 matrices, 7 owned by each rank: 7 batches, each one matrix of rank 0's and one of rank 1's.
+    assert [sorted(plan.units[i].owner for i in batch) for batch in plan.batches] == [[0, 1]] * 7
 
 
 def test_a_matrix_larger_than_the_cap_forms_a_batch_of_its_own_on_its_owner():

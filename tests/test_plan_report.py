@@ -7,7 +7,9 @@ import json
 import pytest
 
 from dmuon.newton_schulz import newton_schulz_flops
-from dmuon.plan_report import PRESETS, main
+from dmuon.plan_report import PRESETS, main, min_bytes_per_rank
+
+pytestmark = pytest.mark.unit
 
 KEYS = {
     "model", "world_size", "matrices", "muon_elements", "ns_flops_total", "ns_flops_per_rank_max",
@@ -109,3 +111,11 @@ def test_ns_dtype_float32_predicts_slower_newton_schulz(capsys):
         main(["--model", "llama3-8b", "--world-size", "8", "--json", "--ns-dtype", dtype])
         times[dtype] = json.loads(capsys.readouterr().out)["predicted"]["ns_ms"]
     assert times["float32"] > 10 * times["bfloat16"]
+
+
+def test_minimum_bytes_for_fsdp_is_an_owner_round_trip():
+    assert min_bytes_per_rank("fsdp", (4,), 1600, True) == 4 * 1600 * 3 // 16
+
+
+def test_hsdp_minimum_bytes_split_and_apart_agree_at_two_shards():
+    assert min_bytes_per_rank("hsdp", (2, 2), 1600, True) == min_bytes_per_rank("hsdp", (2, 2), 1600, False) == 1600

@@ -9,6 +9,8 @@ from dmuon.telemetry import StepFigures
 from torchtitan_ext.step_metrics import console_text
 from torchtitan_ext.titan_log import parse_log
 
+pytestmark = pytest.mark.unit
+
 STOCK_LINE = ("[titan] 2026-11-22 08:20:19,431 - root - INFO - step:  7  loss:  7.86704  grad_norm:  1.2345  "
               "memory:  0.88GiB(3.75%)  tps: 452  tflops: 0.02  mfu: 0.01%")
 FIGURES = StepFigures.from_sums(0.1512, 0.0987, 3 * 2**20, [4.0, 100.0, 400.0, 1.0, 25.0, 100.0])

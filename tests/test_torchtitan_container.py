@@ -23,6 +23,8 @@ from torchtitan_ext.optimizer_container import (
     route_parameters,
 )
 
+pytestmark = pytest.mark.unit
+
 
 def optimizer_config(*args: str):
     """The ``[optimizer]`` section as TorchTitan parses it with the extension."""
@@ -43,6 +45,16 @@ def build(model_parts, *args: str) -> OptimizersContainer:
 
 def names(pairs) -> set[str]:
     return {name for name, _ in pairs}
+
+
+def layer_weights(*modules: str, n_layers: int = 2) -> set[str]:
+    """The weight names of ``modules`` (e.g. ``"attention.wq"``) in every layer of tiny_llama."""
+    return {f"layers.{i}.{m}.weight" for i in range(n_layers) for m in modules}
+
+
+ATTENTION = ("attention.wq", "attention.wk", "attention.wv", "attention.wo")
+FEED_FORWARD = ("feed_forward.w1", "feed_forward.w2", "feed_forward.w3")
+NORMS = ("attention_norm", "ffn_norm")
 
 
 # ----------------------------------------------------------------- routing
@@ -75,14 +87,15 @@ def test_attention_and_feed_forward_matrices_go_to_muon():
 def test_a_custom_regex_moves_matching_matrices_to_adamw():
     routed = route_parameters(tiny_llama(), r"norm|embed|output|feed_forward")
     assert "layers.0.feed_forward.w1.weight" in names(routed.adamw)
-    assert all("attention." in n for n in names(routed.muon))
+    assert names(routed.muon) == layer_weights(*ATTENTION)
 
 
 def test_parameters_with_fewer_than_two_dims_go_to_adamw_whatever_their_name():
     routed = route_parameters(tiny_llama(), r"(?!)")  # a regex that matches nothing
     assert all(p.ndim >= 2 for _, p in routed.muon)
-    assert "norm.weight" in names(routed.adamw)
-    assert "tok_embeddings.weight" in names(routed.muon)  # 2-D and not matched
+    # Every matrix, embeddings and output head included (2-D and not matched); the norms' 1-D weights go to AdamW.
+    assert names(routed.muon) == layer_weights(*ATTENTION, *FEED_FORWARD) | {"tok_embeddings.weight", "output.weight"}
+    assert names(routed.adamw) == layer_weights(*NORMS) | {"norm.weight"}
 
 
 def test_frozen_parameters_are_left_out():
@@ -104,7 +117,7 @@ def test_the_default_regex_extends_dmuons_own_default_with_norms():
 def test_dmuon_name_builds_a_dmuon_container():
     container = build([tiny_llama()])
     assert isinstance(container, DMuonOptimizersContainer)
-    assert all(isinstance(opt, DMuon) for opt in container)
+    assert len(container) == 1 and isinstance(next(iter(container)), DMuon)
 
 
 def test_one_dmuon_per_model_part():

@@ -12,6 +12,8 @@ from torchtitan.hf_datasets.text_datasets import build_text_validation_dataloade
 from torchtitan_ext.dataset import load_split, rewind_validation_before_each_run
 from torchtitan_ext.tokenizer import ensure_tokenizer, VOCAB_SIZE
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.fixture(scope="module")
 def tokenizer_dir(tmp_path_factory):

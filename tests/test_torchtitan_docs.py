@@ -7,7 +7,11 @@ import re
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests import launch
+
+pytestmark = pytest.mark.torchrun
 
 REPO = Path(__file__).resolve().parents[1]
 DOC = REPO / "README.md"

@@ -21,6 +21,8 @@ import pytest
 
 from tests.titan_runs import copy_checkpoint, DMUON_TOML, torchrun
 
+pytestmark = pytest.mark.torchrun
+
 STEPS = 5
 # Four or five ranks' worth of work on two cores: every run is kept to a few steps.
 FEW_STEPS = ["--training.steps", str(STEPS)]

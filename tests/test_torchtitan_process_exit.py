@@ -22,6 +22,8 @@ import torch.distributed as dist
 
 from torchtitan_ext.cpu_compat import torchtitan_finished_cleanly
 
+pytestmark = pytest.mark.unit
+
 REPO = Path(__file__).resolve().parents[1]
 
 

@@ -36,6 +36,9 @@ from torchtitan_ext.fault_injection import KillPlan, plan_from_env
 from torchtitan_ext.launch_checks import restarts_share_a_stale_store
 from torchtitan_ext.titan_log import parse_log
 
+# Marked per test: the killed runs launch torchrun (torchrun); the checks of the fault's
+# switch and of the launch check are plain functions of an environment (unit).
+
 
 @dataclass(frozen=True)
 class Scenario:
@@ -69,6 +72,7 @@ def killed_run(request, tmp_path_factory, short_run_args) -> tuple[Scenario, Pat
     return scenario, folder
 
 
+@pytest.mark.torchrun
 def test_the_armed_rank_kills_itself_at_the_chosen_point_in_the_first_attempt(killed_run):
     scenario, folder = killed_run
     first_attempt = attempt_output(folder, attempt=0, rank=scenario.kill.rank)
@@ -77,11 +81,13 @@ def test_the_armed_rank_kills_itself_at_the_chosen_point_in_the_first_attempt(ki
     assert max(parse_log(first_attempt).train_loss) == scenario.kill.step
 
 
+@pytest.mark.torchrun
 def test_torchrun_restarts_the_job_exactly_once(killed_run):
     _, folder = killed_run
     assert attempts(folder) == [0, 1]
 
 
+@pytest.mark.torchrun
 def test_the_restarted_job_resumes_from_the_last_complete_checkpoint(killed_run):
     _, folder = killed_run
     restarted = attempt_output(folder, attempt=1, rank=0)
@@ -90,6 +96,7 @@ def test_the_restarted_job_resumes_from_the_last_complete_checkpoint(killed_run)
     assert f"Training starts at step {LAST_COMPLETE_CHECKPOINT + 1}" in restarted
 
 
+@pytest.mark.torchrun
 def test_the_restarted_job_logs_exactly_the_uninterrupted_losses(killed_run, dmuon_run):
     _, folder = killed_run
     uninterrupted, _ = dmuon_run
@@ -100,6 +107,7 @@ def test_the_restarted_job_logs_exactly_the_uninterrupted_losses(killed_run, dmu
     assert restarted == {s: uninterrupted.train_loss[s] for s in expected_steps}
 
 
+@pytest.mark.torchrun
 def test_the_restarted_job_ends_with_the_uninterrupted_model_and_optimizer_bit_for_bit(
         killed_run, dmuon_run, tmp_path):
     _, folder = killed_run
@@ -112,10 +120,12 @@ def test_the_restarted_job_ends_with_the_uninterrupted_model_and_optimizer_bit_f
 # ------------------------------------------------------------ the fault's switch
 
 
+@pytest.mark.unit
 def test_no_fault_is_armed_without_the_environment_variables():
     assert plan_from_env({"RANK": "1"}) is None
 
 
+@pytest.mark.unit
 def test_the_fault_is_armed_in_the_first_attempt_only():
     env = {"TORCHTITAN_EXT_KILL_RANK": "1", "TORCHTITAN_EXT_KILL_STEP": "7",
            "TORCHTITAN_EXT_KILL_POINT": "checkpoint_write"}
@@ -123,6 +133,7 @@ def test_the_fault_is_armed_in_the_first_attempt_only():
     assert plan_from_env({**env, "TORCHELASTIC_RESTART_COUNT": "1"}) is None
 
 
+@pytest.mark.unit
 def test_an_unknown_kill_point_is_rejected_naming_the_choices():
     env = {"TORCHTITAN_EXT_KILL_RANK": "1", "TORCHTITAN_EXT_KILL_STEP": "7",
            "TORCHTITAN_EXT_KILL_POINT": "during_backward"}
@@ -133,17 +144,20 @@ def test_an_unknown_kill_point_is_rejected_naming_the_choices():
 # ------------------------------------------------------------ the launch check
 
 
+@pytest.mark.unit
 def test_restarts_with_torchruns_shared_store_are_flagged():
     env = {"TORCHELASTIC_MAX_RESTARTS": "1", "TORCHELASTIC_USE_AGENT_STORE": "True"}
     assert restarts_share_a_stale_store(env)
 
 
+@pytest.mark.unit
 def test_restarts_with_a_fresh_store_per_attempt_are_not_flagged():
     # What torchrun sets under TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1.
     env = {"TORCHELASTIC_MAX_RESTARTS": "1", "TORCHELASTIC_USE_AGENT_STORE": "False"}
     assert not restarts_share_a_stale_store(env)
 
 
+@pytest.mark.unit
 def test_a_launch_without_restarts_is_not_flagged():
     env = {"TORCHELASTIC_MAX_RESTARTS": "0", "TORCHELASTIC_USE_AGENT_STORE": "True"}
     assert not restarts_share_a_stale_store(env)

@@ -18,6 +18,8 @@ from torchtitan.tools.utils import NoColor
 from dmuon.telemetry import StepFigures
 from torchtitan_ext.step_metrics import METRICS
 
+pytestmark = pytest.mark.unit
+
 FIGURES = StepFigures.from_sums(0.15, 0.1, 2**20, [4.0, 100.0, 400.0, 1.0, 25.0, 100.0])
 
 
@@ -85,4 +87,5 @@ def test_without_telemetry_the_step_line_and_metrics_are_torchtitans(optimizers,
     line = _log_step(processor, caplog)
     assert line.endswith("mfu: 0.00%")
     ((metrics, _),) = processor.logger.logged
+    assert metrics["lr"] == 0.01  # TorchTitan's own metrics still arrive
     assert not any(key.startswith("dmuon/") for key in metrics)

@@ -9,6 +9,8 @@ import torch
 
 from dmuon.update_rules import ADJUST_LR_CHOICES, apply_muon_update_, muon_momentum_, shape_scale
 
+pytestmark = pytest.mark.unit
+
 TALL, WIDE, EXPERTS_TALL, CONV = (64, 16), (16, 64), (8, 36, 4), (32, 2, 3, 3)
 
 

@@ -8,6 +8,8 @@ from torch import nn
 
 from dmuon import DMuon
 
+pytestmark = pytest.mark.unit
+
 
 def _matrix(rows: int = 4, cols: int = 4) -> nn.Parameter:
     return nn.Parameter(torch.randn(rows, cols))

@@ -117,7 +117,7 @@ class Optimizer:
     every rank of every replica (each orthogonalizes ~1/(R*S) of the matrices; results
     cross to the other replicas), "never" keeps each replica to itself (~1/S each, no
     traffic between replicas), "auto" lets DMuon's cost model choose
-    (dmuon.cost_model.split_replicas_pays). No effect without replicas.
+    (dmuon.cost_model.plan_with_best_split). No effect without replicas.
     """
 
     telemetry: bool = False

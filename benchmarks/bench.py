@@ -2,12 +2,12 @@
 
 Run::
 
-    torchrun --nproc-per-node 2 -m dmuon.bench [--json PATH] [--dim 512 --layers 4]
+    torchrun --nproc-per-node 2 -m benchmarks.bench [--json PATH] [--dim 512 --layers 4]
         [--max-batch-numel N] [--device auto|cpu|cuda] [--layout fsdp|hsdp|fsdp_tp|tp [--mesh R,S]]
         [--ns-dtype auto|bfloat16|float32]
 
 Every optimizer steps the same model (parallelized per ``--layout``, see
-``dmuon.bench_layouts``: by default ``fully_shard``-ed, so parameters are ``Shard(0)``
+``benchmarks.layouts``: by default ``fully_shard``-ed, so parameters are ``Shard(0)``
 DTensors) with the same gradients:
 
 - ``dmuon``: DMuon's owner-computed fast path (``comm="all_to_all"``);
@@ -28,7 +28,7 @@ Bytes sent per rank: DMuon's own exact counters for ``dmuon``; for the others, t
 collectives the profiler sees at the backend (gloo/NCCL) level, costed as ring
 algorithms (all-reduce ``2(P-1)/P n``, all-gather ``(P-1) n_in``, reduce-scatter and
 all-to-all ``(P-1)/P n_in``). The minimum bytes per rank of owner-computed
-Newton-Schulz depend on the layout (``dmuon.cost_model.min_bytes_per_rank``; ``4 N (P-1) / P^2``
+Newton-Schulz depend on the layout (``dmuon.plan_report.min_bytes_per_rank``; ``4 N (P-1) / P^2``
 for FSDP).
 """
 
@@ -49,8 +49,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from dmuon.bench_layouts import LAYOUTS, default_mesh_shape, like, parallelize
-from dmuon.cost_model import min_bytes_per_rank
+from benchmarks.layouts import LAYOUTS, default_mesh_shape, like, parallelize
 from dmuon.newton_schulz import (
     DEFAULT_NS_DTYPE,
     DEFAULT_NS_STEPS,
@@ -64,6 +63,7 @@ from dmuon.newton_schulz import (
 )
 from dmuon.optimizer import DMuon
 from dmuon.plan import DEFAULT_BATCH_NUMEL
+from dmuon.plan_report import min_bytes_per_rank
 
 OPTIMIZERS = ("dmuon", "dmuon_bf16", "redistribute", "vanilla", "adamw", "single")
 # The rows that run DMuon, and so Newton-Schulz in the chosen dtype (dmuon_bf16: in bf16),
@@ -91,7 +91,7 @@ class BenchConfig:
     device: str = "auto"
     """"cuda" (one GPU per rank, NCCL), "cpu" (gloo), or "auto": cuda when available."""
     layout: str = "fsdp"
-    """How the stack is parallelized: one of ``dmuon.bench_layouts.LAYOUTS``."""
+    """How the stack is parallelized: one of ``benchmarks.layouts.LAYOUTS``."""
     mesh_shape: tuple[int, ...] = ()
     """The layout's mesh; empty: ``default_mesh_shape(layout, world size)``."""
     split_replicas: bool = True
@@ -203,7 +203,7 @@ def run_benchmark(cfg: BenchConfig) -> dict:
     shapes = [tuple(p.shape) for p in Block(cfg.dim).parameters()] * cfg.layers
     muon_elements = sum(math.prod(s) for s in shapes)
     ns_flops_total = sum(newton_schulz_flops(s, DEFAULT_NS_STEPS) for s in shapes)
-    _log(f"dmuon.bench: {world} rank(s) on {device.type}, {cfg.threads} thread(s) each; layout {cfg.layout} "
+    _log(f"benchmarks.bench: {world} rank(s) on {device.type}, {cfg.threads} thread(s) each; layout {cfg.layout} "
          f"on mesh {cfg.mesh_shape}; {cfg.layers} blocks of width {cfg.dim}: {len(shapes)} matrices, "
          f"{muon_elements / 1e6:.1f}M elements")
 
@@ -348,7 +348,7 @@ def format_table(report: dict) -> str:
         lines.append(f"{name:<14}{row.get('ns_dtype') or '-':>10}{row['step_ms']:>10.1f}{speedup:>12}"
                      f"{row['bytes_sent_per_rank']:>18,}")
     lines.append(f"owner-exchange minimum for this layout = {report['min_bytes_per_rank']:,} bytes/rank "
-                 f"(dmuon.cost_model.min_bytes_per_rank)")
+                 f"(dmuon.plan_report.min_bytes_per_rank)")
     dmuon = results.get("dmuon", {})
     if "ns_flops_per_rank_max" in dmuon:
         ideal = report["ns_flops_total"] / report["world_size"]
@@ -386,7 +386,7 @@ def plot_report(report: dict, path: str) -> None:
     right.legend(fontsize=8, loc="center left")
     for axis in (left, right):
         axis.tick_params(axis="x", rotation=20)
-    fig.suptitle(f"dmuon.bench: {report['world_size']} rank(s), {report['device']}, "
+    fig.suptitle(f"benchmarks.bench: {report['world_size']} rank(s), {report['device']}, "
                  f"N = {report['muon_elements'] / 1e6:.1f}M Muon elements", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -417,7 +417,7 @@ def _log(message: str) -> None:
 
 
 def parse_args(argv: list[str] | None = None) -> BenchConfig:
-    parser = argparse.ArgumentParser(prog="python -m dmuon.bench", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.bench", description=__doc__.split("\n\n")[0])
     defaults = BenchConfig()
     parser.add_argument("--dim", type=int, default=defaults.dim, help="model width (default %(default)s)")
     parser.add_argument("--layers", type=int, default=defaults.layers, help="blocks of 7 matrices (default %(default)s)")
@@ -430,8 +430,8 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default=defaults.device,
                         help="cuda: one GPU per rank with NCCL (default %(default)s)")
     parser.add_argument("--layout", choices=LAYOUTS, default=defaults.layout,
-                        help="how the stack is parallelized (default %(default)s; see dmuon.bench_layouts)")
-    parser.add_argument("--mesh", default="", help="mesh shape, e.g. 2,2 (default: per layout, see dmuon.bench_layouts)")
+                        help="how the stack is parallelized (default %(default)s; see benchmarks.layouts)")
+    parser.add_argument("--mesh", default="", help="mesh shape, e.g. 2,2 (default: per layout, see benchmarks.layouts)")
     parser.add_argument("--no-split-replicas", action="store_true",
                         help="hsdp: keep each replica's Newton-Schulz to itself")
     parser.add_argument("--ns-dtype", choices=NS_DTYPE_CHOICES, default=defaults.ns_dtype,
@@ -454,7 +454,7 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
 def main(argv: list[str] | None = None) -> None:
     cfg = parse_args(argv)
     torch.set_num_threads(cfg.threads)
-    # Also runnable as plain `python -m dmuon.bench`: a one-rank group.
+    # Also runnable as plain `python -m benchmarks.bench`: a one-rank group.
     os.environ.setdefault("RANK", "0")
     os.environ.setdefault("WORLD_SIZE", "1")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")

@@ -1,4 +1,4 @@
-"""The parallel layouts ``dmuon.bench --layout`` builds, and the bytes each must send.
+"""The parallel layouts ``benchmarks.bench --layout`` builds, and the bytes each must send.
 
 Each layout is built the way TorchTitan builds it, with PyTorch's own APIs, so the
 placements are the real ones:
@@ -10,7 +10,8 @@ placements are the real ones:
   ``(Shard(0), Shard(1))``;
 - ``tp``: tensor parallel over every rank: ``Shard(0)`` and ``Shard(1)``.
 
-The minimum bytes each layout must send are ``dmuon.cost_model.min_bytes_per_rank``.
+The minimum bytes each layout must send are ``dmuon.plan_report.min_bytes_per_rank``.
+``as_dtensor`` is also the tests' way to lay a full tensor out as a DTensor.
 """
 
 from __future__ import annotations

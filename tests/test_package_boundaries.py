@@ -1,0 +1,72 @@
+"""What the shipped packages may import: the wheel holds dmuon/ and torchtitan_ext/
+only (pyproject.toml), so neither may reach into benchmarks/ or tests/, and the
+optimizer's runtime does not import the reporting tool dmuon.plan_report.
+
+Read from the source files' import statements (ast), not by importing them: an import
+inside a function counts as much as one at the top.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.unit
+
+REPO = Path(__file__).resolve().parents[1]
+SHIPPED = ("dmuon", "torchtitan_ext")
+NOT_SHIPPED = ("benchmarks", "tests")
+TOOLS_IN_DMUON = ("dmuon.plan_report",)
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(REPO).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: Path) -> set[str]:
+    """Every module ``path`` imports, relative imports resolved to absolute names."""
+    package = _module_name(path) if path.name == "__init__.py" else _module_name(path).rpartition(".")[0]
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = package.split(".")[: len(package.split(".")) - node.level + 1] if node.level else []
+            module = ".".join([*base, *([node.module] if node.module else [])])
+            names.add(module)
+            # ``from package import module`` imports a module too.
+            names.update(f"{module}.{alias.name}" for alias in node.names)
+    return names
+
+
+def _within(name: str, packages: tuple[str, ...]) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in packages)
+
+
+def _sources(package: str) -> list[Path]:
+    return sorted((REPO / package).rglob("*.py"))
+
+
+def test_imports_are_read_from_the_source_including_relative_ones():
+    assert "dmuon.plan" in _imports(REPO / "dmuon" / "optimizer.py")
+    assert "torchtitan_ext.config" in _imports(REPO / "torchtitan_ext" / "__init__.py")
+
+
+@pytest.mark.parametrize("package", SHIPPED)
+def test_no_shipped_module_imports_the_benchmarks_or_the_tests(package):
+    sources = _sources(package)
+    assert sources, f"no sources found under {package}/"
+    offenders = {_module_name(path): sorted(n for n in _imports(path) if _within(n, NOT_SHIPPED))
+                 for path in sources}
+    assert {module: names for module, names in offenders.items() if names} == {}
+
+
+def test_the_optimizer_runtime_does_not_import_the_reporting_tool():
+    sources = [path for path in _sources("dmuon") if _module_name(path) not in TOOLS_IN_DMUON]
+    assert sources
+    offenders = {_module_name(path): sorted(n for n in _imports(path) if _within(n, TOOLS_IN_DMUON))
+                 for path in sources}
+    assert {module: names for module, names in offenders.items() if names} == {}
