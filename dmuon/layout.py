@@ -32,7 +32,9 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from torch.distributed.tensor import Partial, Replicate, Shard
-from torch.distributed.tensor.placement_types import Placement, _StridedShard
+from torch.distributed.tensor.placement_types import Placement
+
+from dmuon.torch_compat import StridedShard
 
 Range = tuple[int, int]
 """``(start, length)`` along one dim."""
@@ -76,11 +78,11 @@ def local_indices(
     for mesh_dim, placement in enumerate(placements):
         if isinstance(placement, Replicate):
             continue
-        if isinstance(placement, Partial) or not isinstance(placement, (Shard, _StridedShard)):
+        if isinstance(placement, Partial) or not isinstance(placement, (Shard, StridedShard)):
             raise ValueError(f"no layout for placement {placement}")
         dim, chunks, mine = placement.dim, mesh_shape[mesh_dim], coordinate[mesh_dim]
         total = sum(length for _, length in held[dim])
-        if isinstance(placement, _StridedShard):
+        if isinstance(placement, StridedShard):
             pieces = chunk_ranges(total, placement.split_factor)
         else:
             pieces = [(0, total)]

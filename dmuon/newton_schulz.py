@@ -18,6 +18,7 @@ from collections.abc import Sequence
 
 import torch
 
+from dmuon.torch_compat import mkldnn_bf16_supported
 # Keller Jordan's quintic coefficients (also torch.optim.Muon's default): chosen to
 # maximize the slope at zero, so 5 steps push every singular value into ~[0.7, 1.2].
 KELLER_COEFFICIENTS: tuple[float, float, float] = (3.4445, -4.7750, 2.0315)
@@ -94,7 +95,7 @@ def native_bf16_matmul(device_type: str) -> bool:
     """
     if device_type != "cpu":
         return True
-    return torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return mkldnn_bf16_supported()
 
 
 @functools.lru_cache(maxsize=None)

@@ -26,8 +26,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-from torch.optim.optimizer import Optimizer, _get_scalar_dtype
+from torch.optim.optimizer import Optimizer
 
 from dmuon.comm import CommStats, ScratchMeter, mesh_device
 from dmuon.cost_model import CostModel, plan_with_best_split
@@ -59,6 +58,7 @@ from dmuon.plan import (
     layout_of,
 )
 from dmuon.telemetry import StepFigures, Telemetry
+from dmuon.torch_compat import compute_local_shape_and_global_offset, scalar_dtype
 from dmuon.update_rules import DEFAULT_MATCHED_ADAMW_RMS, adamw_step_, apply_muon_update_, muon_momentum_, shape_scale
 
 logger = logging.getLogger("dmuon")
@@ -502,7 +502,7 @@ class DMuon(Optimizer):
                 continue
             state = self.state[param]
             if not state:
-                state["step"] = torch.tensor(0.0, dtype=_get_scalar_dtype())
+                state["step"] = torch.tensor(0.0, dtype=scalar_dtype())
                 state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
                 state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
             params.append(param)

@@ -1,6 +1,7 @@
 """What the shipped packages may import: the wheel holds dmuon/ and torchtitan_ext/
 only (pyproject.toml), so neither may reach into benchmarks/ or tests/, and the
-optimizer's runtime does not import the reporting tool dmuon.plan_report.
+optimizer's runtime does not import the reporting tool dmuon.plan_report; and only
+dmuon.torch_compat imports torch's private names.
 
 Read from the source files' import statements (ast), not by importing them: an import
 inside a function counts as much as one at the top.
@@ -19,6 +20,8 @@ REPO = Path(__file__).resolve().parents[1]
 SHIPPED = ("dmuon", "torchtitan_ext")
 NOT_SHIPPED = ("benchmarks", "tests")
 TOOLS_IN_DMUON = ("dmuon.plan_report",)
+# The one module allowed to import torch's private names (those with a part starting "_").
+TORCH_COMPAT = "dmuon.torch_compat"
 
 
 def _module_name(path: Path) -> str:
@@ -70,3 +73,16 @@ def test_the_optimizer_runtime_does_not_import_the_reporting_tool():
     offenders = {_module_name(path): sorted(n for n in _imports(path) if _within(n, TOOLS_IN_DMUON))
                  for path in sources}
     assert {module: names for module, names in offenders.items() if names} == {}
+
+
+def _private_torch(name: str) -> bool:
+    parts = name.split(".")
+    return parts[0] == "torch" and any(part.startswith("_") for part in parts)
+
+
+def test_only_torch_compat_imports_private_torch_names():
+    assert _private_torch("torch.distributed.tensor._utils") and not _private_torch("torch.optim.adamw.adamw")
+    offenders = {_module_name(path): sorted(n for n in _imports(path) if _private_torch(n))
+                 for package in SHIPPED + ("benchmarks",) for path in _sources(package)}
+    assert offenders[TORCH_COMPAT]
+    assert {module: names for module, names in offenders.items() if names and module != TORCH_COMPAT} == {}
