@@ -1,7 +1,7 @@
 """dmuon: a distributed Muon optimizer native to PyTorch DTensor/FSDP2.
 
 ``DMuon`` orthogonalizes each sharded matrix once, on one owner rank, and keeps
-everything elementwise on the local shards. See README.md.
+everything elementwise on the local shards. See README.md and docs/architecture.md.
 
 ``python -m dmuon.plan_report`` models the plan at scale from shapes alone. The step
 benchmark is not part of this package: it is ``benchmarks.bench`` in the repository,

@@ -13,7 +13,7 @@
 #
 # Rank 0's console goes to outputs/study/NAME.log; then
 #   python scripts/compare.py --adamw outputs/study/adamw.log --dmuon outputs/study/original.log ...
-# turns the logs into plots and tables (see the README, "Convergence study").
+# turns the logs into plots and tables (see docs/study.md).
 set -euo pipefail
 
 cd "$(dirname "$0")/.."

@@ -1,4 +1,4 @@
-"""benchmarks.bench runs end to end and reports what the README promises (not speed:
+"""benchmarks.bench runs end to end and reports what docs/benchmark.md promises (not speed:
 speed lives in the benchmark itself)."""
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Skipped without a GPU (CI has none). With one GPU: the single-process checks; with two
 or more: the multi-rank scenarios on NCCL, which, unlike gloo, rejects any buffer that
 is not on the GPU. Run them with ``bash scripts/test.sh tests/test_cuda.py`` on a GPU
-machine (README, "CUDA").
+machine (docs/development.md, "CUDA").
 """
 
 from __future__ import annotations

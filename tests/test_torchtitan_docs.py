@@ -29,8 +29,8 @@ def test_the_fsdp2_example_in_the_docs_trains_on_two_cpu_ranks(tmp_path):
     losses = [float(x) for x in re.findall(r"step \d+: loss ([0-9.]+)", out)]
     assert len(losses) == 3 and losses[-1] < losses[0] / 2, out[-2000:]
     # A plain gloo program can abort at interpreter exit after finishing its work: a gloo
-    # worker thread frees a tensor during finalization (pytorch/pytorch#190489; README,
-    # "Reliability"). TorchTitan runs are protected by cpu_compat; this example is user
+    # worker thread frees a tensor during finalization (pytorch/pytorch#190489;
+    # docs/reliability.md). TorchTitan runs are protected by cpu_compat; this example is user
     # code and stays as a user would write it, so that one upstream abort is tolerated.
     assert proc.returncode == 0 or _only_the_upstream_exit_abort(out), out[-4000:]
 

@@ -13,7 +13,7 @@ at the same point every time:
   files are on disk, leaving a torn ``step-10`` folder.
 
 Both must restart from ``step-5``. Launches use ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``
-(``titan_runs.RESTART_SAFE_ENV``; README "Reliability" says why).
+(``titan_runs.RESTART_SAFE_ENV``; docs/reliability.md, "Restarting after a killed rank", says why).
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ RUN_TIMEOUT_S = 300
 # across restarts without a per-attempt key prefix, so a restarted worker can read
 # a key its dead predecessor wrote (pytorch/pytorch#135712); with gloo that shows
 # up as "Gloo connectFullMesh failed ... Connection refused". This opt-out gives
-# every attempt a fresh store. README "Reliability" explains it.
+# every attempt a fresh store. docs/reliability.md explains it.
 RESTART_SAFE_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
 

@@ -7,7 +7,7 @@ it restarts the workers. A restarted worker can then read a key its dead
 predecessor wrote, e.g. the peer address gloo connects to, and fail with
 ``Gloo connectFullMesh failed ... Connection refused`` (pytorch/pytorch#135712).
 Launching with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` gives every attempt a
-fresh store. README, "Reliability", has the details.
+fresh store. docs/reliability.md, "Restarting after a killed rank", has the details.
 """
 
 from __future__ import annotations
