@@ -31,12 +31,11 @@ while [[ $# -gt 0 ]]; do
 done
 
 cd "$(dirname "$0")/.."   # repository root: the TOMLs use paths relative to it
-PYTHON="${PYTHON:-python3}"   # the interpreter scripts/setup.sh installs into
-
-# 1. Packages: torch, torchtitan, dmuon and this repo's extension.
+# 1. Packages: torch, torchtitan, dmuon and this repo's extension, in .venv (scripts/setup.sh).
+PYTHON=.venv/bin/python
 if [[ $force_setup == 1 ]] || ! "$PYTHON" -c "import torch, torchtitan, dmuon, torchtitan_ext" >/dev/null 2>&1; then
     echo "== installing (scripts/setup.sh)"
-    bash scripts/setup.sh
+    PYTHON=$(bash scripts/setup.sh)
 fi
 
 # 2. Output folder, never committed.

@@ -1,11 +1,30 @@
 #!/usr/bin/env bash
-# Installs everything dmuon, its tests and the TorchTitan demo need, into the current
-# Python (3.11). Idempotent: a second run only checks. torch goes first and pinned, so
-# that torchtitan's own requirement on torch is already met by the CPU build.
+# Installs everything dmuon, its tests and the TorchTitan demo need into a virtual
+# environment of the project's own (never into the system's Python), and prints that
+# environment's python. Idempotent: a second run only checks.
+#
+#   DMUON_VENV      the environment (default .venv, relative to the repository root)
+#   TORCH_VERSION   the torch it holds (default 2.13.0: the small CPU build; 2.15.0 is the
+#                   registry's CUDA build, ~3.7 GB, and runs on CPU too)
+#   PYTHON          the Python 3.11 that creates the environment (default python3)
+#
+# torch goes first and pinned, so that torchtitan's own requirement on torch is
+# already met by it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PYTHON=${PYTHON:-python3}
-if ! "$PYTHON" -c "import torch, sys; sys.exit(0 if torch.__version__.startswith('2.13.') else 1)" 2>/dev/null; then
-  "$PYTHON" -m pip install --quiet "torch==2.13.0"
+venv=${DMUON_VENV:-.venv}
+torch_version=${TORCH_VERSION:-2.13.0}
+if [[ ! -x "$venv/bin/python" ]]; then
+    # A Python without its venv module (Debian's python3 without python3-venv) gets one from pip.
+    "${PYTHON:-python3}" -m venv "$venv" >&2 2>/dev/null || {
+        rm -rf "$venv"
+        "${PYTHON:-python3}" -m pip install --quiet --user virtualenv >&2
+        "${PYTHON:-python3}" -m virtualenv --quiet "$venv" >&2
+    }
 fi
-"$PYTHON" -m pip install --quiet -e ".[torchtitan,test]"
+python="$venv/bin/python"
+if ! "$python" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$torch_version')" 2>/dev/null; then
+    "$python" -m pip install --quiet "torch==$torch_version" >&2
+fi
+"$python" -m pip install --quiet -e ".[torchtitan,test]" >&2
+echo "$python"

@@ -23,7 +23,7 @@ fi
 launches=$1
 
 cd "$(dirname "$0")/.."   # repository root: the TOMLs use paths relative to it
-PYTHON="${PYTHON:-python3}"
+PYTHON="${PYTHON:-.venv/bin/python}"   # scripts/setup.sh makes it
 # Two ranks on a 2-core machine: one intra-op thread each avoids oversubscription.
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 # Import this checkout's torchtitan_ext and dmuon, whatever else is installed.

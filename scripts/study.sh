@@ -17,7 +17,7 @@
 set -euo pipefail
 
 cd "$(dirname "$0")/.."
-PYTHON="${PYTHON:-python3}"
+PYTHON="${PYTHON:-.venv/bin/python}"   # scripts/setup.sh makes it
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 out=outputs/study
 mkdir -p "$out"
