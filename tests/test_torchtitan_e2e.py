@@ -152,6 +152,6 @@ def _write_bad_toml(tmp_path: Path, old: str, new: str) -> Path:
 def test_a_bad_dmuon_setting_stops_torchrun_at_config_time_naming_the_toml_key(tmp_path):
     bad = _write_bad_toml(tmp_path, 'adjust_lr = "original"', 'adjust_lr = "sqrt"')
     log, out = torchrun(bad, tmp_path / "dump", nproc=1, check=False)
-    assert "[optimizer] adjust_lr = 'sqrt' is not known" in out
+    assert "[optimizer]: unknown adjust_lr 'sqrt'" in out
     assert not log.train_loss  # failed before any training step
     assert "Starting job" not in out  # ... before the Trainer was even created
