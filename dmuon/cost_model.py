@@ -4,9 +4,10 @@
   the peak of the dtype it multiplies in (``ns_dtype``);
 - its gather and scatter take ``G_b``, ``S_b``: the slowest rank's bytes to other ranks
   over the per-rank link bandwidth (bytes to another replica over ``replica_link_gbps``);
-- the step overlaps batch ``b``'s Newton-Schulz with gather ``b + 1`` and scatter
-  ``b - 1`` (``dmuon.transport.owner_exchange``), so
-  ``optimizer_ms = G_0 + sum_b max(NS_b, G_{b+1} + S_{b-1}) + S_last``.
+- the step runs ``dmuon.plan.batch_schedule``: batch ``b``'s Newton-Schulz overlaps
+  gather ``b + 1`` and scatter ``b - 1``, so
+  ``optimizer_ms = G_0 + sum_b max(NS_b, G_{b+1} + S_{b-1}) + S_last``
+  (:func:`overlapped_ms` reads it from that schedule).
 
 Left out: the elementwise momentum and update (memory-bound, a few ms at most),
 collective latency, and Newton-Schulz kernels running below ``ns_mfu`` on small
@@ -21,7 +22,19 @@ from dataclasses import dataclass
 
 import torch
 
-from dmuon.plan import DEFAULT_BATCH_NUMEL, WIRE_BYTES, OwnerPlan, ParamSpec, make_owner_plan
+from dmuon.plan import (
+    DEFAULT_BATCH_NUMEL,
+    FINISH_GATHER,
+    FINISH_SCATTER,
+    NEWTON_SCHULZ,
+    START_GATHER,
+    START_SCATTER,
+    WIRE_BYTES,
+    OwnerPlan,
+    ParamSpec,
+    batch_schedule,
+    make_owner_plan,
+)
 
 H100_BF16_DENSE_TFLOPS = 989.0
 # fp32 without TF32 (torch's default for fp32 matmuls), H100 SXM.
@@ -91,14 +104,30 @@ def newton_schulz_ms(plan: OwnerPlan, cost: CostModel) -> list[float]:
 
 
 def overlapped_ms(ns: list[float], gather: list[float], scatter: list[float]) -> float:
-    """``G_0 + sum_b max(NS_b, G_{b+1} + S_{b-1}) + S_last``: the schedule of dmuon.transport.owner_exchange."""
-    if not ns:
-        return 0.0
-    total = gather[0] + scatter[-1]
-    for b, ns_ms in enumerate(ns):
-        hidden = (gather[b + 1] if b + 1 < len(ns) else 0.0) + (scatter[b - 1] if b else 0.0)
-        total += max(ns_ms, hidden)
-    return total
+    """The step's time under :func:`dmuon.plan.batch_schedule`: Newton-Schulz runs one
+    batch at a time, the collectives one at a time beside it, so each Newton-Schulz
+    takes as long as it or the collectives in flight across it, whichever is longer,
+    and a collective in flight across none adds its own time. For that schedule this is
+    ``G_0 + sum_b max(NS_b, G_{b+1} + S_{b-1}) + S_last``."""
+    durations = {START_GATHER: gather, START_SCATTER: scatter}
+    started: dict[tuple[str, int], int] = {}  # collective -> Newton-Schulz runs done when it started
+    hidden = [0.0] * len(ns)
+    exposed = 0.0
+    done = 0
+    for event, b in batch_schedule(len(ns)):
+        if event == NEWTON_SCHULZ:
+            done += 1
+        elif event in durations:
+            started[(event, b)] = done
+        elif event in (FINISH_GATHER, FINISH_SCATTER):
+            start = START_GATHER if event == FINISH_GATHER else START_SCATTER
+            ms = durations[start][b]
+            first = started.pop((start, b))
+            if first < done:  # in flight across Newton-Schulz `first`: hidden behind it
+                hidden[first] += ms
+            else:
+                exposed += ms
+    return exposed + sum(max(ns_ms, comm_ms) for ns_ms, comm_ms in zip(ns, hidden))
 
 
 def optimizer_ms(plan: OwnerPlan, cost: CostModel) -> float:

@@ -54,6 +54,9 @@ NS_COEFFICIENT_SETS: dict[str, Triple | tuple[Triple, ...]] = {
     "keller": KELLER_COEFFICIENTS,
     "polar_express": POLAR_EXPRESS_COEFFICIENTS,
 }
+# The default schedule by name, for front ends that take names only (TOML): it names
+# KELLER_COEFFICIENTS, DMuon's default, which behaves the same given either way.
+DEFAULT_NS_COEFFICIENTS_NAME = "keller"
 # Named schedules normalize by ``safety * ||X||_F + eps`` (others: ``max(||X||_F, eps)``).
 NS_NORM_SAFETY: dict[str, float] = {"polar_express": POLAR_EXPRESS_SAFETY}
 

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from dmuon.newton_schulz import MAX_NS_STEPS, NS_COEFFICIENT_SETS, NS_DTYPE_CHOICES, NS_DTYPES, ns_dtype_name
+from dmuon.plan import COMM_CHOICES
 from dmuon.update_rules import ADJUST_LR_CHOICES
 
 # By default, a parameter with ndim >= 2 gets Muon unless its name marks it as an
@@ -51,10 +52,20 @@ GROUP_OPTIONS = {
 }
 GROUP_KIND = {True: "a Muon group", False: "an AdamW group", None: "a group without use_muon (split)"}
 
+# DMuon's defaults that have no home in a lower module, written once for every front
+# end (DMuon's signature, TorchTitan's ``[optimizer]`` fields) so they cannot drift.
+DEFAULT_MOMENTUM = 0.95
+DEFAULT_NESTEROV = True
+DEFAULT_ADJUST_LR = "original"
+DEFAULT_SPLIT_REPLICAS = None  # let the cost model decide
 
-def default_use_muon(name: str | None, param: torch.Tensor, adamw_name_pattern: str = DEFAULT_ADAMW_NAME_PATTERN) -> bool:
+
+def default_use_muon(
+    name: str | None, param: torch.Tensor, adamw_name_pattern: str | re.Pattern[str] = DEFAULT_ADAMW_NAME_PATTERN
+) -> bool:
     """The default routing: Muon for real ndim >= 2 tensors, unless ``name`` matches
-    ``adamw_name_pattern``."""
+    ``adamw_name_pattern`` (``re.search``; a compiled pattern is taken too). The one
+    statement of the rule: TorchTitan's ``goes_to_adamw`` calls it."""
     if param.ndim < 2 or param.is_complex():
         return False
     return name is None or re.search(adamw_name_pattern, name) is None
@@ -297,3 +308,56 @@ def _check_range(
     if not ok:
         bounds = f"{'(' if low_open else '['}{low}, {high}{')' if high_open or high == math.inf else ']'}"
         raise ValueError(f"{where}: {key} must be in {bounds}, got {value!r}")
+
+
+# ---------------------------------------------------------------- whole-optimizer options
+# The options that belong to the whole optimizer, not to a group. Every front end
+# (``DMuon(...)``, TorchTitan's ``[optimizer]``) calls these, passing ``where`` (the
+# front end's name for itself) so the message is the same apart from that prefix.
+
+
+def split_options(options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The Muon and AdamW group defaults that DMuon's keyword arguments ``options``
+    make: the Muon keys as given, and the AdamW part with ``adamw_<x>`` over ``<x>``
+    (None: unset). ``options`` needs every key of ``MUON_KEYS`` and ``adamw_betas``,
+    ``adamw_eps``; ``adamw_lr`` and ``adamw_weight_decay`` may be left out."""
+    muon = {key: options[key] for key in MUON_KEYS}
+    adamw = {
+        "lr": options["lr"] if options.get("adamw_lr") is None else options["adamw_lr"],
+        "betas": options["adamw_betas"],
+        "eps": options["adamw_eps"],
+        "weight_decay": options["weight_decay"] if options.get("adamw_weight_decay") is None
+        else options["adamw_weight_decay"],
+    }
+    return muon, adamw
+
+
+def check_comm(value: Any, where: str = "DMuon") -> str:
+    """``comm``: one of ``COMM_CHOICES``."""
+    if value not in COMM_CHOICES:
+        raise ValueError(f"{where}: unknown comm {value!r}; use one of {COMM_CHOICES}")
+    return value
+
+
+def check_max_batch_numel(value: Any, where: str = "DMuon") -> int:
+    """``max_batch_numel``: a positive int (it bounds each batch's scratch)."""
+    if not isinstance(value, int) or value < 1:
+        raise ValueError(f"{where}: max_batch_numel must be a positive int, got {value!r}")
+    return value
+
+
+def check_split_replicas(value: Any, where: str = "DMuon") -> bool | None:
+    """``split_replicas``: True, False, or None (the cost model decides)."""
+    if value not in (None, True, False):
+        raise ValueError(f"{where}: split_replicas must be True, False or None (let the cost model decide), "
+                         f"got {value!r}")
+    return value
+
+
+def check_link_gbps(value: Any, name: str, where: str = "DMuon") -> float:
+    """A link speed for the cost model (``link_gbps``, ``replica_link_gbps``): a
+    positive, finite number of Gbit/s."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+    if not ok:
+        raise ValueError(f"{where}: {name} must be a positive number of Gbit/s, got {value!r}")
+    return float(value)

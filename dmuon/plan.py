@@ -60,6 +60,14 @@ OVERLAP_BATCHES = 4
 # Wire dtype size: blocks travel in bf16.
 WIRE_BYTES = 2
 
+# The events of one step of the owner exchange, per batch (see :func:`batch_schedule`).
+START_GATHER = "start_gather"  # momentum, pack the blocks, start the gather all_to_all
+FINISH_GATHER = "finish_gather"  # wait for it; owners cut their whole matrices out
+NEWTON_SCHULZ = "newton_schulz"  # the batch's kept-local and owned units
+START_SCATTER = "start_scatter"  # pack the results, start the scatter all_to_all
+FINISH_SCATTER = "finish_scatter"  # wait for it; apply the returned blocks
+COLLECTIVE_EVENTS = (START_GATHER, FINISH_GATHER, START_SCATTER, FINISH_SCATTER)
+
 
 def comm_path(param: torch.Tensor, comm: str) -> str:
     """Which path a Muon parameter takes, given ``comm`` (``"all_to_all"`` or ``"redistribute"``).
@@ -311,20 +319,43 @@ class OwnerPlan:
         return peak * WIRE_BYTES
 
 
-def scratch_events(plan: OwnerPlan, rank: int) -> list[int]:
-    """The step's scratch allocations (+numel) and frees (-numel) on ``rank``, in order.
+def batch_schedule(n_batches: int) -> tuple[tuple[str, int], ...]:
+    """The owner exchange's order of events, ``(event, batch)``, for ``n_batches`` batches.
 
-    This is the schedule ``dmuon.transport.owner_exchange`` executes, written as arithmetic:
+    Written once, as data: ``dmuon.transport.owner_exchange`` executes it, and
+    :func:`scratch_events` (memory) and ``dmuon.cost_model.overlapped_ms`` (time) read
+    it. Batch ``b``'s gather finishes, then gather ``b + 1`` starts, so it travels while
+    this rank runs batch ``b``'s Newton-Schulz; scatter ``b`` starts once its results
+    exist, and scatter ``b - 1`` finishes only after that, so it too travels during
+    Newton-Schulz ``b``. At most three batches' buffers are alive at once.
+    """
+    if n_batches <= 0:
+        return ()
+    events = [(START_GATHER, 0)]
+    for b in range(n_batches):
+        events.append((FINISH_GATHER, b))
+        if b + 1 < n_batches:
+            events.append((START_GATHER, b + 1))
+        events += [(NEWTON_SCHULZ, b), (START_SCATTER, b)]
+        if b > 0:
+            events.append((FINISH_SCATTER, b - 1))
+    events.append((FINISH_SCATTER, n_batches - 1))
+    return tuple(events)
+
+
+def scratch_events(plan: OwnerPlan, rank: int) -> list[int]:
+    """The step's scratch allocations (+numel) and frees (-numel) on ``rank``, in order:
+    :func:`batch_schedule`, each event as the buffers it makes and frees.
 
     - start gather(b): send buffer; per travelling block the rank holds: update copy,
       packed if the rank is a source, freed; receive buffer;
-    - for each batch b: gather(b) done (send freed); the owned full matrices are cut
-      from the receive buffer (receive freed); start gather(b + 1); units kept local:
-      update copy, result, both freed; owned travelling units: result, full matrix
-      freed; scatter send packed from the results (results freed); scatter receive;
-      scatter(b - 1) done: send freed, blocks applied, receive freed.
+    - finish gather(b): send freed; the owned full matrices are cut from the receive
+      buffer (receive freed);
+    - Newton-Schulz(b): units kept local: update copy, result, both freed; owned
+      travelling units: result, full matrix freed;
+    - start scatter(b): send packed from the results (results freed); receive buffer;
+    - finish scatter(b): send freed, blocks applied, receive freed.
     """
-    events: list[int] = []
     sizes = []
     for batch in plan.batches:
         gather_send, gather_recv = plan.gather_splits(batch, rank)
@@ -334,28 +365,25 @@ def scratch_events(plan: OwnerPlan, rank: int) -> list[int]:
         local = [plan.units[i].numel for i in plan.kept_local(batch, rank)]
         sizes.append((sum(gather_send), sum(gather_recv), blocks, owned, local, sum(scatter_send), sum(scatter_recv)))
 
-    def start_gather(b: int) -> None:
-        send, recv, blocks = sizes[b][:3]
-        events.append(send)
-        for block in blocks:
-            events.extend((block, -block))
-        events.append(recv)
-
-    if not sizes:
-        return events
-    start_gather(0)
-    for b, (send, recv, _, owned, local, scatter_send, scatter_recv) in enumerate(sizes):
-        events.extend((-send, sum(owned), -recv))
-        if b + 1 < len(sizes):
-            start_gather(b + 1)
-        for numel in local:
-            events.extend((numel, numel, -numel, -numel))
-        for numel in owned:
-            events.extend((numel, -numel))
-        events.extend((scatter_send, -sum(owned), scatter_recv))  # results freed once packed
-        if b > 0:
-            events.extend((-sizes[b - 1][5], -sizes[b - 1][6]))
-    events.extend((-sizes[-1][5], -sizes[-1][6]))
+    events: list[int] = []
+    for event, b in batch_schedule(len(sizes)):
+        send, recv, blocks, owned, local, scatter_send, scatter_recv = sizes[b]
+        if event == START_GATHER:
+            events.append(send)
+            for block in blocks:
+                events.extend((block, -block))
+            events.append(recv)
+        elif event == FINISH_GATHER:
+            events.extend((-send, sum(owned), -recv))
+        elif event == NEWTON_SCHULZ:
+            for numel in local:
+                events.extend((numel, numel, -numel, -numel))
+            for numel in owned:
+                events.extend((numel, -numel))
+        elif event == START_SCATTER:
+            events.extend((scatter_send, -sum(owned), scatter_recv))  # results freed once packed
+        else:
+            events.extend((-scatter_send, -scatter_recv))
     return events
 
 

@@ -501,3 +501,45 @@ def replicated_param_with_a_missing_partial_grad() -> str | None:
     if dist.get_rank() == 1:
         param.grad = DTensor.from_local(torch.randn(6, 4, device=_device()), mesh, [Partial()])
     return _error(optimizer.step)
+
+
+# Six 8 x 16 matrices row-sharded over 2 ranks, and a batch cap of one matrix per
+# owner: the plan has three batches, so one batch runs with a gather and a scatter
+# in flight on both sides of it.
+SCHEDULE_SHAPES = [(8, 16)] * 6
+SCHEDULE_BATCH_NUMEL = 8 * 16
+
+
+def owner_exchange_collectives() -> list[tuple[str, int]]:
+    """The owner exchange's collectives in one real step, in the order this rank
+    started (``("start", k)``: the k-th ``Exchange`` made) and waited for them
+    (``("wait", k)``), recorded by wrapping ``dmuon.comm.Exchange``."""
+    from dmuon.comm import Exchange
+
+    mesh = init_device_mesh(device_type(), (dist.get_world_size(),))
+    generator = torch.Generator().manual_seed(0)
+    full = [torch.randn(shape, generator=generator) for shape in SCHEDULE_SHAPES]
+    params = [nn.Parameter(distribute_tensor(t.to(_device()), mesh, [Shard(0)], src_data_rank=None)) for t in full]
+    for param, tensor in zip(params, full):
+        param.grad = distribute_tensor(tensor.to(_device()).flip(0), mesh, [Shard(0)], src_data_rank=None)
+    optimizer = DMuon([{"params": [(f"w{i}", p) for i, p in enumerate(params)], "use_muon": True}],
+                      max_batch_numel=SCHEDULE_BATCH_NUMEL)
+    events: list[tuple[str, int]] = []
+    started = Exchange.__init__
+    wait = Exchange.wait
+
+    def recording_start(self, *args: Any, **kwargs: Any) -> None:
+        started(self, *args, **kwargs)
+        self.schedule_index = sum(kind == "start" for kind, _ in events)
+        events.append(("start", self.schedule_index))
+
+    def recording_wait(self) -> torch.Tensor:
+        events.append(("wait", self.schedule_index))
+        return wait(self)
+
+    Exchange.__init__, Exchange.wait = recording_start, recording_wait
+    try:
+        optimizer.step()
+    finally:
+        Exchange.__init__, Exchange.wait = started, wait
+    return events

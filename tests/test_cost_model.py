@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import pytest
-from dmuon.cost_model import CostModel, exchange_ms, optimizer_ms, plan_with_best_split
+import random
+
+from dmuon.cost_model import CostModel, exchange_ms, optimizer_ms, overlapped_ms, plan_with_best_split
 from dmuon.layout import Layout
 from dmuon.plan import ParamSpec, make_owner_plan
 
@@ -52,3 +54,16 @@ def test_newton_schulz_in_float32_is_charged_at_the_fp32_peak():
     bf16 = sum(newton_schulz_ms(plan, CostModel()))
     fp32 = sum(newton_schulz_ms(plan, CostModel(ns_dtype=torch.float32)))
     assert fp32 == pytest.approx(bf16 * CostModel().peak_tflops / CostModel().fp32_peak_tflops)
+
+
+@pytest.mark.parametrize("n", [0, 1, 2, 3, 7])
+def test_the_time_model_read_from_the_schedule_is_g0_plus_the_overlapped_batches_plus_s_last(n):
+    rng = random.Random(n)
+    ns, gather, scatter = ([rng.random() for _ in range(n)] for _ in range(3))
+    closed_form = 0.0 if not n else gather[0] + scatter[-1] + sum(
+        max(ns[b], (gather[b + 1] if b + 1 < n else 0.0) + (scatter[b - 1] if b else 0.0)) for b in range(n))
+    assert overlapped_ms(ns, gather, scatter) == pytest.approx(closed_form)
+
+
+def test_communication_hidden_behind_newton_schulz_costs_nothing():
+    assert overlapped_ms([10.0, 10.0, 10.0], [1.0, 2.0, 3.0], [4.0, 5.0, 6.0]) == 1.0 + 30.0 + 6.0

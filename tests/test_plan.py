@@ -15,10 +15,16 @@ from dmuon.layout import Layout, chunk_ranges
 from dmuon.newton_schulz import newton_schulz_flops
 from dmuon.plan import (
     ALL_TO_ALL,
+    FINISH_GATHER,
+    FINISH_SCATTER,
     LOCAL,
+    NEWTON_SCHULZ,
     REDISTRIBUTE,
+    START_GATHER,
+    START_SCATTER,
     ParamSpec,
     assign_owners,
+    batch_schedule,
     comm_path,
     lpt_bound_flops,
     make_owner_plan,
@@ -397,3 +403,48 @@ def test_partial_dtensor_is_rejected():
     partial = DTensor.from_local(torch.randn(4, 6), init_device_mesh("cpu", (1,)), [Partial()])
     with pytest.raises(ValueError, match="Partial"):
         comm_path(partial, ALL_TO_ALL)
+
+
+# ------------------------------------------------------------------ batch_schedule
+
+
+def test_the_batch_schedule_of_three_batches_overlaps_each_newton_schulz_with_two_collectives():
+    G0, G1, G2 = ((START_GATHER, b) for b in range(3))
+    assert batch_schedule(3) == (
+        G0,
+        (FINISH_GATHER, 0), G1, (NEWTON_SCHULZ, 0), (START_SCATTER, 0),
+        (FINISH_GATHER, 1), G2, (NEWTON_SCHULZ, 1), (START_SCATTER, 1), (FINISH_SCATTER, 0),
+        (FINISH_GATHER, 2), (NEWTON_SCHULZ, 2), (START_SCATTER, 2), (FINISH_SCATTER, 1),
+        (FINISH_SCATTER, 2),
+    )
+
+
+def test_no_batches_schedule_nothing():
+    assert batch_schedule(0) == ()
+
+
+@pytest.mark.parametrize("n", [1, 2, 5])
+def test_the_batch_schedule_runs_every_event_once_in_a_workable_order(n):
+    schedule = batch_schedule(n)
+    position = {event: i for i, event in enumerate(schedule)}
+    assert len(position) == len(schedule) == 5 * n
+    for b in range(n):
+        assert position[(START_GATHER, b)] < position[(FINISH_GATHER, b)] < position[(NEWTON_SCHULZ, b)]
+        assert position[(NEWTON_SCHULZ, b)] < position[(START_SCATTER, b)] < position[(FINISH_SCATTER, b)]
+        if b + 1 < n:  # gather b + 1 and scatter b - 1 travel while batch b orthogonalizes
+            assert position[(START_GATHER, b + 1)] < position[(NEWTON_SCHULZ, b)] < position[(FINISH_GATHER, b + 1)]
+        if b:
+            assert position[(START_SCATTER, b - 1)] < position[(NEWTON_SCHULZ, b)] < position[(FINISH_SCATTER, b - 1)]
+
+
+@pytest.mark.parametrize("n", [1, 2, 5])
+def test_the_batch_schedule_keeps_at_most_three_batches_alive(n):
+    alive: set[int] = set()
+    most = 0
+    for event, b in batch_schedule(n):
+        if event == START_GATHER:
+            alive.add(b)
+        elif event == FINISH_SCATTER:
+            alive.discard(b)
+        most = max(most, len(alive))
+    assert not alive and most == min(n, 3)

@@ -73,9 +73,9 @@ def test_command_line_overrides_a_dmuon_field():
     assert cfg.optimizer.ns_steps == 4
 
 
-def test_unknown_adjust_lr_is_rejected_naming_the_toml_key(tmp_path):
+def test_unknown_adjust_lr_in_a_toml_file_is_rejected_naming_the_section(tmp_path):
     path = toml_with(tmp_path, 'adjust_lr = "original"', 'adjust_lr = "sqrt"')
-    with pytest.raises(ValueError, match=r"\[optimizer\] adjust_lr = 'sqrt'"):
+    with pytest.raises(ValueError, match=r"^\[optimizer\]: unknown adjust_lr 'sqrt'"):
         parse("--job.config_file", str(path))
 
 
@@ -113,8 +113,8 @@ def test_early_step_in_backward_stays_allowed_for_adamw():
     assert cfg.optimizer.early_step_in_backward
 
 
-def test_unknown_ns_coefficient_set_is_rejected_naming_the_toml_key():
-    with pytest.raises(ValueError, match=r"\[optimizer\] ns_coefficients = 'nope'"):
+def test_unknown_ns_coefficient_set_is_rejected_naming_the_section():
+    with pytest.raises(ValueError, match=r"^\[optimizer\]: unknown ns_coefficients 'nope'"):
         parse(*EXT, "--optimizer.name", "DMuon", "--optimizer.ns_coefficients", "nope")
 
 
@@ -156,11 +156,11 @@ def test_a_per_iteration_coefficient_list_is_accepted_in_toml(tmp_path):
 
 
 def test_a_malformed_coefficient_list_in_toml_names_the_key(tmp_path):
-    with pytest.raises(ValueError, match=r"\[optimizer\] ns_coefficients = \[\[3.0, -3.2\]\] is not known"):
+    with pytest.raises(ValueError, match=r"^\[optimizer\]: ns_coefficients must be .* got \[\[3.0, -3.2\]\]$"):
         _write_toml(tmp_path, "ns_coefficients = [[3.0, -3.2]]\n")
 
 
-def test_an_unknown_split_replicas_is_rejected_naming_the_toml_key(tmp_path):
+def test_an_unknown_split_replicas_in_a_toml_file_is_rejected_naming_the_section(tmp_path):
     bad = toml_with(tmp_path, 'split_replicas = "auto"', 'split_replicas = "sometimes"')
-    with pytest.raises(ValueError, match=r"\[optimizer\] split_replicas = 'sometimes' is not known"):
+    with pytest.raises(ValueError, match=r"^\[optimizer\]: split_replicas must be .* got 'sometimes'$"):
         parse("--job.config_file", str(bad))

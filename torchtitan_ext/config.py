@@ -14,27 +14,56 @@ stock keys keep their TorchTitan meaning:
 * ``weight_decay``: decoupled weight decay for both parts.
 * ``implementation``: applies to Adam/AdamW only.
 
-``validate_optimizer_config`` rejects bad values with an error naming the TOML
-key; ``install_config_validation`` makes TorchTitan's ``ConfigManager`` call it
+``validate_optimizer_config`` rejects bad values with the error ``DMuon(...)``
+gives (the same validator, with ``[optimizer]`` where DMuon says ``DMuon``);
+``install_config_validation`` makes TorchTitan's ``ConfigManager`` call it
 right after parsing, i.e. before any process group or model exists.
 """
 
 # No `from __future__ import annotations` here: TorchTitan merges dataclasses by
 # their real field types, which string annotations would hide.
+# Choice fields are typed ``str``, not ``Literal[...]``: tyro would then reject a bad
+# command-line value itself (exit 2, its own message) before dmuon's validator runs,
+# and a TOML value and a command-line value would be checked by two different rules.
 import functools
+import inspect
 import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from dmuon import ADJUST_LR_CHOICES as _DMUON_ADJUST_LR_CHOICES
-from dmuon import DEFAULT_ADAMW_NAME_PATTERN, NS_COEFFICIENT_SETS
-from dmuon.newton_schulz import DEFAULT_NS_DTYPE
-from dmuon.param_groups import check_ns_dtype, resolve_ns_coefficients
+from dmuon import DEFAULT_ADAMW_NAME_PATTERN, DMuon
+from dmuon.cost_model import CostModel
+from dmuon.newton_schulz import DEFAULT_NS_COEFFICIENTS_NAME, DEFAULT_NS_DTYPE, DEFAULT_NS_EPS, DEFAULT_NS_STEPS
+from dmuon.param_groups import (
+    DEFAULT_ADJUST_LR,
+    DEFAULT_MOMENTUM,
+    DEFAULT_NESTEROV,
+    DEFAULT_SPLIT_REPLICAS,
+    check_adamw_hyperparameters,
+    check_comm,
+    check_link_gbps,
+    check_muon_hyperparameters,
+    check_ns_dtype,
+    check_split_replicas,
+    split_options,
+)
+from dmuon.plan import ALL_TO_ALL
+from dmuon.update_rules import DEFAULT_MATCHED_ADAMW_RMS
 
 DMUON_NAME = "DMuon"
+# What dmuon's messages name this front end by (DMuon's own say "DMuon").
+WHERE = "[optimizer]"
 
 # TOML has no null, so "none" stands for DMuon's adjust_lr=None (no scaling).
-ADJUST_LR_CHOICES = tuple("none" if c is None else c for c in _DMUON_ADJUST_LR_CHOICES)
+ADJUST_LR_NONE = "none"
+# [optimizer] split_replicas -> DMuon's split_replicas (TOML has no null either).
+SPLIT_REPLICAS = {"auto": None, "always": True, "never": False}
+DEFAULT_SPLIT_REPLICAS_NAME = {value: name for name, value in SPLIT_REPLICAS.items()}[DEFAULT_SPLIT_REPLICAS]
+LINK_SPEEDS = ("link_gbps", "replica_link_gbps")
+# DMuon gains link_gbps / replica_link_gbps keywords on another branch; until it has
+# them the fields are validated but not passed on (the builder warns when they are set).
+DMUON_TAKES_LINK_SPEEDS = all(name in inspect.signature(DMuon).parameters for name in LINK_SPEEDS)
+_COST_MODEL = CostModel()
 
 # Parameter names (as ``model.named_parameters()`` prints them; FSDP2 adds no
 # prefix) that AdamW optimizes: dmuon's own default (token embeddings such as
@@ -47,16 +76,16 @@ DEFAULT_ADAMW_PARAM_REGEX = DEFAULT_ADAMW_NAME_PATTERN + "|norm"
 
 @dataclass
 class Optimizer:
-    momentum: float = 0.95
+    momentum: float = DEFAULT_MOMENTUM
     """Muon momentum coefficient mu (EMA of gradients). 0.95 is the standard choice."""
 
-    nesterov: bool = True
+    nesterov: bool = DEFAULT_NESTEROV
     """Use Nesterov momentum (orthogonalize g.lerp(buf, mu) instead of buf)."""
 
-    ns_steps: int = 5
+    ns_steps: int = DEFAULT_NS_STEPS
     """Newton-Schulz iterations per step. 5 is enough for the default coefficients."""
 
-    ns_coefficients: str | list[list[float]] = "keller"
+    ns_coefficients: str | list[list[float]] = DEFAULT_NS_COEFFICIENTS_NAME
     """
     Newton-Schulz coefficients: a name from ``dmuon.NS_COEFFICIENT_SETS``
     ("keller": Keller Jordan's quintic (3.4445, -4.7750, 2.0315) in every iteration;
@@ -72,7 +101,7 @@ class Optimizer:
     (AVX2). Matrices travel and results come back in bf16 either way.
     """
 
-    adjust_lr: str = "original"
+    adjust_lr: str = DEFAULT_ADJUST_LR
     """
     How the Muon update is scaled for an A x B matrix:
     "original" sqrt(max(1, A/B)) (Keller Jordan; use lr around 0.02),
@@ -80,7 +109,7 @@ class Optimizer:
     an AdamW lr, around 1e-3 to 4e-3), "spectral" sqrt(A/B), or "none" (no scaling).
     """
 
-    matched_adamw_rms: float = 0.2
+    matched_adamw_rms: float = DEFAULT_MATCHED_ADAMW_RMS
     """Target update RMS for adjust_lr = "match_rms_adamw" (Moonlight uses 0.2)."""
 
     adamw_lr: float | None = None
@@ -105,19 +134,33 @@ class Optimizer:
     ``wo`` and models without such modules (deepseek_v3's MLA) are unaffected.
     """
 
-    comm: str = "all_to_all"
+    comm: str = ALL_TO_ALL
     """
     How DMuon gathers each sharded matrix to the rank that orthogonalizes it:
     "all_to_all" (batched, fast) or "redistribute" (DTensor reference path).
     """
 
-    split_replicas: str = "auto"
+    split_replicas: str = DEFAULT_SPLIT_REPLICAS_NAME
     """
     Under HSDP (data_parallel_replicate_degree > 1): "always" spreads Newton-Schulz over
     every rank of every replica (each orthogonalizes ~1/(R*S) of the matrices; results
     cross to the other replicas), "never" keeps each replica to itself (~1/S each, no
     traffic between replicas), "auto" lets DMuon's cost model choose
     (dmuon.cost_model.plan_with_best_split). No effect without replicas.
+    """
+
+    link_gbps: float = _COST_MODEL.link_gbps
+    """
+    Per-rank network bandwidth inside a replica, Gbit/s (one 400G NIC per GPU: 400).
+    DMuon's cost model uses it to predict the step's time, e.g. for
+    split_replicas = "auto". A positive number.
+    """
+
+    replica_link_gbps: float = _COST_MODEL.replica_link_gbps
+    """
+    Per-rank bandwidth to the ranks of other replicas (HSDP), Gbit/s: set it lower than
+    link_gbps where replicas sit behind a slower tier of the network, so that
+    split_replicas = "auto" weighs the traffic between replicas right. A positive number.
     """
 
     telemetry: bool = False
@@ -139,55 +182,83 @@ class JobConfig:
     optimizer: Optimizer = field(default_factory=Optimizer)
 
 
-def validate_optimizer_config(optimizer_config: Any) -> None:
-    """Raise ``ValueError`` naming the TOML key if a DMuon setting cannot work.
+def dmuon_kwargs(optimizer_config: Any) -> dict[str, Any]:
+    """Map ``[optimizer]`` fields onto ``dmuon.DMuon`` keyword arguments.
 
-    Only checks anything when ``[optimizer] name = "DMuon"``.
+    A spelling the TOML tables do not know is passed on as written, so that dmuon's
+    validator rejects it with its own message.
+    """
+    cfg = optimizer_config
+    kwargs = {
+        "lr": cfg.lr,
+        "momentum": cfg.momentum,
+        "nesterov": cfg.nesterov,
+        "weight_decay": cfg.weight_decay,
+        "ns_steps": cfg.ns_steps,
+        "ns_coefficients": cfg.ns_coefficients,
+        "adjust_lr": None if cfg.adjust_lr == ADJUST_LR_NONE else cfg.adjust_lr,
+        "matched_adamw_rms": cfg.matched_adamw_rms,
+        "adamw_lr": cfg.adamw_lr,
+        "adamw_betas": (cfg.beta1, cfg.beta2),
+        "adamw_eps": cfg.eps,
+        "comm": cfg.comm,
+        "split_replicas": SPLIT_REPLICAS.get(cfg.split_replicas, cfg.split_replicas)
+        if isinstance(cfg.split_replicas, str) else cfg.split_replicas,
+        "ns_dtype": cfg.ns_dtype,
+        "telemetry": cfg.telemetry,
+    }
+    if DMUON_TAKES_LINK_SPEEDS:
+        kwargs.update({name: getattr(cfg, name) for name in LINK_SPEEDS})
+    return kwargs
+
+
+def ignored_link_speeds(optimizer_config: Any) -> list[str]:
+    """The link speeds set away from their defaults that ``dmuon_kwargs`` cannot pass
+    on, because this DMuon does not take them yet (empty once it does)."""
+    if DMUON_TAKES_LINK_SPEEDS:
+        return []
+    return [name for name in LINK_SPEEDS if getattr(optimizer_config, name) != getattr(_COST_MODEL, name)]
+
+
+def validate_optimizer_config(optimizer_config: Any) -> None:
+    """Raise ``ValueError`` if a DMuon setting cannot work: dmuon's own message, with
+    ``[optimizer]`` where ``DMuon(...)`` says ``DMuon``.
+
+    Every option DMuon takes is checked by the validator ``DMuon(...)`` calls, on the
+    value ``dmuon_kwargs`` passes it; only the TOML-only keys (``early_step_in_backward``,
+    ``adamw_param_regex``) have rules here. Only checks anything when
+    ``[optimizer] name = "DMuon"``.
     """
     cfg = optimizer_config
     if cfg.name != DMUON_NAME:
         return
     if cfg.early_step_in_backward:
         raise ValueError(
-            "[optimizer] early_step_in_backward = true is not supported with "
+            f"{WHERE} early_step_in_backward = true is not supported with "
             f'name = "{DMUON_NAME}": Muon orthogonalizes whole matrices after the '
             "backward pass (and gradient clipping), not one parameter inside it. "
             "Set early_step_in_backward = false."
-        )
-    if cfg.adjust_lr not in ADJUST_LR_CHOICES:
-        raise ValueError(
-            f"[optimizer] adjust_lr = {cfg.adjust_lr!r} is not known. "
-            f"Use one of {', '.join(repr(c) for c in ADJUST_LR_CHOICES)}."
         )
     try:
         re.compile(cfg.adamw_param_regex)
     except (re.error, TypeError) as e:
         raise ValueError(
-            f"[optimizer] adamw_param_regex = {cfg.adamw_param_regex!r} is not a valid "
+            f"{WHERE} adamw_param_regex = {cfg.adamw_param_regex!r} is not a valid "
             f"Python regular expression ({e}). In TOML, write it as a literal string in "
             "single quotes so backslashes stay as typed."
         ) from e
-    try:
-        resolve_ns_coefficients(cfg.ns_coefficients)
-    except ValueError:
-        known_sets = ", ".join(repr(c) for c in NS_COEFFICIENT_SETS)
-        raise ValueError(
-            f"[optimizer] ns_coefficients = {cfg.ns_coefficients!r} is not known. "
-            f"Use one of {known_sets}, or a list of [a, b, c] triples (one per iteration)."
-        ) from None
-    check_ns_dtype(cfg.ns_dtype, "[optimizer]")
-    if cfg.ns_steps < 1:
-        raise ValueError(f"[optimizer] ns_steps = {cfg.ns_steps} must be at least 1.")
-    if not 0.0 <= cfg.momentum < 1.0:
-        raise ValueError(f"[optimizer] momentum = {cfg.momentum} must be in [0, 1).")
-    if cfg.comm not in ("all_to_all", "redistribute"):
-        raise ValueError(
-            f"[optimizer] comm = {cfg.comm!r} is not known. Use 'all_to_all' or 'redistribute'."
-        )
-    if cfg.split_replicas not in ("auto", "always", "never"):
-        raise ValueError(
-            f"[optimizer] split_replicas = {cfg.split_replicas!r} is not known. Use 'auto', 'always' or 'never'."
-        )
+    kwargs = dmuon_kwargs(cfg)
+    # In DMuon.__init__'s order, so that a config with several bad values reports
+    # the one DMuon would report first.
+    check_comm(kwargs["comm"], WHERE)
+    check_split_replicas(kwargs["split_replicas"], WHERE)
+    # The Muon keys TOML has no field for keep DMuon's defaults.
+    muon, adamw = split_options({"eps": DEFAULT_NS_EPS, "split_rows": None, **kwargs})
+    check_muon_hyperparameters(muon, WHERE)
+    check_adamw_hyperparameters(adamw, f"{WHERE} (AdamW part)")
+    check_ns_dtype(kwargs["ns_dtype"], WHERE)
+    for name in LINK_SPEEDS:
+        check_link_gbps(getattr(cfg, name), name, WHERE)
 
 
 def install_config_validation() -> None:

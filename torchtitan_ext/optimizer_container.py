@@ -11,7 +11,8 @@ one ``dmuon.DMuon`` per part, holding up to three parameter groups:
 2. the **Muon group** (``use_muon=True``): every other parameter with >= 2
    dimensions whose name does not match ``[optimizer] adamw_param_regex``;
 3. the **AdamW group** (``use_muon=False``): the rest -- embeddings, output head,
-   norms by default, plus every 0-D/1-D parameter (biases, scales).
+   norms by default, plus every 0-D/1-D parameter (biases, scales) and every complex
+   one (``dmuon.default_use_muon`` decides, with the regex).
 
 Group layout rule (a choice, explained): TorchTitan saves only the *first*
 stage's LR-scheduler state and loads it into every stage's scheduler, so all
@@ -30,12 +31,13 @@ from typing import Any
 
 import torch.nn as nn
 from dmuon import DMuon
+from dmuon.param_groups import default_use_muon
 from dmuon.telemetry import StepFigures
 
 from torchtitan.components.optimizer import OptimizersContainer
 from torchtitan.tools.logging import logger
 
-from .config import validate_optimizer_config
+from .config import dmuon_kwargs, ignored_link_speeds, validate_optimizer_config
 
 MUON_HEADS, MUON, ADAMW = "muon_heads", "muon", "adamw"
 # Attention projections whose rows are heads (split_attention_heads).
@@ -58,8 +60,9 @@ class RoutedParameters:
 
 
 def goes_to_adamw(name: str, param: nn.Parameter, adamw_regex: re.Pattern[str]) -> bool:
-    """AdamW for names matching the regex and for anything that is not a matrix."""
-    return param.ndim < 2 or adamw_regex.search(name) is not None
+    """AdamW for names matching the regex and for anything Muon cannot update (not a
+    real matrix): dmuon's default routing, with ``[optimizer] adamw_param_regex``."""
+    return not default_use_muon(name, param, adamw_regex)
 
 
 def attention_head_dims(model: nn.Module) -> dict[nn.Parameter, int]:
@@ -110,32 +113,6 @@ def group_layout(routed_parts: list[RoutedParameters]) -> list[str]:
                     "[optimizer] adamw_param_regex."
                 )
     return layout
-
-
-# [optimizer] split_replicas -> DMuon's split_replicas.
-SPLIT_REPLICAS = {"auto": None, "always": True, "never": False}
-
-
-def dmuon_kwargs(optimizer_config: Any) -> dict[str, Any]:
-    """Map ``[optimizer]`` fields onto ``dmuon.DMuon`` keyword arguments."""
-    cfg = optimizer_config
-    return {
-        "lr": cfg.lr,
-        "momentum": cfg.momentum,
-        "nesterov": cfg.nesterov,
-        "weight_decay": cfg.weight_decay,
-        "ns_steps": cfg.ns_steps,
-        "ns_coefficients": cfg.ns_coefficients,
-        "adjust_lr": None if cfg.adjust_lr == "none" else cfg.adjust_lr,
-        "matched_adamw_rms": cfg.matched_adamw_rms,
-        "adamw_lr": cfg.adamw_lr,
-        "adamw_betas": (cfg.beta1, cfg.beta2),
-        "adamw_eps": cfg.eps,
-        "comm": cfg.comm,
-        "split_replicas": SPLIT_REPLICAS[cfg.split_replicas],
-        "ns_dtype": cfg.ns_dtype,
-        "telemetry": cfg.telemetry,
-    }
 
 
 def _numel(params: list[tuple[str, nn.Parameter]]) -> int:
@@ -221,6 +198,9 @@ def build_dmuon_optimizers(
         raise NotImplementedError(
             '[optimizer] name = "DMuon" does not support TorchFT ([fault_tolerance] enable).'
         )
+    ignored = ignored_link_speeds(optimizer_config)
+    if ignored:
+        logger.warning(f"[optimizer] {', '.join(ignored)} ignored: this version of DMuon does not take them yet")
     return DMuonOptimizersContainer(
         model_parts, dmuon_kwargs(optimizer_config), optimizer_config.adamw_param_regex,
         optimizer_config.split_attention_heads,
