@@ -55,6 +55,11 @@ BAD_VALUES = [
 ]
 
 
+# The fields whose TOML spellings differ from DMuon's Python values.
+TOML_SPELLINGS = {"adjust_lr": "'original', 'match_rms_adamw', 'spectral', 'none'",
+                  "split_replicas": "'auto', 'always', 'never'"}
+
+
 def message_of(build) -> str:
     with pytest.raises(ValueError) as error:
         build()
@@ -71,7 +76,10 @@ def test_a_bad_value_gets_the_same_message_from_dmuon_and_from_the_toml_section(
     from_dmuon = message_of(lambda: DMuon([nn.Parameter(torch.zeros(4, 4))], **{keyword: value}))
     from_toml = message_of(lambda: ConfigManager().parse_args([*EXT, "--optimizer.name", "DMuon",
                                                                f"--optimizer.{field}={text}"]))
-    assert without_where(from_toml, "[optimizer]") == without_where(from_dmuon, "DMuon")
+    # The same message; where TOML spells values differently ("none", "auto"), it names them too.
+    toml_rule, dmuon_rule = without_where(from_toml, "[optimizer]"), without_where(from_dmuon, "DMuon")
+    spellings = TOML_SPELLINGS.get(field)
+    assert toml_rule == (f"{dmuon_rule}; in TOML, {field} is one of {spellings}" if spellings else dmuon_rule)
 
 
 @pytest.mark.parametrize(("check", "keyword", "value"), [

@@ -162,5 +162,6 @@ def test_a_malformed_coefficient_list_in_toml_names_the_key(tmp_path):
 
 def test_an_unknown_split_replicas_in_a_toml_file_is_rejected_naming_the_section(tmp_path):
     bad = toml_with(tmp_path, 'split_replicas = "auto"', 'split_replicas = "sometimes"')
-    with pytest.raises(ValueError, match=r"^\[optimizer\]: split_replicas must be .* got 'sometimes'$"):
+    with pytest.raises(ValueError, match=r"^\[optimizer\]: split_replicas must be .* got 'sometimes'; "
+                                         r"in TOML, split_replicas is one of 'auto', 'always', 'never'$"):
         parse("--job.config_file", str(bad))

@@ -25,9 +25,11 @@ right after parsing, i.e. before any process group or model exists.
 # Choice fields are typed ``str``, not ``Literal[...]``: tyro would then reject a bad
 # command-line value itself (exit 2, its own message) before dmuon's validator runs,
 # and a TOML value and a command-line value would be checked by two different rules.
+import contextlib
 import functools
 import inspect
 import re
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,6 +50,7 @@ from dmuon.param_groups import (
     split_options,
 )
 from dmuon.plan import ALL_TO_ALL
+from dmuon.update_rules import ADJUST_LR_CHOICES as DMUON_ADJUST_LR_CHOICES
 from dmuon.update_rules import DEFAULT_MATCHED_ADAMW_RMS
 
 DMUON_NAME = "DMuon"
@@ -56,6 +59,7 @@ WHERE = "[optimizer]"
 
 # TOML has no null, so "none" stands for DMuon's adjust_lr=None (no scaling).
 ADJUST_LR_NONE = "none"
+ADJUST_LR_CHOICES = tuple(ADJUST_LR_NONE if choice is None else choice for choice in DMUON_ADJUST_LR_CHOICES)
 # [optimizer] split_replicas -> DMuon's split_replicas (TOML has no null either).
 SPLIT_REPLICAS = {"auto": None, "always": True, "never": False}
 DEFAULT_SPLIT_REPLICAS_NAME = {value: name for name, value in SPLIT_REPLICAS.items()}[DEFAULT_SPLIT_REPLICAS]
@@ -220,6 +224,18 @@ def ignored_link_speeds(optimizer_config: Any) -> list[str]:
     return [name for name in LINK_SPEEDS if getattr(optimizer_config, name) != getattr(_COST_MODEL, name)]
 
 
+@contextlib.contextmanager
+def _toml_spellings(field: str, spellings: Iterable[str]) -> Iterator[None]:
+    """DMuon's message names Python values (``None``, ``True``); for the two fields TOML
+    spells differently, append the TOML spellings to it."""
+    try:
+        yield
+    except ValueError as error:
+        if f" {field} " not in str(error):
+            raise
+        raise ValueError(f"{error}; in TOML, {field} is one of {', '.join(map(repr, spellings))}") from None
+
+
 def validate_optimizer_config(optimizer_config: Any) -> None:
     """Raise ``ValueError`` if a DMuon setting cannot work: dmuon's own message, with
     ``[optimizer]`` where ``DMuon(...)`` says ``DMuon``.
@@ -251,10 +267,12 @@ def validate_optimizer_config(optimizer_config: Any) -> None:
     # In DMuon.__init__'s order, so that a config with several bad values reports
     # the one DMuon would report first.
     check_comm(kwargs["comm"], WHERE)
-    check_split_replicas(kwargs["split_replicas"], WHERE)
+    with _toml_spellings("split_replicas", SPLIT_REPLICAS):
+        check_split_replicas(kwargs["split_replicas"], WHERE)
     # The Muon keys TOML has no field for keep DMuon's defaults.
     muon, adamw = split_options({"eps": DEFAULT_NS_EPS, "split_rows": None, **kwargs})
-    check_muon_hyperparameters(muon, WHERE)
+    with _toml_spellings("adjust_lr", ADJUST_LR_CHOICES):
+        check_muon_hyperparameters(muon, WHERE)
     check_adamw_hyperparameters(adamw, f"{WHERE} (AdamW part)")
     check_ns_dtype(kwargs["ns_dtype"], WHERE)
     for name in LINK_SPEEDS:
