@@ -63,3 +63,14 @@ def dmuon_run(tmp_path_factory, short_run_args):
     log, _ = torchrun(DMUON_TOML, folder, *short_run_args,
                       "--checkpoint.enable", "--checkpoint.interval", "5")
     return log, folder
+
+
+@pytest.fixture
+def one_thread():
+    """Bitwise comparisons need the same reduction order: one torch thread for the test."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -12,21 +12,12 @@ from torch import nn
 from dmuon import DMuon
 from dmuon.update_rules import shape_scale
 
-pytestmark = pytest.mark.unit
+pytestmark = [pytest.mark.unit, pytest.mark.usefixtures("one_thread")]
 
 MUON_SHAPES = [(32, 16), (16, 48), (24, 24)]  # tall, wide, square
 # torch.optim.Muon runs Newton-Schulz in bf16: parity tests pin DMuon's ns_dtype to it
 # (its default, "auto", is float32 on CPUs without a native bf16 matmul).
 TORCH_MUON_DTYPE = "bfloat16"
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Bitwise comparisons need the same reduction order: one thread."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 class Block(nn.Module):

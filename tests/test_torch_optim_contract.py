@@ -24,20 +24,11 @@ from torch.distributed.checkpoint.state_dict import (
 from dmuon import DMuon
 from tests.test_optimizer_single_process import ADAMW_NAMES, MUON_NAMES, TORCH_MUON_DTYPE, TinyLM
 
-pytestmark = pytest.mark.unit
+pytestmark = [pytest.mark.unit, pytest.mark.usefixtures("one_thread")]
 
 MUON_LR, ADAMW_LR, WEIGHT_DECAY = 0.02, 1e-3, 0.1
 # DMuon's options that make it torch.optim.Muon (Muon part) plus torch.optim.AdamW (the rest).
 HYPER = dict(lr=MUON_LR, adamw_lr=ADAMW_LR, weight_decay=WEIGHT_DECAY, ns_dtype=TORCH_MUON_DTYPE)
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Bitwise comparisons need the same reduction order: one thread."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _tiny_lm() -> TinyLM:
