@@ -9,7 +9,8 @@ none does.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -72,3 +73,30 @@ def agree_on_grads(
             "some ranks but not on others. Every rank must produce the same set of grads "
             "(set unused grads to zeros, or to None on every rank)."
         )
+
+
+def agreed_grads(
+    param_groups: list[dict[str, Any]],
+    muon_params: Sequence[torch.Tensor],
+    name_of: Callable[[torch.Tensor], str],
+) -> dict[torch.Tensor, torch.Tensor]:
+    """Check every grad and agree on the grad set (:func:`agree_on_grads`); then each Muon
+    parameter's grad, laid out like the parameter. Nothing is modified before the
+    checks pass, so a rejected step leaves parameters and state as they were."""
+    problems = {p: problem for g in param_groups for p in g["params"]
+                if p.grad is not None and (problem := grad_problem(p, g["use_muon"]))}
+    # DTensor Muon parameters by mesh: their step may run collectives, so every rank of
+    # the mesh must agree on their grads (whatever their path).
+    by_mesh: dict[DeviceMesh, list[torch.Tensor]] = {}
+    for param in muon_params:
+        if isinstance(param, DTensor) and param.device_mesh.size() > 1:
+            by_mesh.setdefault(param.device_mesh, []).append(param)
+    agree_on_grads(by_mesh, problems, name_of)
+    grads: dict[torch.Tensor, torch.Tensor] = {}
+    for param in (p for p in muon_params if p.grad is not None):
+        grad = param.grad
+        if isinstance(param, DTensor) and grad.placements != param.placements:
+            # A collective; safe here: every rank agreed this grad exists.
+            grad = grad.redistribute(param.device_mesh, param.placements)
+        grads[param] = grad
+    return grads

@@ -205,7 +205,10 @@ def orthogonalize_row_blocks(
     """Orthogonalize each block of ``split_rows`` consecutive rows of a 2-D ``update`` on
     its own (one attention head of ``wq``, ``wk`` or ``wv``); block ``h`` of the result is
     ``orthogonalize(update[h * split_rows : (h + 1) * split_rows])``, bit for bit."""
-    return torch.cat([orthogonalize(block, coefficients, steps, eps, dtype) for block in update.split(split_rows)])
+    blocks = update.split(split_rows)
+    if len(blocks) == 1:  # one block (an owner's unit): no copy through cat
+        return orthogonalize(update, coefficients, steps, eps, dtype)
+    return torch.cat([orthogonalize(block, coefficients, steps, eps, dtype) for block in blocks])
 
 
 def newton_schulz_flops(shape: Sequence[int], steps: int = DEFAULT_NS_STEPS) -> int:

@@ -70,7 +70,8 @@ COLLECTIVE_EVENTS = (START_GATHER, FINISH_GATHER, START_SCATTER, FINISH_SCATTER)
 
 
 def comm_path(param: torch.Tensor, comm: str) -> str:
-    """Which path a Muon parameter takes, given ``comm`` (``"all_to_all"`` or ``"redistribute"``).
+    """The path a Muon parameter's placement allows, given ``comm`` (``"all_to_all"`` or
+    ``"redistribute"``): the first rule of ``dmuon.paths.choose_paths``, which decides.
 
     Raises ``ValueError`` for placements no optimizer step can use (``Partial``).
     """

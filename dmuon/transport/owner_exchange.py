@@ -25,6 +25,7 @@ param groups or state:
 from __future__ import annotations
 
 from collections.abc import Callable, Collection
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -56,58 +57,90 @@ def run_owner_plan(
     batches = [batch for batch in batches if batch]
     if not batches:
         return
-
-    def block_of(unit_index: int) -> torch.Tensor:
-        unit = plan.units[unit_index]
-        block = unit.block(rank)
-        return meter.track(update_block(unit.param, block.lo, block.hi, block.shape))
-
-    def apply(unit_index: int, ortho: torch.Tensor) -> None:
-        unit = plan.units[unit_index]
-        block = unit.block(rank)
-        apply_block(unit.param, block.lo, block.hi, ortho)
-
-    def start_gather(batch: list[int]) -> Exchange:
-        send = pack_gather(plan, batch, rank, block_of, device, meter)
-        return Exchange(send, *plan.gather_splits(batch, rank), group, rank, stats, device, meter)
-
-    def finish_scatter(batch: list[int], scatter: Exchange) -> None:
-        recv = scatter.wait()
-        for i, block in unpack_scatter(plan, batch, rank, recv).items():
-            apply(i, block)
-        meter.free(recv)
-
-    gather = start_gather(batches[0])
+    step = _OwnerStep(plan, group, rank, device, update_block, orthogonalize, apply_block, stats, meter)
+    gather = step.start_gather(batches[0])
     previous: tuple[list[int], Exchange] | None = None
     for k, batch in enumerate(batches):
-        recv = gather.wait()
-        full = unpack_gather(plan, batch, rank, recv, meter)
-        meter.free(recv)
-        del recv
+        full = step.finish_gather(batch, gather)
         if k + 1 < len(batches):
-            gather = start_gather(batches[k + 1])
-        for i in plan.kept_local(batch, rank):
-            update = block_of(i)
-            ortho = meter.track(orthogonalize(plan.units[i].param, update))
-            meter.free(update)
+            gather = step.start_gather(batches[k + 1])
+        step.orthogonalize_kept(batch)
+        scatter = step.start_scatter(batch, step.orthogonalize_owned(full))
+        if previous is not None:
+            step.finish_scatter(*previous)
+        previous = (batch, scatter)
+    step.finish_scatter(*previous)
+
+
+@dataclass
+class _OwnerStep:
+    """The named steps of :func:`run_owner_plan` for one rank. Each frees its scratch
+    (``meter.free`` and ``del``) as soon as the schedule lets go of it."""
+
+    plan: OwnerPlan
+    group: dist.ProcessGroup
+    rank: int
+    device: torch.device
+    update_block: UpdateBlock
+    orthogonalize: Orthogonalize
+    apply_block: ApplyBlock
+    stats: CommStats
+    meter: ScratchMeter
+
+    def block_of(self, unit_index: int) -> torch.Tensor:
+        """This rank's block of a unit's update (momentum runs here)."""
+        unit = self.plan.units[unit_index]
+        block = unit.block(self.rank)
+        return self.meter.track(self.update_block(unit.param, block.lo, block.hi, block.shape))
+
+    def apply(self, unit_index: int, ortho: torch.Tensor) -> None:
+        unit = self.plan.units[unit_index]
+        block = unit.block(self.rank)
+        self.apply_block(unit.param, block.lo, block.hi, ortho)
+
+    def start_gather(self, batch: list[int]) -> Exchange:
+        send = pack_gather(self.plan, batch, self.rank, self.block_of, self.device, self.meter)
+        return Exchange(send, *self.plan.gather_splits(batch, self.rank), self.group, self.rank, self.stats,
+                        self.device, self.meter)
+
+    def finish_gather(self, batch: list[int], gather: Exchange) -> dict[int, torch.Tensor]:
+        """The whole matrices this rank owns in ``batch``, cut from the receive buffer."""
+        recv = gather.wait()
+        full = unpack_gather(self.plan, batch, self.rank, recv, self.meter)
+        self.meter.free(recv)
+        return full
+
+    def orthogonalize_kept(self, batch: list[int]) -> None:
+        """The units this rank holds whole and keeps: orthogonalized and applied at once."""
+        for i in self.plan.kept_local(batch, self.rank):
+            update = self.block_of(i)
+            ortho = self.meter.track(self.orthogonalize(self.plan.units[i].param, update))
+            self.meter.free(update)
             del update
-            apply(i, ortho)
-            meter.free(ortho)
+            self.apply(i, ortho)
+            self.meter.free(ortho)
             del ortho
+
+    def orthogonalize_owned(self, full: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+        """Newton-Schulz of the gathered matrices; each input is freed once used."""
         results: dict[int, torch.Tensor] = {}
         for i in list(full):
             matrix = full.pop(i)
-            results[i] = meter.track(orthogonalize(plan.units[i].param, matrix))
-            meter.free(matrix)
+            results[i] = self.meter.track(self.orthogonalize(self.plan.units[i].param, matrix))
+            self.meter.free(matrix)
             del matrix
-        send = pack_scatter(plan, batch, rank, results, device, meter)
-        for result in results.values():
-            meter.free(result)
-        results.clear()
-        scatter = Exchange(send, *plan.scatter_splits(batch, rank), group, rank, stats, device, meter)
-        del send
-        if previous is not None:
-            finish_scatter(*previous)
-        previous = (batch, scatter)
-    finish_scatter(*previous)
+        return results
 
+    def start_scatter(self, batch: list[int], results: dict[int, torch.Tensor]) -> Exchange:
+        send = pack_scatter(self.plan, batch, self.rank, results, self.device, self.meter)
+        for result in results.values():
+            self.meter.free(result)
+        results.clear()
+        return Exchange(send, *self.plan.scatter_splits(batch, self.rank), self.group, self.rank, self.stats,
+                        self.device, self.meter)
+
+    def finish_scatter(self, batch: list[int], scatter: Exchange) -> None:
+        recv = scatter.wait()
+        for i, block in unpack_scatter(self.plan, batch, self.rank, recv).items():
+            self.apply(i, block)
+        self.meter.free(recv)

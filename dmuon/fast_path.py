@@ -1,0 +1,197 @@
+"""The fast path of one ``DMuon``: its one owner plan, the process group that runs it,
+and the step that runs it (``dmuon.transport.owner_exchange``).
+
+Made lazily: the paths (``dmuon.paths``) on first query, the plan at the first
+``step()``, where every rank runs the one collective planning needs (the shard check)
+at the same point. Adding a param group forgets both.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from dmuon.comm import CommStats, ScratchMeter, mesh_device
+from dmuon.cost_model import CostModel, plan_with_best_split
+from dmuon.group_steps import GroupSteps
+from dmuon.newton_schulz import resolve_ns_dtype
+from dmuon.paths import PATHS, choose_paths, mesh_ranks
+from dmuon.plan import ALL_TO_ALL, OwnerPlan, ParamSpec, layout_of, make_owner_plan
+from dmuon.torch_compat import compute_local_shape_and_global_offset
+from dmuon.transport.owner_exchange import run_owner_plan
+from dmuon.update_rules import muon_momentum_
+
+logger = logging.getLogger("dmuon")
+
+# Process groups made for rank sets, per default group: a group dies with the default
+# group (``dist.destroy_process_group()``), so a new default group starts a new cache
+# and the old one goes with the old default group (weak key).
+_GROUPS: weakref.WeakKeyDictionary[dist.ProcessGroup, dict[tuple[int, ...], dist.ProcessGroup]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def group_of(ranks: tuple[int, ...], meshes: Sequence[DeviceMesh]) -> dist.ProcessGroup:
+    """A process group of exactly ``ranks``: the default group or a 1-D mesh's group when
+    one has them, else a new group made once per rank set. Only the member ranks take
+    part in making it (``use_local_synchronization``), so pipeline stages, each with
+    its own optimizer and ranks, need not make theirs together."""
+    if ranks == tuple(range(dist.get_world_size())):
+        return dist.group.WORLD
+    for mesh in meshes:
+        if mesh.ndim == 1 and mesh_ranks(mesh) == ranks:
+            return mesh.get_group()
+    made = _GROUPS.setdefault(dist.group.WORLD, {})
+    if ranks not in made:
+        made[ranks] = dist.new_group(list(ranks), use_local_synchronization=True)
+    return made[ranks]
+
+
+@dataclass
+class OwnerRun:
+    """The fast-path Muon parameters, their owner plan, and the ranks that run it."""
+
+    group: dist.ProcessGroup
+    """Every rank of the parameters' meshes (plan rank = rank in this group)."""
+    rank: int
+    params: list[DTensor]
+    plan: OwnerPlan
+    device: torch.device
+    """Where this rank's buffers live (the meshes' device)."""
+
+
+class FastPath:
+    """One optimizer's paths, and its owner plan with the group that runs it.
+
+    One plan serves every fast parameter: ``dmuon.paths`` sends a parameter on a mesh
+    of other ranks to the reference path, so there is never more than one."""
+
+    def __init__(self, comm: str, max_batch_numel: int, split_replicas: bool | None, ns_dtype: str,
+                 link_gbps: float, replica_link_gbps: float) -> None:
+        self.comm = comm
+        self.max_batch_numel = max_batch_numel
+        self.split_replicas = split_replicas
+        self.ns_dtype = ns_dtype
+        self.link_gbps = link_gbps
+        self.replica_link_gbps = replica_link_gbps
+        self.forget()
+
+    def forget(self) -> None:
+        """Drop the paths and the plan: the Muon parameters changed."""
+        self._paths: dict[torch.Tensor, str] | None = None
+        self._run: OwnerRun | None = None
+        self._planned = False
+
+    def paths(self, muon_params: Sequence[torch.Tensor], name_of: Callable[[torch.Tensor], str]
+              ) -> dict[torch.Tensor, str]:
+        """Each Muon parameter's path (``dmuon.paths``; no collective), made once."""
+        if self._paths is None:
+            self._paths = choose_paths(muon_params, self.comm, name_of)
+        return self._paths
+
+    def owner_plans(self) -> list[OwnerPlan]:
+        """The one owner plan once made and checked (none before, or without fast parameters)."""
+        return [self._run.plan] if self._run is not None else []
+
+    def plan(self, groups_of: Mapping[torch.Tensor, dict[str, Any]], name_of: Callable[[torch.Tensor], str]) -> None:
+        """Plan the fast path, once, at the first step (``groups_of``: each Muon
+        parameter's param group, in order). Every rank runs this at the same point, so the
+        shard check's collective is matched on every rank."""
+        if self._planned:
+            return
+        paths = self.paths(list(groups_of), name_of)
+        fast = [p for p, path in paths.items() if path == ALL_TO_ALL]
+        if fast:
+            run = self._make_run(fast, [groups_of[p] for p in fast])
+            self._check_shards_agree_with_plan(run, name_of)
+            self._run = run  # only a checked plan is kept (and reported by owner_plans)
+        self._planned = True
+        for path in PATHS:
+            names = [name_of(p) for p, chosen in paths.items() if chosen == path]
+            if names:
+                logger.info("DMuon: %d Muon parameter(s) use the %s path: %s", len(names), path, ", ".join(names))
+
+    def cost_model(self, device_type: str) -> CostModel:
+        """What the ``split_replicas=None`` choice assumes: this optimizer's network and
+        Newton-Schulz dtype, the model's defaults otherwise."""
+        return CostModel(ns_dtype=resolve_ns_dtype(self.ns_dtype, device_type), link_gbps=self.link_gbps,
+                         replica_link_gbps=self.replica_link_gbps)
+
+    def _make_run(self, params: list[DTensor], groups: list[dict[str, Any]]) -> OwnerRun:
+        ranks = mesh_ranks(params[0].device_mesh)
+        group = group_of(ranks, [p.device_mesh for p in params])
+        plan_rank = {r: dist.get_group_rank(group, r) for r in ranks}
+        specs = [ParamSpec(tuple(p.shape), ns_steps=g["ns_steps"], split_rows=g["split_rows"],
+                           layout=layout_of(p, plan_rank)) for p, g in zip(params, groups)]
+        device = mesh_device(params[0].device_mesh)
+        if self.split_replicas is None:
+            plan, split = plan_with_best_split(specs, len(ranks), self.max_batch_numel, self.cost_model(device.type))
+            if any(spec.layout.has_replicas for spec in specs):
+                logger.info("DMuon: the cost model %s Newton-Schulz across replicas (split_replicas=None)",
+                            "splits" if split else "does not split")
+        else:
+            plan = make_owner_plan(specs, len(ranks), self.max_batch_numel, self.split_replicas)
+        return OwnerRun(group, plan_rank[dist.get_rank()], params, plan, device)
+
+    @staticmethod
+    def _check_shards_agree_with_plan(run: OwnerRun, name_of: Callable[[torch.Tensor], str]) -> None:
+        """Every rank's local shard must be the block of the parameter the plan assumes.
+
+        The plan reads DTensor's placement rules (``dmuon.layout``); here each rank
+        compares them with DTensor's own answer and with the local tensor's shape, so
+        one built by ``DTensor.from_local`` with custom uneven shards is caught. The
+        check is one ``all_reduce`` at planning time, so a mismatch on any rank stops
+        every rank.
+        """
+        wrong = []
+        for param, spec in zip(run.params, run.plan.params):
+            box = spec.layout.boxes(spec.shape)[run.rank]
+            shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+            expected_offsets = [start for start, length in box if length]
+            offsets = [o for o, (_, length) in zip(offset, box) if length]
+            sizes = tuple(length for _, length in box)
+            if sizes != tuple(shape) or sizes != tuple(param.to_local().shape) or offsets != expected_offsets:
+                wrong.append(param)
+        count = torch.tensor([len(wrong)], dtype=torch.int32, device=run.device)
+        dist.all_reduce(count, group=run.group)
+        if count.item():
+            mine = f" here: {[name_of(p) for p in wrong]}" if wrong else ""
+            raise ValueError(
+                f"DMuon: {count.item()} sharded parameter shard(s) are not the blocks their placements "
+                f"describe{mine}. Shard them with FSDP2 or distribute_tensor, or pass use_muon=False for them."
+            )
+
+    def step(self, grads: Mapping[torch.Tensor, torch.Tensor], groups: Mapping[torch.Tensor, dict[str, Any]],
+             state: Mapping[torch.Tensor, dict[str, Any]], steps: GroupSteps, stats: CommStats,
+             meter: ScratchMeter) -> None:
+        """The fast path's step for the parameters in ``grads``: momentum on the local
+        rows as blocks are packed, Newton-Schulz on the owner, the update on the local
+        rows as results come back (``dmuon.transport.owner_exchange``)."""
+        if self._run is None:
+            return
+        run, params = self._run, self._run.params
+        local_grads = {j: grads[p].to_local() for j, p in enumerate(params) if p in grads}
+        local_bufs = {j: state[params[j]]["momentum_buffer"].to_local() for j in local_grads}
+        local_params = {j: params[j].to_local() for j in local_grads}
+
+        def update_block(j: int, lo: int, hi: int, shape: tuple[int, int]) -> torch.Tensor:
+            group = groups[params[j]]
+            return muon_momentum_(local_grads[j][lo:hi], local_bufs[j][lo:hi], group["momentum"],
+                                  group["nesterov"]).view(shape)
+
+        def apply_block(j: int, lo: int, hi: int, ortho: torch.Tensor) -> None:
+            steps.apply(params[j], local_params[j][lo:hi].view(ortho.shape), ortho, groups[params[j]])
+
+        run_owner_plan(
+            run.plan, local_grads.keys(), group=run.group, rank=run.rank, device=run.device,
+            update_block=update_block, orthogonalize=lambda j, matrix: steps.orthogonalize(matrix, groups[params[j]]),
+            apply_block=apply_block, stats=stats, meter=meter,
+        )

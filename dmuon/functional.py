@@ -1,0 +1,118 @@
+"""Muon and AdamW as functions of tensors and hyperparameters, in the style of
+``torch.optim._muon._single_tensor_muon``: no param groups, no optimizer state, no
+process groups. ``DMuon`` decides where each piece runs; these say what it computes.
+
+A Muon step of one parameter is three pieces, so the distributed paths can run each
+where it belongs (momentum and the update on the local shard, Newton-Schulz on the
+owner): :func:`muon_momentum_`, :func:`newton_schulz` and :func:`apply_muon_update_`.
+:func:`muon_` chains them for tensors this rank orthogonalizes as they come.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+from typing import Any, ContextManager
+
+import torch
+
+from dmuon.newton_schulz import Triple, matrix_shape, newton_schulz_flops, orthogonalize, orthogonalize_row_blocks
+from dmuon.torch_compat import scalar_dtype
+from dmuon.update_rules import adamw_step_, apply_muon_update_, muon_momentum_, shape_scale
+
+# Orthogonalizes the update of the ``i``-th tensor of a :func:`muon_` call.
+Orthogonalize = Callable[[int, torch.Tensor], torch.Tensor]
+# Wraps the in-place update of one tensor (telemetry measures it there).
+Updating = Callable[[torch.Tensor], ContextManager[Any]]
+
+__all__ = ["adamw_", "adamw_state", "apply_muon_update_", "muon_", "muon_momentum_", "newton_schulz", "newton_schulz_work",
+           "update_scale"]
+
+
+def newton_schulz(
+    update: torch.Tensor,
+    *,
+    ns_coefficients: str | Triple | Sequence[Triple],
+    ns_steps: int,
+    eps: float,
+    ns_dtype: torch.dtype,
+    split_rows: int | None,
+) -> torch.Tensor:
+    """Newton-Schulz of a parameter-shaped update, or of one unit of it: its matrix, each
+    expert of a stack, or (``split_rows``) each block of that many rows on its own.
+    Returns a new bf16 tensor of ``update``'s shape."""
+    matrix = update.view(matrix_shape(update.shape))
+    if split_rows:
+        ortho = orthogonalize_row_blocks(matrix, split_rows, ns_coefficients, ns_steps, eps, ns_dtype)
+    else:
+        ortho = orthogonalize(matrix, ns_coefficients, ns_steps, eps, ns_dtype)
+    return ortho.view(update.shape)
+
+
+def newton_schulz_work(shape: Sequence[int], *, ns_steps: int, split_rows: int | None) -> int:
+    """The flops :func:`newton_schulz` runs on an update of ``shape`` (the sum over its
+    row blocks with ``split_rows``)."""
+    if not split_rows:
+        return newton_schulz_flops(shape, ns_steps)
+    return shape[0] // split_rows * newton_schulz_flops((split_rows, *shape[1:]), ns_steps)
+
+
+def update_scale(shape: Sequence[int], *, split_rows: int | None, adjust_lr: str | None,
+                 matched_adamw_rms: float) -> float:
+    """The factor on ``lr`` for a parameter of ``shape``; with ``split_rows`` each row
+    block is its own matrix for the scale too."""
+    return shape_scale((split_rows, shape[1]) if split_rows else shape, adjust_lr, matched_adamw_rms)
+
+
+def muon_(
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    momentum_bufs: Sequence[torch.Tensor],
+    *,
+    shapes: Sequence[Sequence[int]],
+    lr: float | torch.Tensor,
+    momentum: float,
+    nesterov: bool,
+    weight_decay: float,
+    adjust_lr: str | None,
+    matched_adamw_rms: float,
+    split_rows: int | None,
+    orthogonalize: Orthogonalize,
+    updating: Updating = lambda _: contextlib.nullcontext(),
+) -> None:
+    """torch's single-tensor Muon loop over tensors this rank updates whole: its own
+    ``params`` (plain tensors, or local tensors of DTensors of global ``shapes``), with
+    ``orthogonalize(i, update)`` computing Newton-Schulz where the path puts it."""
+    for i, (param, grad, buf) in enumerate(zip(params, grads, momentum_bufs)):
+        update = muon_momentum_(grad, buf, momentum, nesterov)
+        ortho = orthogonalize(i, update)
+        scale = update_scale(shapes[i], split_rows=split_rows, adjust_lr=adjust_lr,
+                             matched_adamw_rms=matched_adamw_rms)
+        with updating(param):
+            apply_muon_update_(param, ortho, lr, weight_decay, scale)
+
+
+def adamw_(
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    exp_avgs: list[torch.Tensor],
+    exp_avg_sqs: list[torch.Tensor],
+    steps: list[torch.Tensor],
+    *,
+    lr: float | torch.Tensor,
+    betas: tuple[float, float],
+    eps: float,
+    weight_decay: float,
+) -> None:
+    """One AdamW step, torch.optim.AdamW's bits (``dmuon.update_rules.adamw_step_``)."""
+    adamw_step_(params, grads, exp_avgs, exp_avg_sqs, steps, lr=lr, betas=betas, eps=eps,
+                weight_decay=weight_decay, has_complex=any(p.is_complex() for p in params))
+
+
+def adamw_state(param: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A parameter's AdamW state before its first step, as torch.optim.AdamW makes it."""
+    return {
+        "step": torch.tensor(0.0, dtype=scalar_dtype()),
+        "exp_avg": torch.zeros_like(param, memory_format=torch.preserve_format),
+        "exp_avg_sq": torch.zeros_like(param, memory_format=torch.preserve_format),
+    }

@@ -1,0 +1,117 @@
+"""The optimizer's core stays a thin shell over small parts (issue 14): ``DMuon``'s class
+at most 200 lines, no function in dmuon/ over 60 (read with ast); the cost model's
+network options; the process-group cache of the fast path."""
+
+from __future__ import annotations
+
+import ast
+import math
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from dmuon import DMuon
+from dmuon.cost_model import CostModel
+from dmuon.param_groups import check_link_gbps
+
+pytestmark = pytest.mark.unit
+
+DMUON = Path(__file__).resolve().parents[1] / "dmuon"
+MAX_CLASS_LINES = 200
+MAX_FUNCTION_LINES = 60
+
+
+def _lines(node: ast.AST) -> int:
+    return node.end_lineno - node.lineno + 1
+
+
+def test_dmuon_class_is_at_most_200_lines():
+    tree = ast.parse((DMUON / "optimizer.py").read_text())
+    (dmuon,) = [node for node in tree.body if isinstance(node, ast.ClassDef) and node.name == "DMuon"]
+    assert _lines(dmuon) <= MAX_CLASS_LINES
+
+
+def test_no_function_in_dmuon_is_over_60_lines():
+    sources = sorted(DMUON.rglob("*.py"))
+    assert sources
+    long = {}
+    for path in sources:
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and _lines(node) > MAX_FUNCTION_LINES:
+                long[f"{path.relative_to(DMUON.parent)}::{node.name}"] = _lines(node)
+    assert long == {}
+
+
+# ------------------------------------------------------------------ link_gbps
+
+
+def _params() -> list[tuple[str, nn.Parameter]]:
+    return [("w", nn.Parameter(torch.randn(4, 4)))]
+
+
+def test_link_options_default_to_the_cost_models_and_reach_it():
+    default = DMuon(_params())
+    assert (default.link_gbps, default.replica_link_gbps) == (CostModel.link_gbps, CostModel.replica_link_gbps) == (
+        400.0, 400.0)
+    chosen = DMuon(_params(), link_gbps=200, replica_link_gbps=25.5)
+    assert (chosen.link_gbps, chosen.replica_link_gbps) == (200.0, 25.5)
+    cost = chosen._fast_path.cost_model("cpu")
+    assert (cost.link_gbps, cost.replica_link_gbps) == (200.0, 25.5)
+
+
+@pytest.mark.parametrize("name", ["link_gbps", "replica_link_gbps"])
+@pytest.mark.parametrize("value", [0, -1.0, math.nan, math.inf, True, "400", None])
+def test_a_bad_link_option_is_rejected_naming_it(name, value):
+    with pytest.raises(ValueError, match=rf"DMuon: {name} must be a positive finite number"):
+        DMuon(_params(), **{name: value})
+
+
+def test_the_link_validator_names_the_option_and_where_it_was_set():
+    assert check_link_gbps(100, "link_gbps", "here") == 100.0
+    with pytest.raises(ValueError, match=r"^\[optimizer\]: replica_link_gbps must be .* got 0$"):
+        check_link_gbps(0, "replica_link_gbps", "[optimizer]")
+
+
+def test_copies_keep_the_link_options():
+    import copy
+
+    optimizer = DMuon(_params(), link_gbps=100.0, replica_link_gbps=12.5)
+    copied = copy.deepcopy(optimizer)
+    assert (copied.link_gbps, copied.replica_link_gbps) == (100.0, 12.5)
+    assert copied._fast_path.cost_model("cpu").replica_link_gbps == 12.5
+
+
+# ------------------------------------------------------------------ process groups
+
+
+def _init_one_rank() -> None:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+
+
+def test_groups_made_for_a_rank_set_do_not_outlive_the_default_group(monkeypatch):
+    """A group made for ranks (0,) of a (pretend) 2-rank world is reused while the default
+    group lives, and made afresh after ``destroy_process_group()`` and a new init."""
+    from dmuon import fast_path
+
+    made = []
+    monkeypatch.setattr(dist, "get_world_size", lambda *a, **k: 2)
+    monkeypatch.setattr(dist, "new_group", lambda ranks, **kwargs: made.append(tuple(ranks)) or object())
+    assert not dist.is_initialized()
+    _init_one_rank()
+    try:
+        first = fast_path.group_of((0,), [])
+        assert fast_path.group_of((0,), []) is first and made == [(0,)]
+    finally:
+        dist.destroy_process_group()
+    _init_one_rank()
+    try:
+        assert fast_path.group_of((0,), []) is not first and made == [(0,), (0,)]
+    finally:
+        dist.destroy_process_group()
