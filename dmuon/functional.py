@@ -18,7 +18,8 @@ import torch
 
 from dmuon.newton_schulz import Triple, matrix_shape, newton_schulz_flops, orthogonalize, orthogonalize_row_blocks
 from dmuon.torch_compat import scalar_dtype
-from dmuon.update_rules import adamw_step_, apply_muon_update_, muon_momentum_, shape_scale
+from dmuon.update_rules import adamw_step_ as adamw_
+from dmuon.update_rules import apply_muon_update_, muon_momentum_, shape_scale
 
 # Orthogonalizes the update of the ``i``-th tensor of a :func:`muon_` call.
 Orthogonalize = Callable[[int, torch.Tensor], torch.Tensor]
@@ -90,23 +91,6 @@ def muon_(
                              matched_adamw_rms=matched_adamw_rms)
         with updating(param):
             apply_muon_update_(param, ortho, lr, weight_decay, scale)
-
-
-def adamw_(
-    params: list[torch.Tensor],
-    grads: list[torch.Tensor],
-    exp_avgs: list[torch.Tensor],
-    exp_avg_sqs: list[torch.Tensor],
-    steps: list[torch.Tensor],
-    *,
-    lr: float | torch.Tensor,
-    betas: tuple[float, float],
-    eps: float,
-    weight_decay: float,
-) -> None:
-    """One AdamW step, torch.optim.AdamW's bits (``dmuon.update_rules.adamw_step_``)."""
-    adamw_step_(params, grads, exp_avgs, exp_avg_sqs, steps, lr=lr, betas=betas, eps=eps,
-                weight_decay=weight_decay, has_complex=any(p.is_complex() for p in params))
 
 
 def adamw_state(param: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -236,27 +236,6 @@ def check_ns_dtype(value: Any, where: str = "DMuon") -> str:
     return value
 
 
-def check_optimizer_options(comm: Any, max_batch_numel: Any, split_replicas: Any, where: str = "DMuon") -> None:
-    """Raise ``ValueError`` naming ``where`` for an illegal whole-optimizer option."""
-    if comm not in COMM_CHOICES:
-        raise ValueError(f"{where}: unknown comm {comm!r}; use one of {COMM_CHOICES}")
-    if not isinstance(max_batch_numel, int) or max_batch_numel < 1:
-        raise ValueError(f"{where}: max_batch_numel must be a positive int, got {max_batch_numel!r}")
-    if split_replicas not in (None, True, False):
-        raise ValueError(f"{where}: split_replicas must be True, False or None (let the cost model decide), "
-                         f"got {split_replicas!r}")
-
-
-def check_link_gbps(value: Any, name: str, where: str) -> float:
-    """A network bandwidth in Gbit/s for the cost model (``link_gbps``,
-    ``replica_link_gbps``): a positive finite number, returned as a float, or a
-    ``ValueError`` naming the option ``name`` and ``where`` it was set."""
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
-    if not ok:
-        raise ValueError(f"{where}: {name} must be a positive finite number of Gbit/s, got {value!r}")
-    return float(value)
-
-
 def check_muon_hyperparameters(group: dict[str, Any], where: str) -> None:
     """Raise ``ValueError`` naming ``where`` for an illegal Muon group value."""
     _check_range(group, "lr", where, low=0.0)
@@ -380,5 +359,5 @@ def check_link_gbps(value: Any, name: str, where: str = "DMuon") -> float:
     positive, finite number of Gbit/s."""
     ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
     if not ok:
-        raise ValueError(f"{where}: {name} must be a positive number of Gbit/s, got {value!r}")
+        raise ValueError(f"{where}: {name} must be a positive finite number of Gbit/s, got {value!r}")
     return float(value)

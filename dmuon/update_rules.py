@@ -88,11 +88,10 @@ def adamw_step_(
     betas: tuple[float, float],
     eps: float,
     weight_decay: float,
-    has_complex: bool,
 ) -> None:
     """One AdamW step, delegated to torch's functional AdamW so the bits match
     ``torch.optim.AdamW`` with the same hyperparameters, a one-element Tensor ``lr``
-    included (it also handles DTensors)."""
+    included (it also handles DTensors and complex tensors)."""
     _torch_adamw(
         params,
         grads,
@@ -101,7 +100,7 @@ def adamw_step_(
         [],
         steps,
         foreach=None,
-        has_complex=has_complex,
+        has_complex=any(p.is_complex() for p in params),
         amsgrad=False,
         beta1=betas[0],
         beta2=betas[1],

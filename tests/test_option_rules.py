@@ -20,18 +20,12 @@ from dmuon.cost_model import CostModel
 from dmuon.newton_schulz import NS_COEFFICIENT_SETS
 from dmuon.param_groups import check_comm, check_link_gbps, check_max_batch_numel, check_split_replicas
 from torchtitan.config import ConfigManager
-from torchtitan_ext.config import DMUON_TAKES_LINK_SPEEDS, dmuon_kwargs
+from torchtitan_ext.config import dmuon_kwargs
 from torchtitan_ext.optimizer_container import goes_to_adamw, route_parameters
 
 pytestmark = pytest.mark.unit
 
 EXT = ["--job.custom_config_module", "torchtitan_ext"]
-LINK_SPEEDS_PENDING = pytest.mark.xfail(
-    not DMUON_TAKES_LINK_SPEEDS, strict=False,
-    reason="DMuon gains link_gbps / replica_link_gbps keywords on another branch; until then "
-           "only the [optimizer] fields and their validator exist",
-)
-
 # (TOML field, command-line value, DMuon keyword, the same value as DMuon takes it)
 BAD_VALUES = [
     ("momentum", "1.5", "momentum", 1.5),
@@ -50,8 +44,8 @@ BAD_VALUES = [
     ("ns_dtype", "fp16", "ns_dtype", "fp16"),
     ("comm", "nccl", "comm", "nccl"),
     ("split_replicas", "sometimes", "split_replicas", "sometimes"),
-    pytest.param("link_gbps", "0", "link_gbps", 0.0, marks=LINK_SPEEDS_PENDING),
-    pytest.param("replica_link_gbps", "inf", "replica_link_gbps", float("inf"), marks=LINK_SPEEDS_PENDING),
+    ("link_gbps", "0", "link_gbps", 0.0),
+    ("replica_link_gbps", "inf", "replica_link_gbps", float("inf")),
 ]
 
 
@@ -101,7 +95,7 @@ def test_a_positive_finite_link_speed_is_taken_as_a_float(value):
 
 @pytest.mark.parametrize("value", [0, -1.0, float("nan"), float("inf"), True, "400", None])
 def test_a_link_speed_that_is_not_a_positive_finite_number_is_rejected_naming_it(value):
-    expected = f"[optimizer]: replica_link_gbps must be a positive number of Gbit/s, got {value!r}"
+    expected = f"[optimizer]: replica_link_gbps must be a positive finite number of Gbit/s, got {value!r}"
     with pytest.raises(ValueError, match=f"^{re.escape(expected)}$"):
         check_link_gbps(value, "replica_link_gbps", "[optimizer]")
 
@@ -136,7 +130,6 @@ def test_the_link_speed_fields_are_read_from_the_command_line():
     assert (cfg.link_gbps, cfg.replica_link_gbps) == (200.0, 25.0)
 
 
-@LINK_SPEEDS_PENDING
 def test_the_link_speeds_reach_dmuon_under_the_same_names():
     cfg = ConfigManager().parse_args([*EXT, "--optimizer.link_gbps", "200",
                                       "--optimizer.replica_link_gbps", "25"]).optimizer

@@ -27,13 +27,12 @@ right after parsing, i.e. before any process group or model exists.
 # and a TOML value and a command-line value would be checked by two different rules.
 import contextlib
 import functools
-import inspect
 import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from dmuon import DEFAULT_ADAMW_NAME_PATTERN, DMuon
+from dmuon import DEFAULT_ADAMW_NAME_PATTERN
 from dmuon.cost_model import CostModel
 from dmuon.newton_schulz import DEFAULT_NS_COEFFICIENTS_NAME, DEFAULT_NS_DTYPE, DEFAULT_NS_EPS, DEFAULT_NS_STEPS
 from dmuon.param_groups import (
@@ -63,10 +62,8 @@ ADJUST_LR_CHOICES = tuple(ADJUST_LR_NONE if choice is None else choice for choic
 # [optimizer] split_replicas -> DMuon's split_replicas (TOML has no null either).
 SPLIT_REPLICAS = {"auto": None, "always": True, "never": False}
 DEFAULT_SPLIT_REPLICAS_NAME = {value: name for name, value in SPLIT_REPLICAS.items()}[DEFAULT_SPLIT_REPLICAS]
+# The network bandwidths DMuon's cost model takes (same names in TOML and in DMuon).
 LINK_SPEEDS = ("link_gbps", "replica_link_gbps")
-# DMuon gains link_gbps / replica_link_gbps keywords on another branch; until it has
-# them the fields are validated but not passed on (the builder warns when they are set).
-DMUON_TAKES_LINK_SPEEDS = all(name in inspect.signature(DMuon).parameters for name in LINK_SPEEDS)
 _COST_MODEL = CostModel()
 
 # Parameter names (as ``model.named_parameters()`` prints them; FSDP2 adds no
@@ -211,17 +208,8 @@ def dmuon_kwargs(optimizer_config: Any) -> dict[str, Any]:
         "ns_dtype": cfg.ns_dtype,
         "telemetry": cfg.telemetry,
     }
-    if DMUON_TAKES_LINK_SPEEDS:
-        kwargs.update({name: getattr(cfg, name) for name in LINK_SPEEDS})
+    kwargs.update({name: getattr(cfg, name) for name in LINK_SPEEDS})
     return kwargs
-
-
-def ignored_link_speeds(optimizer_config: Any) -> list[str]:
-    """The link speeds set away from their defaults that ``dmuon_kwargs`` cannot pass
-    on, because this DMuon does not take them yet (empty once it does)."""
-    if DMUON_TAKES_LINK_SPEEDS:
-        return []
-    return [name for name in LINK_SPEEDS if getattr(optimizer_config, name) != getattr(_COST_MODEL, name)]
 
 
 @contextlib.contextmanager

@@ -37,7 +37,7 @@ from dmuon.telemetry import StepFigures
 from torchtitan.components.optimizer import OptimizersContainer
 from torchtitan.tools.logging import logger
 
-from .config import dmuon_kwargs, ignored_link_speeds, validate_optimizer_config
+from .config import dmuon_kwargs, validate_optimizer_config
 
 MUON_HEADS, MUON, ADAMW = "muon_heads", "muon", "adamw"
 # Attention projections whose rows are heads (split_attention_heads).
@@ -198,9 +198,6 @@ def build_dmuon_optimizers(
         raise NotImplementedError(
             '[optimizer] name = "DMuon" does not support TorchFT ([fault_tolerance] enable).'
         )
-    ignored = ignored_link_speeds(optimizer_config)
-    if ignored:
-        logger.warning(f"[optimizer] {', '.join(ignored)} ignored: this version of DMuon does not take them yet")
     return DMuonOptimizersContainer(
         model_parts, dmuon_kwargs(optimizer_config), optimizer_config.adamw_param_regex,
         optimizer_config.split_attention_heads,

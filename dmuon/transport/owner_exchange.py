@@ -1,7 +1,8 @@
 """The owner exchange: one step of the owner-computed fast path, for any layout the plan describes.
 
-The schedule, per batch ``b`` (every rank issues the same collectives in the same
-order; ``dmuon.plan.scratch_events`` writes the same schedule as arithmetic):
+The schedule is ``dmuon.plan.batch_schedule``, written once as data: this module runs
+it, ``dmuon.plan.scratch_events`` predicts its memory and ``dmuon.cost_model`` its time.
+Per batch ``b`` (every rank issues the same collectives in the same order):
 
 1. gather ``b`` completes; each owner cuts its whole matrices from the receive buffer;
 2. gather ``b + 1`` starts (momentum runs for its blocks as they are packed), so it
@@ -31,7 +32,14 @@ import torch
 import torch.distributed as dist
 
 from dmuon.comm import CommStats, Exchange, ScratchMeter, pack_gather, pack_scatter, unpack_gather, unpack_scatter
-from dmuon.plan import OwnerPlan
+from dmuon.plan import (
+    FINISH_GATHER,
+    NEWTON_SCHULZ,
+    START_GATHER,
+    START_SCATTER,
+    OwnerPlan,
+    batch_schedule,
+)
 
 UpdateBlock = Callable[[int, int, int, tuple[int, int]], torch.Tensor]
 Orthogonalize = Callable[[int, torch.Tensor], torch.Tensor]
@@ -58,18 +66,24 @@ def run_owner_plan(
     if not batches:
         return
     step = _OwnerStep(plan, group, rank, device, update_block, orthogonalize, apply_block, stats, meter)
-    gather = step.start_gather(batches[0])
-    previous: tuple[list[int], Exchange] | None = None
-    for k, batch in enumerate(batches):
-        full = step.finish_gather(batch, gather)
-        if k + 1 < len(batches):
-            gather = step.start_gather(batches[k + 1])
-        step.orthogonalize_kept(batch)
-        scatter = step.start_scatter(batch, step.orthogonalize_owned(full))
-        if previous is not None:
-            step.finish_scatter(*previous)
-        previous = (batch, scatter)
-    step.finish_scatter(*previous)
+    # What is in flight, by batch: each entry lives from one event of the schedule to the next.
+    gathers: dict[int, Exchange] = {}
+    owned: dict[int, dict[int, torch.Tensor]] = {}
+    results: dict[int, dict[int, torch.Tensor]] = {}
+    scatters: dict[int, Exchange] = {}
+    for event, b in batch_schedule(len(batches)):
+        batch = batches[b]
+        if event == START_GATHER:
+            gathers[b] = step.start_gather(batch)
+        elif event == FINISH_GATHER:
+            owned[b] = step.finish_gather(batch, gathers.pop(b))
+        elif event == NEWTON_SCHULZ:
+            step.orthogonalize_kept(batch)
+            results[b] = step.orthogonalize_owned(owned.pop(b))
+        elif event == START_SCATTER:
+            scatters[b] = step.start_scatter(batch, results.pop(b))
+        else:
+            step.finish_scatter(batch, scatters.pop(b))
 
 
 @dataclass
