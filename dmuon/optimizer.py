@@ -38,8 +38,8 @@ from dmuon.grad_agreement import agreed_grads
 from dmuon.group_steps import GroupSteps
 from dmuon.newton_schulz import DEFAULT_NS_DTYPE, DEFAULT_NS_EPS, DEFAULT_NS_STEPS, KELLER_COEFFICIENTS
 from dmuon.param_groups import (
-    build_param_groups, check_adamw_hyperparameters, check_comm, check_link_gbps, check_max_batch_numel,
-    check_muon_hyperparameters, check_ns_dtype, check_split_replicas, split_options,
+    build_param_groups, check_adamw_hyperparameters, check_link_gbps, check_muon_hyperparameters, check_ns_dtype,
+    check_optimizer_options, split_options,
 )
 from dmuon.plan import ALL_TO_ALL, DEFAULT_BATCH_NUMEL, OwnerPlan
 from dmuon.telemetry import StepFigures, Telemetry
@@ -155,7 +155,7 @@ class DMuon(Optimizer):
         if isinstance(params, (set, frozenset)):
             # A set's order differs between processes: ranks would plan differently.
             raise TypeError("DMuon: params must be an ordered collection (list), not a set")
-        check_comm(comm), check_max_batch_numel(max_batch_numel), check_split_replicas(split_replicas)
+        check_optimizer_options(comm, max_batch_numel, split_replicas)
         muon_defaults, adamw_defaults = split_options(dict(
             lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay, ns_steps=ns_steps,
             ns_coefficients=ns_coefficients, eps=eps, adjust_lr=adjust_lr, matched_adamw_rms=matched_adamw_rms,

@@ -354,6 +354,13 @@ def check_split_replicas(value: Any, where: str = "DMuon") -> bool | None:
     return value
 
 
+def check_optimizer_options(comm: Any, max_batch_numel: Any, split_replicas: Any, where: str = "DMuon") -> None:
+    """The options that are the whole optimizer's, not a group's, in the order DMuon checks them."""
+    check_comm(comm, where)
+    check_max_batch_numel(max_batch_numel, where)
+    check_split_replicas(split_replicas, where)
+
+
 def check_link_gbps(value: Any, name: str, where: str = "DMuon") -> float:
     """A link speed for the cost model (``link_gbps``, ``replica_link_gbps``): a
     positive, finite number of Gbit/s."""
