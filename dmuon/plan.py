@@ -259,6 +259,9 @@ class OwnerPlan:
         each travelling unit it is a source of. Receive layout: by source rank, then in
         ``batch`` order, the source's block of each travelling unit this rank owns.
         """
+        return self._memo(self._gather_splits, batch, rank)
+
+    def _gather_splits(self, batch: Sequence[int], rank: int) -> tuple[list[int], list[int]]:
         send = [0] * self.world_size
         recv = [0] * self.world_size
         for index in self.travelling(batch):
@@ -279,6 +282,9 @@ class OwnerPlan:
         rank's block of each travelling unit it holds. (Without replicas this is the
         gather reversed; with them, every replica's holders receive.)
         """
+        return self._memo(self._scatter_splits, batch, rank)
+
+    def _scatter_splits(self, batch: Sequence[int], rank: int) -> tuple[list[int], list[int]]:
         send = [0] * self.world_size
         recv = [0] * self.world_size
         for index in self.travelling(batch):
@@ -288,6 +294,20 @@ class OwnerPlan:
                 for holder, block in unit.blocks:
                     send[holder] += block.numel
         return send, recv
+
+    def _memo(self, splits, batch: Sequence[int], rank: int) -> tuple[list[int], list[int]]:
+        """``splits(batch, rank)``, computed once per plan: the step, the byte count, the
+        scratch prediction and the cost model all ask for the same splits, and at
+        P ranks each costs O(P * units). Copies, so a caller may modify what it gets."""
+        key = (splits.__name__, tuple(batch), rank)
+        if key not in self._splits:
+            self._splits[key] = splits(batch, rank)
+        send, recv = self._splits[key]
+        return list(send), list(recv)
+
+    @cached_property
+    def _splits(self) -> dict[tuple[str, tuple[int, ...], int], tuple[list[int], list[int]]]:
+        return {}
 
     # ------------------------------------------------------------ what it costs
 
