@@ -28,7 +28,6 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import Optimizer
 
 from dmuon.comm import CommStats, ScratchMeter
@@ -246,7 +245,8 @@ class DMuon(Optimizer):
                 loss = closure()
         muon_groups = self._muon_groups()
         self._fast_path.plan(muon_groups, self.param_name)
-        self._telemetry.begin_step(_local(self.param_groups[0]["params"][0]).device, self.comm_stats.bytes_sent)
+        # A DTensor's device is its local shard's.
+        self._telemetry.begin_step(self.param_groups[0]["params"][0].device, self.comm_stats.bytes_sent)
         grads = agreed_grads(self.param_groups, list(muon_groups), self.param_name)
         steps = GroupSteps(self.ns_dtype, self.comm_stats, self._telemetry)  # this step's meters
         steps.make_momentum_buffers(grads, self.state)
@@ -259,7 +259,3 @@ class DMuon(Optimizer):
         self._telemetry.end_step(self.comm_stats.bytes_sent)
         return loss
 
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    """The rank's own data: the local shard of a DTensor, or the tensor itself."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
