@@ -29,26 +29,31 @@ TorchTitan 0.2.x imports this module while parsing the config. Importing it:
    dumps the state a resume loaded (``state_dump.py``). Unset, they do nothing.
 """
 
-from . import cpu_compat, fault_injection, launch_checks, routing_check, state_dump, step_metrics
-from .config import install_config_validation, JobConfig, Optimizer
-from .dataset import register_datasets
-from .optimizer_container import build_dmuon_optimizers, DMuonOptimizersContainer
-from .train_specs import register_builtin_specs, with_dmuon
+import importlib.metadata as _metadata
 
-__all__ = [
-    "JobConfig",
-    "Optimizer",
-    "DMuonOptimizersContainer",
-    "build_dmuon_optimizers",
-    "with_dmuon",
-]
+# TEMPORARY (issue 15 in progress): the 0.2.x installation below runs only beside
+# TorchTitan 0.2.x; the 0.3.x adapter lives in torchtitan_ext.titan03.
+if _metadata.version("torchtitan").startswith("0.2."):
+    from . import cpu_compat, fault_injection, launch_checks, routing_check, state_dump, step_metrics
+    from .config import install_config_validation, JobConfig, Optimizer
+    from .dataset import register_datasets
+    from .optimizer_container import build_dmuon_optimizers, DMuonOptimizersContainer
+    from .train_specs import register_builtin_specs, with_dmuon
 
-cpu_compat.apply()
-install_config_validation()
-register_datasets()
-register_builtin_specs()
-routing_check.install()
-step_metrics.install()
-launch_checks.warn_about_risky_restarts()
-fault_injection.install_from_env()
-state_dump.install_from_env()
+    __all__ = [
+        "JobConfig",
+        "Optimizer",
+        "DMuonOptimizersContainer",
+        "build_dmuon_optimizers",
+        "with_dmuon",
+    ]
+
+    cpu_compat.apply()
+    install_config_validation()
+    register_datasets()
+    register_builtin_specs()
+    routing_check.install()
+    step_metrics.install()
+    launch_checks.warn_about_risky_restarts()
+    fault_injection.install_from_env()
+    state_dump.install_from_env()
