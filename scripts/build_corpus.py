@@ -14,7 +14,7 @@ result is committed instead of being regenerated on every machine.
 
 The text is cut into chunks of roughly ``--chunk-chars`` characters at paragraph
 boundaries. Each chunk becomes one JSON line ``{"id": ..., "source": ..., "text": ...}``.
-``torchtitan_ext.dataset`` decides which chunks are held out for validation.
+``torchtitan_ext.corpus`` decides which chunks are held out for validation.
 
 Usage: python scripts/build_corpus.py [--out PATH] [--chunk-chars 2000]
 """

@@ -69,7 +69,7 @@ def main(argv: list[str]) -> None:
     finally:
         trainer.close()
     dist.destroy_process_group()
-    # End without interpreter finalization, as torchtitan_ext.cpu_compat does for
+    # End without interpreter finalization, as torchtitan_ext.titan02.cpu_compat does for
     # torchtitan.train (patch 4): gloo's worker threads may otherwise abort the
     # process while it shuts down.
     logging.shutdown()

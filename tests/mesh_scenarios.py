@@ -119,7 +119,7 @@ def titan_llama3_exactness(dp_replicate: int, dp_shard: int, tp: int) -> dict[st
     from torchtitan.models.llama3.infra.parallelize import parallelize_llama
     from torchtitan.models.llama3.model.model import Transformer
 
-    from torchtitan_ext import cpu_compat
+    from torchtitan_ext.titan02 import cpu_compat
 
     cpu_compat.apply()
     dims = ParallelDims(dp_replicate=dp_replicate, dp_shard=dp_shard, cp=1, tp=tp, pp=1, ep=1, etp=1,

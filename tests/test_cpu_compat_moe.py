@@ -1,4 +1,4 @@
-"""The MoE part of the CPU compatibility layer (``torchtitan_ext.cpu_compat``, patches 5 and 6).
+"""The MoE part of the CPU compatibility layer (``torchtitan_ext.titan02.cpu_compat``, patches 5 and 6).
 
 Patch 5 counts tokens per expert on integer CPU tensors (``integer_histc``) with
 the counts CUDA's integer ``histc`` gives; patch 6 sends EP's token permutation
@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from torchtitan_ext.cpu_compat import (
+from torchtitan_ext.titan02.cpu_compat import (
     _histc_with_integer_cpu_support,
     _permute_indices_on_cpu_when_needed,
     needs_cpu_compat,

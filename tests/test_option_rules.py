@@ -20,12 +20,12 @@ from dmuon.cost_model import CostModel
 from dmuon.newton_schulz import NS_COEFFICIENT_SETS
 from dmuon.param_groups import check_comm, check_link_gbps, check_max_batch_numel, check_split_replicas
 from torchtitan.config import ConfigManager
-from torchtitan_ext.config import dmuon_kwargs
-from torchtitan_ext.optimizer_container import goes_to_adamw, route_parameters
+from torchtitan_ext.titan02.config import dmuon_kwargs
+from torchtitan_ext.routing import goes_to_adamw, route_parameters
 
 pytestmark = pytest.mark.unit
 
-EXT = ["--job.custom_config_module", "torchtitan_ext"]
+EXT = ["--job.custom_config_module", "torchtitan_ext", "--experimental.custom_import", "torchtitan_ext.titan02.job"]
 # (TOML field, command-line value, DMuon keyword, the same value as DMuon takes it)
 BAD_VALUES = [
     ("momentum", "1.5", "momentum", 1.5),

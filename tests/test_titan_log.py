@@ -6,7 +6,7 @@ import pytest
 from torchtitan.tools.utils import Color, NoColor
 
 from dmuon.telemetry import StepFigures
-from torchtitan_ext.step_metrics import console_text
+from torchtitan_ext.step_figures import console_text
 from torchtitan_ext.titan_log import parse_log
 
 pytestmark = pytest.mark.unit

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.unit
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "train_configs"
-EXT = ["--job.custom_config_module", "torchtitan_ext"]
+EXT = ["--job.custom_config_module", "torchtitan_ext", "--experimental.custom_import", "torchtitan_ext.titan02.job"]
 
 
 def parse(*args: str):
@@ -125,7 +125,7 @@ def test_dmuon_settings_are_not_checked_when_another_optimizer_is_chosen():
 
 @pytest.mark.parametrize("name", ["llama3_debug_dmuon.toml", "llama3_8b_dmuon.toml"])
 def test_shipped_configs_spell_out_the_default_adamw_regex(name):
-    from torchtitan_ext.config import DEFAULT_ADAMW_PARAM_REGEX
+    from torchtitan_ext.titan02.config import DEFAULT_ADAMW_PARAM_REGEX
 
     cfg = parse("--job.config_file", str(CONFIGS / name)).optimizer
     assert cfg.adamw_param_regex == DEFAULT_ADAMW_PARAM_REGEX
@@ -133,12 +133,13 @@ def test_shipped_configs_spell_out_the_default_adamw_regex(name):
 
 def _write_toml(tmp_path, optimizer_lines: str):
     path = tmp_path / "job.toml"
-    path.write_text('[job]\ncustom_config_module = "torchtitan_ext"\n[optimizer]\nname = "DMuon"\n' + optimizer_lines)
+    path.write_text('[job]\ncustom_config_module = "torchtitan_ext"\n[experimental]\n'
+                    'custom_import = "torchtitan_ext.titan02.job"\n[optimizer]\nname = "DMuon"\n' + optimizer_lines)
     return ConfigManager().parse_args(["--job.config_file", str(path)]).optimizer
 
 
 def test_polar_express_is_chosen_by_name_in_toml(tmp_path):
-    from torchtitan_ext.optimizer_container import dmuon_kwargs
+    from torchtitan_ext.titan02.config import dmuon_kwargs
 
     cfg = _write_toml(tmp_path, 'ns_coefficients = "polar_express"\n')
     assert dmuon_kwargs(cfg)["ns_coefficients"] == "polar_express"
@@ -148,7 +149,7 @@ def test_a_per_iteration_coefficient_list_is_accepted_in_toml(tmp_path):
     import torch
 
     from dmuon import DMuon
-    from torchtitan_ext.optimizer_container import dmuon_kwargs
+    from torchtitan_ext.titan02.config import dmuon_kwargs
 
     cfg = _write_toml(tmp_path, "ns_coefficients = [[3.4445, -4.775, 2.0315], [3.0, -3.2, 1.2]]\n")
     optimizer = DMuon([torch.nn.Parameter(torch.zeros(4, 4))], **dmuon_kwargs(cfg))

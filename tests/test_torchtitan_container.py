@@ -10,14 +10,14 @@ import pytest
 import torch
 import torch.nn as nn
 
-import torchtitan_ext  # noqa: F401  (registers the DMuon-aware train specs)
+import torchtitan_ext.titan02.job  # noqa: F401  (registers the DMuon-aware train specs)
 from dmuon import DMuon
 from torchtitan.components.lr_scheduler import build_lr_schedulers
 from torchtitan.components.optimizer import build_optimizers, OptimizersContainer
 from torchtitan.config import ConfigManager
 from torchtitan.models.llama3 import Transformer, TransformerModelArgs
 from torchtitan.protocols.train_spec import get_train_spec
-from torchtitan_ext.optimizer_container import (
+from torchtitan_ext.titan02.container import (
     DMuonOptimizersContainer,
     dmuon_kwargs,
     route_parameters,
@@ -28,7 +28,8 @@ pytestmark = pytest.mark.unit
 
 def optimizer_config(*args: str):
     """The ``[optimizer]`` section as TorchTitan parses it with the extension."""
-    argv = ["--job.custom_config_module", "torchtitan_ext", "--optimizer.name", "DMuon", *args]
+    argv = ["--job.custom_config_module", "torchtitan_ext", "--experimental.custom_import", "torchtitan_ext.titan02.job",
+            "--optimizer.name", "DMuon", *args]
     return ConfigManager().parse_args(argv).optimizer
 
 
@@ -256,13 +257,13 @@ def _saved_checkpoint(tmp_path) -> str:
 
 
 def test_resuming_with_the_same_routing_passes_the_check(tmp_path):
-    from torchtitan_ext.routing_check import check_routing
+    from torchtitan_ext.titan02.routing_check import check_routing
 
     check_routing(build([tiny_llama()]), _saved_checkpoint(tmp_path))
 
 
 def test_resuming_after_changing_adamw_param_regex_names_the_moved_parameters(tmp_path):
-    from torchtitan_ext.routing_check import check_routing
+    from torchtitan_ext.titan02.routing_check import check_routing
 
     checkpoint = _saved_checkpoint(tmp_path)
     regex = r"(tok_embeddings|output|norm|\.wq)\."

@@ -5,11 +5,12 @@ from __future__ import annotations
 import torch
 import pytest
 
-import torchtitan_ext  # noqa: F401  (registers the datasets)
+import torchtitan_ext.titan02.job  # noqa: F401  (registers the datasets)
 from torchtitan.components.tokenizer import HuggingFaceTokenizer
 from torchtitan.config import ConfigManager
 from torchtitan.hf_datasets.text_datasets import build_text_validation_dataloader, DATASETS
-from torchtitan_ext.dataset import load_split, rewind_validation_before_each_run
+from torchtitan_ext.corpus import load_split
+from torchtitan_ext.titan02.dataset import rewind_validation_before_each_run
 from torchtitan_ext.tokenizer import ensure_tokenizer, VOCAB_SIZE
 
 pytestmark = pytest.mark.unit

@@ -1,4 +1,4 @@
-"""How a CPU TorchTitan process exits (``torchtitan_ext.cpu_compat``, patch 4).
+"""How a CPU TorchTitan process exits (``torchtitan_ext.titan02.cpu_compat``, patch 4).
 
 After a successful run the process ends with ``os._exit(0)`` from an ``atexit``
 handler, before interpreter finalization, so that gloo's worker threads cannot be
@@ -20,7 +20,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from torchtitan_ext.cpu_compat import torchtitan_finished_cleanly
+from torchtitan_ext.titan02.cpu_compat import torchtitan_finished_cleanly
 
 pytestmark = pytest.mark.unit
 
@@ -76,7 +76,7 @@ def test_a_cleanly_finished_torchtitan_process_exits_0_before_interpreter_finali
         atexit.register(lambda: open({str(marker)!r}, "w").close())
         sys.modules["__main__"].__spec__ = ModuleSpec("torchtitan.train", None)
         import torch, torch.distributed as dist
-        import torchtitan_ext
+        import torchtitan_ext.titan02.job
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
         dist.all_reduce(torch.ones(4))
         dist.destroy_process_group()

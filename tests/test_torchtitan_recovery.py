@@ -4,7 +4,7 @@ exactly.
 
 The uninterrupted reference is the shared ``dmuon_run`` (10 DMuon steps on 2 ranks,
 checkpoints at steps 5 and 10). Each scenario runs the same job with a fault armed
-through ``torchtitan_ext.fault_injection`` (environment variables), so the rank dies
+through ``tests.titan_hooks.fault_injection`` (environment variables), so the rank dies
 at the same point every time:
 
 * ``rank1_after_step7``: rank 1 dies after step 7, between two checkpoints;
@@ -32,7 +32,7 @@ from tests.titan_runs import (
     load_checkpoint,
     torchrun,
 )
-from torchtitan_ext.fault_injection import KillPlan, plan_from_env
+from tests.titan_hooks.fault_injection import KillPlan, plan_from_env
 from torchtitan_ext.launch_checks import restarts_share_a_stale_store
 from torchtitan_ext.titan_log import parse_log
 

@@ -1,7 +1,6 @@
-"""torchtitan_ext.step_metrics: DMuon's figures join TorchTitan's step metrics when telemetry is on.
+"""torchtitan_ext.titan02.metrics: DMuon's figures join TorchTitan's step metrics when telemetry is on.
 
-These tests call TorchTitan's (wrapped) ``MetricsProcessor.log`` in-process on a
-processor whose collaborators are stand-ins; tests/test_torchtitan_e2e.py checks the
+These tests call ``DMuonMetricsProcessor.log`` in-process on a processor whose collaborators are stand-ins; tests/test_torchtitan_e2e.py checks the
 console lines of real runs.
 """
 
@@ -11,12 +10,12 @@ import logging
 from types import SimpleNamespace
 
 import pytest
-import torchtitan_ext  # noqa: F401  (installs the wrapper)
 from torchtitan.components.metrics import DeviceMemStats, MetricsProcessor
 from torchtitan.tools.utils import NoColor
 
 from dmuon.telemetry import StepFigures
-from torchtitan_ext.step_metrics import METRICS
+from torchtitan_ext.step_figures import METRICS
+from torchtitan_ext.titan02.metrics import DMuonMetricsProcessor
 
 pytestmark = pytest.mark.unit
 
@@ -34,7 +33,7 @@ class RecordingLogger:
 
 
 def _processor(optimizers) -> MetricsProcessor:
-    processor = MetricsProcessor.__new__(MetricsProcessor)  # no device, no loggers to build
+    processor = DMuonMetricsProcessor.__new__(DMuonMetricsProcessor)  # no device, no loggers to build
     memory = DeviceMemStats(0.5, 1.0, 0.5, 1.0, 0, 0)
     processor.logger = RecordingLogger()
     processor.parallel_dims = SimpleNamespace(non_data_parallel_size=1)

@@ -33,6 +33,12 @@ RUN_TIMEOUT_S = 300
 RESTART_SAFE_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
 
+# Environment variables of the test-only hooks (tests/titan_hooks/); a run that sets
+# one imports the module that arms them instead of the extension's own job module.
+HOOK_ENV_PREFIX = "TORCHTITAN_EXT_"
+TEST_HOOKS_MODULE = "tests.titan_hooks.job"
+
+
 class RunFailed(AssertionError):
     pass
 
@@ -60,6 +66,8 @@ def torchrun(toml: Path, dump_folder: Path, *overrides: str, nproc: int = 2, che
     if max_restarts:
         run_env.update(RESTART_SAFE_ENV)
     run_env.update(env or {})
+    if any(key.startswith(HOOK_ENV_PREFIX) for key in env or {}):
+        cmd += ["--experimental.custom_import", TEST_HOOKS_MODULE]
     try:
         proc = launch.run(cmd, timeout_s=RUN_TIMEOUT_S, cwd=REPO, env=run_env)
     except launch.LaunchTimedOut as timed_out:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from torchtitan.tools.logging import logger
 
-from .dataset import CORPUS_PATH, iter_all_texts
+from .corpus import CORPUS_PATH, iter_all_texts
 
 VOCAB_SIZE = 2048
 BOS_TOKEN = "<|begin_of_text|>"

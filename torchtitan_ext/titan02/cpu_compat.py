@@ -69,9 +69,9 @@ What it patches and why:
    wrapper that asks for it when the counts live on the CPU. (Grouped mm needs no
    patch: the MoE model args switch to the per-expert for-loop without SM90.)
 
-No TOML option fixes any of these, hence a code layer. ``apply()`` runs when
-``torchtitan_ext`` is imported, i.e. while TorchTitan parses the config and before
-the Trainer is built.
+No TOML option fixes any of these, hence a code layer. ``apply()`` runs when the
+job imports ``torchtitan_ext.titan02.job`` (``[experimental] custom_import``), at
+the start of the Trainer, before it picks a device; never on import of the package.
 """
 
 from __future__ import annotations
@@ -91,7 +91,9 @@ import torch.nn as nn
 
 from torchtitan.tools.logging import logger
 
-from .integer_histc import HISTC_INTEGER_DTYPES, integer_histc
+from ..versions import require_tested
+
+from ..integer_histc import HISTC_INTEGER_DTYPES, integer_histc
 
 # Modules that copy ``device_type`` / ``device_module`` at import time.
 _MODULES_WITH_DEVICE_COPIES = (
@@ -210,6 +212,7 @@ def apply() -> None:
     global _applied
     if _applied or not needs_cpu_compat():
         return
+    require_tested("0.2", "TorchTitan's device selection, memory monitor and MoE helpers (the CPU layer)")
     for name in _MODULES_WITH_DEVICE_COPIES:
         module = importlib.import_module(name)
         if hasattr(module, "device_type"):
@@ -221,7 +224,7 @@ def apply() -> None:
     atexit.register(_exit_before_finalization)
     _install_moe_patches()
     _applied = True
-    logger.info("torchtitan_ext.cpu_compat: no accelerator found, running TorchTitan on CPU/gloo")
+    logger.info("torchtitan_ext.titan02.cpu_compat: no accelerator found, running TorchTitan on CPU/gloo")
 
 
 def force_sum_reduction(model: nn.Module) -> None:

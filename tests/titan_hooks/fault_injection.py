@@ -2,7 +2,7 @@
 
 Recovery tests need a rank to die at a *known* point -- a timer-based
 ``kill -9`` from outside lands anywhere, so two test runs would test different
-things. Three environment variables, read when ``torchtitan_ext`` is imported,
+things. Three environment variables, read when ``tests.titan_hooks.job`` is imported,
 arm the fault; nothing happens when ``TORCHTITAN_EXT_KILL_RANK`` is unset::
 
     TORCHTITAN_EXT_KILL_RANK=1            # global rank that kills itself

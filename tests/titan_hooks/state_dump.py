@@ -5,7 +5,7 @@ optimizer from a zeroed one for a step or two. With
 
     TORCHTITAN_EXT_DUMP_LOADED_STATE=/some/file.pt
 
-set, ``torchtitan_ext`` wraps ``CheckpointManager.load``: right after a
+set, ``tests.titan_hooks.job`` wraps ``CheckpointManager.load``: right after a
 checkpoint is loaded, and before any training step, rank 0 writes
 ``{"model": {...}, "optimizer": {...}}`` to that file with ``torch.save``. The
 values are the *full* tensors (DTensor shards gathered), under the same flat

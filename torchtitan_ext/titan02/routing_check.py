@@ -18,7 +18,8 @@ import torch.distributed.checkpoint as dcp
 
 from torchtitan.components.checkpoint import CheckpointManager
 
-from .optimizer_container import DMuonOptimizersContainer
+from ..versions import require_tested
+from .container import DMuonOptimizersContainer
 
 _GROUPS_PREFIX = "optimizer.param_groups."
 # Module wrappers TorchTitan may add (activation checkpointing, torch.compile, FSDP1):
@@ -66,6 +67,8 @@ def install() -> None:
     """Run :func:`check_routing` before TorchTitan loads a DCP checkpoint (idempotent)."""
     if getattr(CheckpointManager.dcp_load, "_dmuon_routing_check", False):
         return
+    # No hook runs between reading a checkpoint's metadata and DCP's load.
+    require_tested("0.2", "CheckpointManager.dcp_load (the Muon/AdamW routing check on resume)")
     original = CheckpointManager.dcp_load
 
     @functools.wraps(original)

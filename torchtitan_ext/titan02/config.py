@@ -52,7 +52,11 @@ from dmuon.plan import ALL_TO_ALL
 from dmuon.update_rules import ADJUST_LR_CHOICES as DMUON_ADJUST_LR_CHOICES
 from dmuon.update_rules import DEFAULT_MATCHED_ADAMW_RMS
 
+from ..versions import require_tested
+
 DMUON_NAME = "DMuon"
+# What [experimental] custom_import names: importing it installs the job half (job.py).
+JOB_MODULE = "torchtitan_ext.titan02.job"
 # What dmuon's messages name this front end by (DMuon's own say "DMuon").
 WHERE = "[optimizer]"
 
@@ -267,23 +271,39 @@ def validate_optimizer_config(optimizer_config: Any) -> None:
         check_link_gbps(getattr(cfg, name), name, WHERE)
 
 
+def check_job_module_imported(config: Any) -> None:
+    """``name = "DMuon"`` builds DMuon only once ``torchtitan_ext.titan02.job`` ran: say so
+    at parse time instead of TorchTitan's "Optimizer DMuon not added" after start-up."""
+    if config.optimizer.name == DMUON_NAME and not config.experimental.custom_import:
+        raise ValueError(
+            f'{WHERE} name = "{DMUON_NAME}" needs the job half of the extension: add '
+            f'[experimental] custom_import = "{JOB_MODULE}" (or import that module from '
+            "your own custom_import module)."
+        )
+
+
 def install_config_validation() -> None:
     """Run ``validate_optimizer_config`` whenever TorchTitan validates a parsed config.
 
     TorchTitan merges our dataclass fields into a new class based on its own, so a
-    ``__post_init__`` here would never run; hooking ``ConfigManager._validate_config``
-    is the one place that sees every parsed config (TOML and command line).
+    ``__post_init__`` here would never run, and 0.2.x has no validation hook;
+    wrapping ``ConfigManager._validate_config`` is the one place that sees every
+    parsed config (TOML and command line). It is installed when TorchTitan reads
+    ``torchtitan_ext.JobConfig``, i.e. only for a job whose config names this
+    extension (``torchtitan_ext/__init__.py``).
     """
     from torchtitan.config.manager import ConfigManager
 
     original = ConfigManager._validate_config
     if getattr(original, "_dmuon_validation", False):
         return
+    require_tested("0.2", "ConfigManager._validate_config (DMuon's [optimizer] checks at parse time)")
 
     @functools.wraps(original)
     def validate_config(self) -> None:
         original(self)
         validate_optimizer_config(self.config.optimizer)
+        check_job_module_imported(self.config)
 
     validate_config._dmuon_validation = True  # type: ignore[attr-defined]
     ConfigManager._validate_config = validate_config

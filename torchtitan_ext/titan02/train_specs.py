@@ -11,7 +11,9 @@ model (``llama3``, ``llama4``, ``qwen3``, ``deepseek_v3``, ``gpt_oss``,
   accelerators);
 * ``build_tokenizer_fn`` first creates the embedded tokenizer when the job trains
   on the embedded ``pydoc`` dataset and ``hf_assets_path`` holds none yet;
-* ``build_validator_fn`` rewinds the embedded validation split before each pass.
+* ``build_validator_fn`` rewinds the embedded validation split before each pass;
+* ``build_metrics_processor_fn`` (when the spec has none of its own) adds DMuon's
+  step figures to the step line and metric loggers (``metrics.py``).
 
 ``model.name`` in the TOML therefore stays ``"llama3"`` etc. Other specs (e.g.
 TorchTitan's experiments) can be wrapped with ``with_dmuon(spec)`` and registered
@@ -32,10 +34,12 @@ from torchtitan.protocols.train_spec import register_train_spec, TrainSpec
 from torchtitan.tools.logging import logger
 
 from . import cpu_compat
+from ..corpus import TRAIN_DATASET, VALIDATION_DATASET
+from ..tokenizer import ensure_tokenizer
 from .config import DMUON_NAME
-from .dataset import rewind_validation_before_each_run, TRAIN_DATASET, VALIDATION_DATASET
-from .optimizer_container import build_dmuon_optimizers
-from .tokenizer import ensure_tokenizer
+from .container import build_dmuon_optimizers
+from .dataset import rewind_validation_before_each_run
+from .metrics import build_dmuon_metrics_processor
 
 
 @contextlib.contextmanager
@@ -100,7 +104,7 @@ def _validator_builder(original: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def with_dmuon(spec: TrainSpec) -> TrainSpec:
-    """A copy of ``spec`` with the four wrappers described in the module docstring."""
+    """A copy of ``spec`` with the wrappers described in the module docstring."""
     changes: dict[str, Any] = {
         "build_optimizers_fn": dmuon_aware_optimizer_builder(spec.build_optimizers_fn),
         "parallelize_fn": cpu_compat.wrap_parallelize_fn(spec.parallelize_fn),
@@ -109,6 +113,8 @@ def with_dmuon(spec: TrainSpec) -> TrainSpec:
         changes["build_tokenizer_fn"] = _tokenizer_builder(spec.build_tokenizer_fn)
     if spec.build_validator_fn is not None:
         changes["build_validator_fn"] = _validator_builder(spec.build_validator_fn)
+    if spec.build_metrics_processor_fn is None:  # a spec with its own processor keeps it
+        changes["build_metrics_processor_fn"] = build_dmuon_metrics_processor
     return dataclasses.replace(spec, **changes)
 
 

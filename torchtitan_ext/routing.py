@@ -1,0 +1,96 @@
+"""Which optimizer each parameter of a TorchTitan model gets: Muon (whole or per
+head) or AdamW. Written once for both TorchTitan lines; imports nothing from TorchTitan.
+
+* AdamW: names matching the AdamW regex (embeddings, output head, norms by default)
+  and anything Muon cannot update (0-D/1-D, complex): ``dmuon.default_use_muon``.
+* Muon per head: with ``split_attention_heads``, the ``wq``/``wk``/``wv`` weights of
+  every module that has a ``head_dim``.
+* Muon: every other matrix.
+
+Every model part (pipeline stage) must end up with the same group kinds in the same
+order: TorchTitan saves the first stage's LR-scheduler state and loads it into every
+stage's scheduler, and an empty group breaks checkpoint loading (``group_layout``).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+import torch.nn as nn
+from dmuon.param_groups import default_use_muon
+
+MUON_HEADS, MUON, ADAMW = "muon_heads", "muon", "adamw"
+# Attention projections whose rows are heads (split_attention_heads).
+HEAD_PROJECTIONS = ("wq", "wk", "wv")
+
+
+@dataclass
+class RoutedParameters:
+    """The trainable parameters of one model part, split by optimizer."""
+
+    muon: list[tuple[str, nn.Parameter]] = field(default_factory=list)
+    adamw: list[tuple[str, nn.Parameter]] = field(default_factory=list)
+    muon_heads: list[tuple[str, nn.Parameter]] = field(default_factory=list)
+    """Attention projections orthogonalized per head (``split_attention_heads``)."""
+    head_dims: set[int] = field(default_factory=set)
+    """Head sizes of the ``muon_heads`` parameters."""
+
+    def of_kind(self, kind: str) -> list[tuple[str, nn.Parameter]]:
+        return {MUON: self.muon, ADAMW: self.adamw, MUON_HEADS: self.muon_heads}[kind]
+
+
+def goes_to_adamw(name: str, param: nn.Parameter, adamw_regex: re.Pattern[str]) -> bool:
+    """AdamW for names matching the regex and for anything Muon cannot update (not a
+    real matrix): dmuon's default routing, with ``[optimizer] adamw_param_regex``."""
+    return not default_use_muon(name, param, adamw_regex)
+
+
+def attention_head_dims(model: nn.Module) -> dict[nn.Parameter, int]:
+    """``wq``/``wk``/``wv`` weights of every module with a ``head_dim`` -> that head size."""
+    heads: dict[nn.Parameter, int] = {}
+    for module in model.modules():
+        head_dim = getattr(module, "head_dim", None)
+        if isinstance(head_dim, int) and all(hasattr(module, n) for n in HEAD_PROJECTIONS):
+            for projection in HEAD_PROJECTIONS:
+                weight = getattr(getattr(module, projection), "weight", None)
+                if isinstance(weight, nn.Parameter):
+                    heads[weight] = head_dim
+    return heads
+
+
+def route_parameters(model: nn.Module, adamw_param_regex: str, split_attention_heads: bool = False) -> RoutedParameters:
+    """Split ``model``'s trainable parameters into Muon (per head, or whole) and AdamW
+    lists (model order)."""
+    pattern = re.compile(adamw_param_regex)
+    heads = attention_head_dims(model) if split_attention_heads else {}
+    routed = RoutedParameters()
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        if goes_to_adamw(name, param, pattern):
+            routed.adamw.append((name, param))
+        elif param in heads:
+            routed.muon_heads.append((name, param))
+            routed.head_dims.add(heads[param])
+        else:
+            routed.muon.append((name, param))
+    return routed
+
+
+def group_layout(routed_parts: list[RoutedParameters]) -> list[str]:
+    """The group kinds every part gets, in order (see the module docstring)."""
+    layout = [k for k in (MUON_HEADS, MUON, ADAMW) if any(r.of_kind(k) for r in routed_parts)]
+    if not layout:
+        raise ValueError("DMuon: the model has no trainable parameters.")
+    for index, routed in enumerate(routed_parts):
+        for kind in layout:
+            if not routed.of_kind(kind):
+                raise ValueError(
+                    f"DMuon: model part {index} (pipeline stage) has no parameter for the "
+                    f"{kind} group while other parts do. Every part needs the same param "
+                    "groups (TorchTitan shares one LR-scheduler state across parts). "
+                    "Change the pipeline split ([parallelism] pipeline_parallel_*) or "
+                    "[optimizer] adamw_param_regex."
+                )
+    return layout

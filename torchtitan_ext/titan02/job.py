@@ -1,0 +1,37 @@
+"""The job half of the TorchTitan 0.2.x integration: importing this module installs it.
+
+Name it in the TOML, next to the config half::
+
+    [job]
+    custom_config_module = "torchtitan_ext"              # the [optimizer] fields
+    [experimental]
+    custom_import = "torchtitan_ext.titan02.job"         # this module
+
+TorchTitan imports ``[experimental] custom_import`` at the start of the Trainer,
+before it picks a device, builds the model or reads a checkpoint. That import is
+the job asking for DMuon, so this is the one module of the extension whose import
+changes anything; it:
+
+1. installs the CPU/gloo layer, only when there is no accelerator (``cpu_compat``);
+2. registers the embedded ``pydoc`` / ``pydoc_validation`` datasets (``dataset``);
+3. re-registers TorchTitan's built-in model specs so that ``name = "DMuon"`` builds
+   a ``DMuonOptimizersContainer`` and the step line carries DMuon's figures, while
+   ``Adam``/``AdamW`` stay stock (``train_specs``, ``container``, ``metrics``);
+4. checks, before a checkpoint is loaded, that no parameter moved between Muon and
+   AdamW since it was saved (``routing_check``);
+5. warns when ``torchrun`` may restart the job in a way that can fail to reconnect
+   (``torchtitan_ext.launch_checks``).
+"""
+
+from __future__ import annotations
+
+from ..launch_checks import warn_about_risky_restarts
+from . import cpu_compat, routing_check
+from .dataset import register_datasets
+from .train_specs import register_builtin_specs
+
+cpu_compat.apply()
+register_datasets()
+register_builtin_specs()
+routing_check.install()
+warn_about_risky_restarts()
