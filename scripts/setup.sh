@@ -6,6 +6,8 @@
 #   DMUON_VENV      the environment (default .venv, relative to the repository root)
 #   TORCH_VERSION   the torch it holds (default 2.13.0: the small CPU build; 2.15.0 is the
 #                   registry's CUDA build, ~3.7 GB, and runs on CPU too)
+#   DMUON_EXTRAS    dmuon's extras to install (default "torchtitan,test": TorchTitan 0.2.2;
+#                   "titan03,test" gives TorchTitan 0.3.0, which wants torch 2.14 or newer)
 #   PYTHON          the Python 3.11 that creates the environment (default python3)
 #
 # torch goes first and pinned, so that torchtitan's own requirement on torch is
@@ -26,5 +28,5 @@ python="$venv/bin/python"
 if ! "$python" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$torch_version')" 2>/dev/null; then
     "$python" -m pip install --quiet "torch==$torch_version" >&2
 fi
-"$python" -m pip install --quiet -e ".[torchtitan,test]" >&2
+"$python" -m pip install --quiet -e ".[${DMUON_EXTRAS:-torchtitan,test}]" >&2
 echo "$python"
