@@ -36,6 +36,7 @@ from torchtitan.tools.logging import logger
 from . import cpu_compat
 from ..corpus import TRAIN_DATASET, VALIDATION_DATASET
 from ..tokenizer import ensure_tokenizer
+from ..versions import require_tested
 from .config import DMUON_NAME
 from .container import build_dmuon_optimizers
 from .dataset import rewind_validation_before_each_run
@@ -51,6 +52,7 @@ def _dmuon_as_torchtitan_builder() -> Iterator[None]:
     registers the MoE expert-bias hook on it; swapping that one name for the
     duration of the call keeps the MoE hook without copying TorchTitan's code.
     """
+    require_tested("0.2", "torchtitan.components.optimizer.build_optimizers (for the MoE specs' builders)")
     saved = tt_optimizer.build_optimizers
     tt_optimizer.build_optimizers = build_dmuon_optimizers
     try:
