@@ -1,6 +1,6 @@
 """The documentation holds together: every relative link and image in README.md and
 docs/**/*.md points at a file that exists and, for a ``#anchor``, at a heading of that
-file (GitHub's anchor rule); and README.md stays a short overview (at most 250 lines),
+file (GitHub's anchor rule); and README.md stays a short overview (at most 270 lines),
 the details living in docs/.
 
 Read from the Markdown text alone: fenced code blocks are skipped (a ``[x](y)`` in a
@@ -19,7 +19,7 @@ pytestmark = pytest.mark.unit
 
 REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
-README_MAX_LINES = 250
+README_MAX_LINES = 270  # 250 until the DistMuon comparison table (docs/vs_distmuon.md) joined it
 PAGES = [README, *sorted((REPO / "docs").rglob("*.md"))]
 
 # [text](target) and ![alt](target), with an optional "title" after the target.
