@@ -57,6 +57,7 @@ from dmuon.param_groups import (
     split_options,
 )
 from dmuon.telemetry import StepFigures
+from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from torchtitan.components.optimizer import OptimizersContainer, ParamGroupConfig
@@ -206,6 +207,34 @@ def _group_of(kind: tuple[str, int | None], members: list[tuple[str, nn.Paramete
 
 
 # -------------------------------------------------------------------- container
+def check_whole_or_dtensor(names: list[str], params: list[nn.Parameter]) -> None:
+    """Refuse a plain-tensor Muon parameter that ``spmd_types`` marks as differing across
+    the ranks of a mesh axis (``V``, e.g. a TP shard, or ``P``).
+
+    Under ``parallelism.spmd_backend = "spmd_types"`` TorchTitan shards TP/EP weights
+    as plain local tensors carrying an ``spmd_types`` annotation; FSDP's
+    ``fully_shard`` (which TorchTitan's parallelize functions always apply) turns
+    them into DTensors, which DMuon understands. A path that skipped that step would
+    hand DMuon a slice it takes for a whole matrix: wrong math, no error. So refuse.
+    """
+    try:
+        import spmd_types as spmd
+    except ImportError:  # no annotations can exist
+        return
+    for name, param in zip(names, params):
+        if isinstance(param, DTensor):
+            continue
+        for axis, axis_type in spmd.get_local_type(param).items():
+            if axis.size() > 1 and axis_type not in (spmd.R, spmd.I):
+                raise ValueError(
+                    f"DMuon: parameter {name!r} is a plain tensor that spmd_types "
+                    f"marks {axis_type} on mesh axis {axis} ({axis.size()} ranks): each rank holds a "
+                    "different part of it, and Muon must orthogonalize whole matrices. DMuon needs it "
+                    "as a DTensor: keep FSDP applied (TorchTitan's parallelize functions turn the "
+                    "annotations into DTensors), or set parallelism.spmd_backend = \"full_dtensor\"."
+                )
+
+
 class DMuonOptimizersContainer(OptimizersContainer):
     """TorchTitan 0.3's ``OptimizersContainer`` that also builds ``"DMuon"`` groups."""
 
@@ -228,12 +257,16 @@ class DMuonOptimizersContainer(OptimizersContainer):
         model: nn.Module, param_group_configs: list[ParamGroupConfig], impl_kwargs: dict[str, Any]
     ) -> tuple[dict[str, list[dict[str, Any]]], dict[str, list[str]]]:
         """TorchTitan's groups, with each DMuon group split by ``split_dmuon_group``
-        (the patterns, used for logging only, repeated to stay aligned)."""
+        (the patterns, used for logging only, repeated to stay aligned) and its
+        Muon parameters checked by ``check_whole_or_dtensor``."""
         groups, patterns = OptimizersContainer._build_param_groups(model, param_group_configs, impl_kwargs)
         if DMUON_NAME in groups:
             split = [split_dmuon_group(model, group) for group in groups[DMUON_NAME]]
             patterns[DMUON_NAME] = [p for p, parts in zip(patterns[DMUON_NAME], split) for _ in parts]
             groups[DMUON_NAME] = [part for parts in split for part in parts]
+            for group in groups[DMUON_NAME]:
+                if group["use_muon"]:
+                    check_whole_or_dtensor(group["param_names"], group["params"])
         return groups, patterns
 
     def telemetry(self) -> StepFigures | None:
