@@ -295,9 +295,12 @@ def dmuon_optimizer(
     so each can be overridden from the command line, e.g.
     ``--optimizer.param_groups.0.optimizer_kwargs.ns_steps 6`` or
     ``--optimizer.optimizer_factory_kwargs_by_name.DMuon.comm redistribute``.
-    Options whose default is ``None`` (``adamw_lr``, ``adamw_weight_decay``,
-    ``split_rows``) are written only when given: the command line cannot turn a
-    ``None`` into a number.
+    The command line can change a value's type from the config function's only
+    within what tyro reads from it, and cannot turn a ``None`` into a number: group
+    options whose default is ``None`` (``adamw_lr``, ``adamw_weight_decay``,
+    ``split_rows``) are written only when given, and ``split_replicas`` (``None``:
+    the cost model decides) is settable on the command line only if the config
+    function set it to a bool.
     """
     defaults = {k: DMUON_DEFAULTS[k] for k in (*MUON_KEYS, "adamw_betas", "adamw_eps") if k != "lr"}
     defaults["ns_coefficients"] = DEFAULT_NS_COEFFICIENTS_NAME  # a name: one command-line string
