@@ -1,0 +1,112 @@
+"""CPU/gloo layer for TorchTitan 0.3.0: what a CPU-only ``torchrun`` job needs to train.
+
+Nothing happens at import. ``CpuTrainer`` (``cpu_trainer.py``) calls ``install()`` at the
+start of the job, before TorchTitan picks its device, and only when torch sees no
+accelerator; ``wrap_parallelize_fn`` is put into the model spec by the config functions
+(``configs.py``) and is the identity with an accelerator.
+
+What 0.3.0 still needs on CPU (each found by running the 2-rank debug job), and why:
+
+1. **Device selection** (patch). ``torchtitan.tools.utils`` sets ``device_type = "cuda"``
+   when no accelerator is found, and ``components.metrics``, ``distributed.utils``,
+   ``distributed.parallel_dims``, ``models.common.token_dispatcher`` and
+   ``tools.profiler`` copy it at import. ``install`` sets ``"cpu"`` and a ``torch.cpu``
+   stand-in whose ``current_device()`` is 0 (``dist.barrier(device_ids=...)`` wants an
+   int; plain ``torch.cpu`` fails there with a ``TypeError``) in each; TorchTitan then
+   chooses gloo itself. Without it: "Found no NVIDIA driver on your system".
+2. **Memory monitor** (patch). ``components.metrics.build_device_memory_monitor`` asks
+   the device module for memory statistics (without it: "module 'torch.cpu' has no
+   attribute 'get_device_name'"); on CPU it reports the process's peak RSS instead.
+3. **Gradient reduction** (model-spec wrapper, no patch). TorchTitan sets FSDP2's
+   gradient divide factor to 1.0, so FSDP2 reduce-scatters with ``PREMUL_SUM``, which
+   gloo rejects ("Cannot use ReduceOp.PREMUL_SUM with Gloo"); ``wrap_parallelize_fn`` switches every FSDP module to a plain SUM,
+   the same result with factor 1.0.
+4. **Attention** (config, no patch): ``cpu_attention.CpuBlockCausalAttention``.
+
+Not needed with TorchTitan 0.3.0 and torch 2.15 (checked by running): the 0.2.x layer's
+``atexit`` guard against gloo's worker threads aborting a finished rank during
+interpreter finalization (pytorch/pytorch#130345): ten clean 2-rank runs without it
+all exited with status 0. Not ported: the 0.2.x MoE ``histc``/permutation patches (the
+dense llama3 job does not reach them; an MoE CPU job would need them re-checked against
+``models/common/moe.py``).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from collections.abc import Callable
+from typing import Any
+
+import torch.nn as nn
+from torchtitan.tools.logging import logger
+
+from ..versions import require_tested
+
+# Shared with the 0.2.x layer: see the report to the lead about a shared module.
+from ..titan02.cpu_compat import (
+    _build_cpu_memory_monitor,
+    _CPUDeviceModule,
+    force_sum_reduction,
+    needs_cpu_compat,
+)
+
+__all__ = ["install", "installed", "needs_cpu_compat", "wrap_parallelize_fn"]
+
+# TorchTitan 0.3.0 modules that copy ``device_type`` / ``device_module`` at import time.
+MODULES_WITH_DEVICE_COPIES = (
+    "torchtitan.tools.utils",
+    "torchtitan.components.metrics",
+    "torchtitan.distributed.parallel_dims",
+    "torchtitan.distributed.utils",
+    "torchtitan.models.common.token_dispatcher",
+    "torchtitan.tools.profiler",
+)
+
+_installed = False
+
+
+def installed() -> bool:
+    """True once ``install`` has patched this process."""
+    return _installed
+
+
+def install() -> bool:
+    """Install patches 1 and 2 on a CPU-only machine; return whether they are in place.
+
+    Idempotent; does nothing (and returns False) when an accelerator exists.
+    """
+    global _installed
+    if _installed:
+        return True
+    if not needs_cpu_compat():
+        return False
+    require_tested("0.3", "TorchTitan's device selection and memory monitor (the 0.3 CPU layer)")
+    for name in MODULES_WITH_DEVICE_COPIES:
+        module = importlib.import_module(name)
+        if hasattr(module, "device_type"):
+            module.device_type = "cpu"
+        if hasattr(module, "device_module"):
+            module.device_module = _CPUDeviceModule()
+    metrics = importlib.import_module("torchtitan.components.metrics")
+    metrics.build_device_memory_monitor = _build_cpu_memory_monitor
+    _installed = True
+    logger.info("torchtitan_ext.titan03.cpu_compat: no accelerator found, running TorchTitan on CPU/gloo")
+    return True
+
+
+def wrap_parallelize_fn(parallelize_fn: Callable[..., nn.Module]) -> Callable[..., nn.Module]:
+    """``parallelize_fn`` followed by a SUM gradient reduction (patch 3) on CPU.
+
+    Returns ``parallelize_fn`` itself when an accelerator exists.
+    """
+    if not needs_cpu_compat():
+        return parallelize_fn
+
+    @functools.wraps(parallelize_fn)
+    def parallelize_then_force_sum(model: nn.Module, *args: Any, **kwargs: Any) -> nn.Module:
+        model = parallelize_fn(model, *args, **kwargs)
+        force_sum_reduction(model)
+        return model
+
+    return parallelize_then_force_sum
