@@ -105,7 +105,7 @@ def build_param_groups(
         members = [(n, p) for n, p in named if use_muon is not None or default_use_muon(n, p) == kind]
         if members:
             defaults = muon_defaults if kind else adamw_defaults
-            groups.append(([n for n, _ in members], _make_group(members, kind, has_names, options, defaults, where)))
+            groups.append(([n for n, _ in members], make_group(members, kind, has_names, options, defaults, where)))
     return groups
 
 
@@ -161,7 +161,7 @@ def _check_membership(
         )
 
 
-def _make_group(
+def make_group(
     members: list[tuple[str, torch.Tensor]],
     use_muon: bool,
     has_names: bool,

@@ -18,11 +18,17 @@ import re
 from dataclasses import dataclass, field
 
 import torch.nn as nn
+from dmuon import DEFAULT_ADAMW_NAME_PATTERN
 from dmuon.param_groups import default_use_muon
+
+# AdamW by name: dmuon's own pattern (embeddings, output head) plus every norm.
+DEFAULT_ADAMW_PARAM_REGEX = DEFAULT_ADAMW_NAME_PATTERN + "|norm"
 
 MUON_HEADS, MUON, ADAMW = "muon_heads", "muon", "adamw"
 # Attention projections whose rows are heads (split_attention_heads).
 HEAD_PROJECTIONS = ("wq", "wk", "wv")
+# TorchTitan 0.3.x's fused projection: [n_kv_heads, q-heads-per-kv + 2, head_dim] rows.
+FUSED_QKV = "wqkv"
 
 
 @dataclass
@@ -47,15 +53,19 @@ def goes_to_adamw(name: str, param: nn.Parameter, adamw_regex: re.Pattern[str]) 
 
 
 def attention_head_dims(model: nn.Module) -> dict[nn.Parameter, int]:
-    """``wq``/``wk``/``wv`` weights of every module with a ``head_dim`` -> that head size."""
+    """Weights whose blocks of ``head_dim`` rows are attention heads -> ``head_dim``:
+    ``wq``/``wk``/``wv`` of every module with a ``head_dim`` (TorchTitan 0.2.x), and
+    the fused ``wqkv`` (TorchTitan 0.3.x), whose rows are whole heads of q, k and v."""
     heads: dict[nn.Parameter, int] = {}
     for module in model.modules():
         head_dim = getattr(module, "head_dim", None)
-        if isinstance(head_dim, int) and all(hasattr(module, n) for n in HEAD_PROJECTIONS):
-            for projection in HEAD_PROJECTIONS:
-                weight = getattr(getattr(module, projection), "weight", None)
-                if isinstance(weight, nn.Parameter):
-                    heads[weight] = head_dim
+        if not isinstance(head_dim, int):
+            continue
+        projections = HEAD_PROJECTIONS if all(hasattr(module, n) for n in HEAD_PROJECTIONS) else ()
+        for projection in (*projections, FUSED_QKV):
+            weight = getattr(getattr(module, projection, None), "weight", None)
+            if isinstance(weight, nn.Parameter):
+                heads[weight] = head_dim
     return heads
 
 

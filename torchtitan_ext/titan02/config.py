@@ -32,7 +32,6 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from dmuon import DEFAULT_ADAMW_NAME_PATTERN
 from dmuon.cost_model import CostModel
 from dmuon.newton_schulz import DEFAULT_NS_COEFFICIENTS_NAME, DEFAULT_NS_DTYPE, DEFAULT_NS_EPS, DEFAULT_NS_STEPS
 from dmuon.param_groups import (
@@ -52,6 +51,7 @@ from dmuon.plan import ALL_TO_ALL
 from dmuon.update_rules import ADJUST_LR_CHOICES as DMUON_ADJUST_LR_CHOICES
 from dmuon.update_rules import DEFAULT_MATCHED_ADAMW_RMS
 
+from ..routing import DEFAULT_ADAMW_PARAM_REGEX
 from ..versions import require_tested
 
 DMUON_NAME = "DMuon"
@@ -76,7 +76,6 @@ _COST_MODEL = CostModel()
 # plus every norm (``attention_norm``, ``ffn_norm``, ``norm``, ``q_norm``, ...).
 # Parameters with fewer than 2 dimensions go to AdamW whatever their name, since
 # Newton-Schulz needs a matrix.
-DEFAULT_ADAMW_PARAM_REGEX = DEFAULT_ADAMW_NAME_PATTERN + "|norm"
 
 
 @dataclass

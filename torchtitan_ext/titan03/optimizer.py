@@ -48,7 +48,7 @@ import torch.nn as nn
 from dmuon import DMuon
 from dmuon.newton_schulz import DEFAULT_NS_COEFFICIENTS_NAME
 from dmuon.param_groups import (
-    _make_group,
+    make_group,
     check_link_gbps,
     check_ns_dtype,
     check_optimizer_options,
@@ -62,8 +62,7 @@ from torch.optim import Optimizer
 
 from torchtitan.components.optimizer import OptimizersContainer, ParamGroupConfig
 
-from ..routing import ADAMW, attention_head_dims, MUON, MUON_HEADS, route_parameters
-from ..titan02.config import DEFAULT_ADAMW_PARAM_REGEX  # TODO(lead): move into ..routing
+from ..routing import ADAMW, attention_head_dims, DEFAULT_ADAMW_PARAM_REGEX, MUON, MUON_HEADS, route_parameters
 
 DMUON_NAME = "DMuon"
 # Keys TorchTitan's ``implementation`` adds to every group dict; DMuon takes neither.
@@ -78,9 +77,6 @@ DMUON_DEFAULTS = {
     name: p.default for name, p in inspect.signature(DMuon.__init__).parameters.items()
     if p.default is not inspect.Parameter.empty
 }
-# Attention modules whose fused ``wqkv`` rows are whole heads (TorchTitan 0.3's
-# FusedQKVLinear: [n_kv_heads, q-heads-per-kv + 2, head_dim] rows).
-FUSED_QKV = "wqkv"
 
 
 # ------------------------------------------------------------------ config checks
@@ -110,7 +106,7 @@ def check_group_options(options: dict[str, Any], where: str) -> None:
     for kind in (True, False) if use_muon is None else (use_muon,):
         mine = {k: v for k, v in options.items() if k in GROUP_OPTIONS[kind]}
         defaults = muon_defaults if kind else adamw_defaults
-        _make_group([], kind, False, mine, defaults, where if kind else f"{where} (AdamW part)")
+        make_group([], kind, False, mine, defaults, where if kind else f"{where} (AdamW part)")
 
 
 def _check_routing(options: dict[str, Any], where: str) -> None:
@@ -152,25 +148,10 @@ def validate_dmuon_config(config: OptimizersContainer.Config) -> None:
 
 
 # ---------------------------------------------------------------------- routing
-def head_dims(model: nn.Module) -> dict[nn.Parameter, int]:
-    """Weights whose row blocks of ``head_dim`` rows are attention heads -> ``head_dim``.
-
-    The shared rule's ``wq``/``wk``/``wv`` (``routing.attention_head_dims``) plus
-    TorchTitan 0.3's fused ``wqkv``, whose rows are whole heads of q, k and v in turn.
-    """
-    heads = attention_head_dims(model)
-    for module in model.modules():
-        head_dim = getattr(module, "head_dim", None)
-        weight = getattr(getattr(module, FUSED_QKV, None), "weight", None)
-        if isinstance(head_dim, int) and isinstance(weight, nn.Parameter):
-            heads[weight] = head_dim
-    return heads
-
-
 def kinds_of(model: nn.Module, regex: str, split_heads: bool) -> dict[int, tuple[str, int | None]]:
     """id(parameter) -> (MUON_HEADS | MUON | ADAMW, split_rows) by the shared rule."""
     routed = route_parameters(model, regex)
-    heads = head_dims(model) if split_heads else {}
+    heads = attention_head_dims(model) if split_heads else {}
     kinds: dict[int, tuple[str, int | None]] = {id(p): (ADAMW, None) for _, p in routed.adamw}
     for _, param in routed.muon:
         kinds[id(param)] = (MUON_HEADS, heads[param]) if param in heads else (MUON, None)
