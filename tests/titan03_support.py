@@ -97,3 +97,21 @@ def llama3_dmuon():
     config = llama3_debugmodel()
     config.optimizer = dmuon_optimizer(lr=0.02, weight_decay=0.1)
     return config
+
+
+def qwen3_moe_debug_cpu():
+    """A config function: ``torchtitan_ext.titan03.configs.llama3_debug_cpu`` with
+    qwen3's MoE debug model (64 experts, vocab 2048 like the embedded tokenizer), for
+    expert parallelism on CPU ranks."""
+    from torchtitan.models.common.config_utils import decoder_vocab_size
+    from torchtitan.models.qwen3 import model_registry
+
+    from torchtitan_ext.titan03.configs import cpu_ready, llama3_debug_cpu
+
+    config = llama3_debug_cpu()
+    config.model_spec = cpu_ready(model_registry("debugmodel_moe"))
+    config.loss.loss_fn.global_vocab_size = decoder_vocab_size(config.model_spec)
+    # TorchTitan refuses EP's all-to-all token dispatcher under CUDA graphs (on by
+    # default); a CPU run has none to disable, but the check runs at parse time.
+    config.training.disable_cuda_graphs = True
+    return config
