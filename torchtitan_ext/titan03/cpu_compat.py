@@ -25,8 +25,9 @@ What 0.3.0 still needs on CPU (each found by running the 2-rank debug job), and 
 
 Not needed with TorchTitan 0.3.0 and torch 2.15: the 0.2.x layer's ``atexit`` guard
 against gloo's worker threads aborting a finished rank during interpreter finalization
-(pytorch/pytorch#130345): ten clean 2-rank runs without it all exited with status 0. Nor the 0.2.x MoE patches (an integer ``torch.histc`` and
-the CPU ``generate_permute_indices``): 0.3.0's MoE (``models/common/moe.py``,
+(pytorch/pytorch#130345): ten clean 2-rank runs without it all exited with status 0.
+Nor the 0.2.x MoE patches (an integer ``torch.histc`` and the CPU
+``generate_permute_indices``): 0.3.0's MoE (``models/common/moe.py``,
 ``token_dispatcher.py``) calls neither.
 """
 
