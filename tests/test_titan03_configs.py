@@ -9,9 +9,9 @@ import pytest
 
 pytestmark = pytest.mark.unit
 
-torchtitan = pytest.importorskip("torchtitan")
-if not getattr(torchtitan, "__version__", "0").startswith("0.3"):
-    pytest.skip("needs TorchTitan 0.3.x", allow_module_level=True)
+from tests.titan03_support import require_titan03  # noqa: E402
+
+require_titan03()
 
 import torch  # noqa: E402
 import torchtitan.tools.utils as titan_utils  # noqa: E402

@@ -15,9 +15,9 @@ import torch
 
 pytestmark = [pytest.mark.unit, pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")]
 
-torchtitan = pytest.importorskip("torchtitan")
-if not getattr(torchtitan, "__version__", "0").startswith("0.3"):
-    pytest.skip("needs TorchTitan 0.3.x", allow_module_level=True)
+from tests.titan03_support import require_titan03  # noqa: E402
+
+require_titan03()
 
 from torch.nn.attention.flex_attention import and_masks, create_block_mask, flex_attention  # noqa: E402
 from torchtitan.models.common.attention import (  # noqa: E402

@@ -24,9 +24,9 @@ import pytest
 
 pytestmark = pytest.mark.torchrun
 
-torchtitan = pytest.importorskip("torchtitan")
-if not getattr(torchtitan, "__version__", "0").startswith("0.3"):
-    pytest.skip("needs TorchTitan 0.3.x", allow_module_level=True)
+from tests.titan03_support import require_titan03  # noqa: E402
+
+require_titan03()
 
 from tests import launch  # noqa: E402
 from torchtitan_ext.titan_log import parse_log, TitanLog  # noqa: E402
