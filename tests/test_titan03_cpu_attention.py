@@ -133,3 +133,10 @@ def test_use_cpu_attention_replaces_every_layers_inner_attention():
     assert all(isinstance(c, CpuBlockCausalAttention.Config) for c in inner)
     assert not any(True for _ in model.traverse(FlexAttention.Config))
     assert use_cpu_attention(model) == 0  # idempotent
+
+
+def test_use_cpu_attention_refuses_a_model_with_masks_of_its_own():
+    from torchtitan.models.gpt_oss import model_registry
+
+    with pytest.raises(NotImplementedError, match="builds its own attention masks"):
+        use_cpu_attention(model_registry("debugmodel").model)
