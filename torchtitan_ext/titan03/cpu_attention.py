@@ -110,7 +110,7 @@ class CpuBlockCausalAttention(Module):
     @classmethod
     def _mask_for(cls, masks: VarlenMetadata, batch: int, seq_len: int) -> torch.Tensor:
         cached = cls._cached_mask
-        if cached is not None and cached[0] is masks and cached[1].shape[0] == batch:
+        if cached is not None and cached[0] is masks and cached[1].shape == (batch, 1, seq_len, seq_len):
             return cached[1]
         mask = block_causal_mask(document_ids_from_boundaries(masks.cu_seq_q, batch, seq_len))
         cls._cached_mask = (masks, mask)
