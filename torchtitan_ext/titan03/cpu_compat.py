@@ -28,7 +28,8 @@ against gloo's worker threads aborting a finished rank during interpreter finali
 (pytorch/pytorch#130345): ten clean 2-rank runs without it all exited with status 0.
 Nor the 0.2.x MoE patches (an integer ``torch.histc`` and the CPU
 ``generate_permute_indices``): 0.3.0's MoE (``models/common/moe.py``,
-``token_dispatcher.py``) calls neither.
+``token_dispatcher.py``) calls neither, and qwen3's MoE debug model trains on this layer
+with expert parallelism 2 (``tests/test_titan03_layouts.py``).
 """
 
 from __future__ import annotations
