@@ -7,7 +7,9 @@ with its default ``parallelism.spmd_backend`` ("spmd_types") -- HSDP, FSDP x TP,
 EP -- and checks that the loss went down and that every Muon matrix took the owner
 exchange (``all_to_all``), read from the path lines DMuon logs at its first step
 (``tests/test_torchtitan_layouts.py`` does the same under 0.2.x).
-``tests/test_titan03_placements.py`` covers the other two backends without training.
+``test_tp_2_trains_the_same_under_every_spmd_backend`` trains TP under all three
+backends (same losses); ``tests/test_titan03_placements.py`` checks every layout
+under every backend without training.
 Skipped unless TorchTitan 0.3.x is installed.
 """
 
@@ -71,3 +73,23 @@ def test_a_layout_trains_with_every_muon_matrix_on_the_owner_exchange(tmp_path, 
     paths = comm_paths(console)
     assert set(paths) == {"all_to_all"}, paths
     assert weight in all_names(paths)
+
+
+BACKENDS = ("spmd_types", "full_dtensor", "partial_dtensor")
+# Same math, different sharding machinery: losses agree up to reduction order.
+BACKEND_LOSS_RTOL = 1e-5
+
+
+def test_tp_2_trains_the_same_under_every_spmd_backend(tmp_path):
+    config, flags, nproc, _ = LAYOUTS["tp_2"]
+    losses = {}
+    for backend in BACKENDS:
+        console = torchrun(tmp_path / backend, *config, *SHORT, *flags, "--parallelism.spmd_backend", backend,
+                           nproc=nproc)
+        assert set(comm_paths(console)) == {"all_to_all"}, backend
+        losses[backend] = parse_log(console).train_loss
+    reference = losses[BACKENDS[0]]
+    for backend in BACKENDS[1:]:
+        assert sorted(losses[backend]) == sorted(reference), backend
+        for step, loss in reference.items():
+            assert losses[backend][step] == pytest.approx(loss, rel=BACKEND_LOSS_RTOL), (backend, step)
