@@ -15,9 +15,9 @@ import torch
 
 pytestmark = [pytest.mark.unit, pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")]
 
-torchtitan = pytest.importorskip("torchtitan")
-if not getattr(torchtitan, "__version__", "0").startswith("0.3"):
-    pytest.skip("needs TorchTitan 0.3.x", allow_module_level=True)
+from tests.titan03_support import require_titan03  # noqa: E402
+
+require_titan03()
 
 from torch.nn.attention.flex_attention import and_masks, create_block_mask, flex_attention  # noqa: E402
 from torchtitan.models.common.attention import (  # noqa: E402
@@ -133,3 +133,10 @@ def test_use_cpu_attention_replaces_every_layers_inner_attention():
     assert all(isinstance(c, CpuBlockCausalAttention.Config) for c in inner)
     assert not any(True for _ in model.traverse(FlexAttention.Config))
     assert use_cpu_attention(model) == 0  # idempotent
+
+
+def test_use_cpu_attention_refuses_a_model_with_masks_of_its_own():
+    from torchtitan.models.gpt_oss import model_registry
+
+    with pytest.raises(NotImplementedError, match="builds its own attention masks"):
+        use_cpu_attention(model_registry("debugmodel").model)

@@ -110,7 +110,7 @@ class CpuBlockCausalAttention(Module):
     @classmethod
     def _mask_for(cls, masks: VarlenMetadata, batch: int, seq_len: int) -> torch.Tensor:
         cached = cls._cached_mask
-        if cached is not None and cached[0] is masks and cached[1].shape[0] == batch:
+        if cached is not None and cached[0] is masks and cached[1].shape == (batch, 1, seq_len, seq_len):
             return cached[1]
         mask = block_causal_mask(document_ids_from_boundaries(masks.cu_seq_q, batch, seq_len))
         cls._cached_mask = (masks, mask)
@@ -147,11 +147,33 @@ def has_accelerator() -> bool:
     return torch.accelerator.is_available()
 
 
+def _check_standard_masks(model_config: Any) -> None:
+    """Refuse a model that builds its own attention masks (sliding windows, ...).
+
+    ``CpuBlockCausalAttention`` reproduces ``Decoder.get_attention_masks``'s mask; a model
+    class that overrides it (gpt_oss, qwen3_5, muse_glimmer in 0.3.0) may mean another.
+    """
+    from torchtitan.models.common.decoder import Decoder
+
+    model_cls = getattr(model_config, "_owner", None)
+    if model_cls is None or not issubclass(model_cls, Decoder):
+        raise TypeError(f"use_cpu_attention needs a Decoder model config, got {type(model_config).__qualname__}")
+    if model_cls.get_attention_masks is not Decoder.get_attention_masks:
+        raise NotImplementedError(
+            f"{model_cls.__name__} builds its own attention masks; CpuBlockCausalAttention only "
+            "reproduces Decoder's per-document causal mask"
+        )
+
+
 def use_cpu_attention(model_config: Any) -> int:
     """Replace every Flex/Varlen inner attention in ``model_config`` (in place) by
-    ``CpuBlockCausalAttention.Config``; return how many were replaced."""
+    ``CpuBlockCausalAttention.Config``; return how many were replaced.
+
+    Only for models that use ``Decoder``'s own per-document causal mask (llama3, qwen3).
+    """
     from torchtitan.models.common.attention import FlexAttention
 
+    _check_standard_masks(model_config)
     replaced = 0
     for kind in (FlexAttention.Config, VarlenAttention.Config):
         for _fqn, cfg, parent, attr in list(model_config.traverse(kind)):

@@ -19,16 +19,17 @@ What 0.3.0 still needs on CPU (each found by running the 2-rank debug job), and 
    attribute 'get_device_name'"); on CPU it reports the process's peak RSS instead.
 3. **Gradient reduction** (model-spec wrapper, no patch). TorchTitan sets FSDP2's
    gradient divide factor to 1.0, so FSDP2 reduce-scatters with ``PREMUL_SUM``, which
-   gloo rejects ("Cannot use ReduceOp.PREMUL_SUM with Gloo"); ``wrap_parallelize_fn`` switches every FSDP module to a plain SUM,
-   the same result with factor 1.0.
+   gloo rejects ("Cannot use ReduceOp.PREMUL_SUM with Gloo"); ``wrap_parallelize_fn``
+   switches every FSDP module to a plain SUM, the same result with factor 1.0.
 4. **Attention** (config, no patch): ``cpu_attention.CpuBlockCausalAttention``.
 
-Not needed with TorchTitan 0.3.0 and torch 2.15 (checked by running): the 0.2.x layer's
-``atexit`` guard against gloo's worker threads aborting a finished rank during
-interpreter finalization (pytorch/pytorch#130345): ten clean 2-rank runs without it
-all exited with status 0. Not ported: the 0.2.x MoE ``histc``/permutation patches (the
-dense llama3 job does not reach them; an MoE CPU job would need them re-checked against
-``models/common/moe.py``).
+Not needed with TorchTitan 0.3.0 and torch 2.15: the 0.2.x layer's ``atexit`` guard
+against gloo's worker threads aborting a finished rank during interpreter finalization
+(pytorch/pytorch#130345): ten clean 2-rank runs without it all exited with status 0.
+Nor the 0.2.x MoE patches (an integer ``torch.histc`` and the CPU
+``generate_permute_indices``): 0.3.0's MoE (``models/common/moe.py``,
+``token_dispatcher.py``) calls neither, and qwen3's MoE debug model trains on this layer
+with expert parallelism 2 (``tests/test_titan03_layouts.py``).
 """
 
 from __future__ import annotations
