@@ -92,6 +92,12 @@ def test_dmuon_trains_the_debug_model_on_two_cpu_ranks(reference):
     assert log.val_loss[max(log.val_loss)] < log.val_loss[1] - MIN_LOSS_DROP
 
 
+def test_every_dmuon_step_line_carries_the_optimizers_telemetry(reference):
+    _, log = reference
+    assert sorted(log.telemetry) == sorted(log.train_loss), "a step line without DMuon's figures"
+    assert all(t["sent_mib"] > 0 and t["muon_update_rms"] > 0 for t in log.telemetry.values())
+
+
 def test_resuming_a_checkpoint_gives_exactly_the_uninterrupted_losses(reference, tmp_path, tokenizer_dir):
     reference_run, reference_log = reference
     _resume_from_reference(reference_run, tmp_path)

@@ -1,11 +1,16 @@
-"""DMuon's step figures as TorchTitan metrics: the keys and the step-line text, written
-once for both TorchTitan lines (each line's adapter decides where they go).
+"""DMuon's step figures as TorchTitan metrics: the keys, the step-line text and the
+``log`` that adds them, written once for both TorchTitan lines (each line's adapter
+mixes ``StepFiguresLog`` into its own ``MetricsProcessor``; both lines' ``log`` take
+the same arguments and hold the container in ``self.optimizers``).
 
 ``titan_log.parse_log`` reads the step-line text back; keep the two in step.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
+from collections.abc import Iterator
 from typing import Any
 
 from dmuon.telemetry import StepFigures
@@ -41,3 +46,49 @@ def figures_of(optimizers: Any) -> StepFigures | None:
     """The last step's figures of a DMuon container with telemetry on, else ``None``."""
     read = getattr(optimizers, "telemetry", None)
     return read() if callable(read) else None
+
+
+@contextlib.contextmanager
+def _appended_to_step_line(text: str) -> Iterator[None]:
+    """Append ``text`` to the step line logged inside the block.
+
+    TorchTitan's ``logger`` is the root logger and ``MetricsProcessor.log`` logs exactly
+    one info line, the step line; a filter on that logger edits the record before any
+    handler formats it.
+    """
+    root = logging.getLogger()
+
+    def append(record: logging.LogRecord) -> bool:
+        if isinstance(record.msg, str) and "step:" in record.msg and "loss:" in record.msg:
+            record.msg = f"{record.msg}  {text}"
+        return True
+
+    root.addFilter(append)
+    try:
+        yield
+    finally:
+        root.removeFilter(append)
+
+
+class StepFiguresLog:
+    """Mixin for a TorchTitan ``MetricsProcessor``: adds DMuon's figures to each logged step.
+
+    When the processor's optimizers are a DMuon container with telemetry on, ``log``
+    adds the figures to ``extra_metrics`` (which TorchTitan hands to its metric
+    loggers) and appends their text to the one step line TorchTitan prints.
+    Otherwise it is TorchTitan's ``log`` unchanged.
+    """
+
+    optimizers: Any
+    color: Any
+
+    def log(self, step: int, global_avg_loss: float, global_max_loss: float, grad_norm: float,
+            extra_metrics: dict[str, Any] | None = None) -> None:
+        figures = figures_of(self.optimizers)
+        if figures is None:
+            return super().log(step, global_avg_loss, global_max_loss, grad_norm,  # type: ignore[misc]
+                               extra_metrics=extra_metrics)
+        extra = {**(extra_metrics or {}), **metric_values(figures)}
+        with _appended_to_step_line(console_text(figures, self.color)):
+            return super().log(step, global_avg_loss, global_max_loss, grad_norm,  # type: ignore[misc]
+                               extra_metrics=extra)

@@ -81,7 +81,6 @@ import functools
 import importlib
 import logging
 import os
-import resource
 import sys
 from typing import Any, Callable
 
@@ -91,6 +90,7 @@ import torch.nn as nn
 
 from torchtitan.tools.logging import logger
 
+from ..cpu_common import build_cpu_memory_monitor, CPUDeviceModule, force_sum_reduction, needs_cpu_compat
 from ..versions import require_tested
 
 from ..integer_histc import HISTC_INTEGER_DTYPES, integer_histc
@@ -105,47 +105,6 @@ _MODULES_WITH_DEVICE_COPIES = (
 )
 
 _applied = False
-
-
-class _CPUDeviceModule:
-    """``torch.cpu`` with an integer ``current_device()`` (see patch 1)."""
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(torch.cpu, name)
-
-    @staticmethod
-    def current_device() -> int:
-        return 0
-
-
-def needs_cpu_compat() -> bool:
-    """True on a machine without any accelerator (CUDA, ROCm, XPU, MPS, ...)."""
-    return not torch.accelerator.is_available()
-
-
-class _CPUMemoryMonitor:
-    """Stands in for ``DeviceMemoryMonitor``: reports the peak RSS of this process."""
-
-    def __init__(self) -> None:
-        self.device_name = "CPU"
-        self.device_capacity = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        self.device_capacity_gib = self.device_capacity / 2**30
-
-    def get_peak_stats(self):
-        from torchtitan.components.metrics import DeviceMemStats
-
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
-        gib, pct = peak / 2**30, 100 * peak / self.device_capacity
-        return DeviceMemStats(gib, pct, gib, pct, 0, 0)
-
-    def reset_peak_stats(self) -> None:
-        pass  # the kernel's peak RSS cannot be reset; it stays a whole-run peak
-
-
-def _build_cpu_memory_monitor() -> _CPUMemoryMonitor:
-    monitor = _CPUMemoryMonitor()
-    logger.info(f"CPU memory: {monitor.device_capacity_gib:.2f}GiB (reporting peak RSS)")
-    return monitor
 
 
 def torchtitan_finished_cleanly() -> bool:
@@ -218,22 +177,13 @@ def apply() -> None:
         if hasattr(module, "device_type"):
             module.device_type = "cpu"
         if hasattr(module, "device_module"):
-            module.device_module = _CPUDeviceModule()
+            module.device_module = CPUDeviceModule()
     metrics = importlib.import_module("torchtitan.components.metrics")
-    metrics.build_device_memory_monitor = _build_cpu_memory_monitor
+    metrics.build_device_memory_monitor = build_cpu_memory_monitor
     atexit.register(_exit_before_finalization)
     _install_moe_patches()
     _applied = True
     logger.info("torchtitan_ext.titan02.cpu_compat: no accelerator found, running TorchTitan on CPU/gloo")
-
-
-def force_sum_reduction(model: nn.Module) -> None:
-    """Make every FSDP2 module of ``model`` reduce gradients with SUM (gloo-safe)."""
-    from torch.distributed.fsdp import FSDPModule
-
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module.set_force_sum_reduction_for_comms(True)
 
 
 def wrap_parallelize_fn(parallelize_fn: Callable[..., nn.Module]) -> Callable[..., nn.Module]:

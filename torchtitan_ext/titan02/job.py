@@ -13,7 +13,7 @@ the job asking for DMuon, so this is the one module of the extension whose impor
 changes anything; it:
 
 1. installs the CPU/gloo layer, only when there is no accelerator (``cpu_compat``);
-2. registers the embedded ``pydoc`` / ``pydoc_validation`` datasets (``dataset``);
+2. registers the embedded ``pydoc`` / ``pydoc_validation`` datasets (``torchtitan_ext.datasets``);
 3. re-registers TorchTitan's built-in model specs so that ``name = "DMuon"`` builds
    a ``DMuonOptimizersContainer`` and the step line carries DMuon's figures, while
    ``Adam``/``AdamW`` stay stock (``train_specs``, ``container``, ``metrics``);
@@ -25,9 +25,9 @@ changes anything; it:
 
 from __future__ import annotations
 
+from ..datasets import register_datasets
 from ..launch_checks import warn_about_risky_restarts
 from . import cpu_compat, routing_check
-from .dataset import register_datasets
 from .train_specs import register_builtin_specs
 
 cpu_compat.apply()

@@ -20,55 +20,15 @@ exactly TorchTitan's.
 
 from __future__ import annotations
 
-import contextlib
-import logging
-from collections.abc import Iterator
 from typing import Any
 
 from torchtitan.components.metrics import MetricsProcessor
 
-from ..step_figures import console_text, figures_of, metric_values
+from ..step_figures import StepFiguresLog
 
 
-@contextlib.contextmanager
-def _appended_to_step_line(text: str) -> Iterator[None]:
-    """Append ``text`` to the step line logged inside the block.
-
-    TorchTitan's ``logger`` is the root logger and ``MetricsProcessor.log`` logs exactly
-    one info line, the step line; a filter on that logger edits the record before any
-    handler formats it.
-    """
-    root = logging.getLogger()
-
-    def append(record: logging.LogRecord) -> bool:
-        if isinstance(record.msg, str) and "step:" in record.msg and "loss:" in record.msg:
-            record.msg = f"{record.msg}  {text}"
-        return True
-
-    root.addFilter(append)
-    try:
-        yield
-    finally:
-        root.removeFilter(append)
-
-
-class DMuonMetricsProcessor(MetricsProcessor):
-    """TorchTitan's ``MetricsProcessor`` that adds DMuon's figures to each logged step.
-
-    When the processor's optimizers are a DMuon container with telemetry on, ``log``
-    adds the figures to ``extra_metrics`` (which TorchTitan hands to its metric
-    loggers) and appends their text to the one step line TorchTitan prints.
-    Otherwise it is TorchTitan's ``log`` unchanged.
-    """
-
-    def log(self, step: int, global_avg_loss: float, global_max_loss: float, grad_norm: float,
-            extra_metrics: dict[str, Any] | None = None) -> None:
-        figures = figures_of(self.optimizers)
-        if figures is None:
-            return super().log(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=extra_metrics)
-        extra = {**(extra_metrics or {}), **metric_values(figures)}
-        with _appended_to_step_line(console_text(figures, self.color)):
-            return super().log(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=extra)
+class DMuonMetricsProcessor(StepFiguresLog, MetricsProcessor):
+    """TorchTitan 0.2.x's ``MetricsProcessor`` with DMuon's figures (``StepFiguresLog``)."""
 
 
 def build_dmuon_metrics_processor(job_config: Any, parallel_dims: Any, model_args: Any = None,

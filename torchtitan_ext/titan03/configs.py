@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from torchtitan.components.checkpoint import CheckpointManager
 from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
-from torchtitan.components.metrics import MetricsProcessor
+
 from torchtitan.components.optimizer import default_adamw, LRSchedulersContainer, OptimizersContainer
 from torchtitan.components.validate import Validator
 from torchtitan.config import CompileConfig, DebugConfig, ParallelismConfig, TrainingConfig
@@ -36,6 +36,7 @@ from .cpu_attention import has_accelerator, use_cpu_attention
 from .cpu_compat import wrap_parallelize_fn
 from .cpu_trainer import CpuTrainer
 from .data import PydocDataLoader, PydocTokenizer, TRAIN_DATASET, VALIDATION_DATASET
+from .metrics import DMuonMetricsProcessor
 from .optimizer import dmuon_optimizer
 
 # --- the CPU demo, as in train_configs/llama3_debug_dmuon.toml ---------------------
@@ -98,7 +99,7 @@ def _llama3_debug_cpu(optimizer: OptimizersContainer.Config, name: str) -> CpuTr
             local_batch_size=DEBUG_BATCH, seq_len=DEBUG_SEQ_LEN, steps=DEBUG_STEPS,
             max_norm=1.0, mixed_precision_param="float32"),  # CPUs have slow bf16 matmuls
         dataloader=PydocDataLoader.Config(dataset=TRAIN_DATASET),
-        metrics=MetricsProcessor.Config(log_freq=LOG_FREQ, disable_color_printing=True),
+        metrics=DMuonMetricsProcessor.Config(log_freq=LOG_FREQ, disable_color_printing=True),
         parallelism=ParallelismConfig(data_parallel_shard_degree=-1),  # FSDP2 over all ranks
         checkpoint=CheckpointManager.Config(enable=False, interval=100, last_save_model_only=False),
         activation_checkpoint=None,  # small model: no recomputation
@@ -131,7 +132,7 @@ def llama3_8b_dmuon() -> Trainer.Config:
         loss=ChunkedLossWrapper.Config(
             loss_fn=CrossEntropyLoss.Config(global_vocab_size=decoder_vocab_size(model_spec))),
         profiler=Profiler.Config(enable_profiling=True, profile_freq=100),
-        metrics=MetricsProcessor.Config(enable_tensorboard=True),
+        metrics=DMuonMetricsProcessor.Config(enable_tensorboard=True),
         optimizer=dmuon_optimizer(
             lr=LLAMA3_8B_LR, weight_decay=WEIGHT_DECAY, adjust_lr="match_rms_adamw",
             matched_adamw_rms=0.2),

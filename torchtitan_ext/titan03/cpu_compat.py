@@ -45,9 +45,9 @@ from torchtitan.tools.logging import logger
 from ..versions import require_tested
 
 # Shared with the 0.2.x layer: see the report to the lead about a shared module.
-from ..titan02.cpu_compat import (
-    _build_cpu_memory_monitor,
-    _CPUDeviceModule,
+from ..cpu_common import (
+    build_cpu_memory_monitor,
+    CPUDeviceModule,
     force_sum_reduction,
     needs_cpu_compat,
 )
@@ -88,9 +88,9 @@ def install() -> bool:
         if hasattr(module, "device_type"):
             module.device_type = "cpu"
         if hasattr(module, "device_module"):
-            module.device_module = _CPUDeviceModule()
+            module.device_module = CPUDeviceModule()
     metrics = importlib.import_module("torchtitan.components.metrics")
-    metrics.build_device_memory_monitor = _build_cpu_memory_monitor
+    metrics.build_device_memory_monitor = build_cpu_memory_monitor
     _installed = True
     logger.info("torchtitan_ext.titan03.cpu_compat: no accelerator found, running TorchTitan on CPU/gloo")
     return True

@@ -27,7 +27,7 @@ from ..tokenizer import ensure_tokenizer
 
 # The 0.2.x adapter's registration works unchanged on 0.3 (same DATASETS table and
 # DatasetConfig); see the report to the lead about moving it into the shared core.
-from ..titan02.dataset import register_datasets
+from ..datasets import register_datasets
 
 __all__ = ["PydocDataLoader", "PydocTokenizer", "TRAIN_DATASET", "VALIDATION_DATASET"]
 
