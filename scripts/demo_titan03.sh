@@ -11,12 +11,13 @@
 #       --module torchtitan_ext.titan03.configs --config llama3_debug_cpu
 #
 # Any further argument is passed to TorchTitan (e.g. --training.seq_len 128).
-# PYTHON picks the interpreter (default: python on PATH; it needs TorchTitan 0.3.x,
-# e.g. `DMUON_EXTRAS=titan03,test bash scripts/setup.sh`). Output goes under outputs/
-# (git-ignored). Needs no GPU and no network.
+# Setup is part of the command: without PYTHON it makes (or checks) the environment
+# .venv-titan0.3 (torch 2.15.0, the registry's CUDA build, ~3.7 GB, runs on CPU; plus
+# TorchTitan 0.3.0) with scripts/setup.sh. PYTHON picks another interpreter that has
+# TorchTitan 0.3.x. Output goes under outputs/ (git-ignored). Needs no GPU.
 set -euo pipefail
 
-usage() { sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'; }
 
 config=llama3_debug_cpu
 extra=()
@@ -31,7 +32,9 @@ while [[ $# -gt 0 ]]; do
 done
 
 cd "$(dirname "$0")/.."   # repository root: the config's paths are relative to it
-PYTHON="${PYTHON:-python}"
+if [[ -z "${PYTHON:-}" ]]; then
+    PYTHON=$(DMUON_VENV=.venv-titan0.3 TORCH_VERSION=2.15.0 DMUON_EXTRAS=titan03,test bash scripts/setup.sh)
+fi
 if ! "$PYTHON" -c "import torchtitan, sys; sys.exit(not torchtitan.__version__.startswith('0.3'))" 2>/dev/null; then
     echo "$PYTHON has no TorchTitan 0.3.x; set PYTHON or run: DMUON_EXTRAS=titan03,test bash scripts/setup.sh" >&2
     exit 1

@@ -1,6 +1,6 @@
 """The documentation holds together: every relative link and image in README.md and
 docs/**/*.md points at a file that exists and, for a ``#anchor``, at a heading of that
-file (GitHub's anchor rule); and README.md stays a short overview (at most 270 lines),
+file (GitHub's anchor rule); and README.md stays a short overview (at most 250 lines),
 the details living in docs/.
 
 Read from the Markdown text alone: fenced code blocks are skipped (a ``[x](y)`` in a
@@ -10,6 +10,7 @@ code sample is not a link), absolute URLs (``https:``, ``mailto:``) are not chec
 from __future__ import annotations
 
 import re
+import textwrap
 from pathlib import Path
 from urllib.parse import unquote
 
@@ -19,7 +20,7 @@ pytestmark = pytest.mark.unit
 
 REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
-README_MAX_LINES = 270  # 250 until the DistMuon comparison table (docs/vs_distmuon.md) joined it
+README_MAX_LINES = 250
 PAGES = [README, *sorted((REPO / "docs").rglob("*.md"))]
 
 # [text](target) and ![alt](target), with an optional "title" after the target.
@@ -127,3 +128,10 @@ def test_the_checker_sees_links_anchors_and_code_as_github_does(tmp_path):
         "[gone](b.md#nope) [web](https://example.com/x.md)\n\n```\n[in code](nowhere.md)\n```\n"
     )
     assert [p.split(":")[0] for p in broken_links(page)] == ["missing.png", "b.md#nope"]
+
+
+def test_the_readmes_fsdp2_excerpt_is_the_example_scripts_own_code():
+    readme = (REPO / "README.md").read_text()
+    (excerpt,) = re.findall(r"```python\n(model = TinyLM\(\).*?)```", readme, re.S)
+    example = (REPO / "examples" / "fsdp2_dmuon.py").read_text()
+    assert textwrap.indent(excerpt, "    ", lambda line: line.strip() != "") in example
