@@ -7,9 +7,11 @@ Nothing here patches anything; each line's ``cpu_compat`` decides where these go
 
 from __future__ import annotations
 
+import functools
+import importlib
 import os
 import resource
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn as nn
@@ -66,3 +68,36 @@ def force_sum_reduction(model: nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_force_sum_reduction_for_comms(True)
+
+
+def wrap_parallelize_fn(parallelize_fn: Callable[..., nn.Module]) -> Callable[..., nn.Module]:
+    """``parallelize_fn`` followed by ``force_sum_reduction`` on CPU (gloo rejects
+    the ``PREMUL_SUM`` FSDP2 reduces with when TorchTitan sets the divide factor to 1).
+
+    Returns ``parallelize_fn`` itself when an accelerator exists.
+    """
+    if not needs_cpu_compat():
+        return parallelize_fn
+
+    @functools.wraps(parallelize_fn)
+    def parallelize_then_force_sum(model: nn.Module, *args: Any, **kwargs: Any) -> nn.Module:
+        model = parallelize_fn(model, *args, **kwargs)
+        force_sum_reduction(model)
+        return model
+
+    return parallelize_then_force_sum
+
+
+def point_torchtitan_at_cpu(modules_with_device_copies: tuple[str, ...]) -> None:
+    """Make TorchTitan pick the CPU: set ``device_type`` / ``device_module`` in every module
+    that copied them at import (TorchTitan falls back to ``"cuda"`` without an accelerator),
+    and replace its CUDA memory monitor with ``build_cpu_memory_monitor``. Each line lists
+    its own modules; this is the patch both lines' CPU layers install."""
+    for name in modules_with_device_copies:
+        module = importlib.import_module(name)
+        if hasattr(module, "device_type"):
+            module.device_type = "cpu"
+        if hasattr(module, "device_module"):
+            module.device_module = CPUDeviceModule()
+    metrics = importlib.import_module("torchtitan.components.metrics")
+    metrics.build_device_memory_monitor = build_cpu_memory_monitor

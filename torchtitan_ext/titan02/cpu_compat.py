@@ -86,14 +86,12 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 
 from torchtitan.tools.logging import logger
 
-from ..cpu_common import build_cpu_memory_monitor, CPUDeviceModule, force_sum_reduction, needs_cpu_compat
-from ..versions import require_tested
-
+from ..cpu_common import force_sum_reduction, needs_cpu_compat, point_torchtitan_at_cpu, wrap_parallelize_fn  # noqa: F401 (re-exported)
 from ..integer_histc import HISTC_INTEGER_DTYPES, integer_histc
+from ..versions import require_tested
 
 # Modules that copy ``device_type`` / ``device_module`` at import time.
 _MODULES_WITH_DEVICE_COPIES = (
@@ -172,32 +170,8 @@ def apply() -> None:
     if _applied or not needs_cpu_compat():
         return
     require_tested("0.2", "TorchTitan's device selection, memory monitor and MoE helpers (the CPU layer)")
-    for name in _MODULES_WITH_DEVICE_COPIES:
-        module = importlib.import_module(name)
-        if hasattr(module, "device_type"):
-            module.device_type = "cpu"
-        if hasattr(module, "device_module"):
-            module.device_module = CPUDeviceModule()
-    metrics = importlib.import_module("torchtitan.components.metrics")
-    metrics.build_device_memory_monitor = build_cpu_memory_monitor
+    point_torchtitan_at_cpu(_MODULES_WITH_DEVICE_COPIES)
     atexit.register(_exit_before_finalization)
     _install_moe_patches()
     _applied = True
     logger.info("torchtitan_ext.titan02.cpu_compat: no accelerator found, running TorchTitan on CPU/gloo")
-
-
-def wrap_parallelize_fn(parallelize_fn: Callable[..., nn.Module]) -> Callable[..., nn.Module]:
-    """Patch 3: return ``parallelize_fn`` followed by ``force_sum_reduction`` on CPU.
-
-    Returns ``parallelize_fn`` itself when an accelerator exists.
-    """
-    if not needs_cpu_compat():
-        return parallelize_fn
-
-    @functools.wraps(parallelize_fn)
-    def parallelize_then_force_sum(model: nn.Module, *args: Any, **kwargs: Any) -> nn.Module:
-        model = parallelize_fn(model, *args, **kwargs)
-        force_sum_reduction(model)
-        return model
-
-    return parallelize_then_force_sum

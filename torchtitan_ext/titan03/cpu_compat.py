@@ -34,23 +34,10 @@ with expert parallelism 2 (``tests/test_titan03_layouts.py``).
 
 from __future__ import annotations
 
-import functools
-import importlib
-from collections.abc import Callable
-from typing import Any
-
-import torch.nn as nn
 from torchtitan.tools.logging import logger
 
+from ..cpu_common import needs_cpu_compat, point_torchtitan_at_cpu, wrap_parallelize_fn
 from ..versions import require_tested
-
-# Shared with the 0.2.x layer: see the report to the lead about a shared module.
-from ..cpu_common import (
-    build_cpu_memory_monitor,
-    CPUDeviceModule,
-    force_sum_reduction,
-    needs_cpu_compat,
-)
 
 __all__ = ["install", "installed", "needs_cpu_compat", "wrap_parallelize_fn"]
 
@@ -83,31 +70,7 @@ def install() -> bool:
     if not needs_cpu_compat():
         return False
     require_tested("0.3", "TorchTitan's device selection and memory monitor (the 0.3 CPU layer)")
-    for name in MODULES_WITH_DEVICE_COPIES:
-        module = importlib.import_module(name)
-        if hasattr(module, "device_type"):
-            module.device_type = "cpu"
-        if hasattr(module, "device_module"):
-            module.device_module = CPUDeviceModule()
-    metrics = importlib.import_module("torchtitan.components.metrics")
-    metrics.build_device_memory_monitor = build_cpu_memory_monitor
+    point_torchtitan_at_cpu(MODULES_WITH_DEVICE_COPIES)
     _installed = True
     logger.info("torchtitan_ext.titan03.cpu_compat: no accelerator found, running TorchTitan on CPU/gloo")
     return True
-
-
-def wrap_parallelize_fn(parallelize_fn: Callable[..., nn.Module]) -> Callable[..., nn.Module]:
-    """``parallelize_fn`` followed by a SUM gradient reduction (patch 3) on CPU.
-
-    Returns ``parallelize_fn`` itself when an accelerator exists.
-    """
-    if not needs_cpu_compat():
-        return parallelize_fn
-
-    @functools.wraps(parallelize_fn)
-    def parallelize_then_force_sum(model: nn.Module, *args: Any, **kwargs: Any) -> nn.Module:
-        model = parallelize_fn(model, *args, **kwargs)
-        force_sum_reduction(model)
-        return model
-
-    return parallelize_then_force_sum
