@@ -42,6 +42,14 @@ def console_text(figures: StepFigures, color: Any) -> str:
     )
 
 
+def combined_figures(parts: list[StepFigures | None]) -> StepFigures | None:
+    """One rank's figures over its DMuon optimizers (one per model part), or ``None``
+    when there is none, or one has no figures (telemetry off, no step yet)."""
+    if not parts or any(part is None for part in parts):
+        return None
+    return parts[0] if len(parts) == 1 else StepFigures.combine(parts)
+
+
 def figures_of(optimizers: Any) -> StepFigures | None:
     """The last step's figures of a DMuon container with telemetry on, else ``None``."""
     read = getattr(optimizers, "telemetry", None)

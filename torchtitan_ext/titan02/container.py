@@ -35,6 +35,7 @@ from torchtitan.components.optimizer import OptimizersContainer
 from torchtitan.tools.logging import logger
 
 from ..routing import ADAMW, group_layout, MUON_HEADS, route_parameters, RoutedParameters
+from ..step_figures import combined_figures
 from .config import dmuon_kwargs, validate_optimizer_config
 
 
@@ -85,10 +86,7 @@ class DMuonOptimizersContainer(OptimizersContainer):
     def telemetry(self) -> StepFigures | None:
         """The last step's figures of all model parts on this rank together, or ``None``
         when ``[optimizer] telemetry`` is off (read by ``step_metrics``)."""
-        parts = [optimizer.telemetry() for optimizer in self.optimizers]
-        if any(part is None for part in parts):
-            return None
-        return parts[0] if len(parts) == 1 else StepFigures.combine(parts)
+        return combined_figures([optimizer.telemetry() for optimizer in self.optimizers])
 
     @staticmethod
     def _group(kind: str, routed: RoutedParameters, kwargs: dict[str, Any], head_dim: int | None) -> dict[str, Any]:

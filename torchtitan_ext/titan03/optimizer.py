@@ -63,6 +63,7 @@ from torch.optim import Optimizer
 from torchtitan.components.optimizer import OptimizersContainer, ParamGroupConfig
 
 from ..routing import ADAMW, attention_head_dims, DEFAULT_ADAMW_PARAM_REGEX, MUON, MUON_HEADS, route_parameters
+from ..step_figures import combined_figures
 
 DMUON_NAME = "DMuon"
 # Keys TorchTitan's ``implementation`` adds to every group dict; DMuon takes neither.
@@ -253,10 +254,7 @@ class DMuonOptimizersContainer(OptimizersContainer):
     def telemetry(self) -> StepFigures | None:
         """The last step's figures of this rank's DMuon optimizers together, or ``None``
         when telemetry is off, no step ran, or no optimizer is a DMuon."""
-        parts = [o.telemetry() for o in self.optimizers if isinstance(o, DMuon)]
-        if not parts or any(part is None for part in parts):
-            return None
-        return parts[0] if len(parts) == 1 else StepFigures.combine(parts)
+        return combined_figures([o.telemetry() for o in self.optimizers if isinstance(o, DMuon)])
 
 
 # ------------------------------------------------------------------- convenience
