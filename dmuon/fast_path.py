@@ -1,6 +1,11 @@
 """The fast path of one ``DMuon``: its one owner plan, the process group that runs it,
 and the step that runs it (``dmuon.transport.owner_exchange``).
 
+A NorMuon group's normalization runs with Newton-Schulz, where the matrix is whole:
+on its owner. Its per-row state is replicated (``dmuon.functional.normuon_state``):
+the owner reads the rows of the matrices it owns from its own copy, and after the
+exchange :func:`share_second_moments` gives every rank the rows the owners wrote.
+
 Made lazily: the paths (``dmuon.paths``) on first query, the plan at the first
 ``step()``, where every rank runs the one collective planning needs (the shard check)
 at the same point. Adding a param group forgets both.
@@ -24,7 +29,7 @@ from dmuon.cost_model import CostModel, plan_with_best_split
 from dmuon.group_steps import GroupSteps
 from dmuon.newton_schulz import resolve_ns_dtype
 from dmuon.paths import PATHS, choose_paths, mesh_ranks
-from dmuon.plan import ALL_TO_ALL, OwnerPlan, ParamSpec, layout_of, make_owner_plan
+from dmuon.plan import ALL_TO_ALL, OwnerPlan, ParamSpec, Unit, layout_of, make_owner_plan
 from dmuon.torch_compat import compute_local_shape_and_global_offset
 from dmuon.transport.owner_exchange import run_owner_plan
 from dmuon.update_rules import muon_momentum_
@@ -187,11 +192,53 @@ class FastPath:
             return muon_momentum_(local_grads[j][lo:hi], local_bufs[j][lo:hi], group["momentum"],
                                   group["nesterov"]).view(shape)
 
+        def orthogonalize(unit: Unit, matrix: torch.Tensor) -> torch.Tensor:
+            moment = steps.second_moment(params[unit.param], state)
+            rows = None if moment is None else moment[unit.dim0[0] : unit.dim0[1]]
+            return steps.orthogonalize(matrix, groups[params[unit.param]], rows)
+
         def apply_block(j: int, lo: int, hi: int, ortho: torch.Tensor) -> None:
             steps.apply(params[j], local_params[j][lo:hi].view(ortho.shape), ortho, groups[params[j]])
 
         run_owner_plan(
             run.plan, local_grads.keys(), group=run.group, rank=run.rank, device=run.device,
-            update_block=update_block, orthogonalize=lambda j, matrix: steps.orthogonalize(matrix, groups[params[j]]),
-            apply_block=apply_block, stats=stats, meter=meter,
+            update_block=update_block, orthogonalize=orthogonalize, apply_block=apply_block, stats=stats, meter=meter,
         )
+        moments = {j: m for j in local_grads if (m := steps.second_moment(params[j], state)) is not None}
+        share_second_moments(run.plan, run.rank, moments, run.group, run.device)
+
+
+def reporting_units(plan: OwnerPlan, rank: int) -> list[Unit]:
+    """The units whose rows ``rank`` reports in :func:`share_second_moments`: of the
+    units covering the same rows of a parameter (one per holder for a unit kept
+    whole, one per replica without ``split_replicas``), the one of the lowest owner,
+    so every row is reported exactly once."""
+    first: dict[tuple[int, tuple[int, int]], Unit] = {}
+    for unit in plan.units:
+        key = (unit.param, unit.dim0)
+        if key not in first or unit.owner < first[key].owner:
+            first[key] = unit
+    return [unit for unit in first.values() if unit.owner == rank]
+
+
+def share_second_moments(plan: OwnerPlan, rank: int, moments: Mapping[int, torch.Tensor],
+                         group: dist.ProcessGroup, device: torch.device) -> None:
+    """Make every rank's copy of the NorMuon state ``moments`` (plan parameter index ->
+    the whole rows on this rank; the same keys on every rank) equal to what the owners
+    wrote this step: each rank contributes the rows it reports (:func:`reporting_units`)
+    and zeros elsewhere, and one ``all_reduce`` sums them per dtype. A sum of one value
+    and zeros is that value, so every copy gets the owner's bits."""
+    mine = reporting_units(plan, rank)
+    for dtype in sorted({m.dtype for m in moments.values()}, key=str):
+        members = [(j, m) for j, m in sorted(moments.items()) if m.dtype == dtype]
+        flat = torch.zeros(sum(m.numel() for _, m in members), dtype=dtype, device=device)
+        views, offset = [], 0
+        for j, moment in members:
+            view = flat[offset : offset + moment.numel()].view(moment.shape)
+            for unit in (u for u in mine if u.param == j):
+                view[unit.dim0[0] : unit.dim0[1]].copy_(moment[unit.dim0[0] : unit.dim0[1]])
+            views.append((moment, view))
+            offset += moment.numel()
+        dist.all_reduce(flat, group=group)
+        for moment, view in views:
+            moment.copy_(view)

@@ -15,11 +15,14 @@ from collections.abc import Callable, Sequence
 from typing import Any, ContextManager
 
 import torch
+from torch.distributed.tensor import DTensor, Replicate
 
 from dmuon.newton_schulz import Triple, matrix_shape, newton_schulz_flops, orthogonalize, orthogonalize_row_blocks
 from dmuon.torch_compat import scalar_dtype
 from dmuon.update_rules import adamw_step_ as adamw_
-from dmuon.update_rules import apply_muon_update_, muon_momentum_, shape_scale
+from dmuon.update_rules import (
+    apply_muon_update_, muon_momentum_, normuon_normalize_, normuon_second_moment_shape, shape_scale,
+)
 
 # Orthogonalizes the update of the ``i``-th tensor of a :func:`muon_` call.
 Orthogonalize = Callable[[int, torch.Tensor], torch.Tensor]
@@ -27,7 +30,7 @@ Orthogonalize = Callable[[int, torch.Tensor], torch.Tensor]
 Updating = Callable[[torch.Tensor], ContextManager[Any]]
 
 __all__ = ["adamw_", "adamw_state", "apply_muon_update_", "muon_", "muon_momentum_", "newton_schulz", "newton_schulz_work",
-           "update_scale"]
+           "normuon_normalize_", "normuon_state", "update_scale"]
 
 
 def newton_schulz(
@@ -80,17 +83,38 @@ def muon_(
     split_rows: int | None,
     orthogonalize: Orthogonalize,
     updating: Updating = lambda _: contextlib.nullcontext(),
+    cautious_weight_decay: bool = False,
 ) -> None:
     """torch's single-tensor Muon loop over tensors this rank updates whole: its own
     ``params`` (plain tensors, or local tensors of DTensors of global ``shapes``), with
-    ``orthogonalize(i, update)`` computing Newton-Schulz where the path puts it."""
+    ``orthogonalize(i, update)`` computing Newton-Schulz (and NorMuon's normalization)
+    where the path puts it."""
     for i, (param, grad, buf) in enumerate(zip(params, grads, momentum_bufs)):
         update = muon_momentum_(grad, buf, momentum, nesterov)
         ortho = orthogonalize(i, update)
         scale = update_scale(shapes[i], split_rows=split_rows, adjust_lr=adjust_lr,
                              matched_adamw_rms=matched_adamw_rms)
         with updating(param):
-            apply_muon_update_(param, ortho, lr, weight_decay, scale)
+            apply_muon_update_(param, ortho, lr, weight_decay, scale, cautious_weight_decay)
+
+
+def normuon_state(param: torch.Tensor) -> torch.Tensor:
+    """NorMuon's state before its first step: zeros of shape
+    ``normuon_second_moment_shape(param.shape)`` (one per matrix row), in fp32 (fp64
+    for an fp64 parameter).
+
+    For a DTensor parameter, a DTensor replicated on the parameter's mesh: every rank
+    holds every row. The rows are few (1 / columns of the parameter), a whole matrix's
+    rows are what its owner reads, and a replicated tensor reshards under DCP to any
+    world size. ``dmuon.fast_path`` keeps the replicas equal after each step.
+    """
+    dtype = torch.float64 if param.dtype == torch.float64 else torch.float32
+    shape = normuon_second_moment_shape(param.shape)
+    if not isinstance(param, DTensor):
+        return torch.zeros(shape, dtype=dtype, device=param.device)
+    mesh = param.device_mesh
+    local = torch.zeros(shape, dtype=dtype, device=param.to_local().device)
+    return DTensor.from_local(local, mesh, [Replicate()] * mesh.ndim, run_check=False)
 
 
 def adamw_state(param: torch.Tensor) -> dict[str, torch.Tensor]:

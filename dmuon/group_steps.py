@@ -2,6 +2,9 @@
 group's settings, measured as ``DMuon`` reports them: every Newton-Schulz call adds its
 flops to ``CommStats.ns_flops`` and its time to the telemetry, and every in-place update
 is seen by the telemetry's update/weight RMS.
+
+A NorMuon group's normalization is part of :meth:`GroupSteps.orthogonalize`: it runs
+wherever Newton-Schulz runs, on the whole matrix, with the rows of the state it reads.
 """
 
 from __future__ import annotations
@@ -13,14 +16,20 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from dmuon.comm import CommStats
-from dmuon.functional import adamw_, adamw_state, apply_muon_update_, muon_, newton_schulz, newton_schulz_work, update_scale
+from dmuon.functional import (
+    adamw_, adamw_state, apply_muon_update_, muon_, newton_schulz, newton_schulz_work, normuon_normalize_,
+    normuon_state, update_scale,
+)
 from dmuon.newton_schulz import resolve_ns_dtype
 from dmuon.plan import ALL_TO_ALL, REDISTRIBUTE
 from dmuon.telemetry import Telemetry
 from dmuon.transport.reference import orthogonalize_gathered
 
 # The Muon group values the update rules read (the rest configure Newton-Schulz).
-MUON_STEP_KEYS = ("lr", "momentum", "nesterov", "weight_decay", "adjust_lr", "matched_adamw_rms", "split_rows")
+MUON_STEP_KEYS = ("lr", "momentum", "nesterov", "weight_decay", "adjust_lr", "matched_adamw_rms", "split_rows",
+                  "cautious_weight_decay")
+# The state key of NorMuon's per-row second moment (``dmuon.functional.normuon_state``).
+NORMUON_STATE_KEY = "normuon_second_moment"
 
 
 class GroupSteps:
@@ -31,29 +40,45 @@ class GroupSteps:
         self.stats = stats
         self.telemetry = telemetry
 
-    def orthogonalize(self, matrix: torch.Tensor, group: dict[str, Any]) -> torch.Tensor:
-        """Newton-Schulz with the group's settings; counts the flops run on this rank."""
+    def orthogonalize(self, matrix: torch.Tensor, group: dict[str, Any],
+                      second_moment: torch.Tensor | None = None) -> torch.Tensor:
+        """Newton-Schulz with the group's settings, then, in a NorMuon group, the
+        normalization with ``second_moment`` (the NorMuon state's rows of ``matrix``,
+        updated in place); counts the flops run on this rank."""
         self.stats.ns_flops += newton_schulz_work(matrix.shape, ns_steps=group["ns_steps"],
                                                   split_rows=group["split_rows"])
         with self.telemetry.newton_schulz():
-            return newton_schulz(matrix, ns_coefficients=group["ns_coefficients"], ns_steps=group["ns_steps"],
-                                 eps=group["eps"], ns_dtype=resolve_ns_dtype(self.ns_dtype, matrix.device.type),
-                                 split_rows=group["split_rows"])
+            ortho = newton_schulz(matrix, ns_coefficients=group["ns_coefficients"], ns_steps=group["ns_steps"],
+                                  eps=group["eps"], ns_dtype=resolve_ns_dtype(self.ns_dtype, matrix.device.type),
+                                  split_rows=group["split_rows"])
+            if group["normuon"]:
+                ortho = normuon_normalize_(ortho, second_moment, group["normuon_beta2"], group["split_rows"])
+            return ortho
 
     def apply(self, param: torch.Tensor, target: torch.Tensor, ortho: torch.Tensor, group: dict[str, Any]) -> None:
         """The decayed, scaled update of ``target`` (``param``'s local tensor or rows of it)."""
         scale = update_scale(param.shape, split_rows=group["split_rows"], adjust_lr=group["adjust_lr"],
                              matched_adamw_rms=group["matched_adamw_rms"])
         with self.telemetry.muon_update(target):
-            apply_muon_update_(target, ortho, group["lr"], group["weight_decay"], scale)
+            apply_muon_update_(target, ortho, group["lr"], group["weight_decay"], scale,
+                               group["cautious_weight_decay"])
 
     @staticmethod
-    def make_momentum_buffers(grads: Mapping[torch.Tensor, torch.Tensor],
-                              state: Mapping[torch.Tensor, dict[str, Any]]) -> None:
-        """A zero momentum buffer for each Muon parameter at its first grad."""
+    def make_muon_state(grads: Mapping[torch.Tensor, torch.Tensor], groups: Mapping[torch.Tensor, dict[str, Any]],
+                        state: Mapping[torch.Tensor, dict[str, Any]]) -> None:
+        """At a Muon parameter's first grad: a zero momentum buffer, and in a NorMuon
+        group a zero second moment (``dmuon.functional.normuon_state``)."""
         for param in grads:
             if "momentum_buffer" not in state[param]:
                 state[param]["momentum_buffer"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+            if groups[param]["normuon"] and NORMUON_STATE_KEY not in state[param]:
+                state[param][NORMUON_STATE_KEY] = normuon_state(param)
+
+    @staticmethod
+    def second_moment(param: torch.Tensor, state: Mapping[torch.Tensor, dict[str, Any]]) -> torch.Tensor | None:
+        """The whole NorMuon state of ``param`` on this rank (None outside NorMuon groups)."""
+        moment = state[param].get(NORMUON_STATE_KEY)
+        return None if moment is None else _local(moment)
 
     def muon_whole(self, group: dict[str, Any], paths: Mapping[torch.Tensor, str],
                    grads: Mapping[torch.Tensor, torch.Tensor], state: Mapping[torch.Tensor, dict[str, Any]]) -> None:
@@ -63,9 +88,10 @@ class GroupSteps:
         params = [p for p in group["params"] if p in grads and paths[p] != ALL_TO_ALL]
 
         def orthogonalize(i: int, update: torch.Tensor) -> torch.Tensor:
+            moment = self.second_moment(params[i], state)
             if paths[params[i]] == REDISTRIBUTE:
-                return orthogonalize_gathered(update, params[i], lambda full: self.orthogonalize(full, group))
-            return self.orthogonalize(update, group)
+                return orthogonalize_gathered(update, params[i], lambda full: self.orthogonalize(full, group, moment))
+            return self.orthogonalize(update, group, moment)
 
         muon_([_local(p) for p in params], [_local(grads[p]) for p in params],
               [_local(state[p]["momentum_buffer"]) for p in params], shapes=[p.shape for p in params],
@@ -83,7 +109,8 @@ class GroupSteps:
             with self.telemetry.adamw_update([_local(p) for p in params]):
                 adamw_(params, [p.grad for p in params], [s["exp_avg"] for s in states],
                        [s["exp_avg_sq"] for s in states], [s["step"] for s in states], lr=group["lr"],
-                       betas=group["betas"], eps=group["eps"], weight_decay=group["weight_decay"])
+                       betas=group["betas"], eps=group["eps"], weight_decay=group["weight_decay"],
+                       cautious_weight_decay=group["cautious_weight_decay"])
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

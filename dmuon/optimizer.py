@@ -42,7 +42,7 @@ from dmuon.param_groups import (
 )
 from dmuon.plan import ALL_TO_ALL, DEFAULT_BATCH_NUMEL, OwnerPlan
 from dmuon.telemetry import StepFigures, Telemetry
-from dmuon.update_rules import DEFAULT_MATCHED_ADAMW_RMS
+from dmuon.update_rules import DEFAULT_MATCHED_ADAMW_RMS, DEFAULT_NORMUON_BETA2
 
 ParamsArg = Iterable[torch.Tensor] | Iterable[tuple[str, torch.Tensor]] | Iterable[dict[str, Any]]
 
@@ -69,7 +69,7 @@ class DMuon(Optimizer):
             ``use_muon`` key picks the algorithm; a group without it is split: ndim >= 2
             parameters go to Muon unless their name marks an embedding or output head
             (see ``DEFAULT_ADAMW_NAME_PATTERN``), the rest to AdamW. A group may set any
-            key of ``defaults``: the options from ``lr`` to ``split_rows`` (``comm`` and
+            key of ``defaults``: the options from ``lr`` to ``cautious_weight_decay`` (``comm`` and
             those after it are the whole optimizer's). For a group's AdamW parameters
             ``adamw_<x>`` wins over ``<x>`` (``adamw_lr`` over ``lr``), as in the
             constructor; a ``use_muon=True`` group refuses the ``adamw_*`` keys.
@@ -91,6 +91,14 @@ class DMuon(Optimizer):
         split_rows: orthogonalize each block of this many consecutive rows of a 2-D
             parameter on its own (one attention head of ``wq``/``wk``/``wv``); the shape
             scale then uses the block's shape. None: the whole matrix.
+        normuon: NorMuon (Li et al., arXiv 2510.05491): divide each row of the
+            orthogonalized update by the root of an EMA of its mean square, then rescale
+            to the update's Frobenius norm (``dmuon.update_rules.normuon_normalize_``).
+            Adds a per-row state, ``normuon_second_moment``.
+        normuon_beta2: that EMA's coefficient, in [0, 1).
+        cautious_weight_decay: decay only the entries whose update and weight agree in
+            sign (Chen et al., arXiv 2510.12402), for the Muon and the AdamW part
+            (``dmuon.update_rules.cautious_decay_``).
         adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay: the AdamW part;
             ``adamw_lr`` and ``adamw_weight_decay`` default to ``lr`` and ``weight_decay``.
         comm: ``"all_to_all"`` (owner-computed fast path where the placement allows it)
@@ -143,6 +151,9 @@ class DMuon(Optimizer):
         adamw_eps: float = 1e-8,
         adamw_weight_decay: float | None = None,
         split_rows: int | None = None,
+        normuon: bool = False,
+        normuon_beta2: float = DEFAULT_NORMUON_BETA2,
+        cautious_weight_decay: bool = False,
         comm: str = ALL_TO_ALL,
         max_batch_numel: int = DEFAULT_BATCH_NUMEL,
         split_replicas: bool | None = None,
@@ -158,7 +169,8 @@ class DMuon(Optimizer):
         muon_defaults, adamw_defaults = split_options(dict(
             lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay, ns_steps=ns_steps,
             ns_coefficients=ns_coefficients, eps=eps, adjust_lr=adjust_lr, matched_adamw_rms=matched_adamw_rms,
-            split_rows=split_rows, adamw_lr=adamw_lr, adamw_betas=adamw_betas, adamw_eps=adamw_eps,
+            split_rows=split_rows, normuon=normuon, normuon_beta2=normuon_beta2,
+            cautious_weight_decay=cautious_weight_decay, adamw_lr=adamw_lr, adamw_betas=adamw_betas, adamw_eps=adamw_eps,
             adamw_weight_decay=adamw_weight_decay))
         # Validate the defaults once, so a bad option is reported as such even before any group is built.
         check_muon_hyperparameters(dict(muon_defaults), "DMuon")
@@ -249,7 +261,7 @@ class DMuon(Optimizer):
         self._telemetry.begin_step(self.param_groups[0]["params"][0].device, self.comm_stats.bytes_sent)
         grads = agreed_grads(self.param_groups, list(muon_groups), self.param_name)
         steps = GroupSteps(self.ns_dtype, self.comm_stats, self._telemetry)  # this step's meters
-        steps.make_momentum_buffers(grads, self.state)
+        steps.make_muon_state(grads, muon_groups, self.state)
         self.scratch_stats.reset_peak()
         self._fast_path.step(grads, muon_groups, self.state, steps, self.comm_stats, self.scratch_stats)
         for group in (g for g in self.param_groups if g["use_muon"]):

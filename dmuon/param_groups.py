@@ -14,7 +14,7 @@ import torch
 
 from dmuon.newton_schulz import MAX_NS_STEPS, NS_COEFFICIENT_SETS, NS_DTYPE_CHOICES, NS_DTYPES, ns_dtype_name
 from dmuon.plan import COMM_CHOICES
-from dmuon.update_rules import ADJUST_LR_CHOICES
+from dmuon.update_rules import ADJUST_LR_CHOICES, DEFAULT_NORMUON_BETA2
 
 # By default, a parameter with ndim >= 2 gets Muon unless its name marks it as an
 # embedding or an output head: those are lookup tables / classifiers, not linear maps
@@ -34,8 +34,16 @@ MUON_KEYS = (
     "adjust_lr",
     "matched_adamw_rms",
     "split_rows",
+    "normuon",
+    "normuon_beta2",
+    "cautious_weight_decay",
 )
-ADAMW_KEYS = ("lr", "betas", "eps", "weight_decay")
+ADAMW_KEYS = ("lr", "betas", "eps", "weight_decay", "cautious_weight_decay")
+# The update-rule variants (issue 16), each off by default so that a group without them
+# steps bit for bit as before: NorMuon's neuron-wise normalization (Muon groups) and
+# cautious weight decay (Muon and AdamW groups). A front end that has no field for
+# one of them gets this default (``split_options``).
+VARIANT_DEFAULTS = {"normuon": False, "normuon_beta2": DEFAULT_NORMUON_BETA2, "cautious_weight_decay": False}
 # The constructor's AdamW keywords, accepted as group keys too: each sets the AdamW
 # value of its plain key and, as ``adamw_lr`` over ``lr`` in the constructor, wins over
 # it. None (the constructor's default of ``adamw_lr``) means unset.
@@ -251,8 +259,10 @@ def check_muon_hyperparameters(group: dict[str, Any], where: str) -> None:
     split_rows = group["split_rows"]
     if split_rows is not None and (not isinstance(split_rows, int) or isinstance(split_rows, bool) or split_rows < 1):
         raise ValueError(f"{where}: split_rows must be None or a positive int, got {split_rows!r}")
-    if not isinstance(group["nesterov"], bool):
-        raise ValueError(f"{where}: nesterov must be a bool, got {group['nesterov']!r}")
+    check_bool(group, "nesterov", where)
+    check_bool(group, "normuon", where)
+    _check_range(group, "normuon_beta2", where, low=0.0, high=1.0, high_open=True)
+    check_bool(group, "cautious_weight_decay", where)
     try:
         group["ns_coefficients"] = resolve_ns_coefficients(group["ns_coefficients"])
     except ValueError as error:
@@ -268,6 +278,14 @@ def check_adamw_hyperparameters(group: dict[str, Any], where: str) -> None:
     if not isinstance(betas, (tuple, list)) or len(betas) != 2 or not all(isinstance(b, (int, float)) and 0.0 <= b < 1.0 for b in betas):
         raise ValueError(f"{where}: betas must be two numbers in [0, 1), got {betas!r}")
     group["betas"] = tuple(float(b) for b in betas)
+    check_bool(group, "cautious_weight_decay", where)
+
+
+def check_bool(group: dict[str, Any], key: str, where: str) -> None:
+    """An on/off option (``nesterov``, ``normuon``, ``cautious_weight_decay``): True or
+    False, not a truthy stand-in such as 1 or "yes"."""
+    if not isinstance(group[key], bool):
+        raise ValueError(f"{where}: {key} must be a bool (True or False), got {group[key]!r}")
 
 
 def check_muon_param(param: torch.Tensor, name: str, split_rows: int | None = None) -> None:
@@ -320,7 +338,9 @@ def split_options(options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, An
     """The Muon and AdamW group defaults that DMuon's keyword arguments ``options``
     make: the Muon keys as given, and the AdamW part with ``adamw_<x>`` over ``<x>``
     (None: unset). ``options`` needs every key of ``MUON_KEYS`` and ``adamw_betas``,
-    ``adamw_eps``; ``adamw_lr`` and ``adamw_weight_decay`` may be left out."""
+    ``adamw_eps``; ``adamw_lr``, ``adamw_weight_decay`` and the variants of
+    ``VARIANT_DEFAULTS`` may be left out."""
+    options = {**VARIANT_DEFAULTS, **options}
     muon = {key: options[key] for key in MUON_KEYS}
     adamw = {
         "lr": options["lr"] if options.get("adamw_lr") is None else options["adamw_lr"],
@@ -328,6 +348,7 @@ def split_options(options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, An
         "eps": options["adamw_eps"],
         "weight_decay": options["weight_decay"] if options.get("adamw_weight_decay") is None
         else options["adamw_weight_decay"],
+        "cautious_weight_decay": options["cautious_weight_decay"],
     }
     return muon, adamw
 

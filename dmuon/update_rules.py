@@ -11,6 +11,17 @@ Muon, for a matrix W (A x B) with gradient G (torch.optim.Muon semantics)::
 Every line except ``orthogonalize`` is elementwise, so it gives the same bits on a
 row shard as on the whole matrix. That is what lets the distributed step keep momentum
 and the final update on the local shards and move only ``U`` and ``O``.
+
+Two variants, each a group option, off by default:
+
+- NorMuon (Li et al., arXiv 2510.05491; :func:`normuon_normalize_`): after
+  ``orthogonalize``, each row of ``O`` is divided by the root of an EMA of its mean
+  square, and the matrix is rescaled to ``O``'s Frobenius norm. It reads whole rows
+  and the whole matrix, so it runs where ``O`` is whole (the owner), before ``O``
+  travels back; the result is rounded to bf16 like ``O`` itself.
+- Cautious weight decay (Chen et al., arXiv 2510.12402; :func:`cautious_decay_`):
+  the decay applies only where ``update * W >= 0``. Elementwise, so it runs on the
+  local shards like the plain decay.
 """
 
 from __future__ import annotations
@@ -19,6 +30,7 @@ import math
 from collections.abc import Sequence
 
 import torch
+from torch.distributed.tensor import DTensor
 from torch.optim.adamw import adamw as _torch_adamw
 
 from dmuon.newton_schulz import UPDATE_DTYPE, matrix_shape
@@ -27,6 +39,11 @@ from dmuon.newton_schulz import UPDATE_DTYPE, matrix_shape
 ADJUST_LR_CHOICES = ("original", "match_rms_adamw", "spectral", None)
 # Moonlight's choice: Muon's update RMS matched to a typical AdamW update RMS of 0.2.
 DEFAULT_MATCHED_ADAMW_RMS = 0.2
+# NorMuon's EMA coefficient of the per-row second moment, and the guard added to its
+# root and to the rescaled norm: the values of the official implementation
+# (github.com/zichongli5/NorMuon, normuon.py: beta2=0.95, 1e-10).
+DEFAULT_NORMUON_BETA2 = 0.95
+NORMUON_EPS = 1e-10
 
 
 def shape_scale(shape: Sequence[int], adjust_lr: str | None, matched_adamw_rms: float) -> float:
@@ -62,10 +79,74 @@ def muon_momentum_(grad: torch.Tensor, buf: torch.Tensor, momentum: float, neste
     return update.to(UPDATE_DTYPE, copy=True)
 
 
+def normuon_second_moment_shape(shape: Sequence[int]) -> tuple[int, ...]:
+    """The shape of NorMuon's state for a parameter of ``shape``: one value per row of
+    the matrices Newton-Schulz sees (``[A, 1]``; ``[E, A, 1]`` for experts; ``[O, 1]``
+    for a 4-D+ weight seen as ``[O, rest]``)."""
+    return (*matrix_shape(shape)[:-1], 1)
+
+
+def normuon_normalize_(
+    ortho: torch.Tensor, second_moment: torch.Tensor, beta2: float, split_rows: int | None = None
+) -> torch.Tensor:
+    """NorMuon's neuron-wise normalization of an orthogonalized update; updates
+    ``second_moment`` in place and returns a new bf16 tensor of ``ortho``'s shape.
+
+    Per matrix ``O`` (each expert of a stack, each block of ``split_rows`` rows), in
+    fp32, as the official implementation (github.com/zichongli5/NorMuon)::
+
+        v = lerp(v, mean(O * O, dim=-1), 1 - beta2)    # per-row EMA, no bias correction
+        N = O * (1 / (sqrt(v) + 1e-10))
+        N = N * (||O||_F / (||N||_F + 1e-10))          # keep O's Frobenius norm
+
+    ``second_moment`` holds ``v`` for every row of ``ortho`` (``[..., rows, 1]``, any
+    float dtype). Each matrix is computed alone, with the same ops on the same shape,
+    so an owner holding one unit gets the bits a single process gets for the stack.
+    """
+    shape = matrix_shape(ortho.shape)
+    rows = split_rows if split_rows and len(shape) == 2 else shape[-2]
+    matrices = ortho.reshape(-1, rows, shape[-1])
+    moments = second_moment.view(matrices.shape[0], rows, 1)
+    out = torch.empty(matrices.shape, dtype=UPDATE_DTYPE, device=ortho.device)
+    for k in range(matrices.shape[0]):
+        o = matrices[k].to(moments.dtype, copy=True)
+        norm = torch.linalg.vector_norm(o)
+        moments[k].lerp_((o * o).mean(dim=-1, keepdim=True), 1 - beta2)
+        normalized = o.mul_(moments[k].sqrt().add_(NORMUON_EPS).reciprocal_())
+        normalized.mul_(norm / torch.linalg.vector_norm(normalized).add_(NORMUON_EPS))
+        out[k].copy_(normalized)
+    return out.view(ortho.shape)
+
+
+def cautious_mask(update: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """Where cautious weight decay applies: ``update * param >= 0`` elementwise (the
+    paper's ``I(u_t x_t >= 0)``: a zero on either side counts as agreeing). Read from
+    the signs, so a product too small for the dtype cannot flip it; NaN gives False."""
+    return torch.sign(update) * torch.sign(param) >= 0
+
+
+def cautious_decay_(param: torch.Tensor, update: torch.Tensor, lr: float | torch.Tensor, weight_decay: float) -> None:
+    """Decoupled weight decay only where ``update`` and ``param`` agree in sign
+    (Chen et al., arXiv 2510.12402, Algorithm 1: ``x -= lr * wd * I(u x >= 0) * x``).
+
+    Where the mask holds, ``param`` is multiplied by ``1 - lr * weight_decay`` exactly
+    as the plain decay does it, so with every sign agreeing the bits are the plain
+    decay's; elsewhere it is left as it is.
+    """
+    if isinstance(lr, torch.Tensor):
+        lr = lr.squeeze()
+    dtype = torch.float64 if param.dtype == torch.float64 else torch.float32  # what mul_ by a number computes in
+    keep = torch.as_tensor(1 - lr * weight_decay, dtype=dtype, device=param.device)
+    param.mul_(torch.where(cautious_mask(update, param), keep, torch.ones((), dtype=dtype, device=param.device)))
+
+
 def apply_muon_update_(
-    param: torch.Tensor, ortho: torch.Tensor, lr: float | torch.Tensor, weight_decay: float, scale: float
+    param: torch.Tensor, ortho: torch.Tensor, lr: float | torch.Tensor, weight_decay: float, scale: float,
+    cautious_weight_decay: bool = False,
 ) -> None:
-    """Decoupled weight decay with the unscaled ``lr``, then the scaled orthogonal step.
+    """Decoupled weight decay with the unscaled ``lr`` (only where ``ortho`` and
+    ``param`` agree in sign with ``cautious_weight_decay``), then the scaled
+    orthogonal step.
 
     A Tensor ``lr`` (one element, any shape) is used as torch.optim.Muon uses it: as a
     0-dim tensor (``alpha`` takes no other), with the same tensor arithmetic, so the bits
@@ -73,8 +154,17 @@ def apply_muon_update_(
     """
     if isinstance(lr, torch.Tensor):
         lr = lr.squeeze()
-    param.mul_(1 - lr * weight_decay)
+    if cautious_weight_decay:
+        cautious_decay_(param, ortho, lr, weight_decay)
+    else:
+        param.mul_(1 - lr * weight_decay)
     param.add_(ortho, alpha=-lr * scale)
+
+
+def adamw_direction_sign(exp_avg: torch.Tensor, grad: torch.Tensor, beta1: float) -> torch.Tensor:
+    """The sign of the AdamW step's direction ``m_hat / (sqrt(v_hat) + eps)`` about to be
+    taken: that of the first moment after this grad (the other factors are positive)."""
+    return torch.sign(exp_avg.lerp(grad, 1 - beta1))
 
 
 def adamw_step_(
@@ -88,10 +178,26 @@ def adamw_step_(
     betas: tuple[float, float],
     eps: float,
     weight_decay: float,
+    cautious_weight_decay: bool = False,
 ) -> None:
     """One AdamW step, delegated to torch's functional AdamW so the bits match
     ``torch.optim.AdamW`` with the same hyperparameters, a one-element Tensor ``lr``
-    included (it also handles DTensors and complex tensors)."""
+    included (it also handles DTensors and complex tensors).
+
+    With ``cautious_weight_decay`` the decay is :func:`cautious_decay_` with AdamW's
+    direction ``u = m_hat / (sqrt(v_hat) + eps)`` (its sign: :func:`adamw_direction_sign`),
+    applied first, as torch applies its decay, and torch's step then runs without
+    decay. (Where ``u`` would underflow to 0 while the moment is not 0, the sign of the
+    moment decides; torch computes ``u`` inside its step.) A complex parameter, whose
+    entries have no sign, keeps the plain decay."""
+    if cautious_weight_decay and weight_decay != 0:
+        for param, grad, exp_avg in zip(params, grads, exp_avgs):
+            if param.is_complex():
+                _local(param).mul_(1 - (lr.squeeze() if isinstance(lr, torch.Tensor) else lr) * weight_decay)
+                continue
+            direction = adamw_direction_sign(_local(exp_avg), _local(grad), betas[0])
+            cautious_decay_(_local(param), direction, lr, weight_decay)
+        weight_decay = 0.0
     _torch_adamw(
         params,
         grads,
@@ -109,3 +215,8 @@ def adamw_step_(
         eps=eps,
         maximize=False,
     )
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """The rank's own part: the elementwise rules read and write only that."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor

@@ -543,3 +543,106 @@ def owner_exchange_collectives() -> list[tuple[str, int]]:
     finally:
         Exchange.__init__, Exchange.wait = started, wait
     return events
+
+
+# ---------------------------------------------------------------- update-rule variants (issue 16)
+# The exactness cases again, with NorMuon and cautious weight decay on: one Muon group
+# with both, one with NorMuon only, and cautious decay in the AdamW group.
+VARIANT_OPTIONS = {
+    "muon_a": {**GROUP_OPTIONS["muon_a"], "normuon": True, "cautious_weight_decay": True},
+    "muon_b": {**GROUP_OPTIONS["muon_b"], "normuon": True, "normuon_beta2": 0.9},
+    "adamw": {**GROUP_OPTIONS["adamw"], "cautious_weight_decay": True},
+}
+
+
+def _variant_groups(params: dict[str, torch.Tensor]) -> list[dict[str, Any]]:
+    return [
+        {"params": [(name, params[name]) for name, _, g in CASES if g == group], **options}
+        for group, options in VARIANT_OPTIONS.items()
+    ]
+
+
+def _variant_steps(optimizer: DMuon, params: dict[str, torch.Tensor], steps: range, shard=lambda t: t) -> None:
+    for step in steps:
+        for name, grad in _case_tensors(100 + step).items():
+            params[name].grad = shard(grad)
+        optimizer.step()
+
+
+def variants_exactness(ns_dtype: str = "auto") -> dict[Any, Any]:
+    """NorMuon and cautious weight decay on Shard(0) over every rank, both paths, vs
+    single-process DMuon with the same groups: ``{comm: {case: bitwise_equal}}``, and
+    ``{(comm, "moments"): {case: every rank's NorMuon state equals the oracle's}}``."""
+    world = dist.get_world_size()
+    oracle = {n: nn.Parameter(t) for n, t in _case_tensors(0).items()}
+    reference = DMuon(_variant_groups(oracle), weight_decay=0.01, ns_dtype=ns_dtype)
+    _variant_steps(reference, oracle, range(STEPS))
+    mesh = init_device_mesh(device_type(), (world,))
+    out: dict[Any, Any] = {}
+    for comm in ("all_to_all", "redistribute"):
+        def shard(t: torch.Tensor) -> DTensor:
+            return distribute_tensor(t, mesh, [Shard(0)], src_data_rank=None)
+
+        params = {n: nn.Parameter(shard(t)) for n, t in _case_tensors(0).items()}
+        optimizer = DMuon(_variant_groups(params), weight_decay=0.01, ns_dtype=ns_dtype, comm=comm)
+        _variant_steps(optimizer, params, range(STEPS), shard)
+        out[comm] = {n: torch.equal(params[n].full_tensor(), oracle[n].detach()) for n in oracle}
+        out[(comm, "paths")] = optimizer.comm_paths()
+        moments = {}
+        for name in oracle:
+            if "normuon_second_moment" not in reference.state[oracle[name]]:
+                continue
+            mine = optimizer.state[params[name]]["normuon_second_moment"].to_local()
+            copies = [torch.empty_like(mine) for _ in range(world)]
+            dist.all_gather(copies, mine)
+            moments[name] = all(torch.equal(c, reference.state[oracle[name]]["normuon_second_moment"]) for c in copies)
+        out[(comm, "moments")] = moments
+    return out
+
+
+def _as_module(params: dict[str, nn.Parameter]) -> nn.Module:
+    return nn.ParameterDict({n.replace(".", "_"): p for n, p in params.items()})
+
+
+def variants_checkpoint_save(checkpoint_dir: str, steps: int) -> None:
+    """``steps`` steps with the variant groups on Shard(0) over every rank, then a DCP
+    checkpoint of the parameters and the optimizer (NorMuon state included)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    mesh = init_device_mesh(device_type(), (dist.get_world_size(),))
+
+    def shard(t: torch.Tensor) -> DTensor:
+        return distribute_tensor(t, mesh, [Shard(0)], src_data_rank=None)
+
+    params = {n: nn.Parameter(shard(t)) for n, t in _case_tensors(0).items()}
+    optimizer = DMuon(_variant_groups(params), weight_decay=0.01, ns_dtype="float32")
+    _variant_steps(optimizer, params, range(steps), shard)
+    module = _as_module(params)
+    dcp.save({"model": module.state_dict(), "optim": get_optimizer_state_dict(module, optimizer)},
+             checkpoint_id=checkpoint_dir)
+
+
+def variants_checkpoint_resume(checkpoint_dir: str, done: int, total: int) -> dict[str, bool]:
+    """Load that checkpoint on this world size (fresh parameters and optimizer), run
+    steps ``done..total``, and compare with single-process DMuon run ``total`` steps
+    uninterrupted: per case, bitwise equal."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    oracle = {n: nn.Parameter(t) for n, t in _case_tensors(0).items()}
+    _variant_steps(DMuon(_variant_groups(oracle), weight_decay=0.01, ns_dtype="float32"), oracle, range(total))
+    mesh = init_device_mesh(device_type(), (dist.get_world_size(),))
+
+    def shard(t: torch.Tensor) -> DTensor:
+        return distribute_tensor(t, mesh, [Shard(0)], src_data_rank=None)
+
+    params = {n: nn.Parameter(shard(torch.zeros_like(t))) for n, t in _case_tensors(0).items()}
+    optimizer = DMuon(_variant_groups(params), weight_decay=0.01, ns_dtype="float32")
+    module = _as_module(params)
+    target = {"model": module.state_dict(), "optim": get_optimizer_state_dict(module, optimizer)}
+    dcp.load(target, checkpoint_id=checkpoint_dir)
+    module.load_state_dict(target["model"])
+    set_optimizer_state_dict(module, optimizer, target["optim"])
+    _variant_steps(optimizer, params, range(done, total), shard)
+    return {n: torch.equal(params[n].full_tensor(), oracle[n].detach()) for n in oracle}

@@ -80,3 +80,31 @@ def test_only_the_fast_path_sends_owner_traffic(results):
 def test_real_fully_shard_training_matches_single_process(world):
     equal = run_on_ranks(scenarios.fsdp2_training, world)[0]
     assert equal == dict.fromkeys(scenarios.TINY_LM_PARAMS, True)
+
+
+# ------------------------------------------------------------ NorMuon and cautious weight decay
+
+
+@pytest.fixture(scope="module")
+def variants() -> dict[int, dict[str, dict]]:
+    """Per world size, per ns_dtype: the variant scenario's figures (rank 0)."""
+    return {world: run_on_ranks(scenarios.per_ns_dtype, world, scenarios.variants_exactness)[0]
+            for world in WORLD_SIZES}
+
+
+@pytest.mark.parametrize("comm", ["all_to_all", "redistribute"])
+@pytest.mark.parametrize("world", WORLD_SIZES)
+@pytest.mark.parametrize("ns_dtype", scenarios.NS_DTYPES)
+def test_normuon_and_cautious_weight_decay_are_bitwise_equal_to_single_process(variants, ns_dtype, world, comm):
+    assert variants[world][ns_dtype][comm] == dict.fromkeys(CASE_NAMES, True)
+
+
+@pytest.mark.parametrize("comm", ["all_to_all", "redistribute"])
+@pytest.mark.parametrize("world", WORLD_SIZES)
+def test_every_ranks_normuon_state_equals_the_single_process_state(variants, world, comm):
+    moments = variants[world]["bfloat16"][(comm, "moments")]
+    assert moments and all(moments.values())
+
+
+def test_the_normuon_cases_take_the_fast_path_on_several_ranks(variants):
+    assert set(variants[4]["bfloat16"][("all_to_all", "paths")].values()) == {"all_to_all"}

@@ -39,3 +39,17 @@ def test_each_path_is_logged_once_with_its_parameters(log_lines):
 def test_the_auto_compute_dtype_is_logged_once_per_process(log_lines):
     (line,) = [line for line in log_lines if "ns_dtype" in line]
     assert line.startswith("DMuon: ns_dtype='auto' runs Newton-Schulz in ")
+
+
+@pytest.fixture(scope="module")
+def normuon_resumed(tmp_path_factory) -> dict[int, dict[str, bool]]:
+    """A DCP checkpoint with NorMuon (and cautious decay) state written on 2 ranks after
+    2 steps, resumed for 2 more steps on 4 ranks and on 1."""
+    checkpoint = str(tmp_path_factory.mktemp("normuon_dcp"))
+    run_on_ranks(scenarios.variants_checkpoint_save, 2, checkpoint, 2)
+    return {world: run_on_ranks(scenarios.variants_checkpoint_resume, world, checkpoint, 2, 4)[0] for world in (4, 1)}
+
+
+@pytest.mark.parametrize("world", [4, 1])
+def test_a_normuon_checkpoint_from_two_ranks_resumes_bitwise_on_other_world_sizes(normuon_resumed, world):
+    assert normuon_resumed[world] == dict.fromkeys([name for name, _, _ in scenarios.CASES], True)

@@ -19,7 +19,8 @@ param groups or state:
 
 - ``update_block(param, lo, hi, shape)``: momentum on dim-0 rows ``[lo, hi)`` of the
   parameter's local tensor; returns the bf16 update reshaped to ``shape``;
-- ``orthogonalize(param, matrix)``: Newton-Schulz with the parameter's group settings;
+- ``orthogonalize(unit, matrix)``: Newton-Schulz with the settings of the unit's
+  parameter's group (``unit.param``; ``unit.dim0``: the rows of it the matrix is);
 - ``apply_block(param, lo, hi, ortho)``: the decayed, scaled update of those rows.
 """
 
@@ -38,11 +39,12 @@ from dmuon.plan import (
     START_GATHER,
     START_SCATTER,
     OwnerPlan,
+    Unit,
     batch_schedule,
 )
 
 UpdateBlock = Callable[[int, int, int, tuple[int, int]], torch.Tensor]
-Orthogonalize = Callable[[int, torch.Tensor], torch.Tensor]
+Orthogonalize = Callable[[Unit, torch.Tensor], torch.Tensor]
 ApplyBlock = Callable[[int, int, int, torch.Tensor], None]
 
 
@@ -128,7 +130,7 @@ class _OwnerStep:
         """The units this rank holds whole and keeps: orthogonalized and applied at once."""
         for i in self.plan.kept_local(batch, self.rank):
             update = self.block_of(i)
-            ortho = self.meter.track(self.orthogonalize(self.plan.units[i].param, update))
+            ortho = self.meter.track(self.orthogonalize(self.plan.units[i], update))
             self.meter.free(update)
             del update
             self.apply(i, ortho)
@@ -140,7 +142,7 @@ class _OwnerStep:
         results: dict[int, torch.Tensor] = {}
         for i in list(full):
             matrix = full.pop(i)
-            results[i] = self.meter.track(self.orthogonalize(self.plan.units[i].param, matrix))
+            results[i] = self.meter.track(self.orthogonalize(self.plan.units[i], matrix))
             self.meter.free(matrix)
             del matrix
         return results
