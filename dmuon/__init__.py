@@ -11,15 +11,19 @@ run from its root (``torchrun --standalone --nproc-per-node 2 -m benchmarks.benc
 from dmuon.comm import CommStats
 from dmuon.newton_schulz import KELLER_COEFFICIENTS, NS_COEFFICIENT_SETS, orthogonalize
 from dmuon.optimizer import DMuon
+from dmuon.max_logits import MaxLogitTracker
 from dmuon.param_groups import DEFAULT_ADAMW_NAME_PATTERN, default_use_muon
+from dmuon.qk_clip import AttentionHeads
 from dmuon.update_rules import ADJUST_LR_CHOICES, shape_scale
 
 __all__ = [
     "ADJUST_LR_CHOICES",
+    "AttentionHeads",
     "CommStats",
     "DEFAULT_ADAMW_NAME_PATTERN",
     "DMuon",
     "KELLER_COEFFICIENTS",
+    "MaxLogitTracker",
     "NS_COEFFICIENT_SETS",
     "default_use_muon",
     "orthogonalize",

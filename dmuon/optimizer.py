@@ -12,7 +12,11 @@ One ``step()``:
    replicas); momentum runs on the local shards just before, and weight decay and the
    scaled update land on them just after, so scratch memory is bounded per batch (or
    per parameter);
-3. AdamW groups take a ``torch.optim.AdamW`` step.
+3. AdamW groups take a ``torch.optim.AdamW`` step;
+4. QK-clip, for the attentions registered with :meth:`DMuon.clip_attention`: one
+   ``all_reduce(MAX)`` of their per-head logits, then the heads over their group's
+   ``qk_clip_threshold`` get their rows of ``W_q``/``W_k`` scaled where they lie
+   (``dmuon.attention_clip``).
 
 The math is ``dmuon.functional`` (run with a group's settings, counted and timed, by
 ``dmuon.group_steps``); the groups are ``dmuon.param_groups``'. This class holds the
@@ -30,10 +34,12 @@ from typing import Any
 import torch
 from torch.optim.optimizer import Optimizer
 
+from dmuon.attention_clip import AttentionClip, ClipResult, muon_group_threshold
 from dmuon.comm import CommStats, ScratchMeter
 from dmuon.cost_model import CostModel
 from dmuon.fast_path import FastPath
 from dmuon.grad_agreement import agreed_grads
+from dmuon.max_logits import MaxLogitTracker
 from dmuon.group_steps import GroupSteps
 from dmuon.newton_schulz import DEFAULT_NS_DTYPE, DEFAULT_NS_EPS, DEFAULT_NS_STEPS, KELLER_COEFFICIENTS
 from dmuon.param_groups import (
@@ -41,6 +47,7 @@ from dmuon.param_groups import (
     check_optimizer_options, split_options,
 )
 from dmuon.plan import ALL_TO_ALL, DEFAULT_BATCH_NUMEL, OwnerPlan
+from dmuon.qk_clip import AttentionHeads
 from dmuon.telemetry import StepFigures, Telemetry
 from dmuon.update_rules import DEFAULT_MATCHED_ADAMW_RMS, DEFAULT_NORMUON_BETA2
 
@@ -69,7 +76,7 @@ class DMuon(Optimizer):
             ``use_muon`` key picks the algorithm; a group without it is split: ndim >= 2
             parameters go to Muon unless their name marks an embedding or output head
             (see ``DEFAULT_ADAMW_NAME_PATTERN``), the rest to AdamW. A group may set any
-            key of ``defaults``: the options from ``lr`` to ``cautious_weight_decay`` (``comm`` and
+            key of ``defaults``: the options from ``lr`` to ``qk_clip_threshold`` (``comm`` and
             those after it are the whole optimizer's). For a group's AdamW parameters
             ``adamw_<x>`` wins over ``<x>`` (``adamw_lr`` over ``lr``), as in the
             constructor; a ``use_muon=True`` group refuses the ``adamw_*`` keys.
@@ -99,6 +106,11 @@ class DMuon(Optimizer):
         cautious_weight_decay: decay only the entries whose update and weight agree in
             sign (Chen et al., arXiv 2510.12402), for the Muon and the AdamW part
             (``dmuon.update_rules.cautious_decay_``).
+        qk_clip_threshold: QK-clip (MuonClip, Kimi K2): after the step, shrink the query
+            and key rows of every attention head whose largest logit in the step's
+            forward passes exceeded this value, so it would be this value
+            (``dmuon.qk_clip``). None: off. Needs the attentions registered with
+            :meth:`clip_attention` and their logits reported to :attr:`max_logits`.
         adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay: the AdamW part;
             ``adamw_lr`` and ``adamw_weight_decay`` default to ``lr`` and ``weight_decay``.
         comm: ``"all_to_all"`` (owner-computed fast path where the placement allows it)
@@ -154,6 +166,7 @@ class DMuon(Optimizer):
         normuon: bool = False,
         normuon_beta2: float = DEFAULT_NORMUON_BETA2,
         cautious_weight_decay: bool = False,
+        qk_clip_threshold: float | None = None,
         comm: str = ALL_TO_ALL,
         max_batch_numel: int = DEFAULT_BATCH_NUMEL,
         split_replicas: bool | None = None,
@@ -170,7 +183,7 @@ class DMuon(Optimizer):
             lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay, ns_steps=ns_steps,
             ns_coefficients=ns_coefficients, eps=eps, adjust_lr=adjust_lr, matched_adamw_rms=matched_adamw_rms,
             split_rows=split_rows, normuon=normuon, normuon_beta2=normuon_beta2,
-            cautious_weight_decay=cautious_weight_decay, adamw_lr=adamw_lr, adamw_betas=adamw_betas, adamw_eps=adamw_eps,
+            cautious_weight_decay=cautious_weight_decay, qk_clip_threshold=qk_clip_threshold, adamw_lr=adamw_lr, adamw_betas=adamw_betas, adamw_eps=adamw_eps,
             adamw_weight_decay=adamw_weight_decay))
         # Validate the defaults once, so a bad option is reported as such even before any group is built.
         check_muon_hyperparameters(dict(muon_defaults), "DMuon")
@@ -196,6 +209,8 @@ class DMuon(Optimizer):
         self._telemetry = Telemetry(telemetry)
         self._fast_path = FastPath(self.comm, self.max_batch_numel, self.split_replicas, self.ns_dtype,
                                    self.link_gbps, self.replica_link_gbps)
+        self._attention_clip = AttentionClip()
+        self._last_clip: ClipResult | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
@@ -223,6 +238,25 @@ class DMuon(Optimizer):
             self._names.update(zip(group["params"], names))
             self.param_groups.append(group)
         self._fast_path.forget()  # paths and plan cover every Muon parameter: rebuild them
+
+    def clip_attention(self, name: str, q_weight: torch.Tensor, k_weight: torch.Tensor, heads: AttentionHeads) -> None:
+        """Watch one attention for QK-clip: its logits are reported as ``name`` to
+        :attr:`max_logits`, and its heads' rows of ``q_weight``/``k_weight`` (the same
+        fused ``W_qkv`` for ``heads.row_layout == "fused_grouped"``) are scaled when
+        their Muon group's ``qk_clip_threshold`` is exceeded. Every rank registers the
+        same attentions in the same order. Not kept by pickles or ``deepcopy``: a copy
+        has other parameters, and registers its own."""
+        self._attention_clip.add(name, q_weight, k_weight, heads, self.param_name)
+
+    @property
+    def max_logits(self) -> MaxLogitTracker:
+        """Where the model reports attention logits for QK-clip (``dmuon.max_logits``)."""
+        return self._attention_clip.tracker
+
+    def last_max_logits(self) -> dict[str, torch.Tensor]:
+        """Each registered attention's per-head largest logit in the last step, over
+        every rank, before clipping (empty before the first step or without QK-clip)."""
+        return {} if self._last_clip is None else dict(self._last_clip.max_logits)
 
     def param_name(self, param: torch.Tensor) -> str:
         """The name a parameter was given (or its group position)."""
@@ -268,6 +302,9 @@ class DMuon(Optimizer):
             steps.muon_whole(group, self._paths(), grads, self.state)
         for group in (g for g in self.param_groups if not g["use_muon"]):
             steps.adamw(group, self.state)
+        self._last_clip = self._attention_clip.step(muon_group_threshold(muon_groups, self.param_name))
+        if self._last_clip is not None:
+            self._telemetry.qk_clip(self._last_clip.largest, self._last_clip.clipped_heads)
         self._telemetry.end_step(self.comm_stats.bytes_sent)
         return loss
 

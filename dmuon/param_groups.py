@@ -37,13 +37,16 @@ MUON_KEYS = (
     "normuon",
     "normuon_beta2",
     "cautious_weight_decay",
+    "qk_clip_threshold",
 )
 ADAMW_KEYS = ("lr", "betas", "eps", "weight_decay", "cautious_weight_decay")
 # The update-rule variants (issue 16), each off by default so that a group without them
 # steps bit for bit as before: NorMuon's neuron-wise normalization (Muon groups) and
-# cautious weight decay (Muon and AdamW groups). A front end that has no field for
-# one of them gets this default (``split_options``).
-VARIANT_DEFAULTS = {"normuon": False, "normuon_beta2": DEFAULT_NORMUON_BETA2, "cautious_weight_decay": False}
+# cautious weight decay (Muon and AdamW groups), and QK-clip's threshold (Muon groups
+# holding attention weights; None: off). A front end that has no field for one of them
+# gets this default (``split_options``).
+VARIANT_DEFAULTS = {"normuon": False, "normuon_beta2": DEFAULT_NORMUON_BETA2, "cautious_weight_decay": False,
+                    "qk_clip_threshold": None}
 # The constructor's AdamW keywords, accepted as group keys too: each sets the AdamW
 # value of its plain key and, as ``adamw_lr`` over ``lr`` in the constructor, wins over
 # it. None (the constructor's default of ``adamw_lr``) means unset.
@@ -263,6 +266,11 @@ def check_muon_hyperparameters(group: dict[str, Any], where: str) -> None:
     check_bool(group, "normuon", where)
     _check_range(group, "normuon_beta2", where, low=0.0, high=1.0, high_open=True)
     check_bool(group, "cautious_weight_decay", where)
+    threshold = group["qk_clip_threshold"]
+    if threshold is not None and not (isinstance(threshold, (int, float)) and not isinstance(threshold, bool)
+                                      and math.isfinite(threshold) and threshold > 0):
+        raise ValueError(f"{where}: qk_clip_threshold must be None (off) or a finite number > 0, the largest "
+                         f"attention logit to allow (Kimi K2 used 100), got {threshold!r}")
     try:
         group["ns_coefficients"] = resolve_ns_coefficients(group["ns_coefficients"])
     except ValueError as error:

@@ -8,7 +8,11 @@
 - ``muon_update_rms`` / ``adamw_update_rms``: RMS of the weight change ``W_after - W_before``
   (learning rate, shape scale and weight decay included) over every element of the Muon
   (resp. AdamW) parameters, all ranks together;
-- ``muon_weight_rms`` / ``adamw_weight_rms``: RMS of the weights after the step, likewise.
+- ``muon_weight_rms`` / ``adamw_weight_rms``: RMS of the weights after the step, likewise;
+- ``max_logit`` / ``qk_clipped_heads``: with QK-clip, the largest attention logit of
+  the step's forward passes over every rank (before clipping) and how many heads were
+  clipped (``dmuon.attention_clip``; NaN and 0 without QK-clip). Already reduced by the
+  clip's own collective: they cost nothing more.
 
 ``optimizer.telemetry()`` returns the last step's ``StepFigures`` (``None`` when telemetry
 is off or before the first step). It is a local call: any rank may read it, or none.
@@ -37,6 +41,7 @@ same number of copies. Times and bytes are this rank's own.
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -61,9 +66,12 @@ class StepFigures:
     adamw_weight_rms: float
     square_sums: tuple[float, ...] = field(repr=False)
     """The reduced sums the RMS come from (squares and element counts), for ``combine``."""
+    max_logit: float = math.nan
+    qk_clipped_heads: int = 0
 
     @classmethod
-    def from_sums(cls, step_s: float, newton_schulz_s: float, bytes_sent: int, sums: Sequence[float]) -> StepFigures:
+    def from_sums(cls, step_s: float, newton_schulz_s: float, bytes_sent: int, sums: Sequence[float],
+                  max_logit: float = math.nan, qk_clipped_heads: int = 0) -> StepFigures:
         def rms(square_sum: float, numel: float) -> float:
             return (square_sum / numel) ** 0.5 if numel else 0.0
 
@@ -76,6 +84,8 @@ class StepFigures:
             adamw_update_rms=rms(sums[_ADAMW_DELTA_SQ], sums[_ADAMW_NUMEL]),
             adamw_weight_rms=rms(sums[_ADAMW_WEIGHT_SQ], sums[_ADAMW_NUMEL]),
             square_sums=tuple(sums),
+            max_logit=max_logit,
+            qk_clipped_heads=qk_clipped_heads,
         )
 
     @classmethod
@@ -87,6 +97,8 @@ class StepFigures:
             sum(p.newton_schulz_s for p in parts),
             sum(p.bytes_sent for p in parts),
             [sum(values) for values in zip(*(p.square_sums for p in parts))],
+            max((p.max_logit for p in parts if not math.isnan(p.max_logit)), default=math.nan),
+            sum(p.qk_clipped_heads for p in parts),
         )
 
 
@@ -122,6 +134,8 @@ class _StepRecord:
     end: object = None
     bytes_sent: int = 0
     pending: dist.Work | None = None
+    qk_clip: tuple[torch.Tensor, torch.Tensor] | None = None
+    """QK-clip's largest logit and clipped-head count (device tensors, read with the figures)."""
 
     def figures(self) -> StepFigures:
         if self.pending is not None:
@@ -132,6 +146,7 @@ class _StepRecord:
             sum(self.clock.seconds(s, e) for s, e in self.ns_marks),
             self.bytes_sent,
             self.sums.tolist(),
+            *(() if self.qk_clip is None else (float(self.qk_clip[0]), int(self.qk_clip[1]))),
         )
 
 
@@ -174,6 +189,11 @@ class Telemetry:
             record.pending = dist.all_reduce(record.sums, async_op=True)
         # Figures are made from the record when read, not here: no sync in step().
         self._current, self._finished, self._figures = None, record, None
+
+    def qk_clip(self, largest_logit: torch.Tensor, clipped_heads: torch.Tensor) -> None:
+        """QK-clip's figures of this step (already reduced over ranks)."""
+        if self._current is not None:
+            self._current.qk_clip = (largest_logit, clipped_heads)
 
     @contextlib.contextmanager
     def newton_schulz(self) -> Iterator[None]:

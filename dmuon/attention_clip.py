@@ -1,0 +1,194 @@
+"""QK-clip inside ``DMuon``: the attentions it clips, one MAX reduction of their logits
+per step, and the row scaling of whatever block of ``W_q`` / ``W_k`` each rank holds.
+
+No weight travels. Each rank learns every head's largest logit from one
+``all_reduce(MAX)`` of a small vector (one float per head of every registered
+attention) over the ranks of the weights' mesh, computes the same factors
+(``dmuon.qk_clip``), and scales the rows it holds: FSDP's row shards, TP's column-wise
+(``Shard(0)``) shards, FSDP+TP's strided rows, replicas, all read from the placements
+(``dmuon.layout.local_indices``). The factors are equal on every rank and the scaling
+is elementwise, so the clipped weights are bitwise those of a single process.
+
+Every rank runs the reduction at every step, whatever its grads or logits, so ranks
+stay in step; a rank that saw no logits contributes ``-inf``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Partial
+
+from dmuon.comm import mesh_device
+from dmuon.layout import Range, local_indices
+from dmuon.max_logits import MaxLogitTracker
+from dmuon.paths import mesh_ranks
+from dmuon.qk_clip import FUSED_GROUPED, AttentionHeads, clip_factors, row_scales, scale_rows_
+
+logger = logging.getLogger("dmuon")
+
+
+@dataclass(frozen=True)
+class ClipTarget:
+    """One attention QK-clip watches: its name in the tracker, its weights, its heads."""
+
+    name: str
+    q_weight: torch.Tensor
+    k_weight: torch.Tensor
+    heads: AttentionHeads
+
+
+@dataclass(frozen=True)
+class ClipResult:
+    """What one step's QK-clip saw and did (tensors on the weights' device: no sync)."""
+
+    max_logits: dict[str, torch.Tensor]
+    """Each attention's per-head largest logit over every rank, before clipping."""
+    largest: torch.Tensor
+    """The largest of them (0-d, float32)."""
+    clipped_heads: torch.Tensor
+    """How many heads were clipped (0-d, int64)."""
+
+
+class AttentionClip:
+    """The attentions of one ``DMuon`` that QK-clip watches, and the clip itself."""
+
+    def __init__(self) -> None:
+        self.tracker = MaxLogitTracker()
+        self.targets: list[ClipTarget] = []
+        self._checked_reports = False
+        self._warned_silent = False
+
+    def add(self, name: str, q_weight: torch.Tensor, k_weight: torch.Tensor, heads: AttentionHeads,
+            param_name: Callable[[torch.Tensor], str]) -> None:
+        """Register one attention; every rank registers the same ones, in the same order."""
+        where = f"DMuon.clip_attention({name!r})"
+        if any(t.name == name for t in self.targets):
+            raise ValueError(f"{where}: an attention of this name is already registered")
+        if not isinstance(heads, AttentionHeads):
+            raise TypeError(f"{where}: heads must be a dmuon.AttentionHeads, got {type(heads).__name__}")
+        if heads.row_layout == FUSED_GROUPED and q_weight is not k_weight:
+            raise ValueError(f"{where}: the fused row layout has one weight (W_qkv): pass it as q_weight and k_weight")
+        q_rows, k_rows = heads.weight_rows()
+        for role, weight, rows in (("q_weight", q_weight, q_rows), ("k_weight", k_weight, k_rows)):
+            if weight.ndim != 2 or weight.shape[0] != rows:
+                raise ValueError(
+                    f"{where}: {role} {param_name(weight)} has shape {tuple(weight.shape)}; {heads} needs "
+                    f"{rows} rows (one block of head_dim rows per head) of a 2-D weight")
+            if isinstance(weight, DTensor) and any(isinstance(p, Partial) for p in weight.placements):
+                raise ValueError(f"{where}: {role} {param_name(weight)} has a Partial placement; QK-clip "
+                                 "scales the rows each rank holds, so it needs sharded or replicated weights")
+        meshes = [mesh_ranks(w.device_mesh) if isinstance(w, DTensor) else None
+                  for w in [q_weight, k_weight] + [w for t in self.targets for w in (t.q_weight, t.k_weight)]]
+        if len(set(meshes)) > 1:
+            raise ValueError(f"{where}: every QK-clip weight must live on the same ranks (one mesh, or all plain "
+                             f"tensors), so one reduction of the logits serves them all; got rank sets {set(meshes)}")
+        self.targets.append(ClipTarget(name, q_weight, k_weight, heads))
+
+    def step(self, threshold_of: Callable[[torch.Tensor, str], float | None]) -> ClipResult | None:
+        """Reduce this step's logits and clip the heads over their threshold
+        (``threshold_of(weight, role)``: the option of the weight's param group)."""
+        if not self.targets:
+            return None
+        device = self._device()
+        seen = [self.tracker.take(t.name, t.heads.n_heads, device) for t in self.targets]
+        flat = torch.cat(seen)
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=self._group())
+        self._check_reported(flat)
+        max_logits = dict(zip((t.name for t in self.targets), flat.split([t.heads.n_heads for t in self.targets])))
+        clipped = torch.zeros((), dtype=torch.int64, device=device)
+        for target in self.targets:
+            threshold = self._threshold(target, threshold_of)
+            if threshold is None:
+                continue
+            gamma = clip_factors(max_logits[target.name], threshold)
+            clipped += (gamma != 1).sum()
+            q_factors, k_factors = row_scales(target.heads, gamma)
+            if target.q_weight is target.k_weight:  # fused: the q and k rows of one weight
+                _scale_local_rows(target.q_weight, q_factors * k_factors)
+            else:
+                _scale_local_rows(target.q_weight, q_factors)
+                if target.heads.shares_keys:
+                    continue  # GQA / MQA: shared keys stay as they are (dmuon.qk_clip)
+                _scale_local_rows(target.k_weight, k_factors)
+        largest = flat.max() if flat.numel() else torch.tensor(float("-inf"), device=device)
+        return ClipResult(max_logits, largest, clipped)
+
+    def _threshold(self, target: ClipTarget, threshold_of: Callable[[torch.Tensor, str], float | None]
+                   ) -> float | None:
+        q_threshold = threshold_of(target.q_weight, "q_weight")
+        k_threshold = threshold_of(target.k_weight, "k_weight")
+        if q_threshold != k_threshold:
+            raise ValueError(f"DMuon: attention {target.name!r}: its q and k weights are in param groups with "
+                             f"different qk_clip_threshold ({q_threshold} and {k_threshold}); give both the same")
+        return q_threshold
+
+    def _check_reported(self, flat: torch.Tensor) -> None:
+        """Until the first step in which some attention reported logits (the check syncs
+        with the host): then every registered attention must have reported, or the
+        model does not call the tracker for it and its clip would silently do nothing.
+        A step in which none reported (TorchTitan 0.3's state-making step, run before any
+        forward) is let through with one warning. Every rank sees the same reduced
+        values, so every rank decides alike."""
+        if self._checked_reports:
+            return
+        reported = [bool(torch.isfinite(part).any()) for part in flat.split([t.heads.n_heads for t in self.targets])]
+        if not any(reported):
+            if not self._warned_silent:
+                logger.warning("DMuon: QK-clip got no attention logits in this step (nothing to clip); expected "
+                               "only before the first forward")
+                self._warned_silent = True
+            return
+        self._checked_reports = True
+        silent = [t.name for t, ok in zip(self.targets, reported) if not ok]
+        if silent:
+            raise ValueError(
+                f"DMuon: QK-clip got no attention logits for {silent} while others reported theirs: call "
+                "optimizer.max_logits.observe(name, q, k, n_heads=...) in each registered attention's forward "
+                "(torchtitan_ext does it for TorchTitan's models)")
+
+    def _device(self) -> torch.device:
+        weight = self.targets[0].q_weight
+        return mesh_device(weight.device_mesh) if isinstance(weight, DTensor) else weight.device
+
+    def _group(self) -> dist.ProcessGroup:
+        from dmuon.fast_path import group_of  # the process-group cache lives with the fast path
+
+        weight = self.targets[0].q_weight
+        if isinstance(weight, DTensor):
+            return group_of(mesh_ranks(weight.device_mesh), [weight.device_mesh])
+        return dist.group.WORLD  # plain weights: replicated over every rank (DDP)
+
+
+def local_rows(weight: torch.Tensor) -> list[Range]:
+    """The global rows of ``weight`` this rank holds, in local order."""
+    if not isinstance(weight, DTensor):
+        return [(0, weight.shape[0])]
+    mesh = weight.device_mesh
+    return local_indices(weight.shape, tuple(mesh.mesh.shape), weight.placements, mesh.get_coordinate())[0]
+
+
+def _scale_local_rows(weight: torch.Tensor, factors: torch.Tensor) -> None:
+    local = weight.to_local() if isinstance(weight, DTensor) else weight
+    scale_rows_(local.data if isinstance(local, torch.nn.Parameter) else local, local_rows(weight), factors)
+
+
+def muon_group_threshold(groups: Mapping[torch.Tensor, dict[str, Any]], name_of: Callable[[torch.Tensor], str]
+                         ) -> Callable[[torch.Tensor, str], float | None]:
+    """``threshold_of`` for :meth:`AttentionClip.step`: a weight's Muon group's
+    ``qk_clip_threshold``; a weight outside the Muon groups is refused (QK-clip is the
+    clip of MuonClip: it follows a Muon step)."""
+
+    def threshold_of(weight: torch.Tensor, role: str) -> float | None:
+        if weight not in groups:
+            raise ValueError(f"DMuon: QK-clip's {role} {name_of(weight)} is not a Muon parameter of this optimizer; "
+                             "route it to Muon (use_muon=True) or do not register its attention")
+        return groups[weight]["qk_clip_threshold"]
+
+    return threshold_of
