@@ -124,12 +124,14 @@ def head_max_logits(
     for start in range(0, seq_q, chunk):
         stop = min(seq_q, start + chunk)
         # [b, kv, group * c, d] @ [b, kv, d, s_k]: each key head once, for its query heads.
+        # Causal: the chunk's queries see keys up to ``stop - 1`` only; skip the rest.
+        keys = stop if causal else seq_k
         queries = q[:, :, start:stop].reshape(batch, n_kv_heads, group * (stop - start), head_dim)
-        logits = torch.matmul(queries, keys_t).view(batch, n_heads, stop - start, seq_k)
+        logits = torch.matmul(queries, keys_t[..., :keys]).view(batch, n_heads, stop - start, keys)
         query_idx = torch.arange(start, stop, device=q.device)
-        visible = _visible(batch, n_heads, query_idx, key_idx, causal, mask_mod)
+        visible = _visible(batch, n_heads, query_idx, key_idx[:keys], causal, mask_mod)
         if visible is not None:
-            logits = logits.masked_fill(~visible, -math.inf)
+            logits.masked_fill_(~visible, -math.inf)  # in place: the matmul's output is ours
         best = torch.maximum(best, logits.amax(dim=(0, 2, 3)).float())
     # The scale is positive: scaling the maximum is scaling every logit, and cheaper.
     return best * scale
