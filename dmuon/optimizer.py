@@ -43,7 +43,7 @@ from dmuon.max_logits import MaxLogitTracker
 from dmuon.group_steps import GroupSteps
 from dmuon.newton_schulz import DEFAULT_NS_DTYPE, DEFAULT_NS_EPS, DEFAULT_NS_STEPS, KELLER_COEFFICIENTS
 from dmuon.param_groups import (
-    build_param_groups, check_adamw_hyperparameters, check_link_gbps, check_muon_hyperparameters, check_ns_dtype,
+    VARIANT_DEFAULTS, build_param_groups, check_adamw_hyperparameters, check_link_gbps, check_muon_hyperparameters, check_ns_dtype,
     check_optimizer_options, split_options,
 )
 from dmuon.plan import ALL_TO_ALL, DEFAULT_BATCH_NUMEL, OwnerPlan
@@ -225,6 +225,12 @@ class DMuon(Optimizer):
         # torch's __setstate__ (also run by load_state_dict) adds differentiable=False to
         # defaults; DMuon has no such option, and defaults stay the keys a group may set.
         self.defaults.pop("differentiable", None)
+        # A state_dict saved before the update-rule variants existed has no keys for
+        # them: its groups step as they did then (each variant's off value), as torch's
+        # own optimizers fill in options added after a checkpoint was written.
+        for group in self.param_groups:
+            for key in VARIANT_DEFAULTS if group.get("use_muon") else ("cautious_weight_decay",):
+                group.setdefault(key, VARIANT_DEFAULTS[key])
         if telemetry is not None:  # a copy, not load_state_dict: nothing derived came with it
             self._start_afresh(telemetry)
 

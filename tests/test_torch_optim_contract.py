@@ -95,6 +95,23 @@ def test_copied_optimizer_steps_bitwise_like_the_original_as_torch_optimizers_do
     _assert_bitwise_equal(_run(reference, range(2, 3)), expected)
 
 
+def test_a_state_dict_from_before_the_update_variants_loads_and_steps_as_before():
+    """Checkpoints written before ``normuon``, ``cautious_weight_decay`` and
+    ``qk_clip_threshold`` existed lack those keys; torch's optimizers fill in options
+    added later the same way (e.g. AdamW's ``amsgrad``)."""
+    model = _tiny_lm()
+    dmuon = DMuon(model.named_parameters(), **HYPER)
+    _run([dmuon], range(2))
+    old = copy.deepcopy(dmuon.state_dict())
+    for group in old["param_groups"]:
+        for key in ("normuon", "normuon_beta2", "cautious_weight_decay", "qk_clip_threshold"):
+            group.pop(key, None)
+    twin = copy.deepcopy(model)
+    loaded = DMuon(twin.named_parameters(), **HYPER)
+    loaded.load_state_dict(old)
+    _assert_bitwise_equal(_run([loaded], range(2, 3)), _run([dmuon], range(2, 3)))
+
+
 # ------------------------------------------------------------------ Tensor lr
 
 
