@@ -596,7 +596,40 @@ def variants_exactness(ns_dtype: str = "auto") -> dict[Any, Any]:
             out[(layout, comm, "paths")] = optimizer.comm_paths()
             out[(layout, comm, "moments")] = normuon_states_agree(
                 {n: optimizer.state[params[n]] for n in oracle}, {n: reference.state[oracle[n]] for n in oracle})
+    for comm in ("all_to_all", "redistribute"):
+        out[("split_rows", comm)] = _normuon_split_rows_exactness(layouts["fsdp"][0], comm, ns_dtype)
     return out
+
+
+# Attention-like weights orthogonalized per block of 4 rows (``split_rows``): 12 rows cut
+# 3 per rank at 4 ranks, so shards cut through the blocks and NorMuon's state rows.
+SPLIT_ROWS_CASES = {"heads": (12, 8), "heads_wide": (8, 20)}
+SPLIT_ROWS_OPTIONS = {"use_muon": True, "split_rows": 4, "normuon": True, "cautious_weight_decay": True,
+                      "weight_decay": 0.1}
+
+
+def _normuon_split_rows_exactness(mesh: Any, comm: str, ns_dtype: str) -> dict[str, bool]:
+    """NorMuon with ``split_rows`` on Shard(0) over ``mesh`` vs single process: per
+    parameter, whether its weights and every rank's NorMuon state are bitwise equal."""
+    def tensors(seed: int) -> dict[str, torch.Tensor]:
+        generator = torch.Generator().manual_seed(seed)
+        return {n: torch.randn(shape, generator=generator).to(_device()) for n, shape in SPLIT_ROWS_CASES.items()}
+
+    def shard(t: torch.Tensor) -> DTensor:
+        return distribute_tensor(t, mesh, [Shard(0)], src_data_rank=None)
+
+    oracle = {n: nn.Parameter(t) for n, t in tensors(0).items()}
+    params = {n: nn.Parameter(shard(t)) for n, t in tensors(0).items()}
+    reference = DMuon([{"params": list(oracle.items()), **SPLIT_ROWS_OPTIONS}], ns_dtype=ns_dtype)
+    optimizer = DMuon([{"params": list(params.items()), **SPLIT_ROWS_OPTIONS}], ns_dtype=ns_dtype, comm=comm)
+    for step in range(STEPS):
+        for name, grad in tensors(100 + step).items():
+            oracle[name].grad, params[name].grad = grad, shard(grad)
+        reference.step()
+        optimizer.step()
+    moments = normuon_states_agree({n: optimizer.state[p] for n, p in params.items()},
+                                   {n: reference.state[p] for n, p in oracle.items()})
+    return {n: torch.equal(p.full_tensor(), oracle[n].detach()) and moments[n] for n, p in params.items()}
 
 
 def normuon_states_agree(states: dict[str, dict[str, Any]], oracle_states: dict[str, dict[str, Any]]) -> dict[str, bool]:

@@ -5,7 +5,7 @@ run. Cases: square, tall and wide matrices, an uneven split, a matrix with an em
 shard on the last rank (at P = 4), a 3-D expert weight, two Muon groups with different
 lr and momentum, and an AdamW group, all in one optimizer; each with Newton-Schulz in bf16 and in fp32
 (``ns_dtype``), since both must be exact. The same cases again with NorMuon and cautious
-weight decay on, on every layout and both paths.
+weight decay on, on every layout and both paths, and with split_rows (attention heads).
 """
 
 from __future__ import annotations
@@ -125,3 +125,10 @@ def test_normuon_and_cautious_weight_decay_under_hsdp_and_fsdp_tp_are_bitwise_eq
 def test_every_ranks_normuon_state_under_hsdp_and_fsdp_tp_equals_the_single_process_state(variants, layout, comm):
     moments = variants[4]["bfloat16"][(layout, comm, "moments")]
     assert moments and all(moments.values())
+
+
+@pytest.mark.parametrize("comm", ["all_to_all", "redistribute"])
+@pytest.mark.parametrize("world", WORLD_SIZES)
+@pytest.mark.parametrize("ns_dtype", scenarios.NS_DTYPES)
+def test_normuon_with_split_rows_is_bitwise_equal_to_single_process_state_included(variants, ns_dtype, world, comm):
+    assert variants[world][ns_dtype][("split_rows", comm)] == dict.fromkeys(scenarios.SPLIT_ROWS_CASES, True)
