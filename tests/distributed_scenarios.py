@@ -570,34 +570,80 @@ def _variant_steps(optimizer: DMuon, params: dict[str, torch.Tensor], steps: ran
 
 
 def variants_exactness(ns_dtype: str = "auto") -> dict[Any, Any]:
-    """NorMuon and cautious weight decay on Shard(0) over every rank, both paths, vs
-    single-process DMuon with the same groups: ``{comm: {case: bitwise_equal}}``, and
-    ``{(comm, "moments"): {case: every rank's NorMuon state equals the oracle's}}``."""
+    """NorMuon and cautious weight decay, both paths, vs single-process DMuon with the
+    same groups, on the layouts of :func:`exactness` (Shard(0) over every rank; HSDP and
+    FSDP + TP on a 2 x 2 mesh at 4 ranks): ``{(layout, comm): {case: bitwise_equal}}``,
+    and ``{(layout, comm, "moments"): {case: every rank's NorMuon state equals the oracle's}}``."""
     world = dist.get_world_size()
     oracle = {n: nn.Parameter(t) for n, t in _case_tensors(0).items()}
     reference = DMuon(_variant_groups(oracle), weight_decay=0.01, ns_dtype=ns_dtype)
     _variant_steps(reference, oracle, range(STEPS))
-    mesh = init_device_mesh(device_type(), (world,))
+    layouts = {"fsdp": (init_device_mesh(device_type(), (world,)), [Shard(0)])}
+    if world == 4:
+        mesh_2d = init_device_mesh(device_type(), (2, 2))
+        layouts["hsdp"] = (mesh_2d, [Replicate(), Shard(0)])
+        layouts["fsdp_tp"] = (mesh_2d, [_StridedShard(0, split_factor=2), Shard(0)])
     out: dict[Any, Any] = {}
-    for comm in ("all_to_all", "redistribute"):
-        def shard(t: torch.Tensor) -> DTensor:
-            return distribute_tensor(t, mesh, [Shard(0)], src_data_rank=None)
+    for layout, (mesh, placements) in layouts.items():
+        for comm in ("all_to_all", "redistribute"):
+            def shard(t: torch.Tensor) -> DTensor:
+                return distribute_tensor(t, mesh, placements, src_data_rank=None)
 
-        params = {n: nn.Parameter(shard(t)) for n, t in _case_tensors(0).items()}
-        optimizer = DMuon(_variant_groups(params), weight_decay=0.01, ns_dtype=ns_dtype, comm=comm)
-        _variant_steps(optimizer, params, range(STEPS), shard)
-        out[comm] = {n: torch.equal(params[n].full_tensor(), oracle[n].detach()) for n in oracle}
-        out[(comm, "paths")] = optimizer.comm_paths()
-        moments = {}
-        for name in oracle:
-            if "normuon_second_moment" not in reference.state[oracle[name]]:
-                continue
-            mine = optimizer.state[params[name]]["normuon_second_moment"].to_local()
-            copies = [torch.empty_like(mine) for _ in range(world)]
-            dist.all_gather(copies, mine)
-            moments[name] = all(torch.equal(c, reference.state[oracle[name]]["normuon_second_moment"]) for c in copies)
-        out[(comm, "moments")] = moments
+            params = {n: nn.Parameter(shard(t)) for n, t in _case_tensors(0).items()}
+            optimizer = DMuon(_variant_groups(params), weight_decay=0.01, ns_dtype=ns_dtype, comm=comm)
+            _variant_steps(optimizer, params, range(STEPS), shard)
+            out[(layout, comm)] = {n: torch.equal(params[n].full_tensor(), oracle[n].detach()) for n in oracle}
+            out[(layout, comm, "paths")] = optimizer.comm_paths()
+            out[(layout, comm, "moments")] = normuon_states_agree(
+                {n: optimizer.state[params[n]] for n in oracle}, {n: reference.state[oracle[n]] for n in oracle})
+    for comm in ("all_to_all", "redistribute"):
+        out[("split_rows", comm)] = _normuon_split_rows_exactness(layouts["fsdp"][0], comm, ns_dtype)
     return out
+
+
+# Attention-like weights orthogonalized per block of 4 rows (``split_rows``): 12 rows cut
+# 3 per rank at 4 ranks, so shards cut through the blocks and NorMuon's state rows.
+SPLIT_ROWS_CASES = {"heads": (12, 8), "heads_wide": (8, 20)}
+SPLIT_ROWS_OPTIONS = {"use_muon": True, "split_rows": 4, "normuon": True, "cautious_weight_decay": True,
+                      "weight_decay": 0.1}
+
+
+def _normuon_split_rows_exactness(mesh: Any, comm: str, ns_dtype: str) -> dict[str, bool]:
+    """NorMuon with ``split_rows`` on Shard(0) over ``mesh`` vs single process: per
+    parameter, whether its weights and every rank's NorMuon state are bitwise equal."""
+    def tensors(seed: int) -> dict[str, torch.Tensor]:
+        generator = torch.Generator().manual_seed(seed)
+        return {n: torch.randn(shape, generator=generator).to(_device()) for n, shape in SPLIT_ROWS_CASES.items()}
+
+    def shard(t: torch.Tensor) -> DTensor:
+        return distribute_tensor(t, mesh, [Shard(0)], src_data_rank=None)
+
+    oracle = {n: nn.Parameter(t) for n, t in tensors(0).items()}
+    params = {n: nn.Parameter(shard(t)) for n, t in tensors(0).items()}
+    reference = DMuon([{"params": list(oracle.items()), **SPLIT_ROWS_OPTIONS}], ns_dtype=ns_dtype)
+    optimizer = DMuon([{"params": list(params.items()), **SPLIT_ROWS_OPTIONS}], ns_dtype=ns_dtype, comm=comm)
+    for step in range(STEPS):
+        for name, grad in tensors(100 + step).items():
+            oracle[name].grad, params[name].grad = grad, shard(grad)
+        reference.step()
+        optimizer.step()
+    moments = normuon_states_agree({n: optimizer.state[p] for n, p in params.items()},
+                                   {n: reference.state[p] for n, p in oracle.items()})
+    return {n: torch.equal(p.full_tensor(), oracle[n].detach()) and moments[n] for n, p in params.items()}
+
+
+def normuon_states_agree(states: dict[str, dict[str, Any]], oracle_states: dict[str, dict[str, Any]]) -> dict[str, bool]:
+    """Per NorMuon parameter: whether every rank's copy of its ``normuon_second_moment``
+    (replicated, so each rank holds all of it) equals the single-process state."""
+    agree = {}
+    for name, oracle_state in oracle_states.items():
+        if "normuon_second_moment" not in oracle_state:
+            continue
+        mine = states[name]["normuon_second_moment"].to_local()
+        copies = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+        dist.all_gather(copies, mine)
+        agree[name] = all(torch.equal(c, oracle_state["normuon_second_moment"]) for c in copies)
+    return agree
 
 
 def _as_module(params: dict[str, nn.Parameter]) -> nn.Module:

@@ -21,7 +21,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from benchmarks.layouts import as_dtensor
 from dmuon import DMuon
-from tests.distributed_scenarios import NS_DTYPES, _device, device_type
+from tests.distributed_scenarios import NS_DTYPES, _device, device_type, normuon_states_agree
 
 STEPS = 3
 OPTIONS = dict(lr=0.03, momentum=0.9, weight_decay=0.05)
@@ -60,16 +60,17 @@ def _tensors(seed: int, cases) -> dict[str, torch.Tensor]:
     return {name: torch.randn(shape, generator=generator).to(_device()) for name, shape, _ in cases}
 
 
-def mesh_exactness(split_replicas: bool | None, max_batch_numel: int = 1 << 27, ns_dtype: str = "auto") -> dict[str, Any]:
-    """Every MESH_CASES parameter in one DMuon on a 2 x 2 mesh vs the oracle."""
+def mesh_exactness(split_replicas: bool | None, max_batch_numel: int = 1 << 27, ns_dtype: str = "auto",
+                   options: dict[str, Any] = OPTIONS) -> dict[str, Any]:
+    """Every MESH_CASES parameter in one DMuon (group ``options``) on a 2 x 2 mesh vs the oracle."""
     mesh = init_device_mesh(device_type(), (2, 2))
     cases = [case for group in MESH_CASES.values() for case in group]
     placements = {name: p for name, _, p in cases}
     params = {n: nn.Parameter(as_dtensor(t, mesh, placements[n])) for n, t in _tensors(0, cases).items()}
     oracle = {n: nn.Parameter(t) for n, t in _tensors(0, cases).items()}
-    optimizer = DMuon([{"params": list(params.items()), "use_muon": True}], **OPTIONS, ns_dtype=ns_dtype,
+    optimizer = DMuon([{"params": list(params.items()), "use_muon": True}], **options, ns_dtype=ns_dtype,
                       split_replicas=split_replicas, max_batch_numel=max_batch_numel)
-    reference = DMuon([{"params": list(oracle.items()), "use_muon": True}], **OPTIONS, ns_dtype=ns_dtype)
+    reference = DMuon([{"params": list(oracle.items()), "use_muon": True}], **options, ns_dtype=ns_dtype)
     for step in range(STEPS):
         for name, grad in _tensors(100 + step, cases).items():
             params[name].grad = as_dtensor(grad, mesh, placements[name])
@@ -80,6 +81,8 @@ def mesh_exactness(split_replicas: bool | None, max_batch_numel: int = 1 << 27, 
     rank = dist.get_rank()
     return {
         "equal": {n: torch.equal(p.full_tensor(), oracle[n].detach()) for n, p in params.items()},
+        "moments": normuon_states_agree({n: optimizer.state[p] for n, p in params.items()},
+                                        {n: reference.state[p] for n, p in oracle.items()}),
         "paths": optimizer.comm_paths(),
         "bytes": optimizer.comm_stats.bytes_sent,
         "planned_bytes": STEPS * plan.bytes_sent(rank),
@@ -87,6 +90,17 @@ def mesh_exactness(split_replicas: bool | None, max_batch_numel: int = 1 << 27, 
         "planned_ns_flops": STEPS * plan.ns_flops(rank),
         "total_ns_flops": STEPS * sum(u.cost for u in {(u.param, u.dim0): u for u in plan.units}.values()),
     }
+
+
+# NorMuon (with a beta2 of its own) and cautious weight decay on top of OPTIONS.
+VARIANT_OPTIONS = {**OPTIONS, "normuon": True, "normuon_beta2": 0.9, "cautious_weight_decay": True}
+
+
+def mesh_variants_exactness(ns_dtype: str = "auto") -> dict[str, dict[str, Any]]:
+    """:func:`mesh_exactness` with VARIANT_OPTIONS, Newton-Schulz split across replicas
+    and not, in one launch: ``{"split": figures, "apart": figures}``."""
+    return {setting: mesh_exactness(split, ns_dtype=ns_dtype, options=VARIANT_OPTIONS)
+            for setting, split in (("split", True), ("apart", False))}
 
 
 def two_stages_on_their_own_ranks() -> dict[str, Any]:

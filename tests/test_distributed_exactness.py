@@ -4,7 +4,8 @@ The oracle runs in the worker too (one thread, plain tensors), after the distrib
 run. Cases: square, tall and wide matrices, an uneven split, a matrix with an empty
 shard on the last rank (at P = 4), a 3-D expert weight, two Muon groups with different
 lr and momentum, and an AdamW group, all in one optimizer; each with Newton-Schulz in bf16 and in fp32
-(``ns_dtype``), since both must be exact.
+(``ns_dtype``), since both must be exact. The same cases again with NorMuon and cautious
+weight decay on, on every layout and both paths, and with split_rows (attention heads).
 """
 
 from __future__ import annotations
@@ -96,15 +97,38 @@ def variants() -> dict[int, dict[str, dict]]:
 @pytest.mark.parametrize("world", WORLD_SIZES)
 @pytest.mark.parametrize("ns_dtype", scenarios.NS_DTYPES)
 def test_normuon_and_cautious_weight_decay_are_bitwise_equal_to_single_process(variants, ns_dtype, world, comm):
-    assert variants[world][ns_dtype][comm] == dict.fromkeys(CASE_NAMES, True)
+    assert variants[world][ns_dtype][("fsdp", comm)] == dict.fromkeys(CASE_NAMES, True)
 
 
 @pytest.mark.parametrize("comm", ["all_to_all", "redistribute"])
 @pytest.mark.parametrize("world", WORLD_SIZES)
 def test_every_ranks_normuon_state_equals_the_single_process_state(variants, world, comm):
-    moments = variants[world]["bfloat16"][(comm, "moments")]
+    moments = variants[world]["bfloat16"][("fsdp", comm, "moments")]
     assert moments and all(moments.values())
 
 
 def test_the_normuon_cases_take_the_fast_path_on_several_ranks(variants):
-    assert set(variants[4]["bfloat16"][("all_to_all", "paths")].values()) == {"all_to_all"}
+    assert set(variants[4]["bfloat16"][("fsdp", "all_to_all", "paths")].values()) == {"all_to_all"}
+
+
+@pytest.mark.parametrize("comm", ["all_to_all", "redistribute"])
+@pytest.mark.parametrize("layout", ["hsdp", "fsdp_tp"])
+@pytest.mark.parametrize("ns_dtype", scenarios.NS_DTYPES)
+def test_normuon_and_cautious_weight_decay_under_hsdp_and_fsdp_tp_are_bitwise_equal(variants, ns_dtype, layout, comm):
+    four = variants[4][ns_dtype]
+    assert four[(layout, comm)] == dict.fromkeys(CASE_NAMES, True)
+    assert set(four[(layout, comm, "paths")].values()) == {comm}
+
+
+@pytest.mark.parametrize("comm", ["all_to_all", "redistribute"])
+@pytest.mark.parametrize("layout", ["hsdp", "fsdp_tp"])
+def test_every_ranks_normuon_state_under_hsdp_and_fsdp_tp_equals_the_single_process_state(variants, layout, comm):
+    moments = variants[4]["bfloat16"][(layout, comm, "moments")]
+    assert moments and all(moments.values())
+
+
+@pytest.mark.parametrize("comm", ["all_to_all", "redistribute"])
+@pytest.mark.parametrize("world", WORLD_SIZES)
+@pytest.mark.parametrize("ns_dtype", scenarios.NS_DTYPES)
+def test_normuon_with_split_rows_is_bitwise_equal_to_single_process_state_included(variants, ns_dtype, world, comm):
+    assert variants[world][ns_dtype][("split_rows", comm)] == dict.fromkeys(scenarios.SPLIT_ROWS_CASES, True)

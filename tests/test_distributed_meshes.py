@@ -2,7 +2,8 @@
 
 Four gloo ranks on a 2 x 2 mesh: HSDP, FSDP over TP, TP under data parallel, expert
 stacks under EP and EP + FSDP (tests/mesh_scenarios.py), with Newton-Schulz split
-across replicas and without. TorchTitan's own llama3 parallelize (real
+across replicas and without; and again with NorMuon and cautious weight decay on
+(their state included). TorchTitan's own llama3 parallelize (real
 ``_StridedShard``) is in tests/test_distributed_titan_layouts.py.
 """
 
@@ -57,6 +58,27 @@ def test_splitting_across_replicas_runs_less_newton_schulz_on_the_busiest_rank(r
     split = max(rank["ns_flops"] for rank in results["split"])
     apart = max(rank["ns_flops"] for rank in results["apart"])
     assert split < apart
+
+
+@pytest.fixture(scope="module")
+def variants() -> dict[str, list[dict[str, dict]]]:
+    """Per ns_dtype, every rank's figures with NorMuon and cautious weight decay on."""
+    ranks = run_on_ranks(per_ns_dtype, 4, scenarios.mesh_variants_exactness)
+    return {dtype: [rank[dtype] for rank in ranks] for dtype in NS_DTYPES}
+
+
+@pytest.mark.parametrize("case", CASE_NAMES)
+@pytest.mark.parametrize("setting", ["split", "apart"])
+@pytest.mark.parametrize("ns_dtype", NS_DTYPES)
+def test_normuon_and_cautious_weight_decay_on_every_layout_are_bitwise_equal_to_single_process(
+        variants, ns_dtype, setting, case):
+    assert [rank[setting]["equal"][case] for rank in variants[ns_dtype]] == [True] * 4
+
+
+@pytest.mark.parametrize("setting", ["split", "apart"])
+def test_every_ranks_normuon_state_on_every_layout_equals_the_single_process_state(variants, setting):
+    moments = variants["bfloat16"][0][setting]["moments"]
+    assert moments == dict.fromkeys(CASE_NAMES, True)
 
 
 def test_pipeline_stages_plan_over_their_own_ranks_only():

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import inspect
 import re
+import tomllib
 
 import pytest
 import torch
@@ -41,6 +42,8 @@ BAD_VALUES = [
     ("beta1", "1.5", "adamw_betas", (1.5, 0.95)),
     ("beta2", "1.0", "adamw_betas", (0.9, 1.0)),
     ("eps", "-1", "adamw_eps", -1.0),
+    ("normuon_beta2", "1.0", "normuon_beta2", 1.0),  # the EMA would never move
+    ("normuon_beta2", "-0.1", "normuon_beta2", -0.1),
     ("ns_dtype", "fp16", "ns_dtype", "fp16"),
     ("comm", "nccl", "comm", "nccl"),
     ("split_replicas", "sometimes", "split_replicas", "sometimes"),
@@ -74,6 +77,22 @@ def test_a_bad_value_gets_the_same_message_from_dmuon_and_from_the_toml_section(
     toml_rule, dmuon_rule = without_where(from_toml, "[optimizer]"), without_where(from_dmuon, "DMuon")
     spellings = TOML_SPELLINGS.get(field)
     assert toml_rule == (f"{dmuon_rule}; in TOML, {field} is one of {spellings}" if spellings else dmuon_rule)
+
+
+# (TOML field, a value that is not a bool): the on/off fields. tyro reads a command-line
+# bool itself (a flag), so these come from a TOML file, which TorchTitan passes on as written.
+NOT_BOOLS = [("nesterov", "1"), ("normuon", "1"), ("normuon", '"yes"'), ("cautious_weight_decay", "0")]
+
+
+@pytest.mark.parametrize(("field", "text"), NOT_BOOLS)
+def test_a_non_bool_on_off_value_gets_the_same_message_from_dmuon_and_from_a_toml_file(tmp_path, field, text):
+    value = tomllib.loads(f"x = {text}")["x"]
+    from_dmuon = message_of(lambda: DMuon([nn.Parameter(torch.zeros(4, 4))], **{field: value}))
+    path = tmp_path / "job.toml"
+    path.write_text('[job]\ncustom_config_module = "torchtitan_ext"\n[experimental]\n'
+                    f'custom_import = "torchtitan_ext.titan02.job"\n[optimizer]\nname = "DMuon"\n{field} = {text}\n')
+    from_toml = message_of(lambda: ConfigManager().parse_args(["--job.config_file", str(path)]))
+    assert without_where(from_toml, "[optimizer]") == without_where(from_dmuon, "DMuon")
 
 
 @pytest.mark.parametrize(("check", "keyword", "value"), [
@@ -115,8 +134,8 @@ def test_the_toml_defaults_are_dmuons_defaults():
             value = NS_COEFFICIENT_SETS[value]
         assert value == default, keyword
         compared.add(keyword)
-    assert {"momentum", "nesterov", "ns_steps", "ns_coefficients", "adjust_lr", "matched_adamw_rms", "comm",
-            "split_replicas", "ns_dtype", "telemetry"} <= compared
+    assert {"momentum", "nesterov", "ns_steps", "ns_coefficients", "adjust_lr", "matched_adamw_rms", "normuon",
+            "normuon_beta2", "cautious_weight_decay", "comm", "split_replicas", "ns_dtype", "telemetry"} <= compared
 
 
 def test_the_link_speed_fields_default_to_the_cost_models_speeds():

@@ -93,6 +93,20 @@ def test_a_hand_written_config_is_checked_too():
         ])
 
 
+def test_a_bad_normuon_beta2_fails_when_the_config_is_made_naming_the_field():
+    with pytest.raises(ValueError, match=r"^optimizer\.param_groups\[0\]\.optimizer_kwargs: normuon_beta2 must be in "
+                                         r"\[0\.0, 1\.0\), got 1\.0$"):
+        dmuon_optimizer(normuon=True, normuon_beta2=1.0)
+
+
+def test_the_update_rule_variants_reach_the_dmuon_param_groups():
+    config = dmuon_optimizer(normuon=True, normuon_beta2=0.9, cautious_weight_decay=True)
+    optimizer = build(config).optimizers[0]
+    muon, adamw = (next(g for g in optimizer.param_groups if g["use_muon"] is use) for use in (True, False))
+    assert (muon["normuon"], muon["normuon_beta2"], muon["cautious_weight_decay"]) == (True, 0.9, True)
+    assert adamw["cautious_weight_decay"] is True
+
+
 def test_every_option_of_dmuon_optimizer_reaches_dmuon():
     config = dmuon_optimizer(lr=0.03, momentum=0.9, ns_steps=6, adamw_lr=1e-3,
                              factory_options={"comm": "redistribute", "telemetry": True, "ns_dtype": "float32"})
@@ -113,6 +127,14 @@ def test_command_line_overrides_reach_the_dmuon_config():
     assert type(config.optimizer) is DMuonOptimizersContainer.Config
     assert config.optimizer.param_groups[0].optimizer_kwargs["ns_steps"] == 7
     assert config.optimizer.optimizer_factory_kwargs_by_name["DMuon"]["comm"] == "redistribute"
+
+
+def test_the_update_rule_variants_are_set_from_the_command_line():
+    kwargs = parse("--optimizer.param_groups.0.optimizer_kwargs.normuon",
+                   "--optimizer.param_groups.0.optimizer_kwargs.normuon_beta2", "0.5",
+                   "--optimizer.param_groups.0.optimizer_kwargs.cautious_weight_decay",
+                   ).optimizer.param_groups[0].optimizer_kwargs
+    assert (kwargs["normuon"], kwargs["normuon_beta2"], kwargs["cautious_weight_decay"]) == (True, 0.5, True)
 
 
 def test_a_bad_command_line_value_stops_parsing_naming_the_field(capsys):

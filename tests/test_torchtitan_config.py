@@ -166,3 +166,24 @@ def test_an_unknown_split_replicas_in_a_toml_file_is_rejected_naming_the_section
     with pytest.raises(ValueError, match=r"^\[optimizer\]: split_replicas must be .* got 'sometimes'; "
                                          r"in TOML, split_replicas is one of 'auto', 'always', 'never'$"):
         parse("--job.config_file", str(bad))
+
+
+@pytest.mark.parametrize("name", ["llama3_debug_dmuon.toml", "llama3_8b_dmuon.toml"])
+def test_shipped_configs_keep_the_update_rule_variants_off(name):
+    cfg = parse("--job.config_file", str(CONFIGS / name)).optimizer
+    assert (cfg.normuon, cfg.normuon_beta2, cfg.cautious_weight_decay) == (False, 0.95, False)
+
+
+def test_the_update_rule_variants_reach_dmuons_muon_and_adamw_groups():
+    import torch
+
+    from dmuon import DMuon
+    from torchtitan_ext.titan02.config import dmuon_kwargs
+
+    cfg = parse(*EXT, "--optimizer.name", "DMuon", "--optimizer.normuon", "--optimizer.normuon_beta2", "0.9",
+                "--optimizer.cautious_weight_decay").optimizer
+    optimizer = DMuon([("w", torch.nn.Parameter(torch.zeros(4, 4))), ("b", torch.nn.Parameter(torch.zeros(4)))],
+                      **dmuon_kwargs(cfg))
+    muon, adamw = optimizer.param_groups
+    assert (muon["normuon"], muon["normuon_beta2"], muon["cautious_weight_decay"]) == (True, 0.9, True)
+    assert adamw["cautious_weight_decay"] is True

@@ -39,6 +39,7 @@ from dmuon.param_groups import (
     DEFAULT_MOMENTUM,
     DEFAULT_NESTEROV,
     DEFAULT_SPLIT_REPLICAS,
+    VARIANT_DEFAULTS,
     check_adamw_hyperparameters,
     check_comm,
     check_link_gbps,
@@ -138,6 +139,24 @@ class Optimizer:
     ``wo`` and models without such modules (deepseek_v3's MLA) are unaffected.
     """
 
+    normuon: bool = VARIANT_DEFAULTS["normuon"]
+    """
+    NorMuon (Li et al., arXiv 2510.05491): divide each row of Muon's orthogonalized
+    update by the root of an EMA of its mean square, then rescale it to the update's
+    Frobenius norm. Adds a per-row state (``normuon_second_moment``) to every Muon
+    matrix. Off by default (plain Muon).
+    """
+
+    normuon_beta2: float = VARIANT_DEFAULTS["normuon_beta2"]
+    """The EMA coefficient of NorMuon's per-row second moment, in [0, 1). Used only with normuon = true."""
+
+    cautious_weight_decay: bool = VARIANT_DEFAULTS["cautious_weight_decay"]
+    """
+    Cautious weight decay (Chen et al., arXiv 2510.12402), for both parts: decay only
+    the entries whose update and weight agree in sign. Off by default (plain decoupled
+    decay, ``weight_decay`` everywhere).
+    """
+
     comm: str = ALL_TO_ALL
     """
     How DMuon gathers each sharded matrix to the rank that orthogonalizes it:
@@ -205,6 +224,9 @@ def dmuon_kwargs(optimizer_config: Any) -> dict[str, Any]:
         "adamw_lr": cfg.adamw_lr,
         "adamw_betas": (cfg.beta1, cfg.beta2),
         "adamw_eps": cfg.eps,
+        "normuon": cfg.normuon,
+        "normuon_beta2": cfg.normuon_beta2,
+        "cautious_weight_decay": cfg.cautious_weight_decay,
         "comm": cfg.comm,
         "split_replicas": SPLIT_REPLICAS.get(cfg.split_replicas, cfg.split_replicas)
         if isinstance(cfg.split_replicas, str) else cfg.split_replicas,

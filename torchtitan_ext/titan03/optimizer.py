@@ -20,7 +20,8 @@ one DMuon, which also gives one telemetry record per part.
 
 Options, where they go:
 
-* group options (``lr``, ``momentum``, ``ns_steps``, ..., the AdamW part's
+* group options (``lr``, ``momentum``, ``ns_steps``, ..., the update-rule variants
+  ``normuon`` / ``normuon_beta2`` / ``cautious_weight_decay``, the AdamW part's
   ``adamw_lr`` / ``adamw_betas`` / ``adamw_eps`` / ``adamw_weight_decay``) and the
   routing keys ``adamw_param_regex`` and ``split_attention_heads``: the group's
   ``optimizer_kwargs``;
@@ -268,7 +269,8 @@ def dmuon_optimizer(
 ) -> DMuonOptimizersContainer.Config:
     """A config with one ``".*"`` DMuon group, like TorchTitan's ``default_adamw``.
 
-    ``group_options``: any DMuon group option (``momentum=0.9``, ``adamw_lr=3e-4``);
+    ``group_options``: any DMuon group option (``momentum=0.9``, ``adamw_lr=3e-4``,
+    ``normuon=True``; ``cautious_weight_decay`` applies to the AdamW part too);
     ``factory_options``: the whole-optimizer ones (``{"telemetry": True}``). Every
     option is written into the config with its value (DMuon's default unless given),
     so each can be overridden from the command line, e.g.
