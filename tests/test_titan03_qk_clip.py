@@ -146,3 +146,23 @@ def test_an_attention_with_qk_norm_is_refused_naming_it():
     model = config.build()
     with pytest.raises(ValueError, match=r"layers\.0\.attention has a QK-norm.*qk_clip_threshold"):
         _container(model, qk_clip_threshold=NO_CLIP)
+
+
+def test_the_step_line_shows_max_logit_and_clipped_heads_only_with_qk_clip():
+    from dmuon.telemetry import StepFigures
+    from torchtitan.tools.utils import NoColor
+
+    from torchtitan_ext.step_figures import console_text
+
+    sums = [4.0, 100.0, 400.0, 1.0, 25.0, 100.0]
+    with_clip = StepFigures.from_sums(0.15, 0.1, 2**20, sums, max_logit=12.5, qk_clipped_heads=3)
+    assert console_text(with_clip, NoColor()).endswith("max_logit: 12.50  qk_clipped: 3")
+    assert "max_logit" not in console_text(StepFigures.from_sums(0.15, 0.1, 2**20, sums), NoColor())
+
+
+def test_multi_head_latent_attention_is_refused_naming_it():
+    from torchtitan.models.deepseek_v3 import model_registry as deepseek_registry
+
+    model = deepseek_registry("debugmodel").model.build()
+    with pytest.raises(ValueError, match=r"layers\.0\.attention .*multi-head latent attention"):
+        _container(model, qk_clip_threshold=NO_CLIP)
