@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 from collections.abc import Iterator
 from typing import Any
 
@@ -24,6 +25,8 @@ METRICS = {
     "dmuon/muon_weight_rms": lambda f: f.muon_weight_rms,
     "dmuon/adamw_update_rms": lambda f: f.adamw_update_rms,
     "dmuon/adamw_weight_rms": lambda f: f.adamw_weight_rms,
+    "dmuon/max_logit": lambda f: f.max_logit,  # NaN without QK-clip
+    "dmuon/qk_clipped_heads": lambda f: f.qk_clipped_heads,
 }
 
 
@@ -38,7 +41,10 @@ def console_text(figures: StepFigures, color: Any) -> str:
         f"{color.white}opt: {f.step_s * 1e3:.1f}ms  ns: {f.newton_schulz_s * 1e3:.1f}ms  "
         f"sent: {f.bytes_sent / 2**20:.2f}MiB  "
         f"muon_rms upd/w: {f.muon_update_rms:.2e}/{f.muon_weight_rms:.2e}  "
-        f"adamw_rms upd/w: {f.adamw_update_rms:.2e}/{f.adamw_weight_rms:.2e}{color.reset}"
+        f"adamw_rms upd/w: {f.adamw_update_rms:.2e}/{f.adamw_weight_rms:.2e}"
+        # QK-clip's figures, only when it measured logits (max_logit is NaN otherwise).
+        + ("" if math.isnan(f.max_logit) else f"  max_logit: {f.max_logit:.2f}  qk_clipped: {f.qk_clipped_heads}")
+        + f"{color.reset}"
     )
 
 

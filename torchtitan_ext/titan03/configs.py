@@ -6,7 +6,7 @@
 * ``llama3_debug_cpu``: the CPU demo (llama3 debug model, ~6M parameters, 2 gloo ranks,
   FSDP2, DMuon, the embedded corpus), the 0.3 twin of
   ``train_configs/llama3_debug_dmuon.toml``; ``llama3_debug_cpu_adamw`` is the same run
-  with AdamW for comparison.
+  with AdamW for comparison; ``llama3_debug_cpu_qk_clip`` the DMuon run with QK-clip.
 * ``llama3_8b_dmuon``: Llama 3 8B with DMuon on GPUs, the twin of
   ``train_configs/llama3_8b_dmuon.toml`` (c4 from the hub; needs GPUs and network).
 
@@ -54,6 +54,7 @@ VALIDATION_FREQ = 20
 VALIDATION_STEPS = 4                            # the same 4 held-out batches each pass
 SEED = 42                                       # same initial weights for DMuon and AdamW
 LOG_FREQ = 10
+DEBUG_QK_CLIP_THRESHOLD = 30.0                  # QK-clip's tau (Kimi K2 used 100 at scale)
 
 # --- 8B on GPUs, as in train_configs/llama3_8b_dmuon.toml -------------------------
 LLAMA3_8B_ASSETS = "./assets/hf/Llama-3.1-8B"
@@ -76,6 +77,13 @@ def _debug_optimizer_dmuon() -> OptimizersContainer.Config:
     return dmuon_optimizer(
         lr=DEBUG_DMUON_LR, adamw_lr=DEBUG_ADAMW_LR, weight_decay=WEIGHT_DECAY,
         factory_options={"telemetry": True},
+    )
+
+
+def _debug_optimizer_dmuon_qk_clip() -> OptimizersContainer.Config:
+    return dmuon_optimizer(
+        lr=DEBUG_DMUON_LR, adamw_lr=DEBUG_ADAMW_LR, weight_decay=WEIGHT_DECAY,
+        qk_clip_threshold=DEBUG_QK_CLIP_THRESHOLD, factory_options={"telemetry": True},
     )
 
 
@@ -114,6 +122,14 @@ def _llama3_debug_cpu(optimizer: OptimizersContainer.Config, name: str) -> CpuTr
 def llama3_debug_cpu() -> CpuTrainer.Config:
     """The CPU demo: llama3 debug model, DMuon, 2 gloo ranks, embedded corpus."""
     return _llama3_debug_cpu(_debug_optimizer_dmuon(), "llama3_debug_dmuon")
+
+
+def llama3_debug_cpu_qk_clip() -> CpuTrainer.Config:
+    """``llama3_debug_cpu`` with QK-clip (MuonClip): after each step, heads whose largest
+    attention logit exceeded the threshold get their ``wqkv`` rows scaled; the step line
+    shows ``max_logit`` and ``qk_clipped``. Change the threshold with
+    ``--optimizer.param_groups.0.optimizer_kwargs.qk_clip_threshold 10``."""
+    return _llama3_debug_cpu(_debug_optimizer_dmuon_qk_clip(), "llama3_debug_dmuon_qk_clip")
 
 
 def llama3_debug_cpu_adamw() -> CpuTrainer.Config:
@@ -156,4 +172,5 @@ __all__ = [
     "llama3_8b_dmuon",
     "llama3_debug_cpu",
     "llama3_debug_cpu_adamw",
+    "llama3_debug_cpu_qk_clip",
 ]

@@ -65,6 +65,7 @@ from torchtitan.components.optimizer import OptimizersContainer, ParamGroupConfi
 
 from ..routing import ADAMW, attention_head_dims, DEFAULT_ADAMW_PARAM_REGEX, MUON, MUON_HEADS, route_parameters
 from ..step_figures import combined_figures
+from .max_logits import install_qk_clip, qk_clip_enabled
 
 DMUON_NAME = "DMuon"
 # Keys TorchTitan's ``implementation`` adds to every group dict; DMuon takes neither.
@@ -228,6 +229,24 @@ class DMuonOptimizersContainer(OptimizersContainer):
 
         def __post_init__(self) -> None:
             validate_dmuon_config(self)
+
+    def __init__(self, config: OptimizersContainer.Config, *, model_parts: list[nn.Module]) -> None:
+        super().__init__(config, model_parts=model_parts)
+        # QK-clip: each part's DMuon watches that part's attentions (``max_logits.py``).
+        self.qk_clip_hooks = []
+        for model in model_parts:
+            dmuon = self._dmuon_of(model)
+            if dmuon is not None and qk_clip_enabled(dmuon):
+                self.qk_clip_hooks += install_qk_clip(model, dmuon)
+
+    def _dmuon_of(self, model: nn.Module) -> DMuon | None:
+        """The DMuon built for model part ``model`` (TorchTitan builds one per part)."""
+        mine = {id(p) for p in model.parameters()}
+        for optimizer in self.optimizers:
+            if isinstance(optimizer, DMuon) and any(id(p) in mine for g in optimizer.param_groups
+                                                    for p in g["params"]):
+                return optimizer
+        return None
 
     @staticmethod
     def _resolve_optimizer_factory(name: str) -> Callable[..., Optimizer]:
