@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 from collections.abc import Iterator
 from typing import Any
 
@@ -27,8 +28,22 @@ METRICS = {
 }
 
 
+# With QK-clip (or [optimizer] track_max_logits): the largest attention logit of the step
+# over every rank and model part, and how many heads were clipped. Left out without it
+# (max_logit is NaN then), so runs without QK-clip log exactly what they logged before.
+QK_CLIP_METRICS = {
+    "dmuon/max_logit": lambda f: f.max_logit,
+    "dmuon/qk_clipped_heads": lambda f: f.qk_clipped_heads,
+}
+
+
+def _qk_clip_active(figures: StepFigures) -> bool:
+    return not math.isnan(figures.max_logit)
+
+
 def metric_values(figures: StepFigures) -> dict[str, float]:
-    return {key: value(figures) for key, value in METRICS.items()}
+    metrics = {**METRICS, **QK_CLIP_METRICS} if _qk_clip_active(figures) else METRICS
+    return {key: value(figures) for key, value in metrics.items()}
 
 
 def console_text(figures: StepFigures, color: Any) -> str:
@@ -38,7 +53,9 @@ def console_text(figures: StepFigures, color: Any) -> str:
         f"{color.white}opt: {f.step_s * 1e3:.1f}ms  ns: {f.newton_schulz_s * 1e3:.1f}ms  "
         f"sent: {f.bytes_sent / 2**20:.2f}MiB  "
         f"muon_rms upd/w: {f.muon_update_rms:.2e}/{f.muon_weight_rms:.2e}  "
-        f"adamw_rms upd/w: {f.adamw_update_rms:.2e}/{f.adamw_weight_rms:.2e}{color.reset}"
+        f"adamw_rms upd/w: {f.adamw_update_rms:.2e}/{f.adamw_weight_rms:.2e}"
+        + (f"  max_logit: {f.max_logit:.2f}  clipped_heads: {f.qk_clipped_heads}" if _qk_clip_active(f) else "")
+        + color.reset
     )
 
 
