@@ -144,9 +144,9 @@ def test_a_two_rank_run_with_a_low_threshold_clips_heads_on_every_step_and_still
     from tests.titan_runs import DMUON_TOML, torchrun
 
     log, _ = torchrun(DMUON_TOML, tmp_path, *short_run_args, "--training.steps", "6",
-                      "--optimizer.qk_clip_threshold", "2.0")
+                      "--optimizer.qk_clip_threshold", "0.5")  # the debug model's logits start near 0.55
     assert sorted(log.telemetry) == list(range(1, 7))
-    for step, figures in log.telemetry.items():
-        assert figures["qk_clipped_heads"] > 0 and figures["max_logit"] > 2.0, (step, figures)
+    assert all(math.isfinite(figures["max_logit"]) for figures in log.telemetry.values()), log.telemetry
+    assert all(figures["qk_clipped_heads"] > 0 for figures in log.telemetry.values()), log.telemetry
     assert all(math.isfinite(loss) for loss in log.train_loss.values())
     assert log.train_loss[6] < log.train_loss[1], log.train_loss
