@@ -109,13 +109,49 @@ def test_a_low_threshold_clips_heads_and_the_step_figures_say_how_many():
 
 
 @pytest.mark.unit
+def test_under_flex_attention_the_hook_applies_the_block_masks_mask_mod():
+    from types import SimpleNamespace
+
+    from torchtitan.models.attention import get_document_mask_mod
+
+    torch.manual_seed(0)
+    model = Transformer(TransformerModelArgs(dim=64, n_layers=1, n_heads=4, vocab_size=128, max_seq_len=32,
+                                             attn_type="flex"))
+    (optimizer,) = build(model, "--optimizer.track_max_logits").optimizers
+    q, k = torch.randn(2, 4, 8, 16), torch.randn(2, 4, 8, 16)
+    # Two documents per sequence (token 5 ends the first); FlexAttention on CPU has no
+    # backward, so the hook is called as the module would call it, with a stand-in mask.
+    tokens = torch.tensor([[1, 2, 5, 3, 4, 6, 7, 8], [1, 5, 2, 3, 4, 6, 7, 8]])
+    mask_mod = get_document_mask_mod(tokens, eos_id=5)
+    inner = model.layers["0"].attention.inner_attention
+    for hook in inner._forward_pre_hooks.values():
+        hook(inner, (q, k, k), {"block_mask": SimpleNamespace(mask_mod=mask_mod)})
+    expected = head_max_logits(q, k, causal=False, mask_mod=mask_mod)
+    assert not torch.equal(expected, head_max_logits(q, k))  # the mask matters here
+    torch.testing.assert_close(optimizer.max_logits.take("layers.0.attention", 4, q.device), expected, rtol=0, atol=0)
+
+
+@pytest.mark.unit
+def test_mla_attention_is_refused_naming_the_module():
+    from torchtitan.models.deepseek_v3.model.args import DeepSeekV3ModelArgs
+    from torchtitan.models.deepseek_v3.model.model import Attention
+
+    part = nn.Module()
+    part.attention = Attention(DeepSeekV3ModelArgs(dim=64, n_heads=4, q_lora_rank=0, kv_lora_rank=16,
+                                                   qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8))
+    part.output = nn.Linear(64, 8, bias=False)
+    with pytest.raises(QKClipUnsupported, match=r"attention 'attention' .*no wq/wk projections \(MLA"):
+        build(part, "--optimizer.qk_clip_threshold", "100")
+
+
+@pytest.mark.unit
 def test_qk_norm_attention_is_refused_naming_the_module():
     from torchtitan.models.qwen3.model.args import Qwen3ModelArgs
     from torchtitan.models.qwen3.model.model import Qwen3Model
 
     model = Qwen3Model(Qwen3ModelArgs(dim=64, n_layers=1, n_heads=4, n_kv_heads=2, head_dim=16, hidden_dim=128,
                                       vocab_size=128, max_seq_len=32, qk_norm=True))
-    with pytest.raises(QKClipUnsupported, match=r"attention 'layers\.0\.attention' .*QK-norm.*qk_clip_threshold = 0"):
+    with pytest.raises(QKClipUnsupported, match=r"attention 'layers\.0\.attention' .*QK-norm.*turn QK-clip off.*qk_clip_threshold"):
         get_train_spec("qwen3").build_optimizers_fn([model], optimizer_config("--optimizer.qk_clip_threshold", "100"),
                                                     None)
 

@@ -51,25 +51,27 @@ def require_attentions(model_parts: list[nn.Module]) -> None:
                                 "TorchTitan's attention modules. Turn QK-clip off for this model.")
 
 
+# What every refusal suggests (both TorchTitan lines spell the option qk_clip_threshold).
+TURN_OFF = "or turn QK-clip off for this model (qk_clip_threshold 0 / None, and no max-logit tracking)"
+
+
 def _check_supported(fqn: str, attention: nn.Module, context_parallel: bool) -> None:
     what = f"QK-clip: attention {fqn!r} ({type(attention).__module__}.{type(attention).__name__})"
-    fix = "Turn QK-clip off for this model ([optimizer] qk_clip_threshold = 0, track_max_logits = false)."
     if getattr(attention, "q_norm", None) is not None or getattr(attention, "k_norm", None) is not None:
         raise QKClipUnsupported(f"{what} normalizes q and k (QK-norm): scaling W_q/W_k cannot change its logits, "
-                                f"and QK-norm already bounds them. {fix} Or build the model without qk_norm.")
+                                f"and QK-norm already bounds them. Build the model without qk_norm, {TURN_OFF}.")
     if not all(isinstance(getattr(attention, name, None), nn.Linear) for name in ("wq", "wk")):
         raise QKClipUnsupported(f"{what} has no wq/wk projections (MLA, as in deepseek_v3?): dmuon does not map "
-                                f"its heads' rows. {fix}")
+                                f"its heads' rows. Use a model with wq/wk attention, {TURN_OFF}.")
     if attention.wq.bias is not None or attention.wk.bias is not None:
         raise QKClipUnsupported(f"{what}: wq/wk have a bias, which clipping the weight rows would not scale, so "
-                                f"the logits would not be bounded. {fix}")
+                                f"the logits would not be bounded. Use bias-free wq/wk, {TURN_OFF}.")
     if getattr(attention, "attn_type", "sdpa") == "varlen":
         raise QKClipUnsupported(f"{what} uses varlen attention (packed documents), whose masks the hook does "
-                                f"not read. Use attn_type 'sdpa' or 'flex', or {fix[0].lower()}{fix[1:]}")
+                                f"not read. Use attn_type 'sdpa' or 'flex', {TURN_OFF}.")
     if context_parallel:
         raise QKClipUnsupported(f"{what}: under context parallelism each rank sees part of the sequence, so its "
-                                f"logit maxima would be wrong. Set context_parallel_degree = 1, or {fix[0].lower()}"
-                                f"{fix[1:]}")
+                                f"logit maxima would be wrong. Set context_parallel_degree = 1, {TURN_OFF}.")
 
 
 def _observer(optimizer: DMuon, fqn: str, n_heads: int, tp_rank: int):
