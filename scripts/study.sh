@@ -10,6 +10,11 @@
 #   original_pe      the same with ns_coefficients = "polar_express"
 #   match_rms        DMuon adjust_lr "match_rms_adamw" reusing AdamW's lr 2e-3 and wd 0.1 (Moonlight)
 #   match_rms_pe     the same with ns_coefficients = "polar_express"
+#   normuon          the demo config with normuon = true (only where [optimizer] has that field)
+#   qk_clip          the demo config with qk_clip_threshold = 1.0 (the debug model's largest
+#                    attention logits start near 0.55 and grow past 1 within tens of steps)
+#
+#   bash scripts/study.sh --check [RUN ...]  # only write the runs' TOMLs and parse them
 #
 # Rank 0's console goes to outputs/study/NAME.log; then
 #   python scripts/compare.py --adamw outputs/study/adamw.log --dmuon outputs/study/original.log ...
@@ -25,15 +30,25 @@ mkdir -p "$out"
 
 steps=()
 runs=()
+check=0
 while [[ $# -gt 0 ]]; do
     case "$1" in
         --steps) steps=(--training.steps "$2"); shift ;;
-        -h|--help) sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        --check) check=1 ;;
+        -h|--help) sed -n '2,21p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
         *) runs+=("$1") ;;
     esac
     shift
 done
-[[ ${#runs[@]} -gt 0 ]] || runs=(adamw original original_pe match_rms match_rms_pe)
+# NorMuon's [optimizer] field lands separately; without it the run is left out.
+has_normuon=0
+"$PYTHON" -c "import sys; from torchtitan_ext.titan02.config import Optimizer; \
+sys.exit('normuon' not in Optimizer.__dataclass_fields__)" 2>/dev/null && has_normuon=1
+if [[ ${#runs[@]} -eq 0 ]]; then
+    runs=(adamw original original_pe match_rms match_rms_pe)
+    [[ $has_normuon == 1 ]] && runs+=(normuon)
+    runs+=(qk_clip)
+fi
 
 dmuon=train_configs/llama3_debug_dmuon.toml
 # variant NAME BASE_TOML SED_EXPR...: BASE_TOML with each `key = value` line rewritten.
@@ -50,11 +65,31 @@ variant original_pe "$dmuon" 's|^ns_coefficients = .*|ns_coefficients = "polar_e
 variant match_rms "$dmuon" 's|^lr = .*|lr = 2e-3|' 's|^adjust_lr = .*|adjust_lr = "match_rms_adamw"|'
 variant match_rms_pe "$dmuon" 's|^lr = .*|lr = 2e-3|' 's|^adjust_lr = .*|adjust_lr = "match_rms_adamw"|' \
     's|^ns_coefficients = .*|ns_coefficients = "polar_express"|'
+# The demo TOML may or may not list `normuon` (off): set it, or add it under [optimizer].
+if [[ $has_normuon == 1 ]]; then
+    if grep -q '^normuon = ' "$dmuon"; then
+        variant normuon "$dmuon" 's|^normuon = [a-z]*|normuon = true|'
+    else
+        variant normuon "$dmuon" 's|^\[optimizer\]$|[optimizer]\nnormuon = true|'
+    fi
+fi
+variant qk_clip "$dmuon" 's|^qk_clip_threshold = [0-9.]*|qk_clip_threshold = 1.0|'
+
+if [[ $check == 1 ]]; then  # TorchTitan's own parser, with dmuon's [optimizer] checks
+    for name in "${runs[@]}"; do
+        [[ -f "$out/$name.toml" ]] || { echo "unknown run: $name" >&2; exit 2; }
+        "$PYTHON" -c "import sys; from torchtitan.config import ConfigManager; \
+o = ConfigManager().parse_args(['--job.config_file', sys.argv[1]]).optimizer; \
+print(sys.argv[1], 'parses:', o.name, 'lr', o.lr, 'qk_clip_threshold', o.qk_clip_threshold, \
+'normuon', getattr(o, 'normuon', '-'))" "$out/$name.toml"
+    done
+    exit 0
+fi
 
 for name in "${runs[@]}"; do
     [[ -f "$out/$name.toml" ]] || { echo "unknown run: $name" >&2; exit 2; }
     echo "== $name ($(date -u +%H:%M:%S) UTC)"
-    grep -E '^(name|lr|adamw_lr|weight_decay|adjust_lr|ns_coefficients) =' "$out/$name.toml" | sed 's/ *#.*//'
+    grep -E '^(name|lr|adamw_lr|weight_decay|adjust_lr|ns_coefficients|normuon|qk_clip_threshold) =' "$out/$name.toml" | sed 's/ *#.*//'
     rm -rf "$out/${name}_ranks"
     "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node 2 --local-ranks-filter 0 \
         --log-dir "$out/${name}_ranks" --redirects 3 --tee 3 \

@@ -156,7 +156,7 @@ def test_the_step_line_shows_max_logit_and_clipped_heads_only_with_qk_clip():
 
     sums = [4.0, 100.0, 400.0, 1.0, 25.0, 100.0]
     with_clip = StepFigures.from_sums(0.15, 0.1, 2**20, sums, max_logit=12.5, qk_clipped_heads=3)
-    assert console_text(with_clip, NoColor()).endswith("max_logit: 12.50  qk_clipped: 3")
+    assert console_text(with_clip, NoColor()).endswith("max_logit: 12.50  clipped_heads: 3")
     assert "max_logit" not in console_text(StepFigures.from_sums(0.15, 0.1, 2**20, sums), NoColor())
 
 

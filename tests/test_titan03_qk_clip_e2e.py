@@ -29,7 +29,7 @@ STEPS = 8
 LOW_THRESHOLD = 0.5
 RUN_TIMEOUT_S = 300
 MIN_LOSS_DROP = 0.2
-QK_CLIP_TEXT = re.compile(r"max_logit: (?P<max_logit>[-+0-9.eEnaif]+)\s+qk_clipped: (?P<clipped>\d+)")
+QK_CLIP_TEXT = re.compile(r"max_logit: (?P<max_logit>[-+0-9.eEnaif]+)\s+clipped_heads: (?P<clipped>\d+)")
 
 
 def test_a_qk_clip_run_logs_clipped_heads_and_trains(tmp_path, tokenizer_dir):

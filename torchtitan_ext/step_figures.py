@@ -25,13 +25,25 @@ METRICS = {
     "dmuon/muon_weight_rms": lambda f: f.muon_weight_rms,
     "dmuon/adamw_update_rms": lambda f: f.adamw_update_rms,
     "dmuon/adamw_weight_rms": lambda f: f.adamw_weight_rms,
-    "dmuon/max_logit": lambda f: f.max_logit,  # NaN without QK-clip
+}
+
+
+# With QK-clip (or [optimizer] track_max_logits): the largest attention logit of the step
+# over every rank and model part, and how many heads were clipped. Left out without it
+# (max_logit is NaN then), so runs without QK-clip log exactly what they logged before.
+QK_CLIP_METRICS = {
+    "dmuon/max_logit": lambda f: f.max_logit,
     "dmuon/qk_clipped_heads": lambda f: f.qk_clipped_heads,
 }
 
 
+def _qk_clip_active(figures: StepFigures) -> bool:
+    return not math.isnan(figures.max_logit)
+
+
 def metric_values(figures: StepFigures) -> dict[str, float]:
-    return {key: value(figures) for key, value in METRICS.items()}
+    metrics = {**METRICS, **QK_CLIP_METRICS} if _qk_clip_active(figures) else METRICS
+    return {key: value(figures) for key, value in metrics.items()}
 
 
 def console_text(figures: StepFigures, color: Any) -> str:
@@ -42,9 +54,8 @@ def console_text(figures: StepFigures, color: Any) -> str:
         f"sent: {f.bytes_sent / 2**20:.2f}MiB  "
         f"muon_rms upd/w: {f.muon_update_rms:.2e}/{f.muon_weight_rms:.2e}  "
         f"adamw_rms upd/w: {f.adamw_update_rms:.2e}/{f.adamw_weight_rms:.2e}"
-        # QK-clip's figures, only when it measured logits (max_logit is NaN otherwise).
-        + ("" if math.isnan(f.max_logit) else f"  max_logit: {f.max_logit:.2f}  qk_clipped: {f.qk_clipped_heads}")
-        + f"{color.reset}"
+        + (f"  max_logit: {f.max_logit:.2f}  clipped_heads: {f.qk_clipped_heads}" if _qk_clip_active(f) else "")
+        + color.reset
     )
 
 

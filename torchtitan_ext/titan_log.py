@@ -12,7 +12,8 @@ With ``[optimizer] telemetry = true`` a DMuon step line ends with DMuon's figure
 
 ``parse_log`` turns one log (use ``torchrun --local-ranks-filter 0`` so there is
 one rank's output) into losses by step, the wall-clock time of each line, and those
-figures by step when present.
+figures by step when present. With QK-clip the figures end with
+``max_logit: 31.52  clipped_heads: 7``.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ _TELEMETRY = re.compile(
     rf"muon_rms upd/w: (?P<muon_update_rms>{_NUMBER})/(?P<muon_weight_rms>{_NUMBER})  "
     rf"adamw_rms upd/w: (?P<adamw_update_rms>{_NUMBER})/(?P<adamw_weight_rms>{_NUMBER})"
 )
+# Only with QK-clip (or track_max_logits): after the figures above.
+_QK_CLIP = re.compile(rf"max_logit: (?P<max_logit>{_NUMBER})  clipped_heads: (?P<qk_clipped_heads>\d+)")
 _VALID = re.compile(_TIME + r".*?validate step:\s*(?P<step>\d+)\s+loss:\s*(?P<loss>[-+0-9.eEnaif]+)")
 
 
@@ -43,7 +46,8 @@ class TitanLog:
     telemetry: dict[int, dict[str, float]] = field(default_factory=dict)
     """Step -> DMuon's figures on that step line (``optimizer_step_ms``, ``newton_schulz_ms``,
     ``sent_mib``, ``muon_update_rms``, ``muon_weight_rms``, ``adamw_update_rms``,
-    ``adamw_weight_rms``); empty when telemetry was off."""
+    ``adamw_weight_rms``, and with QK-clip ``max_logit``, ``qk_clipped_heads``); empty when
+    telemetry was off."""
 
     def steps_per_second(self) -> float:
         """Training throughput between the first and last logged step after step 1.
@@ -79,5 +83,8 @@ def parse_log(text: str) -> TitanLog:
             log.train_loss.setdefault(step, float(m["loss"]))
             log.train_time.setdefault(step, _time(m["time"]))
             if t := _TELEMETRY.search(line):
-                log.telemetry.setdefault(step, {k: float(v) for k, v in t.groupdict().items()})
+                figures = {k: float(v) for k, v in t.groupdict().items()}
+                if q := _QK_CLIP.search(line):
+                    figures.update({k: float(v) for k, v in q.groupdict().items()})
+                log.telemetry.setdefault(step, figures)
     return log

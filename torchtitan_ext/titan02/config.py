@@ -157,6 +157,24 @@ class Optimizer:
     decay, ``weight_decay`` everywhere).
     """
 
+    qk_clip_threshold: float = 0.0
+    """
+    QK-clip (MuonClip, Kimi K2): after each step, every attention head whose largest
+    pre-softmax logit in the step's forward exceeded this value gets its ``wq`` rows
+    (and, without GQA, its ``wk`` rows) shrunk so that the logit would be this value.
+    0 = off (TOML has no null; DMuon's None). Kimi K2 used 100. A finite number >= 0.
+    Hooks every attention's ``inner_attention`` (torchtitan_ext/titan02/max_logits.py);
+    refused for QK-norm (qwen3), MLA (deepseek_v3), biased wq/wk (gpt_oss), varlen
+    attention and context parallelism. With telemetry, the step line shows the largest
+    logit and the number of clipped heads.
+    """
+
+    track_max_logits: bool = False
+    """
+    Measure the attention logits as QK-clip does, without clipping (for telemetry:
+    the step line's largest logit). Implied by qk_clip_threshold > 0.
+    """
+
     comm: str = ALL_TO_ALL
     """
     How DMuon gathers each sharded matrix to the rank that orthogonalizes it:
@@ -227,6 +245,8 @@ def dmuon_kwargs(optimizer_config: Any) -> dict[str, Any]:
         "normuon": cfg.normuon,
         "normuon_beta2": cfg.normuon_beta2,
         "cautious_weight_decay": cfg.cautious_weight_decay,
+        # TOML's 0 is DMuon's None (off); any other value goes to DMuon's validator as is.
+        "qk_clip_threshold": None if cfg.qk_clip_threshold == 0 else cfg.qk_clip_threshold,
         "comm": cfg.comm,
         "split_replicas": SPLIT_REPLICAS.get(cfg.split_replicas, cfg.split_replicas)
         if isinstance(cfg.split_replicas, str) else cfg.split_replicas,
@@ -247,6 +267,22 @@ def _toml_spellings(field: str, spellings: Iterable[str]) -> Iterator[None]:
         if f" {field} " not in str(error):
             raise
         raise ValueError(f"{error}; in TOML, {field} is one of {', '.join(map(repr, spellings))}") from None
+
+
+@contextlib.contextmanager
+def _qk_clip_off_is_zero() -> Iterator[None]:
+    """DMuon's message says None is off; in TOML it is 0."""
+    try:
+        yield
+    except ValueError as error:
+        if " qk_clip_threshold " not in str(error):
+            raise
+        raise ValueError(f"{error}; in TOML, qk_clip_threshold = 0 turns QK-clip off") from None
+
+
+def qk_clip_wanted(optimizer_config: Any) -> bool:
+    """Whether the attentions must be hooked: to clip them, or only to measure logits."""
+    return bool(optimizer_config.qk_clip_threshold) or optimizer_config.track_max_logits
 
 
 def validate_optimizer_config(optimizer_config: Any) -> None:
@@ -284,7 +320,7 @@ def validate_optimizer_config(optimizer_config: Any) -> None:
         check_split_replicas(kwargs["split_replicas"], WHERE)
     # The Muon keys TOML has no field for keep DMuon's defaults.
     muon, adamw = split_options({"eps": DEFAULT_NS_EPS, "split_rows": None, **kwargs})
-    with _toml_spellings("adjust_lr", ADJUST_LR_CHOICES):
+    with _toml_spellings("adjust_lr", ADJUST_LR_CHOICES), _qk_clip_off_is_zero():
         check_muon_hyperparameters(muon, WHERE)
     check_adamw_hyperparameters(adamw, f"{WHERE} (AdamW part)")
     check_ns_dtype(kwargs["ns_dtype"], WHERE)

@@ -35,8 +35,9 @@ from torchtitan.components.optimizer import OptimizersContainer
 from torchtitan.tools.logging import logger
 
 from ..routing import ADAMW, group_layout, MUON_HEADS, route_parameters, RoutedParameters
+from .max_logits import install_max_logit_hooks, require_attentions
 from ..step_figures import combined_figures
-from .config import dmuon_kwargs, validate_optimizer_config
+from .config import dmuon_kwargs, qk_clip_wanted, validate_optimizer_config
 
 
 def _numel(params: list[tuple[str, nn.Parameter]]) -> int:
@@ -119,7 +120,21 @@ def build_dmuon_optimizers(
         raise NotImplementedError(
             '[optimizer] name = "DMuon" does not support TorchFT ([fault_tolerance] enable).'
         )
-    return DMuonOptimizersContainer(
+    container = DMuonOptimizersContainer(
         model_parts, dmuon_kwargs(optimizer_config), optimizer_config.adamw_param_regex,
         optimizer_config.split_attention_heads,
     )
+    if qk_clip_wanted(optimizer_config):
+        hook_attentions(container, parallel_dims)
+    return container
+
+
+def hook_attentions(container: DMuonOptimizersContainer, parallel_dims: Any) -> None:
+    """QK-clip: each model part's attentions report their logits to, and are clipped by,
+    that part's DMuon (under pipeline parallelism, only the stage's own layers)."""
+    require_attentions(container.model_parts)
+    tp = parallel_dims is not None and parallel_dims.tp_enabled  # None: a single-process test
+    tp_rank = parallel_dims.get_mesh("tp").get_local_rank() if tp else 0
+    cp = parallel_dims is not None and parallel_dims.cp_enabled
+    for model, optimizer in zip(container.model_parts, container.optimizers):
+        install_max_logit_hooks(model, optimizer, tp_rank=tp_rank, context_parallel=cp)
