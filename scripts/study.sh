@@ -10,9 +10,9 @@
 #   original_pe      the same with ns_coefficients = "polar_express"
 #   match_rms        DMuon adjust_lr "match_rms_adamw" reusing AdamW's lr 2e-3 and wd 0.1 (Moonlight)
 #   match_rms_pe     the same with ns_coefficients = "polar_express"
-#   normuon          the demo config with normuon = true (only where [optimizer] has that field)
-#   qk_clip          the demo config with qk_clip_threshold = 1.0 (the debug model's largest
-#                    attention logits start near 0.55 and grow past 1 within tens of steps)
+#   normuon          the demo config with normuon = true
+#   qk_clip          the demo config with qk_clip_threshold = 8.0 (about half the largest
+#                    attention logit the demo reaches without it, ~17 near step 140)
 #
 #   bash scripts/study.sh --check [RUN ...]  # only write the runs' TOMLs and parse them
 #
@@ -40,15 +40,7 @@ while [[ $# -gt 0 ]]; do
     esac
     shift
 done
-# NorMuon's [optimizer] field lands separately; without it the run is left out.
-has_normuon=0
-"$PYTHON" -c "import sys; from torchtitan_ext.titan02.config import Optimizer; \
-sys.exit('normuon' not in Optimizer.__dataclass_fields__)" 2>/dev/null && has_normuon=1
-if [[ ${#runs[@]} -eq 0 ]]; then
-    runs=(adamw original original_pe match_rms match_rms_pe)
-    [[ $has_normuon == 1 ]] && runs+=(normuon)
-    runs+=(qk_clip)
-fi
+[[ ${#runs[@]} -gt 0 ]] || runs=(adamw original original_pe match_rms match_rms_pe normuon qk_clip)
 
 dmuon=train_configs/llama3_debug_dmuon.toml
 # variant NAME BASE_TOML SED_EXPR...: BASE_TOML with each `key = value` line rewritten.
@@ -65,15 +57,8 @@ variant original_pe "$dmuon" 's|^ns_coefficients = .*|ns_coefficients = "polar_e
 variant match_rms "$dmuon" 's|^lr = .*|lr = 2e-3|' 's|^adjust_lr = .*|adjust_lr = "match_rms_adamw"|'
 variant match_rms_pe "$dmuon" 's|^lr = .*|lr = 2e-3|' 's|^adjust_lr = .*|adjust_lr = "match_rms_adamw"|' \
     's|^ns_coefficients = .*|ns_coefficients = "polar_express"|'
-# The demo TOML may or may not list `normuon` (off): set it, or add it under [optimizer].
-if [[ $has_normuon == 1 ]]; then
-    if grep -q '^normuon = ' "$dmuon"; then
-        variant normuon "$dmuon" 's|^normuon = [a-z]*|normuon = true|'
-    else
-        variant normuon "$dmuon" 's|^\[optimizer\]$|[optimizer]\nnormuon = true|'
-    fi
-fi
-variant qk_clip "$dmuon" 's|^qk_clip_threshold = [0-9.]*|qk_clip_threshold = 1.0|'
+variant normuon "$dmuon" 's|^normuon = [a-z]*|normuon = true|'
+variant qk_clip "$dmuon" 's|^qk_clip_threshold = [0-9.]*|qk_clip_threshold = 8.0|'
 
 if [[ $check == 1 ]]; then  # TorchTitan's own parser, with dmuon's [optimizer] checks
     for name in "${runs[@]}"; do
@@ -81,7 +66,7 @@ if [[ $check == 1 ]]; then  # TorchTitan's own parser, with dmuon's [optimizer] 
         "$PYTHON" -c "import sys; from torchtitan.config import ConfigManager; \
 o = ConfigManager().parse_args(['--job.config_file', sys.argv[1]]).optimizer; \
 print(sys.argv[1], 'parses:', o.name, 'lr', o.lr, 'qk_clip_threshold', o.qk_clip_threshold, \
-'normuon', getattr(o, 'normuon', '-'))" "$out/$name.toml"
+'normuon', o.normuon)" "$out/$name.toml"
     done
     exit 0
 fi
@@ -91,9 +76,13 @@ for name in "${runs[@]}"; do
     echo "== $name ($(date -u +%H:%M:%S) UTC)"
     grep -E '^(name|lr|adamw_lr|weight_decay|adjust_lr|ns_coefficients|normuon|qk_clip_threshold) =' "$out/$name.toml" | sed 's/ *#.*//'
     rm -rf "$out/${name}_ranks"
+    # Every DMuon run records its largest attention logit per step (measured only: no
+    # clipping without a threshold), so runs can be compared with and without QK-clip.
+    logits=()
+    grep -q '^name = "DMuon"' "$out/$name.toml" && logits=(--optimizer.track_max_logits)
     "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node 2 --local-ranks-filter 0 \
         --log-dir "$out/${name}_ranks" --redirects 3 --tee 3 \
-        -m torchtitan.train --job.config_file "$out/$name.toml" --metrics.log_freq 1 "${steps[@]}" \
+        -m torchtitan.train --job.config_file "$out/$name.toml" --metrics.log_freq 1 "${logits[@]}" "${steps[@]}" \
         > "$out/$name.log" 2>&1 || { echo "$name failed; see $out/$name.log" >&2; exit 1; }
     grep -E "step: *[0-9]+ " "$out/$name.log" | tail -2
 done

@@ -11,7 +11,10 @@ The first ``--run`` is the baseline (AdamW). Writes, under ``--out``:
   (right; ``scripts/leading_steps.py`` explains why both);
 - ``report.md``: one row per run (final losses, steps/s, the step at which it reached the
   baseline's final validation loss), and both leading-steps tables (training loss every
-  ``--every`` steps, validation loss at every validation).
+  ``--every`` steps, validation loss at every validation);
+- ``max_logits.png`` and a table in ``report.md``, for the runs whose step lines carry
+  the largest attention logit (DMuon with ``track_max_logits`` or QK-clip): that logit
+  per step, and the heads clipped.
 
 Each log is the console output of one ``torchrun --local-ranks-filter 0`` run with
 ``--metrics.log_freq 1`` (``scripts/study.sh`` writes them).
@@ -115,6 +118,51 @@ def plot_losses(runs: dict, window: int, path: Path, title: str) -> None:
     plt.close(fig)
 
 
+def logit_runs(runs: dict) -> dict:
+    """The runs whose step lines carry the largest attention logit."""
+    return {name: log for name, log in runs.items()
+            if any("max_logit" in figures for figures in log.telemetry.values())}
+
+
+def logit_table(runs: dict, every: int) -> list[str]:
+    """The largest logit (and clipped heads) every ``every`` steps, and the run's maximum."""
+    names = list(runs)
+    steps = sorted({s for log in runs.values() for s in log.telemetry if s == 1 or s % every == 0})
+    lines = ["| step | " + " | ".join(f"{n}: max logit (clipped heads)" for n in names) + " |",
+             "| --- | " + " | ".join("---" for _ in names) + " |"]
+
+    def cell(log, step):
+        figures = log.telemetry.get(step, {})
+        if "max_logit" not in figures:
+            return "-"
+        return f"{figures['max_logit']:.2f} ({figures['qk_clipped_heads']:.0f})"
+
+    for step in steps:
+        lines.append(f"| {step} | " + " | ".join(cell(runs[n], step) for n in names) + " |")
+    peaks = [max(f["max_logit"] for f in runs[n].telemetry.values() if "max_logit" in f) for n in names]
+    lines.append("| max over the run | " + " | ".join(f"{p:.2f}" for p in peaks) + " |")
+    return lines
+
+
+def plot_logits(runs: dict, path: Path, title: str) -> None:
+    fig, (ax_logit, ax_clipped) = plt.subplots(1, 2, figsize=(12, 4.4))
+    for name, log in runs.items():
+        steps = sorted(s for s, f in log.telemetry.items() if "max_logit" in f)
+        (line,) = ax_logit.plot(steps, [log.telemetry[s]["max_logit"] for s in steps], label=name)
+        ax_clipped.plot(steps, [log.telemetry[s]["qk_clipped_heads"] for s in steps], color=line.get_color(),
+                        label=name)
+    ax_logit.set(title="largest attention logit of the step (all ranks, before clipping)", xlabel="step",
+                 ylabel="max q.k / sqrt(d)")
+    ax_clipped.set(title="heads clipped by QK-clip", xlabel="step", ylabel="heads")
+    for ax in (ax_logit, ax_clipped):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def plot_leading(train: dict[str, dict], val: dict[str, dict], base_name: str, window: int, path: Path,
                  title: str) -> None:
     fig, (ax_train, ax_val) = plt.subplots(1, 2, figsize=(12, 4.4), sharey=True)
@@ -166,6 +214,10 @@ def main() -> None:
         f"## Leading steps over {base_name}, on validation loss", "", *val_table, "",
         f"## Leading steps over {base_name}, on training loss ({args.window}-step trailing mean)", "", *table, "",
     ])
+    with_logits = logit_runs(runs)
+    if with_logits:
+        plot_logits(with_logits, args.out / "max_logits.png", args.title)
+        report += "\n".join(["", "## Largest attention logit per step", "", *logit_table(with_logits, args.every), ""])
     (args.out / "report.md").write_text(report)
     print(report, end="")
 
