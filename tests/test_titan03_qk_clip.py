@@ -166,3 +166,29 @@ def test_multi_head_latent_attention_is_refused_naming_it():
     model = deepseek_registry("debugmodel").model.build()
     with pytest.raises(ValueError, match=r"layers\.0\.attention .*multi-head latent attention"):
         _container(model, qk_clip_threshold=NO_CLIP)
+
+
+# A 2-rank "fake" process group (torch's test backend: collectives do nothing) in a
+# fresh interpreter, so the test process keeps no default group: enough to build a
+# DTensor on a mesh with a 2-wide ``cp`` axis, which is all the check reads.
+_CONTEXT_PARALLEL_CHILD = """
+import torch, torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import distribute_tensor, Replicate
+from torchtitan_ext.titan03.max_logits import _refuse_context_parallel
+dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("cp",))
+try:
+    _refuse_context_parallel("layers.0.attention", distribute_tensor(torch.ones(4, 4), mesh, [Replicate()]))
+except ValueError as error:
+    print(error)
+"""
+
+
+def test_context_parallel_weights_are_refused_naming_the_attention():
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _CONTEXT_PARALLEL_CHILD], capture_output=True, text=True, timeout=120)
+    assert "layers.0.attention runs under context parallelism" in out.stdout, out.stderr[-2000:]

@@ -45,8 +45,9 @@ from torchtitan.models.common.attention import (
 
 from .cpu_attention import document_ids_from_boundaries
 
-# The name TorchTitan gives the tensor-parallel mesh axis.
+# The names TorchTitan gives the tensor- and context-parallel mesh axes.
 TP_MESH_DIM = "tp"
+CP_MESH_DIM = "cp"
 
 
 def qk_clip_enabled(optimizer: DMuon) -> bool:
@@ -67,6 +68,7 @@ def install_qk_clip(model: nn.Module, optimizer: DMuon) -> list[RemovableHandle]
         if not isinstance(module, BaseAttention):
             continue
         q_weight, k_weight, heads = _clip_weights(name, module)
+        _refuse_context_parallel(name, q_weight)
         optimizer.clip_attention(name, q_weight, k_weight, heads)
         hook = _report_logits(name, module, optimizer, documents, tp_rank=_tp_rank(q_weight))
         handles.append(module.inner_attention.register_forward_pre_hook(hook, with_kwargs=True))
@@ -101,6 +103,21 @@ def _clip_weights(name: str, attention: nn.Module) -> tuple[torch.Tensor, torch.
     weights = [linear.weight for linear in projections.values()]
     heads = AttentionHeads(attention.n_heads, attention.n_kv_heads, attention.head_dim, row_layout=layout)
     return weights[0], weights[-1], heads
+
+
+def _refuse_context_parallel(name: str, weight: torch.Tensor) -> None:
+    """Under context parallelism a rank's q and k are chunks of the sequence: the hook
+    would miss the logits between chunks and apply the causal mask to local positions.
+    Seen where the weights' mesh names a ``cp`` axis (the ``spmd_types`` and
+    ``full_dtensor`` backends); the legacy backend flattens it into ``fsdp``, where it
+    cannot be told apart (docs/torchtitan.md says so)."""
+    if not isinstance(weight, DTensor):
+        return
+    names = weight.device_mesh.mesh_dim_names or ()
+    if CP_MESH_DIM in names and weight.device_mesh.size(names.index(CP_MESH_DIM)) > 1:
+        raise ValueError(f"QK-clip: {name} runs under context parallelism, where each rank sees a chunk of the "
+                         "sequence and its logit maxima would be wrong; set context_parallel_degree = 1 or leave "
+                         "qk_clip_threshold unset (None)")
 
 
 def _tp_rank(weight: torch.Tensor) -> int | None:
