@@ -63,6 +63,8 @@ class AttentionClip:
         self.targets: list[ClipTarget] = []
         self._checked_reports = False
         self._warned_silent = False
+        self.last: ClipResult | None = None
+        """The last step's result (None before the first step)."""
 
     def add(self, name: str, q_weight: torch.Tensor, k_weight: torch.Tensor, heads: AttentionHeads,
             param_name: Callable[[torch.Tensor], str]) -> None:
@@ -118,7 +120,13 @@ class AttentionClip:
                     continue  # GQA / MQA: shared keys stay as they are (dmuon.qk_clip)
                 _scale_local_rows(target.k_weight, k_factors)
         largest = flat.max() if flat.numel() else torch.tensor(float("-inf"), device=device)
-        return ClipResult(max_logits, largest, clipped)
+        self.last = ClipResult(max_logits, largest, clipped)
+        return self.last
+
+    def last_max_logits(self) -> dict[str, torch.Tensor]:
+        """Each attention's per-head largest logit in the last step, over every rank,
+        before clipping (empty before the first step, or without attentions)."""
+        return {} if self.last is None else dict(self.last.max_logits)
 
     def _threshold(self, target: ClipTarget, threshold_of: Callable[[torch.Tensor, str], float | None]
                    ) -> float | None:

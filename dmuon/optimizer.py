@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch.optim.optimizer import Optimizer
 
-from dmuon.attention_clip import AttentionClip, ClipResult, muon_group_threshold
+from dmuon.attention_clip import AttentionClip, muon_group_threshold
 from dmuon.comm import CommStats, ScratchMeter
 from dmuon.cost_model import CostModel
 from dmuon.fast_path import FastPath
@@ -43,8 +43,8 @@ from dmuon.max_logits import MaxLogitTracker
 from dmuon.group_steps import GroupSteps
 from dmuon.newton_schulz import DEFAULT_NS_DTYPE, DEFAULT_NS_EPS, DEFAULT_NS_STEPS, KELLER_COEFFICIENTS
 from dmuon.param_groups import (
-    VARIANT_DEFAULTS, build_param_groups, check_adamw_hyperparameters, check_link_gbps, check_muon_hyperparameters, check_ns_dtype,
-    check_optimizer_options, split_options,
+    build_param_groups, check_adamw_hyperparameters, check_link_gbps, check_muon_hyperparameters, check_ns_dtype,
+    check_optimizer_options, fill_in_variant_defaults, split_options,
 )
 from dmuon.plan import ALL_TO_ALL, DEFAULT_BATCH_NUMEL, OwnerPlan
 from dmuon.qk_clip import AttentionHeads
@@ -69,80 +69,43 @@ TELEMETRY_STATE_KEY = "telemetry_enabled"
 class DMuon(Optimizer):
     """Distributed Muon with an AdamW fallback, for plain tensors and DTensors.
 
-    Args:
-        params: tensors, ``(name, tensor)`` pairs (e.g. ``model.named_parameters()``),
-            or param-group dicts; as in torch.optim, either every parameter has a name or
-            none has, and the names are kept in each group's ``param_names``. A group's
-            ``use_muon`` key picks the algorithm; a group without it is split: ndim >= 2
-            parameters go to Muon unless their name marks an embedding or output head
-            (see ``DEFAULT_ADAMW_NAME_PATTERN``), the rest to AdamW. A group may set any
-            key of ``defaults``: the options from ``lr`` to ``qk_clip_threshold`` (``comm`` and
-            those after it are the whole optimizer's). For a group's AdamW parameters
-            ``adamw_<x>`` wins over ``<x>`` (``adamw_lr`` over ``lr``), as in the
-            constructor; a ``use_muon=True`` group refuses the ``adamw_*`` keys.
-        lr: Muon learning rate (also AdamW's unless ``adamw_lr`` is set): a float or a
-            one-element Tensor of any shape (used as torch.optim.Muon and AdamW use one).
-            The options after it are keyword-only.
-        momentum: Muon's EMA momentum coefficient.
-        nesterov: use the Nesterov look-ahead ``lerp(grad, buf, momentum)``.
-        weight_decay: decoupled weight decay, applied as ``p *= 1 - lr * weight_decay``.
-        ns_steps: Newton-Schulz iterations.
-        ns_coefficients: ``(a, b, c)`` of the quintic iteration, or a name from
-            ``dmuon.NS_COEFFICIENT_SETS``.
-        eps: floor of the Frobenius norm before Newton-Schulz.
-        adjust_lr: shape-aware scale of Muon's step: ``"original"``
-            (``sqrt(max(1, A/B))``), ``"match_rms_adamw"``
-            (``matched_adamw_rms * sqrt(max(A, B))``), ``"spectral"`` (``sqrt(A/B)``)
-            or ``None`` (no scaling).
-        matched_adamw_rms: the update RMS ``"match_rms_adamw"`` targets.
-        split_rows: orthogonalize each block of this many consecutive rows of a 2-D
-            parameter on its own (one attention head of ``wq``/``wk``/``wv``); the shape
-            scale then uses the block's shape. None: the whole matrix.
-        normuon: NorMuon (Li et al., arXiv 2510.05491): divide each row of the
-            orthogonalized update by the root of an EMA of its mean square, then rescale
-            to the update's Frobenius norm (``dmuon.update_rules.normuon_normalize_``).
-            Adds a per-row state, ``normuon_second_moment``.
-        normuon_beta2: that EMA's coefficient, in [0, 1).
-        cautious_weight_decay: decay only the entries whose update and weight agree in
-            sign (Chen et al., arXiv 2510.12402), for the Muon and the AdamW part
-            (``dmuon.update_rules.cautious_decay_``).
-        qk_clip_threshold: QK-clip (MuonClip, Kimi K2): after the step, shrink the query
-            and key rows of every attention head whose largest logit in the step's
-            forward passes exceeded this value, so it would be this value
-            (``dmuon.qk_clip``). None: off. Needs the attentions registered with
-            :meth:`clip_attention` and their logits reported to :attr:`max_logits`.
-        adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay: the AdamW part;
-            ``adamw_lr`` and ``adamw_weight_decay`` default to ``lr`` and ``weight_decay``.
+    Args (each option's rules in full: docs/optimizer.md):
+        params: tensors, ``(name, tensor)`` pairs (``model.named_parameters()``) or group
+            dicts. A group's ``use_muon`` picks the algorithm; without it, ndim >= 2
+            parameters go to Muon unless named like an embedding or output head
+            (``DEFAULT_ADAMW_NAME_PATTERN``). A group may set the options from ``lr`` to
+            ``qk_clip_threshold``; for its AdamW part ``adamw_<x>`` wins over ``<x>``.
+        lr: Muon's learning rate (AdamW's too unless ``adamw_lr``); a float or a
+            one-element Tensor. The options after it are keyword-only.
+        momentum, nesterov, weight_decay: Muon's momentum EMA, Nesterov look-ahead and
+            decoupled decay (``p *= 1 - lr * weight_decay``).
+        ns_steps, ns_coefficients, eps: the Newton-Schulz iteration (coefficients: a
+            triple, one per step, or a name from ``dmuon.NS_COEFFICIENT_SETS``) and the
+            norm floor before it.
+        adjust_lr, matched_adamw_rms: the shape scale, ``"original"`` (``sqrt(max(1,
+            A/B))``), ``"match_rms_adamw"`` (``matched_adamw_rms * sqrt(max(A, B))``),
+            ``"spectral"`` (``sqrt(A/B)``) or ``None``.
+        split_rows: orthogonalize each block of this many rows on its own (a head).
+        normuon, normuon_beta2: NorMuon's row-normalized update and its EMA coefficient
+            (``dmuon.update_rules``; adds the state ``normuon_second_moment``).
+        cautious_weight_decay: decay only where update and weight agree in sign.
+        qk_clip_threshold: QK-clip (``dmuon.qk_clip``); None: off. Needs the attentions
+            registered with :meth:`clip_attention` and reporting to :attr:`max_logits`.
+        adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay: the AdamW part.
         comm: ``"all_to_all"`` (owner-computed fast path where the placement allows it)
-            or ``"redistribute"`` (reference path: every rank gathers and
-            orthogonalizes every distributed matrix).
-        max_batch_numel: elements of travelling matrices a rank owns in one batch of
-            the fast path, unless one matrix is larger; bounds the scratch memory
-            (``OwnerPlan.peak_scratch_bytes``).
-        split_replicas: for parameters replicated over some mesh dims (HSDP's
-            ``dp_replicate``): True spreads Newton-Schulz over every rank of every
-            replica (each rank orthogonalizes ~1/(R*S) of the matrices; results travel
-            to the other replicas), False keeps each replica to itself (each rank
-            does ~1/S, as FSDP2 Muon does, nothing crosses replicas), None lets the
-            cost model (``dmuon.cost_model.plan_with_best_split``) choose.
-        link_gbps, replica_link_gbps: what that choice assumes of the network: each
-            rank's bandwidth to ranks of its own replica, and to ranks of other replicas,
-            in Gbit/s (``dmuon.cost_model.CostModel``; 400 each, one 400G NIC per GPU).
-            Positive finite numbers; they change nothing but the ``split_replicas=None`` choice.
-        ns_dtype: what Newton-Schulz multiplies in: ``"bfloat16"`` (Muon's usual
-            choice, torch.optim.Muon's bits), ``"float32"`` (for CPUs without a native
-            bf16 matmul, where bf16 is ~50x slower), or ``"auto"``: bfloat16 on
-            accelerators and on CPUs with one, float32 elsewhere
-            (``dmuon.newton_schulz.native_bf16_matmul``, decided per process). Updates
-            travel and results come back in bf16 whatever it is, so every choice is
-            exact across world sizes.
-        telemetry: record each step's times, bytes and update/weight RMS, read with
-            :meth:`telemetry` (``dmuon.telemetry``; adds one small ``all_reduce`` per step).
+            or ``"redistribute"`` (reference path: every rank orthogonalizes every matrix).
+        max_batch_numel: matrix elements a rank owns per batch of the fast path (its
+            scratch bound, ``OwnerPlan.peak_scratch_bytes``).
+        split_replicas, link_gbps, replica_link_gbps: under HSDP, spread Newton-Schulz
+            over every replica (True), keep each replica to itself (False), or let the
+            cost model choose from the links' Gbit/s (None).
+        ns_dtype: what Newton-Schulz multiplies in: ``"bfloat16"``, ``"float32"`` or
+            ``"auto"`` (bf16 on accelerators and on CPUs with a bf16 matmul); every
+            choice is exact across world sizes.
+        telemetry: record each step's figures, read with :meth:`telemetry`.
 
-    Non-finite gradients are not filtered: like ``torch.optim.Muon``, a NaN or inf in a
-    matrix's gradient makes that whole matrix (every shard of it) non-finite after the
-    step, and the momentum buffer keeps it. Ranks stay in step all the same. Clip or
-    skip such steps upstream (TorchTitan's ``clip_grad_norm_`` reports the norm).
+    Non-finite gradients are not filtered (as in ``torch.optim.Muon``): a NaN makes its whole
+    matrix non-finite on every rank, and ranks stay in step. Clip or skip such steps upstream.
     """
 
     def __init__(
@@ -183,8 +146,8 @@ class DMuon(Optimizer):
             lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay, ns_steps=ns_steps,
             ns_coefficients=ns_coefficients, eps=eps, adjust_lr=adjust_lr, matched_adamw_rms=matched_adamw_rms,
             split_rows=split_rows, normuon=normuon, normuon_beta2=normuon_beta2,
-            cautious_weight_decay=cautious_weight_decay, qk_clip_threshold=qk_clip_threshold, adamw_lr=adamw_lr, adamw_betas=adamw_betas, adamw_eps=adamw_eps,
-            adamw_weight_decay=adamw_weight_decay))
+            cautious_weight_decay=cautious_weight_decay, qk_clip_threshold=qk_clip_threshold, adamw_lr=adamw_lr,
+            adamw_betas=adamw_betas, adamw_eps=adamw_eps, adamw_weight_decay=adamw_weight_decay))
         # Validate the defaults once, so a bad option is reported as such even before any group is built.
         check_muon_hyperparameters(dict(muon_defaults), "DMuon")
         check_adamw_hyperparameters(dict(adamw_defaults), "DMuon (AdamW part)")
@@ -210,7 +173,6 @@ class DMuon(Optimizer):
         self._fast_path = FastPath(self.comm, self.max_batch_numel, self.split_replicas, self.ns_dtype,
                                    self.link_gbps, self.replica_link_gbps)
         self._attention_clip = AttentionClip()
-        self._last_clip: ClipResult | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
@@ -225,12 +187,7 @@ class DMuon(Optimizer):
         # torch's __setstate__ (also run by load_state_dict) adds differentiable=False to
         # defaults; DMuon has no such option, and defaults stay the keys a group may set.
         self.defaults.pop("differentiable", None)
-        # A state_dict saved before the update-rule variants existed has no keys for
-        # them: its groups step as they did then (each variant's off value), as torch's
-        # own optimizers fill in options added after a checkpoint was written.
-        for group in self.param_groups:
-            for key in VARIANT_DEFAULTS if group.get("use_muon") else ("cautious_weight_decay",):
-                group.setdefault(key, VARIANT_DEFAULTS[key])
+        fill_in_variant_defaults(self.param_groups)  # a state_dict from before they existed
         if telemetry is not None:  # a copy, not load_state_dict: nothing derived came with it
             self._start_afresh(telemetry)
 
@@ -246,12 +203,8 @@ class DMuon(Optimizer):
         self._fast_path.forget()  # paths and plan cover every Muon parameter: rebuild them
 
     def clip_attention(self, name: str, q_weight: torch.Tensor, k_weight: torch.Tensor, heads: AttentionHeads) -> None:
-        """Watch one attention for QK-clip: its logits are reported as ``name`` to
-        :attr:`max_logits`, and its heads' rows of ``q_weight``/``k_weight`` (the same
-        fused ``W_qkv`` for ``heads.row_layout == "fused_grouped"``) are scaled when
-        their Muon group's ``qk_clip_threshold`` is exceeded. Every rank registers the
-        same attentions in the same order. Not kept by pickles or ``deepcopy``: a copy
-        has other parameters, and registers its own."""
+        """Watch one attention for QK-clip (``dmuon.attention_clip``); every rank registers
+        the same ones in the same order. A pickle or deepcopy registers its own."""
         self._attention_clip.add(name, q_weight, k_weight, heads, self.param_name)
 
     @property
@@ -260,9 +213,8 @@ class DMuon(Optimizer):
         return self._attention_clip.tracker
 
     def last_max_logits(self) -> dict[str, torch.Tensor]:
-        """Each registered attention's per-head largest logit in the last step, over
-        every rank, before clipping (empty before the first step or without QK-clip)."""
-        return {} if self._last_clip is None else dict(self._last_clip.max_logits)
+        """Each attention's per-head largest logit of the last step, before clipping."""
+        return self._attention_clip.last_max_logits()
 
     def param_name(self, param: torch.Tensor) -> str:
         """The name a parameter was given (or its group position)."""
@@ -308,9 +260,8 @@ class DMuon(Optimizer):
             steps.muon_whole(group, self._paths(), grads, self.state)
         for group in (g for g in self.param_groups if not g["use_muon"]):
             steps.adamw(group, self.state)
-        self._last_clip = self._attention_clip.step(muon_group_threshold(muon_groups, self.param_name))
-        if self._last_clip is not None:
-            self._telemetry.qk_clip(self._last_clip.largest, self._last_clip.clipped_heads)
+        if clip := self._attention_clip.step(muon_group_threshold(muon_groups, self.param_name)):
+            self._telemetry.qk_clip(clip.largest, clip.clipped_heads)
         self._telemetry.end_step(self.comm_stats.bytes_sent)
         return loss
 

@@ -342,6 +342,15 @@ def _check_range(
 # front end's name for itself) so the message is the same apart from that prefix.
 
 
+def fill_in_variant_defaults(groups: list[dict[str, Any]]) -> None:
+    """Give groups loaded from a state_dict written before the update-rule variants
+    existed each variant's off value, so they step as they did then (torch's optimizers
+    fill in options added after a checkpoint was written the same way)."""
+    for group in groups:
+        for key in VARIANT_DEFAULTS if group.get("use_muon") else ("cautious_weight_decay",):
+            group.setdefault(key, VARIANT_DEFAULTS[key])
+
+
 def split_options(options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """The Muon and AdamW group defaults that DMuon's keyword arguments ``options``
     make: the Muon keys as given, and the AdamW part with ``adamw_<x>`` over ``<x>``
