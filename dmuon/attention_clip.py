@@ -85,11 +85,12 @@ class AttentionClip:
             if isinstance(weight, DTensor) and any(isinstance(p, Partial) for p in weight.placements):
                 raise ValueError(f"{where}: {role} {param_name(weight)} has a Partial placement; QK-clip "
                                  "scales the rows each rank holds, so it needs sharded or replicated weights")
-        meshes = [mesh_ranks(w.device_mesh) if isinstance(w, DTensor) else None
-                  for w in [q_weight, k_weight] + [w for t in self.targets for w in (t.q_weight, t.k_weight)]]
-        if len(set(meshes)) > 1:
+        # The registered weights already share one rank set: comparing with the first is enough.
+        registered = [self.targets[0].q_weight] if self.targets else []
+        meshes = {_ranks(w) for w in (q_weight, k_weight, *registered)}
+        if len(meshes) > 1:
             raise ValueError(f"{where}: every QK-clip weight must live on the same ranks (one mesh, or all plain "
-                             f"tensors), so one reduction of the logits serves them all; got rank sets {set(meshes)}")
+                             f"tensors), so one reduction of the logits serves them all; got rank sets {meshes}")
         self.targets.append(ClipTarget(name, q_weight, k_weight, heads))
 
     def step(self, threshold_of: Callable[[torch.Tensor, str], float | None]) -> ClipResult | None:
@@ -146,7 +147,8 @@ class AttentionClip:
         values, so every rank decides alike."""
         if self._checked_reports:
             return
-        reported = [bool(torch.isfinite(part).any()) for part in flat.split([t.heads.n_heads for t in self.targets])]
+        parts = flat.split([t.heads.n_heads for t in self.targets])
+        reported = torch.stack([torch.isfinite(part).any() for part in parts]).tolist()  # one host sync
         if not any(reported):
             if not self._warned_silent:
                 logger.warning("DMuon: QK-clip got no attention logits in this step (nothing to clip); expected "
@@ -170,8 +172,13 @@ class AttentionClip:
 
         weight = self.targets[0].q_weight
         if isinstance(weight, DTensor):
-            return group_of(mesh_ranks(weight.device_mesh), [weight.device_mesh])
+            return group_of(_ranks(weight), [weight.device_mesh])
         return dist.group.WORLD  # plain weights: replicated over every rank (DDP)
+
+
+def _ranks(weight: torch.Tensor) -> tuple[int, ...] | None:
+    """The ranks of a DTensor's mesh; None for a plain tensor."""
+    return mesh_ranks(weight.device_mesh) if isinstance(weight, DTensor) else None
 
 
 def local_rows(weight: torch.Tensor) -> list[Range]:
