@@ -87,6 +87,17 @@ def per_ns_dtype(scenario: Callable[..., Any], *args: Any) -> dict[str, Any]:
     return {ns_dtype: scenario(*args, ns_dtype=ns_dtype) for ns_dtype in NS_DTYPES}
 
 
+def exactness_layouts(world: int) -> dict[str, tuple[Any, list]]:
+    """Layout name -> (mesh, placements) the exactness scenarios run: Shard(0) over every
+    rank, and at 4 ranks HSDP and FSDP + TP on a 2 x 2 mesh."""
+    layouts = {"fsdp": (init_device_mesh(device_type(), (world,)), [Shard(0)])}
+    if world == 4:
+        mesh_2d = init_device_mesh(device_type(), (2, 2))
+        layouts["hsdp"] = (mesh_2d, [Replicate(), Shard(0)])
+        layouts["fsdp_tp"] = (mesh_2d, [_StridedShard(0, split_factor=2), Shard(0)])
+    return layouts
+
+
 def exactness(ns_dtype: str = "auto") -> dict[Any, Any]:
     """Fast and reference paths on Shard(0) (and 2-D meshes at 4 ranks) vs the oracle.
 
@@ -94,11 +105,7 @@ def exactness(ns_dtype: str = "auto") -> dict[Any, Any]:
     """
     world = dist.get_world_size()
     oracle = single_process_params(ns_dtype)
-    layouts = {"fsdp": (init_device_mesh(device_type(), (world,)), [Shard(0)])}
-    if world == 4:
-        mesh_2d = init_device_mesh(device_type(), (2, 2))
-        layouts["hsdp"] = (mesh_2d, [Replicate(), Shard(0)])
-        layouts["fsdp_tp"] = (mesh_2d, [_StridedShard(0, split_factor=2), Shard(0)])
+    layouts = exactness_layouts(world)
     out: dict[Any, Any] = {}
     for layout, (mesh, placements) in layouts.items():
         for comm in ("all_to_all", "redistribute"):
@@ -578,11 +585,7 @@ def variants_exactness(ns_dtype: str = "auto") -> dict[Any, Any]:
     oracle = {n: nn.Parameter(t) for n, t in _case_tensors(0).items()}
     reference = DMuon(_variant_groups(oracle), weight_decay=0.01, ns_dtype=ns_dtype)
     _variant_steps(reference, oracle, range(STEPS))
-    layouts = {"fsdp": (init_device_mesh(device_type(), (world,)), [Shard(0)])}
-    if world == 4:
-        mesh_2d = init_device_mesh(device_type(), (2, 2))
-        layouts["hsdp"] = (mesh_2d, [Replicate(), Shard(0)])
-        layouts["fsdp_tp"] = (mesh_2d, [_StridedShard(0, split_factor=2), Shard(0)])
+    layouts = exactness_layouts(world)
     out: dict[Any, Any] = {}
     for layout, (mesh, placements) in layouts.items():
         for comm in ("all_to_all", "redistribute"):
