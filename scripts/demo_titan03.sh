@@ -12,8 +12,8 @@
 #
 # Any further argument is passed to TorchTitan (e.g. --training.seq_len 128).
 # Setup is part of the command: without PYTHON it makes (or checks) the environment
-# .venv-titan0.3 (torch 2.15.0, the registry's CUDA build, ~3.7 GB, runs on CPU; plus
-# TorchTitan 0.3.0) with scripts/setup.sh. PYTHON picks another interpreter that has
+# .venv-titan0.3 (TorchTitan 0.3.0 over torch 2.15.0, the registry's CUDA build, ~6 GB
+# installed, runs on CPU) with scripts/setup_titan03.sh. PYTHON picks another interpreter that has
 # TorchTitan 0.3.x. Output goes under outputs/ (git-ignored). Needs no GPU.
 set -euo pipefail
 
@@ -33,10 +33,10 @@ done
 
 cd "$(dirname "$0")/.."   # repository root: the config's paths are relative to it
 if [[ -z "${PYTHON:-}" ]]; then
-    PYTHON=$(DMUON_VENV=.venv-titan0.3 TORCH_VERSION=2.15.0 DMUON_EXTRAS=titan03,test bash scripts/setup.sh)
+    PYTHON=$(bash scripts/setup_titan03.sh)
 fi
 if ! "$PYTHON" -c "import torchtitan, sys; sys.exit(not torchtitan.__version__.startswith('0.3'))" 2>/dev/null; then
-    echo "$PYTHON has no TorchTitan 0.3.x; set PYTHON or run: DMUON_EXTRAS=titan03,test bash scripts/setup.sh" >&2
+    echo "$PYTHON has no TorchTitan 0.3.x; set PYTHON or run: bash scripts/setup_titan03.sh" >&2
     exit 1
 fi
 mkdir -p outputs/demo_titan03

@@ -8,10 +8,14 @@
 #                   registry's CUDA build, ~3.7 GB, and runs on CPU too)
 #   DMUON_EXTRAS    dmuon's extras to install (default "torchtitan,test": TorchTitan 0.2.2;
 #                   "titan03,test" gives TorchTitan 0.3.0, which wants torch 2.14 or newer)
+#   DMUON_BASE_VENV an environment whose packages this one sees beneath its own (one line
+#                   in a .pth file): two environments then share one torch install instead
+#                   of holding two (torch 2.15 with its CUDA packages is ~6 GB on disk)
 #   PYTHON          the Python 3.11 that creates the environment (default python3)
 #
 # torch goes first and pinned, so that torchtitan's own requirement on torch is
-# already met by it.
+# already met by it. pip keeps no cache of it: a clean CI machine has no use for a second
+# copy of a multi-GB wheel, and disk there is tight.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 venv=${DMUON_VENV:-.venv}
@@ -25,8 +29,16 @@ if [[ ! -x "$venv/bin/python" ]]; then
     }
 fi
 python="$venv/bin/python"
+if [[ -n "${DMUON_BASE_VENV:-}" ]]; then
+    # A .pth line appends the base's site-packages to sys.path after this environment's own, so
+    # what is installed here (e.g. another TorchTitan release) shadows the base's copy, and pip
+    # leaves the base untouched (it never uninstalls outside the running environment).
+    purelib='import sysconfig; print(sysconfig.get_paths()["purelib"])'
+    base_site=$("$DMUON_BASE_VENV/bin/python" -c "$purelib")
+    echo "$base_site" > "$("$python" -c "$purelib")/dmuon_base_venv.pth"
+fi
 if ! "$python" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$torch_version')" 2>/dev/null; then
-    "$python" -m pip install --quiet "torch==$torch_version" >&2
+    "$python" -m pip install --quiet --no-cache-dir "torch==$torch_version" >&2
 fi
 "$python" -m pip install --quiet -e ".[${DMUON_EXTRAS:-torchtitan,test}]" >&2
 echo "$python"

@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
 # The newest torch the registry serves (2.15.0; the CUDA build, ~3.7 GB, runs on CPU), in
-# two environments of their own, one per TorchTitan line (the two releases cannot share one):
+# two environments, one per TorchTitan line (the two releases cannot share one):
 #
 #   .venv-torch2.15  torch 2.15 + TorchTitan 0.2.2: every in-process and multi-rank test
 #                    (core exactness, every layout, TorchTitan's own parallelize), then one
 #                    0.2.x end-to-end run (train, checkpoint, resume);
-#   .venv-titan0.3   torch 2.15 + TorchTitan 0.3.0: the 0.3.x adapter's tests, its CPU
-#                    end-to-end runs and layouts included, and the import check.
+#   .venv-titan0.3   TorchTitan 0.3.0 and its own requirements, over .venv-torch2.15's
+#                    packages (scripts/setup_titan03.sh): the 0.3.x adapter's
+#                    tests, its CPU end-to-end runs and layouts included, and the import check.
 #
-# pip caches the torch wheel, so the second environment installs it without downloading.
+# The second environment borrows the first one's torch rather than installing its own: one
+# ~6 GB copy instead of two (a CI machine ran out of disk with two, plus pip's cache).
 # Arguments go to every pytest call.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -19,6 +21,6 @@ python=$(DMUON_VENV=.venv-torch2.15 TORCH_VERSION=2.15.0 bash scripts/setup.sh)
 "$python" -m pytest -m "unit or multirank" "$@"
 "$python" -m pytest tests/test_torchtitan_e2e.py -k "resuming_from_a_checkpoint or loss_at_the_last_step" "$@"
 
-python=$(DMUON_VENV=.venv-titan0.3 TORCH_VERSION=2.15.0 DMUON_EXTRAS=titan03,test bash scripts/setup.sh)
+python=$(bash scripts/setup_titan03.sh)
 "$python" -c "import torch, importlib.metadata as m; print('torch', torch.__version__, '+ TorchTitan', m.version('torchtitan'))"
 exec "$python" -m pytest tests/test_extension_imports.py tests/test_titan03_*.py "$@"
