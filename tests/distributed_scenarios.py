@@ -8,7 +8,7 @@ each; the workers batch the process start-up, which dominates their cost.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -98,6 +98,20 @@ def exactness_layouts(world: int) -> dict[str, tuple[Any, list]]:
     return layouts
 
 
+EXCHANGE_PATHS = ("all_to_all", "redistribute")
+
+
+def exactness_runs(layouts: dict[str, tuple[Any, list]]) -> Iterator[tuple[str, str, Callable[[torch.Tensor], DTensor]]]:
+    """Every (layout, comm) pair the exactness scenarios check, with the function that
+    shards a full tensor onto that layout."""
+    for layout, (mesh, placements) in layouts.items():
+        def shard(t: torch.Tensor, mesh=mesh, placements=placements) -> DTensor:
+            return distribute_tensor(t, mesh, placements, src_data_rank=None)
+
+        for comm in EXCHANGE_PATHS:
+            yield layout, comm, shard
+
+
 def exactness(ns_dtype: str = "auto") -> dict[Any, Any]:
     """Fast and reference paths on Shard(0) (and 2-D meshes at 4 ranks) vs the oracle.
 
@@ -107,19 +121,15 @@ def exactness(ns_dtype: str = "auto") -> dict[Any, Any]:
     oracle = single_process_params(ns_dtype)
     layouts = exactness_layouts(world)
     out: dict[Any, Any] = {}
-    for layout, (mesh, placements) in layouts.items():
-        for comm in ("all_to_all", "redistribute"):
-            def shard(t: torch.Tensor) -> DTensor:
-                return distribute_tensor(t, mesh, placements, src_data_rank=None)
-
-            params = {n: nn.Parameter(shard(t)) for n, t in _case_tensors(0).items()}
-            optimizer = _run(params, lambda step: {n: shard(t) for n, t in _case_tensors(100 + step).items()}, comm=comm,
-                             ns_dtype=ns_dtype)
-            out[(layout, comm)] = {n: torch.equal(params[n].full_tensor(), oracle[n]) for n in oracle}
-            out[(layout, comm, "paths")] = optimizer.comm_paths()
-            out[(layout, comm, "bytes")] = optimizer.comm_stats.bytes_sent
-            out[(layout, comm, "local_rows")] = {n: p.to_local().shape[0] for n, p in params.items()}
-            out[(layout, comm, "checksum")] = sum(p.full_tensor().double().sum().item() for p in params.values())
+    for layout, comm, shard in exactness_runs(layouts):
+        params = {n: nn.Parameter(shard(t)) for n, t in _case_tensors(0).items()}
+        optimizer = _run(params, lambda step: {n: shard(t) for n, t in _case_tensors(100 + step).items()}, comm=comm,
+                         ns_dtype=ns_dtype)
+        out[(layout, comm)] = {n: torch.equal(params[n].full_tensor(), oracle[n]) for n in oracle}
+        out[(layout, comm, "paths")] = optimizer.comm_paths()
+        out[(layout, comm, "bytes")] = optimizer.comm_stats.bytes_sent
+        out[(layout, comm, "local_rows")] = {n: p.to_local().shape[0] for n, p in params.items()}
+        out[(layout, comm, "checksum")] = sum(p.full_tensor().double().sum().item() for p in params.values())
     return out
 
 
@@ -587,19 +597,15 @@ def variants_exactness(ns_dtype: str = "auto") -> dict[Any, Any]:
     _variant_steps(reference, oracle, range(STEPS))
     layouts = exactness_layouts(world)
     out: dict[Any, Any] = {}
-    for layout, (mesh, placements) in layouts.items():
-        for comm in ("all_to_all", "redistribute"):
-            def shard(t: torch.Tensor) -> DTensor:
-                return distribute_tensor(t, mesh, placements, src_data_rank=None)
-
-            params = {n: nn.Parameter(shard(t)) for n, t in _case_tensors(0).items()}
-            optimizer = DMuon(_variant_groups(params), weight_decay=0.01, ns_dtype=ns_dtype, comm=comm)
-            _variant_steps(optimizer, params, range(STEPS), shard)
-            out[(layout, comm)] = {n: torch.equal(params[n].full_tensor(), oracle[n].detach()) for n in oracle}
-            out[(layout, comm, "paths")] = optimizer.comm_paths()
-            out[(layout, comm, "moments")] = normuon_states_agree(
-                {n: optimizer.state[params[n]] for n in oracle}, {n: reference.state[oracle[n]] for n in oracle})
-    for comm in ("all_to_all", "redistribute"):
+    for layout, comm, shard in exactness_runs(layouts):
+        params = {n: nn.Parameter(shard(t)) for n, t in _case_tensors(0).items()}
+        optimizer = DMuon(_variant_groups(params), weight_decay=0.01, ns_dtype=ns_dtype, comm=comm)
+        _variant_steps(optimizer, params, range(STEPS), shard)
+        out[(layout, comm)] = {n: torch.equal(params[n].full_tensor(), oracle[n].detach()) for n in oracle}
+        out[(layout, comm, "paths")] = optimizer.comm_paths()
+        out[(layout, comm, "moments")] = normuon_states_agree(
+            {n: optimizer.state[params[n]] for n in oracle}, {n: reference.state[oracle[n]] for n in oracle})
+    for comm in EXCHANGE_PATHS:
         out[("split_rows", comm)] = _normuon_split_rows_exactness(layouts["fsdp"][0], comm, ns_dtype)
     return out
 
