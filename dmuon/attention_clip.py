@@ -26,8 +26,9 @@ from torch.distributed.tensor import DTensor, Partial
 
 from dmuon.comm import mesh_device
 from dmuon.layout import Range, local_indices
+from dmuon.groups import group_of, host_group_of, sum_on_host
 from dmuon.max_logits import MaxLogitTracker
-from dmuon.paths import mesh_ranks
+from dmuon.mesh_facts import mesh_ranks
 from dmuon.qk_clip import FUSED_GROUPED, AttentionHeads, clip_factors, row_scales, scale_rows_
 
 logger = logging.getLogger("dmuon")
@@ -99,11 +100,11 @@ class AttentionClip:
         if not self.targets:
             return None
         device = self._device()
+        self._check_reported([self.tracker.has_seen(t.name) for t in self.targets])
         seen = [self.tracker.take(t.name, t.heads.n_heads, device) for t in self.targets]
         flat = torch.cat(seen)
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=self._group())
-        self._check_reported(flat)
         max_logits = dict(zip((t.name for t in self.targets), flat.split([t.heads.n_heads for t in self.targets])))
         clipped = torch.zeros((), dtype=torch.int64, device=device)
         for target in self.targets:
@@ -138,17 +139,17 @@ class AttentionClip:
                              f"different qk_clip_threshold ({q_threshold} and {k_threshold}); give both the same")
         return q_threshold
 
-    def _check_reported(self, flat: torch.Tensor) -> None:
-        """Until the first step in which some attention reported logits (the check syncs
-        with the host): then every registered attention must have reported, or the
-        model does not call the tracker for it and its clip would silently do nothing.
-        A step in which none reported (TorchTitan 0.3's state-making step, run before any
-        forward) is let through with one warning. Every rank sees the same reduced
-        values, so every rank decides alike."""
+    def _check_reported(self, seen_here: list[bool]) -> None:
+        """Until the first step in which some attention reported logits: then every
+        registered attention must have reported on some rank, or the model does not call
+        the tracker for it and its clip would silently do nothing. A step in which none
+        reported (TorchTitan 0.3's state-making step, run before any forward) is let
+        through with one warning. Whether an attention reported is a host fact
+        (``MaxLogitTracker.has_seen``), summed over the ranks on the host, so the check
+        reads no device value; every rank sees the same sums and decides alike."""
         if self._checked_reports:
             return
-        parts = flat.split([t.heads.n_heads for t in self.targets])
-        reported = torch.stack([torch.isfinite(part).any() for part in parts]).tolist()  # one host sync
+        reported = [n > 0 for n in sum_on_host([int(s) for s in seen_here], self._host_group())]
         if not any(reported):
             if not self._warned_silent:
                 logger.warning("DMuon: QK-clip got no attention logits in this step (nothing to clip); expected "
@@ -168,12 +169,19 @@ class AttentionClip:
         return mesh_device(weight.device_mesh) if isinstance(weight, DTensor) else weight.device
 
     def _group(self) -> dist.ProcessGroup:
-        from dmuon.fast_path import group_of  # the process-group cache lives with the fast path
-
         weight = self.targets[0].q_weight
         if isinstance(weight, DTensor):
             return group_of(_ranks(weight), [weight.device_mesh])
         return dist.group.WORLD  # plain weights: replicated over every rank (DDP)
+
+    def _host_group(self) -> dist.ProcessGroup | None:
+        """The group :meth:`_check_reported` sums over (None: a single process)."""
+        if not (dist.is_available() and dist.is_initialized()):
+            return None
+        weight = self.targets[0].q_weight
+        if isinstance(weight, DTensor):
+            return host_group_of(_ranks(weight), [weight.device_mesh])
+        return host_group_of(tuple(range(dist.get_world_size())))
 
 
 def _ranks(weight: torch.Tensor) -> tuple[int, ...] | None:
@@ -186,7 +194,7 @@ def local_rows(weight: torch.Tensor) -> list[Range]:
     if not isinstance(weight, DTensor):
         return [(0, weight.shape[0])]
     mesh = weight.device_mesh
-    return local_indices(weight.shape, tuple(mesh.mesh.shape), weight.placements, mesh.get_coordinate())[0]
+    return local_indices(weight.shape, tuple(mesh.shape), weight.placements, mesh.get_coordinate())[0]
 
 
 def _scale_local_rows(weight: torch.Tensor, factors: torch.Tensor) -> None:

@@ -14,7 +14,6 @@ at the same point. Adding a param group forgets both.
 from __future__ import annotations
 
 import logging
-import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -27,38 +26,16 @@ from torch.distributed.tensor import DTensor
 from dmuon.comm import CommStats, ScratchMeter, mesh_device
 from dmuon.cost_model import CostModel, plan_with_best_split
 from dmuon.group_steps import GroupSteps
+from dmuon.groups import group_of, host_group_of, sum_on_host
+from dmuon.mesh_facts import mesh_ranks
 from dmuon.newton_schulz import resolve_ns_dtype
-from dmuon.paths import PATHS, choose_paths, mesh_ranks
+from dmuon.paths import PATHS, choose_paths
 from dmuon.plan import ALL_TO_ALL, OwnerPlan, ParamSpec, Unit, layout_of, make_owner_plan
-from dmuon.torch_compat import compute_local_shape_and_global_offset
+from dmuon.torch_compat import compute_local_shape_and_global_offset, host_tensor_ops
 from dmuon.transport.owner_exchange import run_owner_plan
 from dmuon.update_rules import muon_momentum_
 
 logger = logging.getLogger("dmuon")
-
-# Process groups made for rank sets, per default group: a group dies with the default
-# group (``dist.destroy_process_group()``), so a new default group starts a new cache
-# and the old one goes with the old default group (weak key).
-_GROUPS: weakref.WeakKeyDictionary[dist.ProcessGroup, dict[tuple[int, ...], dist.ProcessGroup]] = (
-    weakref.WeakKeyDictionary()
-)
-
-
-def group_of(ranks: tuple[int, ...], meshes: Sequence[DeviceMesh]) -> dist.ProcessGroup:
-    """A process group of exactly ``ranks``: the default group or a 1-D mesh's group when
-    one has them, else a new group made once per rank set. Only the member ranks take
-    part in making it (``use_local_synchronization``), so pipeline stages, each with
-    its own optimizer and ranks, need not make theirs together."""
-    if ranks == tuple(range(dist.get_world_size())):
-        return dist.group.WORLD
-    for mesh in meshes:
-        if mesh.ndim == 1 and mesh_ranks(mesh) == ranks:
-            return mesh.get_group()
-    made = _GROUPS.setdefault(dist.group.WORLD, {})
-    if ranks not in made:
-        made[ranks] = dist.new_group(list(ranks), use_local_synchronization=True)
-    return made[ranks]
-
 
 @dataclass
 class OwnerRun:
@@ -152,25 +129,28 @@ class FastPath:
 
         The plan reads DTensor's placement rules (``dmuon.layout``); here each rank
         compares them with DTensor's own answer and with the local tensor's shape, so
-        one built by ``DTensor.from_local`` with custom uneven shards is caught. The
-        check is one ``all_reduce`` at planning time, so a mismatch on any rank stops
-        every rank.
+        one built by ``DTensor.from_local`` with custom uneven shards is caught. Shapes
+        and offsets are host facts: the check sums the mismatches over the ranks on the
+        host (``dmuon.groups.sum_on_host``), once, at planning time, so a mismatch on
+        any rank stops every rank and no device value is read.
         """
         wrong = []
         for param, spec in zip(run.params, run.plan.params):
             box = spec.layout.boxes(spec.shape)[run.rank]
-            shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+            with host_tensor_ops():  # DTensor's answer does tensor work on the mesh
+                shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh,
+                                                                      param.placements)
             expected_offsets = [start for start, length in box if length]
             offsets = [o for o, (_, length) in zip(offset, box) if length]
             sizes = tuple(length for _, length in box)
             if sizes != tuple(shape) or sizes != tuple(param.to_local().shape) or offsets != expected_offsets:
                 wrong.append(param)
-        count = torch.tensor([len(wrong)], dtype=torch.int32, device=run.device)
-        dist.all_reduce(count, group=run.group)
-        if count.item():
+        meshes = [p.device_mesh for p in run.params]
+        (count,) = sum_on_host([len(wrong)], host_group_of(mesh_ranks(meshes[0]), meshes))
+        if count:
             mine = f" here: {[name_of(p) for p in wrong]}" if wrong else ""
             raise ValueError(
-                f"DMuon: {count.item()} sharded parameter shard(s) are not the blocks their placements "
+                f"DMuon: {count} sharded parameter shard(s) are not the blocks their placements "
                 f"describe{mine}. Shard them with FSDP2 or distribute_tensor, or pass use_muon=False for them."
             )
 

@@ -2,9 +2,12 @@
 
 A step's collectives depend on which parameters have a grad. If ranks disagree (a
 grad missing on one rank), or one rank must reject a grad, the others would wait in a
-collective forever. So every rank checks its own grads, then one small ``all_reduce``
-per mesh tells every rank the same counts, and every rank raises the same error or
-none does.
+collective forever. So every rank checks its own grads, then one small sum per mesh
+tells every rank the same counts, and every rank raises the same error or none does.
+
+Whether a grad exists and whether it is usable are host facts (Python objects, shapes,
+types), so the sum runs on the host (``dmuon.groups.sum_on_host``): no device value is
+read, and the step does not wait for the backward's kernels to finish.
 """
 
 from __future__ import annotations
@@ -17,7 +20,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from dmuon.comm import mesh_device
+from dmuon.groups import host_group_of, sum_on_host
+from dmuon.mesh_facts import mesh_ranks
 
 
 def grad_problem(param: torch.Tensor, use_muon: bool) -> str | None:
@@ -41,27 +45,26 @@ def agree_on_grads(
     problems: dict[torch.Tensor, str],
     name_of: Callable[[torch.Tensor], str],
 ) -> None:
-    """One ``all_reduce`` per mesh: every rank must see the same distributed grads.
+    """One host sum per mesh: every rank must see the same distributed grads.
 
-    Counts, per DTensor Muon parameter, the ranks that have a grad, plus the ranks
-    that found an invalid grad anywhere. Every rank runs every mesh's reduction
-    before deciding anything, and sees the same sums, so every rank raises the same
-    error or none does: no rank is left waiting in a collective.
+    Counts, per DTensor Muon parameter, the ranks that have a grad and the ranks that
+    have none, plus the ranks that found an invalid grad anywhere. A parameter is
+    uneven when both counts are non-zero (counting both sides, rather than comparing
+    one with the mesh size, keeps the answer right on a group whose sums are local, as
+    the dry run's fake group's are). Every rank runs every mesh's sum before deciding
+    anything, and sees the same sums, so every rank raises the same error or none
+    does: no rank is left waiting in a collective.
     """
     local_problem = next(iter(problems.items()), None)
     bad_ranks = 0
     uneven: list[str] = []
     for mesh, params in by_mesh.items():
-        counts = torch.tensor(
-            [int(p.grad is not None) for p in params] + [int(local_problem is not None)],
-            dtype=torch.int32,
-            device=mesh_device(mesh),
-        )
-        for dim in range(mesh.ndim):  # summing over each mesh dim sums over the whole mesh
-            dist.all_reduce(counts, group=mesh.get_group(dim))
-        *have, bad = counts.tolist()
+        has = [int(p.grad is not None) for p in params]
+        sums = sum_on_host([*has, *(1 - h for h in has), int(local_problem is not None)],
+                           host_group_of(mesh_ranks(mesh), [mesh]))
+        with_grad, without_grad, bad = sums[: len(params)], sums[len(params) : -1], sums[-1]
         bad_ranks = max(bad_ranks, bad)
-        uneven += [name_of(p) for p, n in zip(params, have) if n not in (0, mesh.size())]
+        uneven += [name_of(p) for p, yes, no in zip(params, with_grad, without_grad) if yes and no]
     if local_problem:
         param, problem = local_problem
         raise ValueError(f"DMuon: parameter {name_of(param)!r}: {problem}")

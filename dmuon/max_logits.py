@@ -64,6 +64,11 @@ class MaxLogitTracker:
         part = seen[head_offset : head_offset + local_heads]
         torch.maximum(part, mine.to(seen.device), out=part)
 
+    def has_seen(self, name: str) -> bool:
+        """Whether attention ``name`` reported logits since the last take (a host fact:
+        no device value is read)."""
+        return name in self._seen
+
     def take(self, name: str, n_heads: int, device: torch.device) -> torch.Tensor:
         """Attention ``name``'s maxima since the last take (``-inf`` for heads not seen),
         and forget them: the next step starts afresh."""

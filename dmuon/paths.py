@@ -19,17 +19,12 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import torch
-from torch.distributed.device_mesh import DeviceMesh
 
+from dmuon.mesh_facts import mesh_ranks
 from dmuon.plan import ALL_TO_ALL, LOCAL, REDISTRIBUTE, comm_path
 
 # The order the chosen paths are logged in.
 PATHS = (ALL_TO_ALL, REDISTRIBUTE, LOCAL)
-
-
-def mesh_ranks(mesh: DeviceMesh) -> tuple[int, ...]:
-    """The global ranks of a mesh, sorted."""
-    return tuple(sorted(int(r) for r in mesh.mesh.flatten().tolist()))
 
 
 def choose_paths(

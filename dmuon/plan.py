@@ -40,6 +40,7 @@ import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from dmuon.layout import Box, Layout, chunk_ranges
+from dmuon.mesh_facts import mesh_ranks_in_order
 from dmuon.newton_schulz import DEFAULT_NS_STEPS, matrix_shape, newton_schulz_flops
 
 # How a Muon parameter reaches Newton-Schulz.
@@ -92,7 +93,7 @@ def comm_path(param: torch.Tensor, comm: str) -> str:
 def layout_of(param: DTensor, plan_rank: Mapping[int, int] | None = None) -> Layout:
     """A DTensor's layout; ``plan_rank`` maps global ranks to plan ranks (default: same)."""
     mesh = param.device_mesh
-    ranks = [int(r) for r in mesh.mesh.flatten().tolist()]
+    ranks = list(mesh_ranks_in_order(mesh))
     if plan_rank is not None:
         ranks = [plan_rank[r] for r in ranks]
     return Layout(tuple(mesh.shape), tuple(param.placements), tuple(ranks))

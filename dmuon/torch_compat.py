@@ -11,22 +11,48 @@ moves one, this module is the one to change, and its tests say which entry broke
 | ``StridedShard`` (``_StridedShard``) | FSDP2 over a TP-sharded weight: a placement the layout rules must read | 2.13.0, 2.15.0 |
 | ``scalar_dtype`` (``torch.optim.optimizer._get_scalar_dtype``) | the dtype of AdamW's ``step`` state, as torch.optim.AdamW makes it | 2.13.0, 2.15.0 |
 | ``mkldnn_bf16_supported`` (``torch.ops.mkldnn._is_mkldnn_bf16_supported``) | whether a CPU has a native bf16 GEMM (``ns_dtype="auto"``) | 2.13.0, 2.15.0 |
+| ``FakeTensorMode``, ``FakeTensor`` (``torch._subclasses.fake_tensor``) | ``python -m dmuon.dry_run``: CUDA tensors without data | 2.15.0 (needs a CUDA build) |
+| ``fake_store`` (``torch.testing._internal.distributed.fake_pg.FakeStore``) | ``dmuon.dry_run``: one process as rank r of any world size (backend ``"fake"``) | 2.15.0 |
+| ``TorchDispatchMode`` (``torch.utils._python_dispatch``) | ``dmuon.dry_run``: sees every op of a step (syncs, launches, collectives, memory) | 2.13.0, 2.15.0 |
+| ``resolve_process_group`` (``torch.distributed.distributed_c10d._resolve_process_group``) | ``dmuon.dry_run``: the group of a functional collective (DTensor's), named by a string | 2.15.0 |
+| ``host_tensor_ops`` (``torch._subclasses.fake_tensor.unset_fake_temporarily``) | host-side bookkeeping (mesh ranks, shard offsets, agreement counts) on real CPU tensors also while a ``FakeTensorMode`` is active (``python -m dmuon.dry_run``) | 2.13.0, 2.15.0 |
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch._subclasses.fake_tensor import unset_fake_temporarily as host_tensor_ops
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import _StridedShard as StridedShard
 from torch.optim.optimizer import _get_scalar_dtype as scalar_dtype
+from torch.utils._python_dispatch import TorchDispatchMode
 
 # The lowest torch dmuon supports (pyproject.toml's requirement) and the newest it was tested on.
 OLDEST_TESTED_TORCH = "2.13.0"
 NEWEST_TESTED_TORCH = "2.15.0"
 
-__all__ = ["StridedShard", "compute_local_shape_and_global_offset", "mkldnn_bf16_supported", "scalar_dtype"]
+__all__ = ["FakeTensor", "FakeTensorMode", "StridedShard", "TorchDispatchMode", "compute_local_shape_and_global_offset", "fake_store",
+           "host_tensor_ops", "mkldnn_bf16_supported", "resolve_process_group", "scalar_dtype"]
 
 
 def mkldnn_bf16_supported() -> bool:
     """Whether oneDNN has a bf16 GEMM for this CPU (AVX-512, AMX, Arm BF16)."""
     return torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def fake_store() -> dist.Store:
+    """The store of PyTorch's fake process group (``init_process_group("fake", ...)``);
+    imported on demand: it lives in torch's internal testing package."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    return FakeStore()
+
+
+def resolve_process_group(group_name: str) -> dist.ProcessGroup:
+    """The process group a functional collective names (DTensor's collectives carry
+    the group's name, not the group)."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(group_name)

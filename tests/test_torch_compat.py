@@ -42,3 +42,18 @@ def test_the_tested_range_starts_at_the_declared_requirement():
 
     project = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"]
     assert f"torch>={torch_compat.OLDEST_TESTED_TORCH.rsplit('.', 1)[0]}" in project["dependencies"]
+
+
+def test_host_tensor_ops_make_real_cpu_tensors_inside_a_fake_tensor_mode():
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    with FakeTensorMode():
+        assert isinstance(torch.zeros(2), FakeTensor)
+        with torch_compat.host_tensor_ops():
+            counts = torch.tensor([1, 2])
+            assert not isinstance(counts, FakeTensor) and counts.tolist() == [1, 2]
+
+
+def test_host_tensor_ops_do_nothing_outside_a_fake_tensor_mode():
+    with torch_compat.host_tensor_ops():
+        assert torch.tensor([3]).tolist() == [3]

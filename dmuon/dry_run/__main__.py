@@ -1,0 +1,131 @@
+"""``python -m dmuon.dry_run``: DMuon's CUDA step at real scale, without a GPU.
+
+Examples::
+
+    python -m dmuon.dry_run --model llama3-8b --world-size 64 --layout fsdp
+    python -m dmuon.dry_run --model llama3-70b --world-size 256 --layout hsdp:4x64 --json
+    python -m dmuon.dry_run --model moe-16b --world-size 32 --layout ep --ranks all --normuon
+
+Each impersonated rank runs in a process of its own (a fresh fake process group and
+fake CUDA device), builds the preset's parameters as fake CUDA tensors, lays them out
+with FSDP2 / DTensor, and takes two real ``DMuon`` steps; the second is recorded
+(``dmuon.dry_run.recorder``). Exits 1 if any rank read a device value on the host, mixed
+CPU and CUDA tensors, sent other bytes than the plan says, held more memory than the
+bound, or ran a collective on CPU tensors; 2 on bad input. Needs a CUDA build of torch
+(no GPU). What it proves and what it cannot: docs/dry_run.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import sys
+from concurrent.futures import ProcessPoolExecutor
+
+from dmuon.dry_run.fake_cuda import DryRunError, check_cuda_build
+from dmuon.dry_run.layouts import parse_layout
+from dmuon.dry_run.models import PRESETS
+from dmuon.dry_run.run import DryRunConfig, RankReport, run_rank, sample_ranks
+
+MiB = 1 << 20
+# Parallel rank processes by default: each is one thread (fake tensors do no math).
+DEFAULT_JOBS = min(2, os.cpu_count() or 1)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m dmuon.dry_run", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", required=True, help=f"preset: {', '.join(PRESETS)}")
+    parser.add_argument("--world-size", type=int, required=True, help="P ranks")
+    parser.add_argument("--layout", default="fsdp", help="fsdp, hsdp[:RxS], fsdp_tp[:T], tp, ep (default fsdp)")
+    parser.add_argument("--ranks", default=None,
+                        help="ranks to impersonate: 'all', or a comma list (default: first, second, middle, last)")
+    parser.add_argument("--jobs", type=int, default=DEFAULT_JOBS, help="rank processes at once (default %(default)s)")
+    parser.add_argument("--normuon", action="store_true", help="DMuon(normuon=True)")
+    parser.add_argument("--cautious-weight-decay", action="store_true", help="DMuon(cautious_weight_decay=True)")
+    parser.add_argument("--qk-clip", type=float, default=None, metavar="TAU",
+                        help="DMuon(qk_clip_threshold=TAU), every attention registered and reporting logits")
+    parser.add_argument("--max-batch-numel", type=int, default=None, help="DMuon(max_batch_numel=...)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    return parser.parse_args(argv)
+
+
+def make_config(args: argparse.Namespace) -> tuple[DryRunConfig, list[int]]:
+    if args.model not in PRESETS:
+        raise DryRunError(f"unknown model {args.model!r}; choose from {', '.join(PRESETS)}")
+    layout = parse_layout(args.layout, args.world_size)
+    options = {key: value for key, value in (
+        ("normuon", args.normuon or None), ("cautious_weight_decay", args.cautious_weight_decay or None),
+        ("qk_clip_threshold", args.qk_clip), ("max_batch_numel", args.max_batch_numel)) if value is not None}
+    return DryRunConfig(args.model, PRESETS[args.model], layout, args.world_size, options), _ranks(args)
+
+
+def _ranks(args: argparse.Namespace) -> list[int]:
+    if args.ranks is None:
+        return sample_ranks(args.world_size)
+    if args.ranks == "all":
+        return list(range(args.world_size))
+    try:
+        ranks = sorted({int(r) for r in args.ranks.split(",")})
+    except ValueError:
+        raise DryRunError(f"--ranks {args.ranks!r}: write 'all' or ranks like 0,5,63") from None
+    if ranks[0] < 0 or ranks[-1] >= args.world_size:
+        raise DryRunError(f"--ranks {args.ranks}: ranks must be in 0..{args.world_size - 1}")
+    return ranks
+
+
+def run_ranks(config: DryRunConfig, ranks: list[int], jobs: int) -> list[RankReport]:
+    """Each rank in a fresh process (a process is one rank of one fake world)."""
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=max(1, jobs), mp_context=context, max_tasks_per_child=1) as pool:
+        return list(pool.map(run_rank, [config] * len(ranks), ranks))
+
+
+def summary(config: DryRunConfig, reports: list[RankReport]) -> dict:
+    return {
+        "model": config.model,
+        "layout": str(config.layout),
+        "world_size": config.world_size,
+        "options": config.options,
+        "ok": not any(r.problems() for r in reports),
+        "problems": {r.rank: r.problems() for r in reports if r.problems()},
+        "ranks": [r.as_dict() for r in reports],
+    }
+
+
+def format_table(config: DryRunConfig, reports: list[RankReport]) -> str:
+    head = (f"{config.model}, {config.layout}, P = {config.world_size}"
+            + (f", {config.options}" if config.options else ""))
+    lines = [head, f"{'rank':>5} {'syncs':>5} {'sent MiB':>9} {'plan MiB':>9} {'ops':>6} {'state MiB':>10} "
+                   f"{'peak MiB':>9} {'bound MiB':>10} {'collectives':<40} {'s':>5}"]
+    for r in reports:
+        collectives = ", ".join(f"{c['count']}x {c['op'].split('.')[1]} {c['dtype']}@{c['device']}"
+                                for c in r.collectives)
+        lines.append(f"{r.rank:>5} {r.host_syncs_per_step:>5} {r.bytes_sent_per_rank / MiB:>9.2f} "
+                     f"{r.plan_bytes_sent_per_rank / MiB:>9.2f} {r.device_ops_per_step:>6} "
+                     f"{r.state_bytes / MiB:>10.1f} {r.peak_step_bytes / MiB:>9.1f} {r.peak_bound_bytes / MiB:>10.1f} "
+                     f"{collectives:<40} {r.seconds:>5.1f}")
+    for r in reports:
+        for problem in r.problems():
+            lines.append(f"rank {r.rank}: {problem}")
+    lines.append("ok: no host sync, bytes as planned, memory within the bound" if not any(r.problems() for r in reports)
+                 else "FAILED")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        check_cuda_build()
+        config, ranks = make_config(args)
+    except DryRunError as error:
+        print(f"dmuon.dry_run: {error}", file=sys.stderr)
+        return 2
+    reports = run_ranks(config, ranks, args.jobs)
+    print(json.dumps(summary(config, reports), indent=1) if args.json else format_table(config, reports))
+    return 0 if not any(r.problems() for r in reports) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,97 @@
+"""The documented bound on the device memory one DMuon step holds above parameters,
+grads and state (docs/dry_run.md, "Memory"). The dry run measures the real peak and
+checks it against this.
+
+The step runs three phases one after another, each freeing its scratch before the
+next, so the bound is the largest of three terms (``e``: the parameter's element size;
+``s``: Newton-Schulz's; a matrix ``m x n`` with ``m <= n``):
+
+- *owner exchange*: ``OwnerPlan.peak_scratch_bytes`` (bf16 send, receive, whole-matrix
+  and result buffers of at most three batches: bounded by ``max_batch_numel``), plus
+  the Newton-Schulz workspace of the largest matrix this rank orthogonalizes
+  (:func:`newton_schulz_workspace`), plus the elementwise temporaries of its largest
+  block (:func:`elementwise_bytes`);
+- *whole matrices* (plain tensors, replicated DTensors, the reference path): for the
+  largest, its bf16 update and result, its workspace and its elementwise temporaries;
+- *AdamW*: torch's foreach AdamW makes a few lists as large as its parameters (the
+  root of the second moment, the step): ``ADAMW_TEMPORARIES`` times their local bytes.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from dmuon.newton_schulz import UPDATE_DTYPE, matrix_shape, resolve_ns_dtype
+from dmuon.optimizer import DMuon
+from dmuon.plan import ALL_TO_ALL, WIRE_BYTES
+
+# Lists of AdamW-parameter size torch's foreach AdamW holds at once.
+ADAMW_TEMPORARIES = 2
+# NorMuon's normalization holds an fp32 copy of the matrix and its square.
+NORMUON_FP32_COPIES = 2
+# Cautious decay's mask: the signs of update and weight, their product and the factor.
+CAUTIOUS_TEMPORARIES = 4
+FP32_BYTES = 4
+
+
+def newton_schulz_workspace(shape: tuple[int, int], ns_bytes: int, normuon: bool) -> int:
+    """Bytes Newton-Schulz holds for one ``m x n`` matrix beyond its input: the iterate
+    twice (old and new), the Gram matrix and the polynomial in ``s`` bytes, a bf16
+    result and a bf16 copy (a stack of experts or heads is concatenated), and NorMuon's
+    fp32 copies."""
+    m, n = sorted(shape)
+    workspace = ns_bytes * (2 * m * n + 2 * m * m) + 2 * WIRE_BYTES * m * n
+    return workspace + (NORMUON_FP32_COPIES * FP32_BYTES * m * n if normuon else 0)
+
+
+def elementwise_bytes(numel: int, param_bytes: int, cautious: bool) -> int:
+    """Momentum's look-ahead (one block in the parameter's dtype) and cautious decay's
+    mask temporaries."""
+    return numel * param_bytes + (CAUTIOUS_TEMPORARIES * FP32_BYTES * numel if cautious else 0)
+
+
+def peak_bound_bytes(optimizer: DMuon, plan_rank: int) -> int:
+    """The bound for this rank of ``optimizer`` (after its first step: plan and paths made)."""
+    groups = {p: g for g in optimizer.param_groups for p in g["params"]}
+    ns_bytes = torch.empty((), dtype=resolve_ns_dtype(optimizer.ns_dtype, "cuda")).element_size()
+    return max(_exchange(optimizer, groups, plan_rank, ns_bytes), _whole(optimizer, groups, ns_bytes),
+               ADAMW_TEMPORARIES * sum(_local_bytes(p) for p, g in groups.items() if not g["use_muon"]))
+
+
+def _exchange(optimizer: DMuon, groups: dict, rank: int, ns_bytes: int) -> int:
+    plans = optimizer.owner_plans()
+    if not plans:
+        return 0
+    (plan,) = plans
+    params = optimizer._fast_path._run.params  # noqa: SLF001 - the plan's parameters, in plan order
+    workspace = elementwise = 0
+    for unit in plan.units:
+        group = groups[params[unit.param]]
+        if unit.owner == rank:
+            workspace = max(workspace, newton_schulz_workspace(unit.matrix[-2:], ns_bytes, group["normuon"]))
+        if (block := unit.block(rank)) is not None:
+            param_bytes = params[unit.param].element_size()
+            elementwise = max(elementwise, elementwise_bytes(block.numel, param_bytes, group["cautious_weight_decay"]))
+    return plan.peak_scratch_bytes(rank) + workspace + elementwise
+
+
+def _whole(optimizer: DMuon, groups: dict, ns_bytes: int) -> int:
+    largest = 0
+    for param, path in optimizer._paths().items():  # noqa: SLF001 - the paths the step took
+        if path == ALL_TO_ALL:
+            continue
+        group = groups[param]
+        numel = math.prod(param.shape)
+        matrix = matrix_shape(param.shape)[-2:]
+        updates = 2 * numel * torch.empty((), dtype=UPDATE_DTYPE).element_size()
+        largest = max(largest, updates + newton_schulz_workspace(matrix, ns_bytes, group["normuon"])
+                      + elementwise_bytes(numel, param.element_size(), group["cautious_weight_decay"]))
+    return largest
+
+
+def _local_bytes(tensor: torch.Tensor) -> int:
+    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return local.numel() * local.element_size()

@@ -1,0 +1,228 @@
+"""What one rank's step does on the device, seen op by op under a fake CUDA run.
+
+:class:`StepRecorder` is a ``TorchDispatchMode`` entered inside the ``FakeTensorMode``:
+every op the step dispatches passes through it first (DTensor ops as one op each), so
+it records, without trusting any counter of DMuon's own:
+
+- *host syncs*: a device value read on the host (``.item()``, ``.tolist()``,
+  ``bool(t)``, ``int(t)``: ``aten._local_scalar_dense``), a copy from the device to the
+  CPU, or an op whose output shape depends on device values (``nonzero``). Each is
+  counted with the line of code that made it, and a read gets a placeholder value, so
+  a run counts every sync instead of stopping at the first;
+- *collectives*: each c10d op (``torch.distributed`` calls and DTensor's functional
+  collectives) by op, dtype and device, with the bytes each ``all_to_all`` sends to
+  other ranks;
+- *device ops*: ops that would launch a CUDA kernel (views, allocations and metadata
+  queries launch none);
+- *memory*: every device storage the step allocates, live from the op that made it
+  until its last tensor dies; the peak is what the step holds above what existed
+  before it (parameters, grads, state);
+- *mixed devices*: an op given a CPU tensor (other than a 0-dim scalar, which torch
+  accepts) next to a CUDA one: what gloo forgives and NCCL does not.
+
+:class:`HostTensorsStayReal` is the other mode of the dry run: while a model is laid
+out, ops on real CPU tensors (``DeviceMesh`` bookkeeping) run as real host work
+instead of turning into fake tensors whose values cannot be read.
+"""
+
+from __future__ import annotations
+
+import traceback
+import weakref
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from dmuon.torch_compat import FakeTensor, TorchDispatchMode, host_tensor_ops, resolve_process_group
+
+# Ops that allocate or describe but launch no kernel.
+NO_KERNEL_OPS = frozenset({
+    "aten.empty.memory_format", "aten.empty_strided.default", "aten.new_empty.default",
+    "aten.new_empty_strided.default", "aten.empty_like.default", "aten.lift_fresh.default", "prim.device.default",
+    "aten.sym_size.int", "aten.sym_stride.int", "aten.sym_numel.default", "aten.sym_storage_offset.default",
+    "aten.is_same_size.default", "aten.set_.source_Storage_storage_offset", "aten.detach.default",
+    "_c10d_functional.wait_tensor.default",
+})
+LOCAL_SCALAR_DENSE = "aten._local_scalar_dense.default"
+# What a host read returns in a dry run: the value is unknowable, the run goes on.
+PLACEHOLDERS = {torch.bool: False}
+PLACEHOLDER = 1
+# Frames of these files are skipped when naming the line that made a host sync.
+_OWN_FILES = (str(Path(__file__).resolve()), "torch/")
+
+
+@dataclass
+class CollectiveRow:
+    """The collectives of one kind a step issued."""
+
+    op: str
+    dtype: str
+    device: str
+    count: int = 0
+    payload_bytes: int = 0
+    """Bytes of the tensors handed to the collective (for ``all_to_all``: what it sends)."""
+
+
+@dataclass
+class StepRecord:
+    """What :class:`StepRecorder` saw."""
+
+    host_syncs: list[str] = field(default_factory=list)
+    """One entry per host sync: the op and the line of code that made it."""
+    mixed_device_ops: list[str] = field(default_factory=list)
+    collectives: dict[tuple[str, str, str], CollectiveRow] = field(default_factory=dict)
+    bytes_sent: int = 0
+    """Bytes this rank's device ``all_to_all`` calls send to other ranks."""
+    device_ops: Counter = field(default_factory=Counter)
+    peak_bytes: int = 0
+    """The most device bytes the step's own allocations held at once."""
+
+
+class StepRecorder(TorchDispatchMode):
+    """Records a step's host syncs, collectives, device ops and memory (module docstring)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.record = StepRecord()
+        self._live: dict[int, int] = {}  # storage id -> bytes, for storages made during the step
+        self._live_bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        kwargs = kwargs or {}
+        name = str(func)
+        tensors = [t for t in _tensors((args, kwargs))]
+        on_device = [t for t in tensors if t.device.type != "cpu"]
+        if name == LOCAL_SCALAR_DENSE:
+            return self._host_read(func, args, on_device)
+        if on_device:
+            self._check_devices(name, tensors)
+            if _reads_to_host(name, args, kwargs) or _data_dependent(func):
+                self.record.host_syncs.append(f"{name} at {_caller()}")
+        if func.namespace in ("c10d", "_c10d_functional"):
+            self._collective(name, args, tensors)
+        before = {_storage_id(t) for t in on_device}
+        out = func(*args, **kwargs)
+        outputs = [t for t in _tensors(out) if t.device.type != "cpu"]
+        if outputs and name not in NO_KERNEL_OPS and not func.is_view:
+            self.record.device_ops[name] += 1
+        for tensor in outputs:
+            self._track(tensor, before)
+        return out
+
+    def _host_read(self, func, args, on_device: list[torch.Tensor]):  # noqa: ANN001, ANN202
+        tensor = args[0]
+        if on_device:
+            self.record.host_syncs.append(f"{func} at {_caller()}")
+        elif not isinstance(tensor, FakeTensor):
+            return func(*args)  # a real CPU value: plain host work
+        return PLACEHOLDERS.get(tensor.dtype, PLACEHOLDER)
+
+    def _check_devices(self, name: str, tensors: list[torch.Tensor]) -> None:
+        if any(t.device.type == "cpu" and t.ndim > 0 for t in tensors):
+            self.record.mixed_device_ops.append(f"{name} at {_caller()}")
+
+    def _collective(self, name: str, args: tuple, tensors: list[torch.Tensor]) -> None:
+        if not tensors or name.endswith("wait_tensor.default"):
+            return
+        first = tensors[0]
+        key = (name, str(first.dtype).removeprefix("torch."), first.device.type)
+        row = self.record.collectives.setdefault(key, CollectiveRow(*key))
+        row.count += 1
+        if "alltoall_base_" in name:  # (output, input, group, output_splits, input_splits, ...)
+            send, group, splits = args[1], dist.ProcessGroup.unbox(args[2]), args[4]
+            row.payload_bytes += _nbytes(send)
+            if send.device.type != "cpu":
+                per_rank = list(splits) or [send.numel() // group.size()] * group.size()
+                row_bytes = _nbytes(send) // max(send.numel(), 1)
+                self.record.bytes_sent += (sum(per_rank) - per_rank[group.rank()]) * row_bytes
+        elif "all_to_all_single" in name:  # functional: (input, output_splits, input_splits, group_name)
+            send, splits, group = args[0], args[2], resolve_process_group(args[3])
+            row.payload_bytes += _nbytes(send)
+            if send.device.type != "cpu":
+                row_bytes = _nbytes(send) // max(send.numel(), 1) * (send.numel() // max(send.shape[0], 1))
+                self.record.bytes_sent += (sum(splits) - splits[group.rank()]) * row_bytes
+        else:
+            row.payload_bytes += sum(_nbytes(t) for t in tensors)
+
+    def _track(self, tensor: torch.Tensor, existing: set[int]) -> None:
+        """Count a storage the step made, until Python frees it."""
+        storage = _storage(tensor)
+        key = id(storage)
+        if key in existing or key in self._live:
+            return
+        nbytes = storage.nbytes()
+        self._live[key] = nbytes
+        self._live_bytes += nbytes
+        self.record.peak_bytes = max(self.record.peak_bytes, self._live_bytes)
+        weakref.finalize(storage, self._free, key)
+
+    def _free(self, key: int) -> None:
+        self._live_bytes -= self._live.pop(key, 0)
+
+
+class HostTensorsStayReal(TorchDispatchMode):
+    """Inside a ``FakeTensorMode``: an op on real CPU tensors only (or a CPU factory)
+    runs as real host work (``DeviceMesh`` computes coordinates this way); every
+    other op goes on to the fake mode."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        kwargs = kwargs or {}
+        tensors = list(_tensors((args, kwargs)))
+        device = kwargs.get("device")
+        real = all(not isinstance(t, FakeTensor) and t.device.type == "cpu" for t in tensors)
+        if real and (tensors or (device is not None and torch.device(device).type == "cpu")):
+            with host_tensor_ops():
+                return func(*args, **kwargs)
+        return func(*args, **kwargs)
+
+
+def _tensors(tree: Any) -> list[torch.Tensor]:
+    """The tensors in nested lists, tuples and dicts (a DTensor as its local tensor)."""
+    if isinstance(tree, DTensor):
+        return [tree.to_local()]
+    if isinstance(tree, torch.Tensor):
+        return [tree]
+    if isinstance(tree, (list, tuple)):
+        return [t for item in tree for t in _tensors(item)]
+    if isinstance(tree, dict):
+        return [t for item in tree.values() for t in _tensors(item)]
+    return []
+
+
+def _reads_to_host(name: str, args: tuple, kwargs: dict) -> bool:
+    """A copy from the device into CPU memory: the host waits for it."""
+    if name.startswith("aten._to_copy") or name.startswith("aten.to."):
+        device = kwargs.get("device")
+        return device is not None and torch.device(device).type == "cpu"
+    if name.startswith("aten.copy_"):
+        return args[0].device.type == "cpu" and args[1].device.type != "cpu"
+    return False
+
+
+def _data_dependent(func) -> bool:  # noqa: ANN001
+    return torch.Tag.data_dependent_output in func.tags or torch.Tag.dynamic_output_shape in func.tags
+
+
+def _storage(tensor: torch.Tensor) -> torch.UntypedStorage:
+    return tensor.untyped_storage()
+
+
+def _storage_id(tensor: torch.Tensor) -> int:
+    return id(_storage(tensor))
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def _caller() -> str:
+    """The innermost line of code outside torch and this module: where a sync came from."""
+    for frame in reversed(traceback.extract_stack()):
+        if not any(part in frame.filename for part in _OWN_FILES):
+            return f"{Path(frame.filename).name}:{frame.lineno} ({frame.name})"
+    return "?"

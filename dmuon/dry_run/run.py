@@ -1,0 +1,183 @@
+"""One rank's dry run: build, lay out, two real DMuon steps, and what the second did.
+
+The first step makes the state and the plan (and runs the plan's one-time checks); the
+second is the steady step every later one repeats, and it runs under
+:class:`~dmuon.dry_run.recorder.StepRecorder`. The optimizer is the unmodified
+``dmuon.DMuon``; only the model's size, the process group and the tensors are fake.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from dmuon.dry_run.fake_cuda import fake_cuda_rank
+from dmuon.dry_run.layouts import LayoutSpec, lay_out, make_mesh
+from dmuon.dry_run.memory_bound import peak_bound_bytes
+from dmuon.dry_run.models import Preset, Transformer, build
+from dmuon.dry_run.recorder import HostTensorsStayReal, StepRecord, StepRecorder
+from dmuon.optimizer import DMuon
+from dmuon.plan import WIRE_BYTES
+from dmuon.qk_clip import AttentionHeads
+
+# Tokens per rank of the logits the attentions report to QK-clip (their cost is the
+# forward's, not the step's; any length shows the step's work).
+QK_CLIP_SEQ = 16
+
+
+@dataclass(frozen=True)
+class DryRunConfig:
+    """A model, its layout and world size, and the DMuon options of the run."""
+
+    model: str
+    preset: Preset
+    layout: LayoutSpec
+    world_size: int
+    options: dict = field(default_factory=dict)
+    """Keyword arguments of ``DMuon`` (``normuon``, ``qk_clip_threshold``, ...)."""
+
+
+@dataclass
+class RankReport:
+    """What one rank's steady step did (every figure from the recorder, except the
+    ``plan_``/``bound`` ones, which are the predictions it is checked against)."""
+
+    rank: int
+    host_syncs_per_step: int
+    host_sync_sites: list[str]
+    bytes_sent_per_rank: int
+    plan_bytes_sent_per_rank: int
+    collectives: list[dict]
+    device_ops_per_step: int
+    state_bytes: int
+    peak_step_bytes: int
+    peak_bound_bytes: int
+    mixed_device_ops: list[str]
+    muon_params: int
+    adamw_params: int
+    seconds: float
+
+    def problems(self) -> list[str]:
+        """Why this rank fails the dry run's checks (empty: it passes)."""
+        found = []
+        if self.host_syncs_per_step:
+            found.append(f"{self.host_syncs_per_step} host sync(s): {'; '.join(self.host_sync_sites[:5])}")
+        if self.mixed_device_ops:
+            found.append(f"ops mixing CPU and CUDA tensors: {'; '.join(self.mixed_device_ops[:5])}")
+        if self.bytes_sent_per_rank != self.plan_bytes_sent_per_rank:
+            found.append(f"sent {self.bytes_sent_per_rank} bytes, the plan says {self.plan_bytes_sent_per_rank}")
+        if self.peak_step_bytes > self.peak_bound_bytes:
+            found.append(f"peak step memory {self.peak_step_bytes} bytes is over the bound {self.peak_bound_bytes}")
+        cpu_collectives = [c for c in self.collectives if c["device"] == "cpu" and not _host_agreement(c)]
+        if cpu_collectives:
+            found.append(f"collectives on CPU tensors (NCCL would refuse them): {cpu_collectives}")
+        return found
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def _host_agreement(row: dict) -> bool:
+    """DMuon's host agreements: sums of a few int64 on the CPU (``dmuon.groups``)."""
+    return row["op"].startswith("c10d.allreduce_") and row["dtype"] == "int64"
+
+
+def run_rank(config: DryRunConfig, rank: int) -> RankReport:
+    """Be ``rank`` of ``config.world_size``; build, lay out, step twice, report."""
+    start = time.perf_counter()
+    with fake_cuda_rank(rank, config.world_size):
+        with HostTensorsStayReal():
+            mesh = make_mesh(config.layout)
+            with torch.device("cuda"):
+                model = build(config.preset)
+            lay_out(model, config.layout, mesh)
+        optimizer = DMuon(model.named_parameters(), lr=0.02, weight_decay=0.1, **config.options)
+        if config.options.get("qk_clip_threshold") is not None:
+            _register_attentions(optimizer, model, config.preset)
+        for param in model.parameters():
+            param.grad = torch.empty_like(param)
+        _report_logits(optimizer, model, config)
+        optimizer.step()  # state and plan
+        _report_logits(optimizer, model, config)
+        with StepRecorder() as recorder:
+            optimizer.step()
+        return _report(rank, config, model, optimizer, recorder.record, time.perf_counter() - start)
+
+
+def _report(rank: int, config: DryRunConfig, model: Transformer, optimizer: DMuon, record: StepRecord,
+            seconds: float) -> RankReport:
+    plans = optimizer.owner_plans()
+    groups = optimizer.param_groups
+    return RankReport(
+        rank=rank,
+        host_syncs_per_step=len(record.host_syncs),
+        host_sync_sites=record.host_syncs,
+        bytes_sent_per_rank=record.bytes_sent,
+        plan_bytes_sent_per_rank=sum(plan.bytes_sent(_plan_rank(optimizer), WIRE_BYTES) for plan in plans),
+        collectives=[asdict(row) for row in record.collectives.values()],
+        device_ops_per_step=sum(record.device_ops.values()),
+        state_bytes=sum(_local_bytes(t) for s in optimizer.state.values() for t in s.values()
+                        if isinstance(t, torch.Tensor) and t.device.type != "cpu"),
+        peak_step_bytes=record.peak_bytes,
+        peak_bound_bytes=peak_bound_bytes(optimizer, _plan_rank(optimizer)),
+        mixed_device_ops=record.mixed_device_ops,
+        muon_params=sum(len(g["params"]) for g in groups if g["use_muon"]),
+        adamw_params=sum(len(g["params"]) for g in groups if not g["use_muon"]),
+        seconds=round(seconds, 2),
+    )
+
+
+def _plan_rank(optimizer: DMuon) -> int:
+    """This rank's place in the fast path's plan (its rank in the plan's group)."""
+    run = optimizer._fast_path._run  # noqa: SLF001 - the dry run reads the plan it checks
+    return run.rank if run is not None else 0
+
+
+def _local_bytes(tensor: torch.Tensor) -> int:
+    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return local.numel() * local.element_size()
+
+
+def _register_attentions(optimizer: DMuon, model: Transformer, preset: Preset) -> None:
+    heads = AttentionHeads(n_heads=preset.n_heads, n_kv_heads=preset.n_kv_heads, head_dim=preset.head_dim)
+    for i, block in enumerate(model.layers):
+        optimizer.clip_attention(f"layers.{i}", block.attention.wq.weight, block.attention.wk.weight, heads)
+
+
+def _report_logits(optimizer: DMuon, model: Transformer, config: DryRunConfig) -> None:
+    """What each attention's forward would report to QK-clip: q and k of this rank's
+    heads (all of them; under TP, its share at its offset)."""
+    if config.options.get("qk_clip_threshold") is None:
+        return
+    p, tp = config.preset, _tp_degree(config.layout)
+    tp_rank = _tp_rank(model)
+    heads, kv = p.n_heads // tp, max(p.n_kv_heads // tp, 1)
+    with torch.enable_grad():
+        for i in range(len(model.layers)):
+            q = torch.empty(1, heads, QK_CLIP_SEQ, p.head_dim, device="cuda", dtype=torch.bfloat16)
+            k = torch.empty(1, kv, QK_CLIP_SEQ, p.head_dim, device="cuda", dtype=torch.bfloat16)
+            optimizer.max_logits.observe(f"layers.{i}", q, k, n_heads=p.n_heads, head_offset=tp_rank * heads)
+
+
+def _tp_degree(spec: LayoutSpec) -> int:
+    return spec.mesh_shape[-1] if "tp" in spec.dim_names else 1
+
+
+def _tp_rank(model: Transformer) -> int:
+    weight = model.layers[0].attention.wq.weight
+    if not isinstance(weight, DTensor) or "tp" not in (weight.device_mesh.mesh_dim_names or ()):
+        return 0
+    return weight.device_mesh.get_local_rank("tp")
+
+
+def sample_ranks(world_size: int) -> list[int]:
+    """The default ranks to impersonate: the first, second, middle and last."""
+    return sorted({0, min(1, world_size - 1), world_size // 2, world_size - 1})
+
+
+def peak_fraction(report: RankReport) -> float:
+    return report.peak_step_bytes / report.peak_bound_bytes if report.peak_bound_bytes else math.inf
