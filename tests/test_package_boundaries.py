@@ -19,7 +19,7 @@ pytestmark = pytest.mark.unit
 REPO = Path(__file__).resolve().parents[1]
 SHIPPED = ("dmuon", "torchtitan_ext")
 NOT_SHIPPED = ("benchmarks", "tests")
-TOOLS_IN_DMUON = ("dmuon.plan_report",)
+TOOLS_IN_DMUON = ("dmuon.plan_report", "dmuon.dry_run")
 # The one module allowed to import torch's private names (those with a part starting "_").
 TORCH_COMPAT = "dmuon.torch_compat"
 

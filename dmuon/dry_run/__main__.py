@@ -55,6 +55,10 @@ def make_config(args: argparse.Namespace) -> tuple[DryRunConfig, list[int]]:
     if args.model not in PRESETS:
         raise DryRunError(f"unknown model {args.model!r}; choose from {', '.join(PRESETS)}")
     layout = parse_layout(args.layout, args.world_size)
+    if layout.name == "ep" and not PRESETS[args.model].experts:
+        moe = [name for name, preset in PRESETS.items() if preset.experts]
+        raise DryRunError(f"--layout ep splits experts among ranks, and {args.model} has none; use a MoE preset "
+                          f"({', '.join(moe)})")
     options = {key: value for key, value in (
         ("normuon", args.normuon or None), ("cautious_weight_decay", args.cautious_weight_decay or None),
         ("qk_clip_threshold", args.qk_clip), ("max_batch_numel", args.max_batch_numel)) if value is not None}

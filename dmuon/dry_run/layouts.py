@@ -84,9 +84,6 @@ def make_mesh(spec: LayoutSpec) -> DeviceMesh:
 
 def lay_out(model: Transformer, spec: LayoutSpec, mesh: DeviceMesh) -> None:
     """Shard ``model`` in place as ``spec`` says."""
-    experts = [p for block in model.layers for p in _experts(block).values()]
-    if spec.name == "ep" and not experts:
-        raise DryRunError("--layout ep needs a MoE preset (experts to split among ranks), e.g. --model moe-16b")
     if spec.name in ("fsdp_tp", "tp"):
         plan = {name: ColwiseParallel() for name in COLWISE} | {name: RowwiseParallel() for name in ROWWISE}
         tp_mesh = mesh["tp"]

@@ -47,6 +47,8 @@ PRESETS: dict[str, Preset] = {
     "llama3-405b": _llama3("llama3-405b"),
     # A DeepSeek-V2-Lite-like MoE: 64 routed experts per layer, as 3-D stacks.
     "moe-16b": Preset(dim=2048, ffn=1408, n_heads=16, n_kv_heads=16, layers=26, vocab=102400, experts=64),
+    # A small MoE for tests: 8 experts per layer.
+    "moe-debug": Preset(dim=256, ffn=256, n_heads=16, n_kv_heads=16, layers=2, vocab=2048, experts=8, head_dim=16),
     # The CPU demo's model (TorchTitan's llama3 debugmodel: train_configs/llama3_debug_dmuon.toml).
     "debug": Preset(dim=256, ffn=768, n_heads=16, n_kv_heads=16, layers=6, vocab=2048, head_dim=16),
 }

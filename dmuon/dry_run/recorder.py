@@ -101,7 +101,7 @@ class StepRecorder(TorchDispatchMode):
             return self._host_read(func, args, on_device)
         if on_device:
             self._check_devices(name, tensors)
-            if _reads_to_host(name, args, kwargs) or _data_dependent(func):
+            if _reads_to_host(name, args, kwargs) or _data_dependent(func, args):
                 self.record.host_syncs.append(f"{name} at {_caller()}")
         if func.namespace in ("c10d", "_c10d_functional"):
             self._collective(name, args, tensors)
@@ -204,8 +204,17 @@ def _reads_to_host(name: str, args: tuple, kwargs: dict) -> bool:
     return False
 
 
-def _data_dependent(func) -> bool:  # noqa: ANN001
-    return torch.Tag.data_dependent_output in func.tags or torch.Tag.dynamic_output_shape in func.tags
+def _data_dependent(func, args: tuple) -> bool:  # noqa: ANN001
+    """An op whose result the host must wait for: a value it returns to Python, or an
+    output shape that depends on device values (``nonzero``; indexing with a mask, but
+    not with integer indices, whose shape is known)."""
+    if torch.Tag.data_dependent_output in func.tags:
+        return True
+    if torch.Tag.dynamic_output_shape not in func.tags:
+        return False
+    if func.name().startswith("aten::index"):
+        return any(t.dtype in (torch.bool, torch.uint8) for t in _tensors(args[1:]))
+    return True
 
 
 def _storage(tensor: torch.Tensor) -> torch.UntypedStorage:

@@ -13,13 +13,14 @@ import time
 from dataclasses import asdict, dataclass, field
 
 import torch
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 
 from dmuon.dry_run.fake_cuda import fake_cuda_rank
 from dmuon.dry_run.layouts import LayoutSpec, lay_out, make_mesh
 from dmuon.dry_run.memory_bound import peak_bound_bytes
 from dmuon.dry_run.models import Preset, Transformer, build
 from dmuon.dry_run.recorder import HostTensorsStayReal, StepRecord, StepRecorder
+from dmuon.group_steps import NORMUON_STATE_KEY
 from dmuon.optimizer import DMuon
 from dmuon.plan import WIRE_BYTES
 from dmuon.qk_clip import AttentionHeads
@@ -57,13 +58,22 @@ class RankReport:
     peak_step_bytes: int
     peak_bound_bytes: int
     mixed_device_ops: list[str]
+    state_layout_problems: list[str]
     muon_params: int
     adamw_params: int
     seconds: float
+    host_syncs_first_step: int = 0
+    """Host syncs of the first step (state and plan made, the plan checked): 0 too.
+    (Every other figure is the steady step's; mixed-device ops are both steps'.)"""
+    error: str | None = None
+    """What the steady step raised (an op that mixed devices, a host read of a value
+    the dry run cannot make up), or None."""
 
     def problems(self) -> list[str]:
         """Why this rank fails the dry run's checks (empty: it passes)."""
-        found = []
+        found = [self.error] if self.error else []
+        if self.host_syncs_first_step:
+            found.append(f"{self.host_syncs_first_step} host sync(s) in the first step")
         if self.host_syncs_per_step:
             found.append(f"{self.host_syncs_per_step} host sync(s): {'; '.join(self.host_sync_sites[:5])}")
         if self.mixed_device_ops:
@@ -72,6 +82,8 @@ class RankReport:
             found.append(f"sent {self.bytes_sent_per_rank} bytes, the plan says {self.plan_bytes_sent_per_rank}")
         if self.peak_step_bytes > self.peak_bound_bytes:
             found.append(f"peak step memory {self.peak_step_bytes} bytes is over the bound {self.peak_bound_bytes}")
+        if self.state_layout_problems:
+            found.append(f"state not laid out as documented: {'; '.join(self.state_layout_problems[:5])}")
         cpu_collectives = [c for c in self.collectives if c["device"] == "cpu" and not _host_agreement(c)]
         if cpu_collectives:
             found.append(f"collectives on CPU tensors (NCCL would refuse them): {cpu_collectives}")
@@ -100,16 +112,23 @@ def run_rank(config: DryRunConfig, rank: int) -> RankReport:
             _register_attentions(optimizer, model, config.preset)
         for param in model.parameters():
             param.grad = torch.empty_like(param)
-        _report_logits(optimizer, model, config)
-        optimizer.step()  # state and plan
-        _report_logits(optimizer, model, config)
-        with StepRecorder() as recorder:
-            optimizer.step()
-        return _report(rank, config, model, optimizer, recorder.record, time.perf_counter() - start)
+        first, steady, error = StepRecorder(), StepRecorder(), None
+        for label, recorder in (("first", first), ("steady", steady)):
+            _report_logits(optimizer, model, config)
+            try:
+                with recorder:  # a host read gets a placeholder instead of raising
+                    optimizer.step()
+            except Exception as exc:  # noqa: BLE001 - reported with what was recorded up to it
+                error = f"the {label} step raised {type(exc).__name__}: {str(exc)[:500]}"
+                break
+        report = _report(rank, optimizer, steady.record, time.perf_counter() - start)
+        report.error = error
+        report.host_syncs_first_step = len(first.record.host_syncs)
+        report.mixed_device_ops = first.record.mixed_device_ops + report.mixed_device_ops
+        return report
 
 
-def _report(rank: int, config: DryRunConfig, model: Transformer, optimizer: DMuon, record: StepRecord,
-            seconds: float) -> RankReport:
+def _report(rank: int, optimizer: DMuon, record: StepRecord, seconds: float) -> RankReport:
     plans = optimizer.owner_plans()
     groups = optimizer.param_groups
     return RankReport(
@@ -125,10 +144,35 @@ def _report(rank: int, config: DryRunConfig, model: Transformer, optimizer: DMuo
         peak_step_bytes=record.peak_bytes,
         peak_bound_bytes=peak_bound_bytes(optimizer, _plan_rank(optimizer)),
         mixed_device_ops=record.mixed_device_ops,
+        state_layout_problems=state_layout_problems(optimizer),
         muon_params=sum(len(g["params"]) for g in groups if g["use_muon"]),
         adamw_params=sum(len(g["params"]) for g in groups if not g["use_muon"]),
         seconds=round(seconds, 2),
     )
+
+
+def state_layout_problems(optimizer: DMuon) -> list[str]:
+    """Where the state is not as docs/optimizer.md says: every tensor on the
+    parameter's device, laid out like the parameter (same mesh and placements), except
+    NorMuon's per-row moment (replicated on the parameter's mesh) and AdamW's ``step``
+    (a CPU scalar, as torch.optim.AdamW keeps it)."""
+    problems = []
+    for param, state in optimizer.state.items():
+        name = optimizer.param_name(param)
+        for key, value in state.items():
+            if key == "step":
+                if value.device.type != "cpu" or value.ndim:
+                    problems.append(f"{name} {key}: a CPU scalar expected, got {value.device} shape {tuple(value.shape)}")
+                continue
+            if value.device.type != param.device.type:
+                problems.append(f"{name} {key}: on {value.device}, the parameter on {param.device}")
+            if isinstance(param, DTensor):
+                expected = (tuple(Replicate() for _ in param.placements) if key == NORMUON_STATE_KEY
+                            else tuple(param.placements))
+                if not isinstance(value, DTensor) or value.device_mesh != param.device_mesh \
+                        or tuple(value.placements) != expected:
+                    problems.append(f"{name} {key}: not a DTensor on the parameter's mesh with placements {expected}")
+    return problems
 
 
 def _plan_rank(optimizer: DMuon) -> int:

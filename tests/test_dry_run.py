@@ -1,0 +1,157 @@
+"""``python -m dmuon.dry_run``: DMuon's CUDA step on fake CUDA tensors and a fake process
+group, checked for host syncs, bytes, memory and state layout.
+
+The dry runs need a CUDA build of torch (the torch 2.15 leg of CI); each impersonated
+rank runs in a spawned process, so nothing the dry run replaces (``torch.cuda``'s device
+queries, the default process group) reaches this pytest process.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from dmuon.dry_run.__main__ import main, make_config, parse_args, run_ranks
+from dmuon.dry_run.fake_cuda import DryRunError, check_cuda_build
+from dmuon.dry_run.layouts import parse_layout
+
+pytestmark = pytest.mark.unit
+
+needs_cuda_build = pytest.mark.skipif(torch.version.cuda is None,
+                                      reason="the dry run needs a CUDA build of torch (CI's torch 2.15 leg)")
+TIMEOUT_S = 300
+
+
+def dry_run(*argv: str):
+    """The reports of the ranks ``argv`` names (CLI arguments)."""
+    config, ranks = make_config(parse_args(list(argv)))
+    return run_ranks(config, ranks, jobs=2)
+
+
+def assert_clean(reports) -> None:
+    for report in reports:
+        assert report.problems() == [], (report.rank, report.problems())
+        assert report.host_syncs_per_step == 0
+        assert report.bytes_sent_per_rank == report.plan_bytes_sent_per_rank > 0
+        assert 0 < report.peak_step_bytes <= report.peak_bound_bytes
+        assert report.state_bytes > 0 and report.state_layout_problems == []
+
+
+@needs_cuda_build
+@pytest.mark.parametrize("layout, world_size", [("fsdp", 4), ("hsdp:2x3", 6), ("fsdp_tp:2", 8), ("tp", 4)])
+def test_a_dense_layout_steps_without_host_syncs_with_the_planned_bytes_and_bounded_memory(layout, world_size):
+    assert_clean(dry_run("--model", "debug", "--world-size", str(world_size), "--layout", layout, "--ranks",
+                         f"0,{world_size - 1}"))
+
+
+@needs_cuda_build
+def test_experts_split_among_ranks_step_without_host_syncs():
+    assert_clean(dry_run("--model", "moe-debug", "--world-size", "4", "--layout", "ep", "--ranks", "0,3"))
+
+
+@needs_cuda_build
+@pytest.mark.parametrize("layout", ["fsdp", "fsdp_tp:2"])
+def test_normuon_cautious_decay_and_qk_clip_add_no_host_sync(layout):
+    reports = dry_run("--model", "debug", "--world-size", "4", "--layout", layout, "--ranks", "0,3", "--normuon",
+                      "--cautious-weight-decay", "--qk-clip", "30")
+    assert_clean(reports)
+    # NorMuon's rows and QK-clip's logits: one float32 all_reduce each, on the device.
+    device_reduces = [c for c in reports[0].collectives if c["op"].startswith("c10d.allreduce_")
+                      and c["device"] == "cuda"]
+    assert [(c["dtype"], c["count"]) for c in device_reduces] == [("float32", 2)]
+
+
+@needs_cuda_build
+def test_llama3_8b_on_64_ranks_sends_exactly_the_planned_bytes():
+    (report,) = dry_run("--model", "llama3-8b", "--world-size", "64", "--layout", "fsdp", "--ranks", "63")
+    assert_clean([report])
+    # Rank 63's figures as docs/dry_run.md quotes them.
+    assert report.bytes_sent_per_rank == 413138944
+    assert report.muon_params == 224 and report.adamw_params == 67
+    collectives = {(c["op"], c["dtype"], c["device"]): c["count"] for c in report.collectives}
+    assert collectives == {("c10d.allreduce_.default", "int64", "cpu"): 1,
+                           ("c10d.alltoall_base_.default", "bfloat16", "cuda"): 4}
+
+
+@needs_cuda_build
+def test_a_host_read_injected_into_the_step_fails_the_dry_run(tmp_path):
+    """The check can fail: momentum that reads its norm on the host is one sync per block."""
+    script = textwrap.dedent("""
+        import json, dmuon.fast_path as fast_path
+        from dmuon.dry_run.__main__ import make_config, parse_args
+        from dmuon.dry_run.run import run_rank
+        momentum = fast_path.muon_momentum_
+        def reading_momentum(*args, **kwargs):
+            update = momentum(*args, **kwargs)
+            float(update.norm())  # a device value read on the host
+            return update
+        fast_path.muon_momentum_ = reading_momentum
+        config, _ = make_config(parse_args(["--model", "debug", "--world-size", "2"]))
+        report = run_rank(config, 1)
+        print(json.dumps({"syncs": report.host_syncs_per_step, "sites": report.host_sync_sites,
+                          "problems": report.problems()}))
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert done.returncode == 0, done.stderr[-3000:]
+    import json
+
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["syncs"] > 0
+    assert all("_local_scalar_dense" in site and "reading_momentum" in site for site in result["sites"])
+    assert result["problems"] and "host sync" in result["problems"][0]
+
+
+@needs_cuda_build
+def test_a_cpu_buffer_mixed_into_the_step_fails_the_dry_run():
+    script = textwrap.dedent("""
+        import json, torch, dmuon.fast_path as fast_path
+        from dmuon.dry_run.__main__ import make_config, parse_args
+        from dmuon.dry_run.run import run_rank
+        momentum = fast_path.muon_momentum_
+        fast_path.muon_momentum_ = lambda *a, **k: momentum(*a, **k) + torch.zeros(a[0].shape, dtype=torch.bfloat16)
+        config, _ = make_config(parse_args(["--model", "debug", "--world-size", "2"]))
+        report = run_rank(config, 0)
+        print(json.dumps({"mixed": report.mixed_device_ops, "problems": report.problems()}))
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert done.returncode == 0, done.stderr[-3000:]
+    import json
+
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["mixed"] and result["mixed"][0].startswith("aten.add.Tensor")
+    assert any("mixing CPU and CUDA" in problem for problem in result["problems"])
+
+
+@needs_cuda_build
+@pytest.mark.parametrize("argv, message", [
+    (["--model", "llama3-9b", "--world-size", "8"], "unknown model 'llama3-9b'"),
+    (["--model", "debug", "--world-size", "8", "--layout", "zigzag"], "unknown layout 'zigzag'"),
+    (["--model", "debug", "--world-size", "8", "--layout", "fsdp_tp:3"], "TP degree 3 must divide the world size 8"),
+    (["--model", "debug", "--world-size", "7", "--layout", "hsdp"], "cannot split an odd world size 7"),
+    (["--model", "debug", "--world-size", "8", "--layout", "ep"], "debug has none; use a MoE preset"),
+    (["--model", "debug", "--world-size", "8", "--ranks", "0,8"], "ranks must be in 0..7"),
+])
+def test_bad_input_gets_a_one_line_error_and_exit_code_2(argv, message, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
+
+
+def test_a_cpu_only_torch_is_told_how_to_get_a_cuda_build(monkeypatch):
+    monkeypatch.setattr(torch.version, "cuda", None)
+    with pytest.raises(DryRunError, match=r"needs a CUDA build of torch.*pip install torch==2\.15\.0"):
+        check_cuda_build()
+
+
+def test_layouts_parse_with_their_mesh_shapes():
+    assert parse_layout("hsdp:4x16", 64).mesh_shape == (4, 16)
+    assert parse_layout("hsdp", 64).mesh_shape == (2, 32)
+    assert parse_layout("fsdp_tp", 64).mesh_shape == (32, 2)
+    assert parse_layout("fsdp_tp:8", 64).mesh_shape == (8, 8)
+    assert parse_layout("ep", 64).mesh_shape == (64,)
+    with pytest.raises(DryRunError, match="R x S must equal the world size 64"):
+        parse_layout("hsdp:3x16", 64)
