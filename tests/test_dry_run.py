@@ -155,3 +155,11 @@ def test_layouts_parse_with_their_mesh_shapes():
     assert parse_layout("ep", 64).mesh_shape == (64,)
     with pytest.raises(DryRunError, match="R x S must equal the world size 64"):
         parse_layout("hsdp:3x16", 64)
+
+
+@pytest.mark.skipif(torch.version.cuda is not None, reason="checks the message a CPU-only torch build gets")
+def test_the_command_on_a_cpu_only_torch_exits_2_saying_how_to_get_a_cuda_build():
+    done = subprocess.run([sys.executable, "-m", "dmuon.dry_run", "--model", "debug", "--world-size", "2"],
+                          capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert done.returncode == 2
+    assert "needs a CUDA build of torch" in done.stderr and "pip install torch==2.15.0" in done.stderr

@@ -12,7 +12,8 @@ next, so the bound is the largest of three terms (``e``: the parameter's element
   (:func:`newton_schulz_workspace`), plus the elementwise temporaries of its largest
   block (:func:`elementwise_bytes`);
 - *whole matrices* (plain tensors, replicated DTensors, the reference path): for the
-  largest, its bf16 update and result, its workspace and its elementwise temporaries;
+  largest, its bf16 update and result (and the results a stack of experts or heads is
+  concatenated from), its workspace and its elementwise temporaries;
 - *AdamW*: torch's foreach AdamW makes a few lists as large as its parameters (the
   root of the second moment, the step): ``ADAMW_TEMPORARIES`` times their local bytes.
 """
@@ -24,7 +25,7 @@ import math
 import torch
 from torch.distributed.tensor import DTensor
 
-from dmuon.newton_schulz import UPDATE_DTYPE, matrix_shape, resolve_ns_dtype
+from dmuon.newton_schulz import matrix_shape, resolve_ns_dtype
 from dmuon.optimizer import DMuon
 from dmuon.plan import ALL_TO_ALL, WIRE_BYTES
 
@@ -38,13 +39,13 @@ FP32_BYTES = 4
 
 
 def newton_schulz_workspace(shape: tuple[int, int], ns_bytes: int, normuon: bool) -> int:
-    """Bytes Newton-Schulz holds for one ``m x n`` matrix beyond its input: the iterate
-    twice (old and new), the Gram matrix and the polynomial in ``s`` bytes, a bf16
-    result and a bf16 copy (a stack of experts or heads is concatenated), and NorMuon's
-    fp32 copies."""
+    """Bytes Newton-Schulz holds for one ``m x n`` matrix beyond its bf16 input: the
+    iterate twice (old and new), the Gram matrix and the polynomial, in ``s`` bytes; the
+    bf16 result when ``s`` is not bf16 (in bf16 the last iterate is the result); and
+    NorMuon's fp32 copies and its bf16 result."""
     m, n = sorted(shape)
-    workspace = ns_bytes * (2 * m * n + 2 * m * m) + 2 * WIRE_BYTES * m * n
-    return workspace + (NORMUON_FP32_COPIES * FP32_BYTES * m * n if normuon else 0)
+    workspace = ns_bytes * (2 * m * n + 2 * m * m) + (WIRE_BYTES * m * n if ns_bytes != WIRE_BYTES else 0)
+    return workspace + ((NORMUON_FP32_COPIES * FP32_BYTES + WIRE_BYTES) * m * n if normuon else 0)
 
 
 def elementwise_bytes(numel: int, param_bytes: int, cautious: bool) -> int:
@@ -86,7 +87,9 @@ def _whole(optimizer: DMuon, groups: dict, ns_bytes: int) -> int:
         group = groups[param]
         numel = math.prod(param.shape)
         matrix = matrix_shape(param.shape)[-2:]
-        updates = 2 * numel * torch.empty((), dtype=UPDATE_DTYPE).element_size()
+        # The bf16 update and result, and for a stack of experts or heads the list of
+        # results it is concatenated from.
+        updates = (3 if len(param.shape) == 3 or group["split_rows"] else 2) * numel * WIRE_BYTES
         largest = max(largest, updates + newton_schulz_workspace(matrix, ns_bytes, group["normuon"])
                       + elementwise_bytes(numel, param.element_size(), group["cautious_weight_decay"]))
     return largest
