@@ -4,9 +4,11 @@ placements DMuon sees are the real ones):
 - ``fsdp``: ``fully_shard`` of every block and the root on a 1-D mesh: ``Shard(0)``;
 - ``hsdp:RxS``: ``fully_shard`` on a ``(dp_replicate, dp_shard)`` mesh of R replicas of
   S shards: ``(Replicate(), Shard(0))`` (``hsdp`` alone: 2 replicas);
-- ``fsdp_tp:T``: ``ColwiseParallel`` (wq wk wv w1 w3) and ``RowwiseParallel`` (wo w2) on
-  a ``tp`` mesh of T ranks, then ``fully_shard`` on ``dp_shard`` (``fsdp_tp``: T = 2);
-- ``tp``: tensor parallel over every rank; embeddings, norms and output stay plain;
+- ``fsdp_tp:T``: TorchTitan's tensor-parallel plan on a ``tp`` mesh of T ranks
+  (``ColwiseParallel``: wq wk wv w1 w3 and the output head; ``RowwiseParallel``: wo w2
+  and the embeddings, sharded over the vocabulary), then ``fully_shard`` on ``dp_shard``
+  (``fsdp_tp``: T = 2); norms replicated over ``tp``;
+- ``tp``: the same tensor-parallel plan over every rank; norms stay replicated;
 - ``ep``: MoE presets only: each expert stack ``distribute_tensor(..., [Shard(0)])`` over
   every rank (experts split among ranks), every other parameter ``fully_shard``.
 """
@@ -18,7 +20,7 @@ from dataclasses import dataclass
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import Shard, distribute_tensor
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from dmuon.dry_run.fake_cuda import DryRunError
@@ -89,6 +91,8 @@ def lay_out(model: Transformer, spec: LayoutSpec, mesh: DeviceMesh) -> None:
         tp_mesh = mesh["tp"]
         for block in model.layers:
             parallelize_module(block, tp_mesh, {k: v for k, v in plan.items() if _has(block, k)})
+        parallelize_module(model, tp_mesh, {"tok_embeddings": RowwiseParallel(input_layouts=Replicate()),
+                                            "output": ColwiseParallel()})
         if spec.name == "tp":
             return
         mesh = mesh["dp_shard"]
