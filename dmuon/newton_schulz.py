@@ -160,6 +160,7 @@ def orthogonalize(
     *,
     algorithm: str = DEFAULT_NS_ALGORITHM,
     restarts: Sequence[int] = DEFAULT_GRAM_RESTARTS,
+    gram_dtype_override: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Approximate the polar factor ``U V^T`` of ``update`` with quintic Newton-Schulz.
 
@@ -167,7 +168,8 @@ def orthogonalize(
     ``dtype``: what the standard iteration multiplies in (a value of :data:`NS_DTYPES`).
     ``algorithm``: one of :data:`NS_ALGORITHMS`; a unit that runs Gram Newton-Schulz
     (:func:`uses_gram`) multiplies in :func:`gram_dtype` and restarts after the
-    iterations in ``restarts`` (:mod:`dmuon.gram_newton_schulz`).
+    iterations in ``restarts`` (:mod:`dmuon.gram_newton_schulz`);
+    ``gram_dtype_override`` replaces that dtype (accuracy studies).
 
     ``update`` is 2-D ``[A, B]`` or a 3-D stack ``[E, A, B]`` (see :func:`matrix_shape`).
     Returns a new bf16 tensor of the same shape (rounded from ``dtype``); ``update`` is never modified (this
@@ -184,13 +186,14 @@ def orthogonalize(
     """
     if update.ndim == 3:
         return torch.stack([orthogonalize(matrix, coefficients, steps, eps, dtype, algorithm=algorithm,
-                                          restarts=restarts) for matrix in update])
+                                          restarts=restarts, gram_dtype_override=gram_dtype_override)
+                            for matrix in update])
     if update.ndim != 2:
         raise ValueError(f"orthogonalize expects a 2-D or 3-D tensor, got shape {tuple(update.shape)}")
     schedule, safety = coefficient_schedule(coefficients, steps)
     algorithm = resolve_ns_algorithm(algorithm, dtype, update.device.type)
     if uses_gram(algorithm, update.shape, steps, restarts):
-        compute = gram_dtype(dtype, update.device.type)
+        compute = gram_dtype_override or gram_dtype(dtype, update.device.type)
         # fp16 holds values below 65504 only: normalize in fp32 first.
         x, tall = _wide_normalized(update, torch.float32 if compute == torch.float16 else compute, safety, eps)
         x = gram_iterate(x.to(compute), schedule, restarts)
