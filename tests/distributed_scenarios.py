@@ -351,7 +351,8 @@ def small_benchmark(json_path: str, **options: Any) -> dict[str, Any]:
     """benchmarks.bench end to end on a tiny stack (structure, not speed)."""
     from benchmarks.bench import BenchConfig, run_benchmark
 
-    options = {"ns_dtype": "float32"} | options  # float32: the dmuon_bf16 row runs too, on any CPU
+    # float32 and bf16_rows: the dmuon_bf16 and vanilla rows run too, on any CPU.
+    options = {"ns_dtype": "float32", "bf16_rows": True} | options
     return run_benchmark(BenchConfig(dim=64, layers=2, steps=1, warmup=1, json=json_path, **options))
 
 
