@@ -81,13 +81,10 @@ class DMuon(Optimizer):
             one-element Tensor. The options after it are keyword-only.
         momentum, nesterov, weight_decay: Muon's momentum EMA, Nesterov look-ahead and
             decoupled decay (``p *= 1 - lr * weight_decay``).
-        ns_steps, ns_coefficients, eps: the Newton-Schulz iteration (coefficients: a
-            triple, one per step, or a name from ``dmuon.NS_COEFFICIENT_SETS``) and the
-            norm floor before it.
-        ns_algorithm, ns_gram_restarts: ``"standard"`` (torch.optim.Muon's iteration),
-            ``"gram"`` (Gram Newton-Schulz, restarting after the iterations in
-            ``ns_gram_restarts``) or ``"auto"`` (Gram where it costs fewer flops:
-            ``dmuon.gram_newton_schulz``); every choice is exact across world sizes.
+        ns_steps, ns_coefficients, eps, ns_algorithm, ns_gram_restarts: the Newton-Schulz
+            iteration (coefficients: a triple, one per step, or a name from
+            ``dmuon.NS_COEFFICIENT_SETS``), the norm floor before it, and ``"standard"``,
+            ``"gram"`` or ``"auto"`` (Gram Newton-Schulz where cheaper) with its restarts.
         adjust_lr, matched_adamw_rms: the shape scale, ``"original"`` (``sqrt(max(1,
             A/B))``), ``"match_rms_adamw"`` (``matched_adamw_rms * sqrt(max(A, B))``),
             ``"spectral"`` (``sqrt(A/B)``) or ``None``.
@@ -124,8 +121,7 @@ class DMuon(Optimizer):
         weight_decay: float = 0.0,
         ns_steps: int = DEFAULT_NS_STEPS,
         ns_coefficients: str | Sequence[float] = KELLER_COEFFICIENTS,
-        ns_algorithm: str = DEFAULT_NS_ALGORITHM,
-        ns_gram_restarts: Sequence[int] = DEFAULT_GRAM_RESTARTS,
+        ns_algorithm: str = DEFAULT_NS_ALGORITHM, ns_gram_restarts: Sequence[int] = DEFAULT_GRAM_RESTARTS,
         eps: float = DEFAULT_NS_EPS,
         adjust_lr: str | None = "original",
         matched_adamw_rms: float = DEFAULT_MATCHED_ADAMW_RMS,
@@ -152,10 +148,10 @@ class DMuon(Optimizer):
         check_optimizer_options(comm, max_batch_numel, split_replicas)
         muon_defaults, adamw_defaults = split_options(dict(
             lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay, ns_steps=ns_steps,
-            ns_coefficients=ns_coefficients, ns_algorithm=ns_algorithm, ns_gram_restarts=ns_gram_restarts, eps=eps, adjust_lr=adjust_lr, matched_adamw_rms=matched_adamw_rms,
-            split_rows=split_rows, normuon=normuon, normuon_beta2=normuon_beta2,
-            cautious_weight_decay=cautious_weight_decay, qk_clip_threshold=qk_clip_threshold, adamw_lr=adamw_lr,
-            adamw_betas=adamw_betas, adamw_eps=adamw_eps, adamw_weight_decay=adamw_weight_decay))
+            ns_coefficients=ns_coefficients, ns_algorithm=ns_algorithm, ns_gram_restarts=ns_gram_restarts, eps=eps,
+            adjust_lr=adjust_lr, matched_adamw_rms=matched_adamw_rms, split_rows=split_rows, normuon=normuon,
+            normuon_beta2=normuon_beta2, cautious_weight_decay=cautious_weight_decay, qk_clip_threshold=qk_clip_threshold,
+            adamw_lr=adamw_lr, adamw_betas=adamw_betas, adamw_eps=adamw_eps, adamw_weight_decay=adamw_weight_decay))
         # Validate the defaults once, so a bad option is reported as such even before any group is built.
         check_muon_hyperparameters(dict(muon_defaults), "DMuon")
         check_adamw_hyperparameters(dict(adamw_defaults), "DMuon (AdamW part)")

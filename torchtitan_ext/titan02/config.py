@@ -249,7 +249,9 @@ def dmuon_kwargs(optimizer_config: Any) -> dict[str, Any]:
         "ns_steps": cfg.ns_steps,
         "ns_coefficients": cfg.ns_coefficients,
         "ns_algorithm": cfg.ns_algorithm,
-        "ns_gram_restarts": cfg.ns_gram_restarts,
+        # TOML's list is DMuon's tuple; any other value goes to DMuon's validator as is.
+        "ns_gram_restarts": tuple(cfg.ns_gram_restarts) if isinstance(cfg.ns_gram_restarts, list)
+        else cfg.ns_gram_restarts,
         "adjust_lr": None if cfg.adjust_lr == ADJUST_LR_NONE else cfg.adjust_lr,
         "matched_adamw_rms": cfg.matched_adamw_rms,
         "adamw_lr": cfg.adamw_lr,
