@@ -4,7 +4,7 @@ Run::
 
     torchrun --nproc-per-node 2 -m benchmarks.bench [--json PATH] [--dim 512 --layers 4]
         [--max-batch-numel N] [--device auto|cpu|cuda] [--layout fsdp|hsdp|fsdp_tp|tp [--mesh R,S]]
-        [--ns-dtype auto|bfloat16|float32]
+        [--ns-dtype auto|bfloat16|float32] [--ns-algorithm standard|gram|auto] [--bf16-rows]
 
 Every optimizer steps the same model (parallelized per ``--layout``, see
 ``benchmarks.layouts``: by default ``fully_shard``-ed, so parameters are ``Shard(0)``
@@ -22,6 +22,14 @@ DTensors) with the same gradients:
 DMuon rows use ``--ns-dtype`` (default ``auto``: bf16 on GPUs and CPUs with a native bf16
 matmul, fp32 elsewhere), and the table says which dtype each row ran. A last row gives
 the throughput of Newton-Schulz on one ``dim x dim`` matrix in each dtype, on rank 0.
+DMuon rows also use ``--ns-algorithm`` (default ``standard``; ``gram``, ``auto``: Gram
+Newton-Schulz, ``dmuon.gram_newton_schulz``), and the table says which.
+
+On a CPU without a native bf16 matmul (``torch.backends.cpu.get_cpu_capability()`` AVX2,
+``dmuon.torch_compat.mkldnn_bf16_supported()`` False) the bf16 rows (``dmuon_bf16``,
+``vanilla``) run torch's scalar bf16 GEMM, ~50x slower than fp32 (~86 s a step of the
+default model), so there they are left out unless asked for (``--bf16-rows``, or naming
+them in ``--optimizers``); the output says which rows were left out and why.
 
 Step time is the median, over timed steps after warm-up, of the slowest rank's time.
 Bytes sent per rank: DMuon's own exact counters for ``dmuon``; for the others, the
@@ -51,14 +59,17 @@ from torch.distributed.tensor import DTensor
 
 from benchmarks.layouts import LAYOUTS, default_mesh_shape, like, parallelize
 from dmuon.newton_schulz import (
+    DEFAULT_NS_ALGORITHM,
     DEFAULT_NS_DTYPE,
     DEFAULT_NS_STEPS,
+    NS_ALGORITHMS,
     NS_DTYPE_CHOICES,
     NS_DTYPES,
     native_bf16_matmul,
     newton_schulz_flops,
     ns_dtype_name,
     orthogonalize,
+    resolve_ns_algorithm,
     resolve_ns_dtype,
 )
 from dmuon.optimizer import DMuon
@@ -70,6 +81,9 @@ OPTIMIZERS = ("dmuon", "dmuon_bf16", "redistribute", "vanilla", "adamw", "single
 # and those on its fast path, whose bytes come from its own exact counters.
 DMUON_ROWS = ("dmuon", "dmuon_bf16", "redistribute", "single")
 FAST_PATH_ROWS = ("dmuon", "dmuon_bf16")
+# The rows whose Newton-Schulz runs in bf16 whatever --ns-dtype says: torch.optim.Muon's
+# dtype, for the like-for-like comparison with it.
+BF16_ROWS = ("dmuon_bf16", "vanilla")
 LR = 0.02
 
 
@@ -98,6 +112,10 @@ class BenchConfig:
     """DMuon's split_replicas (matters for ``hsdp`` only)."""
     ns_dtype: str = DEFAULT_NS_DTYPE
     """DMuon's ns_dtype for the DMuon rows (``dmuon_bf16`` always runs bf16)."""
+    ns_algorithm: str = DEFAULT_NS_ALGORITHM
+    """DMuon's ns_algorithm for the DMuon rows."""
+    bf16_rows: bool = False
+    """Run the bf16 rows (``BF16_ROWS``) also on a CPU whose bf16 matmul is slow."""
     json: str | None = None
     """Write the results here as JSON."""
     plot: str | None = None
@@ -192,6 +210,14 @@ def _element_size(dtype_name: str) -> int:
     return 4
 
 
+def slow_bf16_rows(optimizers: tuple[str, ...], device_type: str, asked: bool) -> tuple[str, ...]:
+    """The bf16 rows left out of this run, unless ``asked``: those of ``optimizers`` on a
+    CPU without a native bf16 matmul, where their Newton-Schulz alone takes minutes a step."""
+    if asked or native_bf16_matmul(device_type):
+        return ()
+    return tuple(name for name in optimizers if name in BF16_ROWS)
+
+
 def run_benchmark(cfg: BenchConfig) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     device = _device(cfg.device)
@@ -202,13 +228,19 @@ def run_benchmark(cfg: BenchConfig) -> dict:
     results: dict[str, dict[str, float]] = {}
     shapes = [tuple(p.shape) for p in Block(cfg.dim).parameters()] * cfg.layers
     muon_elements = sum(math.prod(s) for s in shapes)
-    ns_flops_total = sum(newton_schulz_flops(s, DEFAULT_NS_STEPS) for s in shapes)
+    ns_compute = resolve_ns_dtype(cfg.ns_dtype, device.type)
+    algorithm = resolve_ns_algorithm(cfg.ns_algorithm, ns_compute, device.type)
+    ns_flops_total = sum(newton_schulz_flops(s, DEFAULT_NS_STEPS, algorithm) for s in shapes)
     _log(f"benchmarks.bench: {world} rank(s) on {device.type}, {cfg.threads} thread(s) each; layout {cfg.layout} "
          f"on mesh {cfg.mesh_shape}; {cfg.layers} blocks of width {cfg.dim}: {len(shapes)} matrices, "
          f"{muon_elements / 1e6:.1f}M elements")
 
-    ns_dtype = ns_dtype_name(resolve_ns_dtype(cfg.ns_dtype, device.type))
-    optimizers = [name for name in cfg.optimizers if not (name == "dmuon_bf16" and ns_dtype == "bfloat16")]
+    ns_dtype = ns_dtype_name(ns_compute)
+    left_out = slow_bf16_rows(cfg.optimizers, device.type, cfg.bf16_rows)
+    if left_out:
+        _log(f"left out {', '.join(left_out)}: {SLOW_BF16_REASON}")
+    optimizers = [name for name in cfg.optimizers
+                  if not (name == "dmuon_bf16" and ns_dtype == "bfloat16") and name not in left_out]
     for name in optimizers:
         if name == "single":
             results[name] = _bench_single(cfg, device) | {"ns_dtype": ns_dtype}
@@ -254,7 +286,9 @@ def run_benchmark(cfg: BenchConfig) -> dict:
         "split_replicas": cfg.split_replicas,
         "min_bytes_per_rank": min_bytes_per_rank(cfg.layout, cfg.mesh_shape, muon_elements, cfg.split_replicas),
         "ns_flops_total": ns_flops_total,
+        "ns_algorithm": cfg.ns_algorithm,
         "max_batch_numel": cfg.max_batch_numel,
+        "left_out": {name: SLOW_BF16_REASON for name in left_out},
         "results": results,
         "ns_throughput_gflops": throughput,
     }
@@ -274,6 +308,12 @@ def run_benchmark(cfg: BenchConfig) -> dict:
             plot_report(report, cfg.plot)
             print(f"wrote {cfg.plot}", flush=True)
     return report
+
+
+# Why slow_bf16_rows leaves rows out, as the output says it.
+SLOW_BF16_REASON = (f"this CPU ({torch.backends.cpu.get_cpu_capability()}) has no native bf16 matmul, so their bf16 "
+                    "Newton-Schulz runs ~50x slower than fp32 (minutes a step); pass --bf16-rows to run them "
+                    "(the like-for-like comparison with torch.optim.Muon)")
 
 
 def _row_ns_dtype(name: str, ns_dtype: str) -> str | None:
@@ -308,7 +348,7 @@ def _bench_single(cfg: BenchConfig, device: torch.device) -> dict[str, float]:
     model = build_model(cfg, device)
     grads = [g.full_tensor() for g in make_grads(model)]
     params = [nn.Parameter(p.full_tensor()) for p in model.parameters()]
-    optimizer = DMuon(params, lr=LR, ns_dtype=cfg.ns_dtype)
+    optimizer = DMuon(params, lr=LR, ns_dtype=cfg.ns_dtype, ns_algorithm=cfg.ns_algorithm)
 
     def step() -> None:
         if dist.get_rank() == 0:
@@ -322,9 +362,10 @@ def _bench_single(cfg: BenchConfig, device: torch.device) -> dict[str, float]:
 def _make_optimizer(name: str, params: list[torch.Tensor], cfg: BenchConfig) -> torch.optim.Optimizer:
     if name in ("dmuon", "dmuon_bf16"):
         return DMuon(params, lr=LR, comm="all_to_all", max_batch_numel=cfg.max_batch_numel,
-                     split_replicas=cfg.split_replicas, ns_dtype="bfloat16" if name == "dmuon_bf16" else cfg.ns_dtype)
+                     split_replicas=cfg.split_replicas, ns_dtype="bfloat16" if name == "dmuon_bf16" else cfg.ns_dtype,
+                     ns_algorithm=cfg.ns_algorithm)
     if name == "redistribute":
-        return DMuon(params, lr=LR, comm="redistribute", ns_dtype=cfg.ns_dtype)
+        return DMuon(params, lr=LR, comm="redistribute", ns_dtype=cfg.ns_dtype, ns_algorithm=cfg.ns_algorithm)
     if name == "vanilla":
         return torch.optim.Muon(params, lr=LR)
     if name == "adamw":
@@ -338,7 +379,8 @@ def format_table(report: dict) -> str:
     vanilla = results.get("vanilla", {}).get("step_ms")
     lines = [
         f"world size {report['world_size']}, {report['device']}, {report['threads_per_rank']} thread(s)/rank, "
-        f"Muon elements N = {report['muon_elements']:,}, layout {report['layout']} on mesh {report['mesh_shape']}",
+        f"Muon elements N = {report['muon_elements']:,}, layout {report['layout']} on mesh {report['mesh_shape']}, "
+        f"DMuon ns_algorithm {report.get('ns_algorithm', DEFAULT_NS_ALGORITHM)}",
         f"{'optimizer':<14}{'NS dtype':>10}{'step ms':>10}{'vs vanilla':>12}{'bytes sent/rank':>18}",
     ]
     for name, row in results.items():
@@ -347,6 +389,7 @@ def format_table(report: dict) -> str:
         speedup = f"{vanilla / row['step_ms']:.2f}x" if comparable else "-"
         lines.append(f"{name:<14}{row.get('ns_dtype') or '-':>10}{row['step_ms']:>10.1f}{speedup:>12}"
                      f"{row['bytes_sent_per_rank']:>18,}")
+    lines += [f"{name:<14}{'left out':>10}: {reason}" for name, reason in report.get("left_out", {}).items()]
     lines.append(f"owner-exchange minimum for this layout = {report['min_bytes_per_rank']:,} bytes/rank "
                  f"(dmuon.plan_report.min_bytes_per_rank)")
     dmuon = results.get("dmuon", {})
@@ -424,7 +467,8 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
     parser.add_argument("--steps", type=int, default=defaults.steps, help="timed steps (default %(default)s)")
     parser.add_argument("--warmup", type=int, default=defaults.warmup, help="untimed steps (default %(default)s)")
     parser.add_argument("--threads", type=int, default=defaults.threads, help="torch threads per rank (default %(default)s)")
-    parser.add_argument("--optimizers", default=",".join(OPTIMIZERS), help="comma-separated subset of %(default)s")
+    parser.add_argument("--optimizers", default=None,
+                        help=f"comma-separated subset of {','.join(OPTIMIZERS)} (default: all)")
     parser.add_argument("--max-batch-numel", type=int, default=defaults.max_batch_numel,
                         help="DMuon's max_batch_numel (default %(default)s)")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default=defaults.device,
@@ -436,10 +480,17 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
                         help="hsdp: keep each replica's Newton-Schulz to itself")
     parser.add_argument("--ns-dtype", choices=NS_DTYPE_CHOICES, default=defaults.ns_dtype,
                         help="DMuon's Newton-Schulz compute dtype (default %(default)s)")
+    parser.add_argument("--ns-algorithm", choices=NS_ALGORITHMS, default=defaults.ns_algorithm,
+                        help="DMuon's Newton-Schulz algorithm (default %(default)s)")
+    parser.add_argument("--bf16-rows", action="store_true",
+                        help=f"run {' and '.join(BF16_ROWS)} (Newton-Schulz in bf16, like torch.optim.Muon) also on a "
+                             "CPU without a native bf16 matmul, where they take minutes a step (default: left out there)")
     parser.add_argument("--json", default=None, help="write the results to this JSON file")
     parser.add_argument("--plot", default=None, help="write a PNG bar chart to this path (needs matplotlib)")
     args = parser.parse_args(argv)
-    chosen = tuple(name for name in args.optimizers.split(",") if name)
+    chosen = OPTIMIZERS if args.optimizers is None else tuple(name for name in args.optimizers.split(",") if name)
+    # Naming a bf16 row in --optimizers asks for it as --bf16-rows does.
+    bf16_rows = args.bf16_rows or (args.optimizers is not None and any(name in BF16_ROWS for name in chosen))
     unknown = set(chosen) - set(OPTIMIZERS)
     if unknown:
         parser.error(f"unknown optimizer(s) {sorted(unknown)}; choose from {OPTIMIZERS}")
@@ -447,8 +498,8 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
         parser.error("--device cuda: no CUDA device is visible")
     mesh_shape = tuple(int(n) for n in args.mesh.split(",") if n)
     return BenchConfig(args.dim, args.layers, args.steps, args.warmup, args.threads, chosen, args.max_batch_numel,
-                       args.device, args.layout, mesh_shape, not args.no_split_replicas, args.ns_dtype, args.json,
-                       args.plot)
+                       args.device, args.layout, mesh_shape, not args.no_split_replicas, args.ns_dtype,
+                       args.ns_algorithm, bf16_rows, args.json, args.plot)
 
 
 def main(argv: list[str] | None = None) -> None:

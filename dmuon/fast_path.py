@@ -28,7 +28,7 @@ from dmuon.cost_model import CostModel, plan_with_best_split
 from dmuon.group_steps import GroupSteps
 from dmuon.groups import group_of, host_group_of, sum_on_host
 from dmuon.mesh_facts import mesh_ranks
-from dmuon.newton_schulz import resolve_ns_dtype
+from dmuon.newton_schulz import resolve_ns_algorithm, resolve_ns_dtype
 from dmuon.paths import PATHS, choose_paths
 from dmuon.plan import ALL_TO_ALL, OwnerPlan, ParamSpec, Unit, layout_of, make_owner_plan
 from dmuon.torch_compat import compute_local_shape_and_global_offset, host_tensor_ops
@@ -111,9 +111,12 @@ class FastPath:
         ranks = mesh_ranks(params[0].device_mesh)
         group = group_of(ranks, [p.device_mesh for p in params])
         plan_rank = {r: dist.get_group_rank(group, r) for r in ranks}
-        specs = [ParamSpec(tuple(p.shape), ns_steps=g["ns_steps"], split_rows=g["split_rows"],
-                           layout=layout_of(p, plan_rank)) for p, g in zip(params, groups)]
         device = mesh_device(params[0].device_mesh)
+        dtype = resolve_ns_dtype(self.ns_dtype, device.type)
+        specs = [ParamSpec(tuple(p.shape), ns_steps=g["ns_steps"], split_rows=g["split_rows"],
+                           ns_algorithm=resolve_ns_algorithm(g["ns_algorithm"], dtype, device.type),
+                           ns_gram_restarts=tuple(g["ns_gram_restarts"]), layout=layout_of(p, plan_rank))
+                 for p, g in zip(params, groups)]
         if self.split_replicas is None:
             plan, split = plan_with_best_split(specs, len(ranks), self.max_batch_numel, self.cost_model(device.type))
             if any(spec.layout.has_replicas for spec in specs):

@@ -17,7 +17,10 @@ from typing import Any, ContextManager
 import torch
 from torch.distributed.tensor import DTensor, Replicate
 
-from dmuon.newton_schulz import Triple, matrix_shape, newton_schulz_flops, orthogonalize, orthogonalize_row_blocks
+from dmuon.newton_schulz import (
+    DEFAULT_GRAM_RESTARTS, DEFAULT_NS_ALGORITHM, Triple, matrix_shape, newton_schulz_flops, orthogonalize,
+    orthogonalize_row_blocks,
+)
 from dmuon.torch_compat import scalar_dtype
 from dmuon.update_rules import adamw_step_ as adamw_
 from dmuon.update_rules import (
@@ -41,24 +44,28 @@ def newton_schulz(
     eps: float,
     ns_dtype: torch.dtype,
     split_rows: int | None,
+    ns_algorithm: str = DEFAULT_NS_ALGORITHM,
+    ns_gram_restarts: Sequence[int] = DEFAULT_GRAM_RESTARTS,
 ) -> torch.Tensor:
     """Newton-Schulz of a parameter-shaped update, or of one unit of it: its matrix, each
     expert of a stack, or (``split_rows``) each block of that many rows on its own.
     Returns a new bf16 tensor of ``update``'s shape."""
     matrix = update.view(matrix_shape(update.shape))
+    gram = dict(algorithm=ns_algorithm, restarts=ns_gram_restarts)
     if split_rows:
-        ortho = orthogonalize_row_blocks(matrix, split_rows, ns_coefficients, ns_steps, eps, ns_dtype)
+        ortho = orthogonalize_row_blocks(matrix, split_rows, ns_coefficients, ns_steps, eps, ns_dtype, **gram)
     else:
-        ortho = orthogonalize(matrix, ns_coefficients, ns_steps, eps, ns_dtype)
+        ortho = orthogonalize(matrix, ns_coefficients, ns_steps, eps, ns_dtype, **gram)
     return ortho.view(update.shape)
 
 
-def newton_schulz_work(shape: Sequence[int], *, ns_steps: int, split_rows: int | None) -> int:
+def newton_schulz_work(shape: Sequence[int], *, ns_steps: int, split_rows: int | None,
+                       ns_algorithm: str = DEFAULT_NS_ALGORITHM,
+                       ns_gram_restarts: Sequence[int] = DEFAULT_GRAM_RESTARTS) -> int:
     """The flops :func:`newton_schulz` runs on an update of ``shape`` (the sum over its
-    row blocks with ``split_rows``)."""
-    if not split_rows:
-        return newton_schulz_flops(shape, ns_steps)
-    return shape[0] // split_rows * newton_schulz_flops((split_rows, *shape[1:]), ns_steps)
+    row blocks with ``split_rows``), ``ns_algorithm`` as resolved for the device."""
+    blocks, unit = (shape[0] // split_rows, (split_rows, *shape[1:])) if split_rows else (1, shape)
+    return blocks * newton_schulz_flops(unit, ns_steps, ns_algorithm, ns_gram_restarts)
 
 
 def update_scale(shape: Sequence[int], *, split_rows: int | None, adjust_lr: str | None,

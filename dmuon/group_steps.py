@@ -20,7 +20,7 @@ from dmuon.functional import (
     adamw_, adamw_state, apply_muon_update_, muon_, newton_schulz, newton_schulz_work, normuon_normalize_,
     normuon_state, update_scale,
 )
-from dmuon.newton_schulz import resolve_ns_dtype
+from dmuon.newton_schulz import resolve_ns_algorithm, resolve_ns_dtype
 from dmuon.plan import ALL_TO_ALL, REDISTRIBUTE
 from dmuon.telemetry import Telemetry
 from dmuon.transport.reference import orthogonalize_gathered
@@ -45,12 +45,14 @@ class GroupSteps:
         """Newton-Schulz with the group's settings, then, in a NorMuon group, the
         normalization with ``second_moment`` (the NorMuon state's rows of ``matrix``,
         updated in place); counts the flops run on this rank."""
+        dtype = resolve_ns_dtype(self.ns_dtype, matrix.device.type)
+        gram = dict(ns_algorithm=resolve_ns_algorithm(group["ns_algorithm"], dtype, matrix.device.type),
+                    ns_gram_restarts=group["ns_gram_restarts"])
         self.stats.ns_flops += newton_schulz_work(matrix.shape, ns_steps=group["ns_steps"],
-                                                  split_rows=group["split_rows"])
+                                                  split_rows=group["split_rows"], **gram)
         with self.telemetry.newton_schulz():
             ortho = newton_schulz(matrix, ns_coefficients=group["ns_coefficients"], ns_steps=group["ns_steps"],
-                                  eps=group["eps"], ns_dtype=resolve_ns_dtype(self.ns_dtype, matrix.device.type),
-                                  split_rows=group["split_rows"])
+                                  eps=group["eps"], ns_dtype=dtype, split_rows=group["split_rows"], **gram)
             if group["normuon"]:
                 ortho = normuon_normalize_(ortho, second_moment, group["normuon_beta2"], group["split_rows"])
             return ortho

@@ -18,7 +18,12 @@ from collections.abc import Sequence
 
 import torch
 
+from dmuon.gram_newton_schulz import (  # noqa: F401 (re-exported: the algorithm is a Newton-Schulz option)
+    AUTO, DEFAULT_GRAM_RESTARTS, DEFAULT_NS_ALGORITHM, GRAM, NS_ALGORITHMS, STANDARD, gram_dtype, gram_flops,
+    gram_iterate, gram_runs_as_fast, resolve_ns_algorithm, standard_flops, uses_gram,
+)
 from dmuon.torch_compat import mkldnn_bf16_supported
+
 # Keller Jordan's quintic coefficients (also torch.optim.Muon's default): chosen to
 # maximize the slope at zero, so 5 steps push every singular value into ~[0.7, 1.2].
 KELLER_COEFFICIENTS: tuple[float, float, float] = (3.4445, -4.7750, 2.0315)
@@ -152,11 +157,19 @@ def orthogonalize(
     steps: int = DEFAULT_NS_STEPS,
     eps: float = DEFAULT_NS_EPS,
     dtype: torch.dtype = torch.bfloat16,
+    *,
+    algorithm: str = DEFAULT_NS_ALGORITHM,
+    restarts: Sequence[int] = DEFAULT_GRAM_RESTARTS,
+    gram_dtype_override: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Approximate the polar factor ``U V^T`` of ``update`` with quintic Newton-Schulz.
 
     ``coefficients``: see :func:`coefficient_schedule` (Keller Jordan's by default).
-    ``dtype``: what the iteration multiplies in (a value of :data:`NS_DTYPES`).
+    ``dtype``: what the standard iteration multiplies in (a value of :data:`NS_DTYPES`).
+    ``algorithm``: one of :data:`NS_ALGORITHMS`; a unit that runs Gram Newton-Schulz
+    (:func:`uses_gram`) multiplies in :func:`gram_dtype` and restarts after the
+    iterations in ``restarts`` (:mod:`dmuon.gram_newton_schulz`);
+    ``gram_dtype_override`` replaces that dtype (accuracy studies).
 
     ``update`` is 2-D ``[A, B]`` or a 3-D stack ``[E, A, B]`` (see :func:`matrix_shape`).
     Returns a new bf16 tensor of the same shape (rounded from ``dtype``); ``update`` is never modified (this
@@ -168,30 +181,44 @@ def orthogonalize(
     bit for bit, so the distributed step may orthogonalize experts on different ranks
     (a batched matmul gives no such guarantee across batch sizes).
 
-    The 2-D case performs exactly torch.optim.Muon's operations, so a plain tensor
-    gets torch's bits.
+    The 2-D standard case performs exactly torch.optim.Muon's operations, so a plain
+    tensor gets torch's bits.
     """
     if update.ndim == 3:
-        return torch.stack([orthogonalize(matrix, coefficients, steps, eps, dtype) for matrix in update])
+        return torch.stack([orthogonalize(matrix, coefficients, steps, eps, dtype, algorithm=algorithm,
+                                          restarts=restarts, gram_dtype_override=gram_dtype_override)
+                            for matrix in update])
     if update.ndim != 2:
         raise ValueError(f"orthogonalize expects a 2-D or 3-D tensor, got shape {tuple(update.shape)}")
     schedule, safety = coefficient_schedule(coefficients, steps)
+    algorithm = resolve_ns_algorithm(algorithm, dtype, update.device.type)
+    if uses_gram(algorithm, update.shape, steps, restarts):
+        compute = gram_dtype_override or gram_dtype(dtype, update.device.type)
+        # fp16 holds values below 65504 only: normalize in fp32 first.
+        x, tall = _wide_normalized(update, torch.float32 if compute == torch.float16 else compute, safety, eps)
+        x = gram_iterate(x.to(compute), schedule, restarts)
+    else:
+        x, tall = _wide_normalized(update, dtype, safety, eps)
+        for a, b, c in schedule:
+            gram = x @ x.T
+            poly = torch.addmm(gram, gram, gram, beta=b, alpha=c)
+            x = torch.addmm(x, poly, x, beta=a)
+    return (x.T if tall else x).to(UPDATE_DTYPE)
+
+
+def _wide_normalized(update: torch.Tensor, dtype: torch.dtype, safety: float, eps: float) -> tuple[torch.Tensor, bool]:
+    """A copy of ``update`` in ``dtype``, seen wide (rows <= cols: the Gram matrix X X^T
+    is then the small one, which makes each step cheaper), with every singular value
+    at most 1 (the Frobenius norm bounds the spectral norm); and whether it was tall."""
     x = update.to(dtype, copy=True)
-    # Work on the wide orientation (rows <= cols): the Gram matrix X X^T is then the
-    # small one, which makes each step cheaper.
     tall = x.size(0) > x.size(1)
     if tall:
         x = x.T
-    # Frobenius norm bounds the spectral norm, so after this every singular value is <= 1.
     if safety == 1.0:
         x.div_(x.norm().clamp(min=eps))  # torch.optim.Muon's normalization, bit for bit
     else:
         x.div_(x.norm() * safety + eps)
-    for a, b, c in schedule:
-        gram = x @ x.T
-        poly = torch.addmm(gram, gram, gram, beta=b, alpha=c)
-        x = torch.addmm(x, poly, x, beta=a)
-    return (x.T if tall else x).to(UPDATE_DTYPE)
+    return x, tall
 
 
 def orthogonalize_row_blocks(
@@ -201,24 +228,33 @@ def orthogonalize_row_blocks(
     steps: int = DEFAULT_NS_STEPS,
     eps: float = DEFAULT_NS_EPS,
     dtype: torch.dtype = torch.bfloat16,
+    *,
+    algorithm: str = DEFAULT_NS_ALGORITHM,
+    restarts: Sequence[int] = DEFAULT_GRAM_RESTARTS,
 ) -> torch.Tensor:
     """Orthogonalize each block of ``split_rows`` consecutive rows of a 2-D ``update`` on
     its own (one attention head of ``wq``, ``wk`` or ``wv``); block ``h`` of the result is
     ``orthogonalize(update[h * split_rows : (h + 1) * split_rows])``, bit for bit."""
     blocks = update.split(split_rows)
+    options = dict(algorithm=algorithm, restarts=restarts)
     if len(blocks) == 1:  # one block (an owner's unit): no copy through cat
-        return orthogonalize(update, coefficients, steps, eps, dtype)
-    return torch.cat([orthogonalize(block, coefficients, steps, eps, dtype) for block in blocks])
+        return orthogonalize(update, coefficients, steps, eps, dtype, **options)
+    return torch.cat([orthogonalize(block, coefficients, steps, eps, dtype, **options) for block in blocks])
 
 
-def newton_schulz_flops(shape: Sequence[int], steps: int = DEFAULT_NS_STEPS) -> int:
-    """Floating-point operations of :func:`orthogonalize` for a parameter of ``shape``.
+def newton_schulz_flops(shape: Sequence[int], steps: int = DEFAULT_NS_STEPS, algorithm: str = DEFAULT_NS_ALGORITHM,
+                        restarts: Sequence[int] = DEFAULT_GRAM_RESTARTS) -> int:
+    """Floating-point operations of :func:`orthogonalize` for a parameter of ``shape``
+    under ``algorithm`` (as resolved for the device: :func:`resolve_ns_algorithm`).
 
-    Per step on an ``m x n`` matrix (m <= n): ``X X^T`` costs 2 m^2 n, the polynomial
-    ``b S + c S S`` costs 2 m^3, and the final product costs 2 m^2 n.
-    Used to balance Newton-Schulz work across ranks.
+    Standard, per step on an ``m x n`` matrix (m <= n): ``X X^T`` costs 2 m^2 n, the
+    polynomial ``b S + c S S`` costs 2 m^3, and the final product costs 2 m^2 n. Gram:
+    :func:`dmuon.gram_newton_schulz.gram_flops`. Used to balance Newton-Schulz work
+    across ranks.
     """
     dims = matrix_shape(shape)
     batch = dims[0] if len(dims) == 3 else 1
     m, n = sorted(dims[-2:])
-    return batch * steps * (4 * m * m * n + 2 * m * m * m)
+    if uses_gram(algorithm, (m, n), steps, restarts):
+        return batch * gram_flops(m, n, steps, restarts)
+    return batch * standard_flops(m, n, steps)

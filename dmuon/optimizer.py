@@ -41,7 +41,9 @@ from dmuon.fast_path import FastPath
 from dmuon.grad_agreement import agreed_grads
 from dmuon.max_logits import MaxLogitTracker
 from dmuon.group_steps import GroupSteps
-from dmuon.newton_schulz import DEFAULT_NS_DTYPE, DEFAULT_NS_EPS, DEFAULT_NS_STEPS, KELLER_COEFFICIENTS
+from dmuon.newton_schulz import (
+    DEFAULT_GRAM_RESTARTS, DEFAULT_NS_ALGORITHM, DEFAULT_NS_DTYPE, DEFAULT_NS_EPS, DEFAULT_NS_STEPS, KELLER_COEFFICIENTS,
+)
 from dmuon.param_groups import (
     build_param_groups, check_adamw_hyperparameters, check_link_gbps, check_muon_hyperparameters, check_ns_dtype,
     check_optimizer_options, fill_in_variant_defaults, split_options,
@@ -79,9 +81,10 @@ class DMuon(Optimizer):
             one-element Tensor. The options after it are keyword-only.
         momentum, nesterov, weight_decay: Muon's momentum EMA, Nesterov look-ahead and
             decoupled decay (``p *= 1 - lr * weight_decay``).
-        ns_steps, ns_coefficients, eps: the Newton-Schulz iteration (coefficients: a
-            triple, one per step, or a name from ``dmuon.NS_COEFFICIENT_SETS``) and the
-            norm floor before it.
+        ns_steps, ns_coefficients, eps, ns_algorithm, ns_gram_restarts: the Newton-Schulz
+            iteration (coefficients: a triple, one per step, or a name from
+            ``dmuon.NS_COEFFICIENT_SETS``), the norm floor before it, and ``"standard"``,
+            ``"gram"`` or ``"auto"`` (Gram Newton-Schulz where cheaper) with its restarts.
         adjust_lr, matched_adamw_rms: the shape scale, ``"original"`` (``sqrt(max(1,
             A/B))``), ``"match_rms_adamw"`` (``matched_adamw_rms * sqrt(max(A, B))``),
             ``"spectral"`` (``sqrt(A/B)``) or ``None``.
@@ -118,6 +121,7 @@ class DMuon(Optimizer):
         weight_decay: float = 0.0,
         ns_steps: int = DEFAULT_NS_STEPS,
         ns_coefficients: str | Sequence[float] = KELLER_COEFFICIENTS,
+        ns_algorithm: str = DEFAULT_NS_ALGORITHM, ns_gram_restarts: Sequence[int] = DEFAULT_GRAM_RESTARTS,
         eps: float = DEFAULT_NS_EPS,
         adjust_lr: str | None = "original",
         matched_adamw_rms: float = DEFAULT_MATCHED_ADAMW_RMS,
@@ -144,10 +148,10 @@ class DMuon(Optimizer):
         check_optimizer_options(comm, max_batch_numel, split_replicas)
         muon_defaults, adamw_defaults = split_options(dict(
             lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay, ns_steps=ns_steps,
-            ns_coefficients=ns_coefficients, eps=eps, adjust_lr=adjust_lr, matched_adamw_rms=matched_adamw_rms,
-            split_rows=split_rows, normuon=normuon, normuon_beta2=normuon_beta2,
-            cautious_weight_decay=cautious_weight_decay, qk_clip_threshold=qk_clip_threshold, adamw_lr=adamw_lr,
-            adamw_betas=adamw_betas, adamw_eps=adamw_eps, adamw_weight_decay=adamw_weight_decay))
+            ns_coefficients=ns_coefficients, ns_algorithm=ns_algorithm, ns_gram_restarts=ns_gram_restarts, eps=eps,
+            adjust_lr=adjust_lr, matched_adamw_rms=matched_adamw_rms, split_rows=split_rows, normuon=normuon,
+            normuon_beta2=normuon_beta2, cautious_weight_decay=cautious_weight_decay, qk_clip_threshold=qk_clip_threshold,
+            adamw_lr=adamw_lr, adamw_betas=adamw_betas, adamw_eps=adamw_eps, adamw_weight_decay=adamw_weight_decay))
         # Validate the defaults once, so a bad option is reported as such even before any group is built.
         check_muon_hyperparameters(dict(muon_defaults), "DMuon")
         check_adamw_hyperparameters(dict(adamw_defaults), "DMuon (AdamW part)")

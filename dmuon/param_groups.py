@@ -12,7 +12,10 @@ from typing import Any
 
 import torch
 
-from dmuon.newton_schulz import MAX_NS_STEPS, NS_COEFFICIENT_SETS, NS_DTYPE_CHOICES, NS_DTYPES, ns_dtype_name
+from dmuon.newton_schulz import (
+    DEFAULT_GRAM_RESTARTS, DEFAULT_NS_ALGORITHM, MAX_NS_STEPS, NS_ALGORITHMS, NS_COEFFICIENT_SETS, NS_DTYPE_CHOICES,
+    NS_DTYPES, ns_dtype_name,
+)
 from dmuon.plan import COMM_CHOICES
 from dmuon.update_rules import ADJUST_LR_CHOICES, DEFAULT_NORMUON_BETA2
 
@@ -30,6 +33,8 @@ MUON_KEYS = (
     "weight_decay",
     "ns_steps",
     "ns_coefficients",
+    "ns_algorithm",
+    "ns_gram_restarts",
     "eps",
     "adjust_lr",
     "matched_adamw_rms",
@@ -43,10 +48,12 @@ ADAMW_KEYS = ("lr", "betas", "eps", "weight_decay", "cautious_weight_decay")
 # The update-rule variants (issue 16), each off by default so that a group without them
 # steps bit for bit as before: NorMuon's neuron-wise normalization (Muon groups) and
 # cautious weight decay (Muon and AdamW groups), and QK-clip's threshold (Muon groups
-# holding attention weights; None: off). A front end that has no field for one of them
-# gets this default (``split_options``).
+# holding attention weights; None: off), and Gram Newton-Schulz (issue 23: the standard
+# iteration unless asked). A front end that has no field for one of them gets this
+# default (``split_options``).
 VARIANT_DEFAULTS = {"normuon": False, "normuon_beta2": DEFAULT_NORMUON_BETA2, "cautious_weight_decay": False,
-                    "qk_clip_threshold": None}
+                    "qk_clip_threshold": None, "ns_algorithm": DEFAULT_NS_ALGORITHM,
+                    "ns_gram_restarts": DEFAULT_GRAM_RESTARTS}
 # The constructor's AdamW keywords, accepted as group keys too: each sets the AdamW
 # value of its plain key and, as ``adamw_lr`` over ``lr`` in the constructor, wins over
 # it. None (the constructor's default of ``adamw_lr``) means unset.
@@ -271,10 +278,31 @@ def check_muon_hyperparameters(group: dict[str, Any], where: str) -> None:
                                       and math.isfinite(threshold) and threshold > 0):
         raise ValueError(f"{where}: qk_clip_threshold must be None (off) or a finite number > 0, the largest "
                          f"attention logit to allow (Kimi K2 used 100), got {threshold!r}")
+    if group["ns_algorithm"] not in NS_ALGORITHMS:
+        raise ValueError(f"{where}: ns_algorithm must be one of {NS_ALGORITHMS}, got {group['ns_algorithm']!r}. "
+                         "\"gram\" runs Gram Newton-Schulz on every matrix, \"auto\" where it costs fewer flops "
+                         "(aspect above 1.5), \"standard\" nowhere (torch.optim.Muon's iteration).")
+    group["ns_gram_restarts"] = check_gram_restarts(group["ns_gram_restarts"], where)
     try:
         group["ns_coefficients"] = resolve_ns_coefficients(group["ns_coefficients"])
     except ValueError as error:
         raise ValueError(f"{where}: {error}") from None
+
+
+def check_gram_restarts(value: Any, where: str = "DMuon") -> tuple[int, ...]:
+    """``ns_gram_restarts``: the iterations after which Gram Newton-Schulz restarts, as a
+    sorted tuple of distinct positive ints (empty: never; one at or after the group's
+    last iteration does nothing)."""
+    try:
+        items = tuple(value)
+    except TypeError:
+        items = None
+    if items is None or isinstance(value, str) or not all(
+            isinstance(r, int) and not isinstance(r, bool) and r >= 1 for r in items) or len(set(items)) != len(items):
+        raise ValueError(f"{where}: ns_gram_restarts must be distinct positive ints, the iterations after which Gram "
+                         f"Newton-Schulz recomputes X and X X^T (default {DEFAULT_GRAM_RESTARTS}; () for none), "
+                         f"got {value!r}")
+    return tuple(sorted(items))
 
 
 def check_adamw_hyperparameters(group: dict[str, Any], where: str) -> None:

@@ -41,7 +41,9 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from dmuon.layout import Box, Layout, chunk_ranges
 from dmuon.mesh_facts import mesh_ranks_in_order
-from dmuon.newton_schulz import DEFAULT_NS_STEPS, matrix_shape, newton_schulz_flops
+from dmuon.newton_schulz import (
+    DEFAULT_GRAM_RESTARTS, DEFAULT_NS_ALGORITHM, DEFAULT_NS_STEPS, matrix_shape, newton_schulz_flops,
+)
 
 # How a Muon parameter reaches Newton-Schulz.
 LOCAL = "local"  # the rank already holds the whole matrix: plain tensor or Replicate
@@ -142,6 +144,11 @@ class ParamSpec:
     """Without ``layout``: the dim ``Shard`` cuts over a 1-D mesh of every plan rank."""
     ns_steps: int = DEFAULT_NS_STEPS
     """Newton-Schulz iterations of its group (the cost model)."""
+    ns_algorithm: str = DEFAULT_NS_ALGORITHM
+    """Its group's ``ns_algorithm``, as resolved for the device (``resolve_ns_algorithm``):
+    what each unit costs."""
+    ns_gram_restarts: tuple[int, ...] = DEFAULT_GRAM_RESTARTS
+    """Its group's ``ns_gram_restarts``."""
     split_rows: int | None = None
     """Rows per separately orthogonalized block of a 2-D parameter (an attention head)."""
     layout: Layout | None = None
@@ -459,7 +466,7 @@ def make_units(params: Sequence[ParamSpec], world_size: int, split_replicas: boo
             dim0 = (u * spec.unit_rows, (u + 1) * spec.unit_rows)
             matrix = matrix_shape((dim0[1] - dim0[0],) + spec.shape[1:])[-2:]
             matrix = (matrix[0], matrix[1])
-            cost = newton_schulz_flops(matrix, spec.ns_steps)
+            cost = newton_schulz_flops(matrix, spec.ns_steps, spec.ns_algorithm, spec.ns_gram_restarts)
             blocks = [(r, b) for r in mesh_ranks if (b := _block(spec.shape, boxes[r], dim0))]
             if not blocks:
                 continue

@@ -11,6 +11,9 @@ matrices of a model, FSDP2-sharded (``Shard(0)``) over P ranks, and reports the 
 of Newton-Schulz work, the bytes each rank sends, the scratch memory, and a predicted
 time from a simple cost model:
 
+- each matrix costs the flops of ``--ns-algorithm`` (``newton_schulz_flops``; Gram
+  Newton-Schulz for ``gram``, and for ``auto`` where it costs fewer), and owners
+  balance those;
 - Newton-Schulz of batch ``b`` takes ``NS_b = max_r flops(r, b) / (peak * ns_mfu)``, with
   the bf16 peak, or the fp32 one for ``--ns-dtype float32``;
 - its gather and scatter take ``G_b``, ``S_b`` = the most bytes a rank sends in them
@@ -38,7 +41,7 @@ from pathlib import Path
 
 from dmuon.cost_model import CostModel, exchange_ms, newton_schulz_ms, overlapped_ms
 from dmuon.layout import Layout
-from dmuon.newton_schulz import DEFAULT_NS_STEPS, NS_DTYPES, newton_schulz_flops
+from dmuon.newton_schulz import DEFAULT_NS_ALGORITHM, DEFAULT_NS_STEPS, NS_ALGORITHMS, NS_DTYPES, newton_schulz_flops
 from dmuon.plan import DEFAULT_BATCH_NUMEL, WIRE_BYTES, OwnerPlan, ParamSpec, lpt_bound_flops, make_owner_plan
 
 @dataclass(frozen=True)
@@ -199,6 +202,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--ns-dtype", choices=sorted(NS_DTYPES), default="bfloat16",
                         help="what Newton-Schulz multiplies in (DMuon's ns_dtype; 'auto' is bfloat16 on GPUs); "
                              "sets its peak (default %(default)s)")
+    parser.add_argument("--ns-algorithm", choices=NS_ALGORITHMS, default=DEFAULT_NS_ALGORITHM,
+                        help="DMuon's ns_algorithm: what each matrix costs, so what owners balance; 'gram' and 'auto' "
+                             "run Gram Newton-Schulz (fp16 on GPUs, at the bf16 peak) (default %(default)s)")
     parser.add_argument("--ns-mfu", type=float, default=defaults.ns_mfu, help="default %(default)s")
     parser.add_argument("--link-gbps", type=float, default=defaults.link_gbps, help="per-rank Gbit/s (default %(default)s)")
     parser.add_argument("--replica-link-gbps", type=float, default=defaults.replica_link_gbps,
@@ -218,6 +224,8 @@ def main(argv: list[str] | None = None) -> None:
         models = [(args.shapes.stem, specs, params)]
     else:
         models = [(name, [ParamSpec(s) for s in PRESETS[name].matrices()], PRESETS[name].params()) for name in args.model]
+    models = [(name, [replace(spec, ns_algorithm=args.ns_algorithm) for spec in specs], params)
+              for name, specs, params in models]
     if any(r < 1 or p % r for r in args.replicas for p in args.world_size):
         parser.error("--replicas must divide every --world-size")
     rows = [report(name, specs, params, p, cost, args.max_batch_numel, r, split)

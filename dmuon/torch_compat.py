@@ -11,6 +11,7 @@ moves one, this module is the one to change, and its tests say which entry broke
 | ``StridedShard`` (``_StridedShard``) | FSDP2 over a TP-sharded weight: a placement the layout rules must read | 2.13.0, 2.15.0 |
 | ``scalar_dtype`` (``torch.optim.optimizer._get_scalar_dtype``) | the dtype of AdamW's ``step`` state, as torch.optim.AdamW makes it | 2.13.0, 2.15.0 |
 | ``mkldnn_bf16_supported`` (``torch.ops.mkldnn._is_mkldnn_bf16_supported``) | whether a CPU has a native bf16 GEMM (``ns_dtype="auto"``) | 2.13.0, 2.15.0 |
+| ``mkldnn_fp16_supported`` (``torch.ops.mkldnn._is_mkldnn_fp16_supported``) | whether a CPU has a native fp16 GEMM (the dtype of Gram Newton-Schulz) | 2.13.0, 2.15.0 |
 | ``FakeTensorMode``, ``FakeTensor`` (``torch._subclasses.fake_tensor``) | ``python -m dmuon.dry_run``: CUDA tensors without data | 2.15.0 (needs a CUDA build) |
 | ``fake_store`` (``torch.testing._internal.distributed.fake_pg.FakeStore``) | ``dmuon.dry_run``: one process as rank r of any world size (backend ``"fake"``) | 2.15.0 |
 | ``TorchDispatchMode`` (``torch.utils._python_dispatch``) | ``dmuon.dry_run``: sees every op of a step (syncs, launches, collectives, memory) | 2.13.0, 2.15.0 |
@@ -34,12 +35,17 @@ OLDEST_TESTED_TORCH = "2.13.0"
 NEWEST_TESTED_TORCH = "2.15.0"
 
 __all__ = ["FakeTensor", "FakeTensorMode", "StridedShard", "TorchDispatchMode", "compute_local_shape_and_global_offset", "fake_store",
-           "host_tensor_ops", "mkldnn_bf16_supported", "resolve_process_group", "scalar_dtype"]
+           "host_tensor_ops", "mkldnn_bf16_supported", "mkldnn_fp16_supported", "resolve_process_group", "scalar_dtype"]
 
 
 def mkldnn_bf16_supported() -> bool:
     """Whether oneDNN has a bf16 GEMM for this CPU (AVX-512, AMX, Arm BF16)."""
     return torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def mkldnn_fp16_supported() -> bool:
+    """Whether oneDNN has an fp16 GEMM for this CPU (AVX-512 FP16, AMX-FP16, Arm FP16)."""
+    return torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
 
 
 def fake_store() -> dist.Store:

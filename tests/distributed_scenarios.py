@@ -75,10 +75,10 @@ def _run(params: dict[str, torch.Tensor], grads_for_step, **kwargs: Any) -> DMuo
     return optimizer
 
 
-def single_process_params(ns_dtype: str) -> dict[str, torch.Tensor]:
+def single_process_params(ns_dtype: str, ns_algorithm: str = "standard") -> dict[str, torch.Tensor]:
     """The oracle: DMuon on full plain tensors, in this process, one thread."""
     params = {n: nn.Parameter(t) for n, t in _case_tensors(0).items()}
-    _run(params, lambda step: _case_tensors(100 + step), ns_dtype=ns_dtype)
+    _run(params, lambda step: _case_tensors(100 + step), ns_dtype=ns_dtype, ns_algorithm=ns_algorithm)
     return {n: p.detach() for n, p in params.items()}
 
 
@@ -112,19 +112,19 @@ def exactness_runs(layouts: dict[str, tuple[Any, list]]) -> Iterator[tuple[str, 
             yield layout, comm, shard
 
 
-def exactness(ns_dtype: str = "auto") -> dict[Any, Any]:
+def exactness(ns_dtype: str = "auto", ns_algorithm: str = "standard") -> dict[Any, Any]:
     """Fast and reference paths on Shard(0) (and 2-D meshes at 4 ranks) vs the oracle.
 
     Returns ``{(layout, comm): {case: bitwise_equal}}`` plus paths and byte counts.
     """
     world = dist.get_world_size()
-    oracle = single_process_params(ns_dtype)
+    oracle = single_process_params(ns_dtype, ns_algorithm)
     layouts = exactness_layouts(world)
     out: dict[Any, Any] = {}
     for layout, comm, shard in exactness_runs(layouts):
         params = {n: nn.Parameter(shard(t)) for n, t in _case_tensors(0).items()}
         optimizer = _run(params, lambda step: {n: shard(t) for n, t in _case_tensors(100 + step).items()}, comm=comm,
-                         ns_dtype=ns_dtype)
+                         ns_dtype=ns_dtype, ns_algorithm=ns_algorithm)
         out[(layout, comm)] = {n: torch.equal(params[n].full_tensor(), oracle[n]) for n in oracle}
         out[(layout, comm, "paths")] = optimizer.comm_paths()
         out[(layout, comm, "bytes")] = optimizer.comm_stats.bytes_sent
@@ -351,7 +351,8 @@ def small_benchmark(json_path: str, **options: Any) -> dict[str, Any]:
     """benchmarks.bench end to end on a tiny stack (structure, not speed)."""
     from benchmarks.bench import BenchConfig, run_benchmark
 
-    options = {"ns_dtype": "float32"} | options  # float32: the dmuon_bf16 row runs too, on any CPU
+    # float32 and bf16_rows: the dmuon_bf16 and vanilla rows run too, on any CPU.
+    options = {"ns_dtype": "float32", "bf16_rows": True} | options
     return run_benchmark(BenchConfig(dim=64, layers=2, steps=1, warmup=1, json=json_path, **options))
 
 
@@ -421,14 +422,14 @@ HEAD_CASES: list[tuple[str, tuple[int, ...], int]] = [
 
 
 def layout_exactness(case_names: list[str], max_batch_numel: int, split_rows: int | None = None,
-                     ns_dtype: str = "auto") -> dict[str, Any]:
+                     ns_dtype: str = "auto", ns_algorithm: str = "standard") -> dict[str, Any]:
     """The cases named (from LAYOUT_CASES and HEAD_CASES), each sharded on its dim, vs
     single-process DMuon with the same options; plus paths, bytes and batches."""
     world = dist.get_world_size()
     cases = [c for c in LAYOUT_CASES + HEAD_CASES if c[0] in case_names]
     mesh = init_device_mesh(device_type(), (world,))
     options = dict(lr=0.03, momentum=0.9, weight_decay=0.05, max_batch_numel=max_batch_numel, split_rows=split_rows,
-                   ns_dtype=ns_dtype)
+                   ns_dtype=ns_dtype, ns_algorithm=ns_algorithm)
 
     def shard(name: str, t: torch.Tensor) -> DTensor:
         dim = next(d for n, _, d in cases if n == name)

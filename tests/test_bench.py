@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from benchmarks.bench import OPTIMIZERS, ffn_hidden, format_table, parse_args
+from benchmarks import bench
+from benchmarks.bench import BF16_ROWS, OPTIMIZERS, ffn_hidden, format_table, parse_args, slow_bf16_rows
 from tests import distributed_scenarios as scenarios
 from tests.multiprocess import run_on_ranks
 
@@ -119,3 +120,52 @@ def test_llama_ffn_hidden_size_is_rounded_up():
 def test_unknown_optimizer_name_is_rejected():
     with pytest.raises(SystemExit):
         parse_args(["--optimizers", "dmuon,sgd"])
+
+
+@pytest.fixture
+def cpu_without_bf16_matmul(monkeypatch):
+    """A CPU like an AVX2 one: no native bf16 GEMM (accelerators keep theirs)."""
+    monkeypatch.setattr(bench, "native_bf16_matmul", lambda device_type: device_type != "cpu")
+
+
+@pytest.mark.unit
+def test_the_bf16_rows_are_left_out_by_default_on_a_cpu_without_bf16_matmul(cpu_without_bf16_matmul):
+    assert slow_bf16_rows(OPTIMIZERS, "cpu", asked=False) == BF16_ROWS == ("dmuon_bf16", "vanilla")
+
+
+@pytest.mark.unit
+def test_the_bf16_rows_run_when_asked_or_where_bf16_matmul_is_native(cpu_without_bf16_matmul):
+    assert slow_bf16_rows(OPTIMIZERS, "cpu", asked=True) == ()
+    assert slow_bf16_rows(OPTIMIZERS, "cuda", asked=False) == ()
+
+
+@pytest.mark.unit
+def test_the_bf16_rows_run_on_a_cpu_with_native_bf16_matmul(monkeypatch):
+    monkeypatch.setattr(bench, "native_bf16_matmul", lambda device_type: True)
+    assert slow_bf16_rows(OPTIMIZERS, "cpu", asked=False) == ()
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("argv, asked", [([], False), (["--bf16-rows"], True), (["--optimizers", "dmuon,vanilla"], True),
+                                         (["--optimizers", "dmuon,adamw"], False)])
+def test_one_flag_or_naming_a_bf16_row_asks_for_the_bf16_rows(argv, asked):
+    assert parse_args(argv).bf16_rows is asked
+
+
+@pytest.mark.unit
+def test_the_table_says_which_rows_were_left_out_and_why():
+    report = {"world_size": 1, "device": "cpu", "threads_per_rank": 1, "muon_elements": 1, "layout": "fsdp",
+              "mesh_shape": [1], "results": {}, "min_bytes_per_rank": 0, "ns_algorithm": "gram",
+              "left_out": {"vanilla": bench.SLOW_BF16_REASON}}
+    table = format_table(report)
+    assert "vanilla" in table and "--bf16-rows" in table and "ns_algorithm gram" in table
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("row", ["dmuon", "dmuon_bf16", "redistribute"])
+def test_the_ns_algorithm_reaches_the_dmuon_rows(row):
+    import torch
+
+    cfg = parse_args(["--ns-algorithm", "auto"])
+    optimizer = bench._make_optimizer(row, [torch.nn.Parameter(torch.zeros(4, 8))], cfg)
+    assert optimizer.param_groups[0]["ns_algorithm"] == "auto"

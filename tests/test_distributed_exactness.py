@@ -6,6 +6,7 @@ shard on the last rank (at P = 4), a 3-D expert weight, two Muon groups with dif
 lr and momentum, and an AdamW group, all in one optimizer; each with Newton-Schulz in bf16 and in fp32
 (``ns_dtype``), since both must be exact. The same cases again with NorMuon and cautious
 weight decay on, on every layout and both paths, and with split_rows (attention heads).
+The base cases once more with Gram Newton-Schulz (``ns_algorithm="gram"``).
 """
 
 from __future__ import annotations
@@ -81,6 +82,22 @@ def test_only_the_fast_path_sends_owner_traffic(results):
 def test_real_fully_shard_training_matches_single_process(world):
     equal = run_on_ranks(scenarios.fsdp2_training, world)[0]
     assert equal == dict.fromkeys(scenarios.TINY_LM_PARAMS, True)
+
+
+# ------------------------------------------------------------ Gram Newton-Schulz
+
+
+@pytest.fixture(scope="module")
+def gram() -> dict[int, dict]:
+    """Per world size: the exactness scenario's figures with Gram Newton-Schulz (rank 0)."""
+    return {world: run_on_ranks(scenarios.exactness, world, "float32", "gram")[0] for world in WORLD_SIZES}
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES)
+def test_gram_newton_schulz_is_bitwise_equal_to_single_process_on_every_layout_and_path(gram, world):
+    runs = [key for key in gram[world] if len(key) == 2]
+    assert len(runs) == (6 if world == 4 else 2)  # fsdp (and hsdp, fsdp_tp at 4) x both paths
+    assert {run: gram[world][run] for run in runs} == {run: dict.fromkeys(CASE_NAMES, True) for run in runs}
 
 
 # ------------------------------------------------------------ NorMuon and cautious weight decay

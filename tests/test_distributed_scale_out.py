@@ -38,14 +38,22 @@ def test_every_block_layout_takes_the_fast_path(every_layout, ns_dtype, world):
     assert set(every_layout[world][ns_dtype]["paths"].values()) == {"all_to_all"}
 
 
+@pytest.mark.parametrize("ns_algorithm", ["standard", "gram"])
 @pytest.mark.parametrize("world", [1, 2, 4])
-def test_heads_orthogonalized_apart_are_bitwise_equal_to_single_process_even_split_across_ranks(world):
+def test_heads_orthogonalized_apart_are_bitwise_equal_to_single_process_even_split_across_ranks(world, ns_algorithm):
     heads = [name for name, _, _ in scenarios.HEAD_CASES]
-    result = run_on_ranks(scenarios.layout_exactness, world, heads, DEFAULT_CAP, 4)[0]
+    result = run_on_ranks(scenarios.layout_exactness, world, heads, DEFAULT_CAP, 4, "auto", ns_algorithm)[0]
     assert result["equal"] == dict.fromkeys(heads, True)
     if world > 1:
         assert set(result["paths"].values()) == {"all_to_all"}
         assert len([i for batch in result["batches"] for i in batch]) == 5 + 3  # one unit per head
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_every_block_layout_with_gram_newton_schulz_is_bitwise_equal_to_single_process(world):
+    result = run_on_ranks(scenarios.layout_exactness, world, ALL, DEFAULT_CAP, None, "float32", "gram")[0]
+    assert result["equal"] == dict.fromkeys(ALL, True)
+    assert set(result["paths"].values()) == {"all_to_all"}
 
 
 def test_tiny_batches_leave_some_rank_idle_and_stay_bitwise():

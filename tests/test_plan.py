@@ -448,3 +448,13 @@ def test_the_batch_schedule_keeps_at_most_three_batches_alive(n):
             alive.discard(b)
         most = max(most, len(alive))
     assert not alive and most == min(n, 3)
+
+
+@pytest.mark.parametrize("algorithm", ["standard", "gram", "auto"])
+def test_each_unit_costs_the_flops_of_its_groups_ns_algorithm(algorithm):
+    specs = [ParamSpec((64, 64), ns_algorithm=algorithm), ParamSpec((256, 64), ns_algorithm=algorithm),
+             ParamSpec((2, 32, 96), ns_algorithm=algorithm)]
+    plan = make_owner_plan(specs, 2)
+    assert sorted(u.cost for u in plan.units) == sorted(
+        [newton_schulz_flops((64, 64), 5, algorithm), newton_schulz_flops((256, 64), 5, algorithm)]
+        + 2 * [newton_schulz_flops((32, 96), 5, algorithm)])

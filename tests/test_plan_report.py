@@ -119,3 +119,24 @@ def test_minimum_bytes_for_fsdp_is_an_owner_round_trip():
 
 def test_hsdp_minimum_bytes_split_and_apart_agree_at_two_shards():
     assert min_bytes_per_rank("hsdp", (2, 2), 1600, True) == min_bytes_per_rank("hsdp", (2, 2), 1600, False) == 1600
+
+
+def _llama3_8b_row(capsys, algorithm: str) -> dict:
+    main(["--model", "llama3-8b", "--world-size", "8", "--json", "--ns-algorithm", algorithm])
+    return json.loads(capsys.readouterr().out)
+
+
+def test_auto_ns_algorithm_cuts_llama3_8b_flops_by_the_gram_formula(capsys):
+    """Per 5 iterations in m^3 (aspect a): standard 20a + 10, Gram 8a + 28; auto takes the smaller."""
+    standard, auto = _llama3_8b_row(capsys, "standard"), _llama3_8b_row(capsys, "auto")
+
+    def cubes(shape, gram):
+        m, n = sorted(shape)
+        a = n / m
+        return (min(20 * a + 10, 8 * a + 28) if gram else 20 * a + 10) * m**3
+
+    matrices = PRESETS["llama3-8b"].matrices()
+    ratio = sum(cubes(s, True) for s in matrices) / sum(cubes(s, False) for s in matrices)
+    assert auto["ns_flops_total"] == pytest.approx(ratio * standard["ns_flops_total"], rel=1e-12)
+    assert ratio < 0.85
+

@@ -107,6 +107,17 @@ def test_the_update_rule_variants_reach_the_dmuon_param_groups():
     assert adamw["cautious_weight_decay"] is True
 
 
+def test_gram_newton_schulz_reaches_the_dmuon_muon_group():
+    optimizer = build(dmuon_optimizer(ns_algorithm="auto", ns_gram_restarts=(1, 3))).optimizers[0]
+    muon = next(g for g in optimizer.param_groups if g["use_muon"])
+    assert (muon["ns_algorithm"], muon["ns_gram_restarts"]) == ("auto", (1, 3))
+
+
+def test_a_bad_ns_algorithm_fails_when_the_config_is_made_naming_the_field():
+    with pytest.raises(ValueError, match=r"^optimizer\.param_groups\[0\]\.optimizer_kwargs: ns_algorithm must be one of"):
+        dmuon_optimizer(ns_algorithm="fast")
+
+
 def test_every_option_of_dmuon_optimizer_reaches_dmuon():
     config = dmuon_optimizer(lr=0.03, momentum=0.9, ns_steps=6, adamw_lr=1e-3,
                              factory_options={"comm": "redistribute", "telemetry": True, "ns_dtype": "float32"})
@@ -135,6 +146,11 @@ def test_the_update_rule_variants_are_set_from_the_command_line():
                    "--optimizer.param_groups.0.optimizer_kwargs.cautious_weight_decay",
                    ).optimizer.param_groups[0].optimizer_kwargs
     assert (kwargs["normuon"], kwargs["normuon_beta2"], kwargs["cautious_weight_decay"]) == (True, 0.5, True)
+
+
+def test_the_ns_algorithm_is_set_from_the_command_line():
+    kwargs = parse("--optimizer.param_groups.0.optimizer_kwargs.ns_algorithm", "gram").optimizer.param_groups[0]
+    assert kwargs.optimizer_kwargs["ns_algorithm"] == "gram"
 
 
 def test_a_bad_command_line_value_stops_parsing_naming_the_field(capsys):

@@ -24,6 +24,10 @@ def test_the_bf16_gemm_check_answers_a_bool():
     assert isinstance(torch_compat.mkldnn_bf16_supported(), bool)
 
 
+def test_the_fp16_gemm_check_answers_a_bool():
+    assert isinstance(torch_compat.mkldnn_fp16_supported(), bool)
+
+
 def test_local_shape_and_offset_of_a_row_shard_on_a_one_rank_mesh():
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh

@@ -187,3 +187,26 @@ def test_the_update_rule_variants_reach_dmuons_muon_and_adamw_groups():
     muon, adamw = optimizer.param_groups
     assert (muon["normuon"], muon["normuon_beta2"], muon["cautious_weight_decay"]) == (True, 0.9, True)
     assert adamw["cautious_weight_decay"] is True
+
+
+@pytest.mark.parametrize("name", ["llama3_debug_dmuon.toml", "llama3_8b_dmuon.toml"])
+def test_shipped_configs_spell_out_the_standard_newton_schulz(name):
+    cfg = parse("--job.config_file", str(CONFIGS / name)).optimizer
+    assert (cfg.ns_algorithm, list(cfg.ns_gram_restarts)) == ("standard", [2])
+
+
+def test_gram_newton_schulz_and_its_restarts_reach_dmuons_muon_group(tmp_path):
+    import torch
+
+    from dmuon import DMuon
+    from torchtitan_ext.titan02.config import dmuon_kwargs
+
+    cfg = _write_toml(tmp_path, 'ns_algorithm = "auto"\nns_gram_restarts = [1, 3]\n')
+    optimizer = DMuon([("w", torch.nn.Parameter(torch.zeros(4, 8)))], **dmuon_kwargs(cfg))
+    assert (optimizer.param_groups[0]["ns_algorithm"], optimizer.param_groups[0]["ns_gram_restarts"]) == ("auto", (1, 3))
+
+
+def test_an_unknown_ns_algorithm_in_toml_is_rejected_naming_the_section(tmp_path):
+    bad = toml_with(tmp_path, 'ns_algorithm = "standard"', 'ns_algorithm = "fast"')
+    with pytest.raises(ValueError, match=r"^\[optimizer\]: ns_algorithm must be one of"):
+        parse("--job.config_file", str(bad))

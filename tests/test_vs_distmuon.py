@@ -125,3 +125,15 @@ def test_the_model_matches_torchtitans_own_balancing_function():
                 for i, part in zip(items, parts):
                     owners[i] = part
             assert distmuon_owners(matrices, world_size, bucketing) == owners
+
+
+def test_dmuon_with_gram_cuts_llama3_8b_newton_schulz_by_the_flops_formula(llama3_8b_at_8):
+    """ns_algorithm="auto": wk/wv (aspect 4) and w1/w2/w3 (3.5) run Gram, wq/wo stay standard;
+    per 5 iterations in m^3, standard 20a + 10 and Gram 8a + 28, balanced on 8 ranks."""
+    d, f, kv = 4096, 14336, 1024
+    standard = 2 * 30 * d**3 + 2 * 90 * kv**3 + 3 * 80 * d**3
+    gram = 2 * 30 * d**3 + 2 * 60 * kv**3 + 3 * 56 * d**3
+    assert f == 3.5 * d
+    row = llama3_8b_at_8["dmuon_gram"]
+    assert row["ns_critical_over_mean"] == pytest.approx(gram / standard, abs=1e-3)
+    assert row["bytes_per_rank_max"] == llama3_8b_at_8["dmuon"]["bytes_per_rank_max"]

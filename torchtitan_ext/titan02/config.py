@@ -98,6 +98,17 @@ class Optimizer:
     or a list of [a, b, c] triples, one per iteration (the last repeats).
     """
 
+    ns_algorithm: str = VARIANT_DEFAULTS["ns_algorithm"]
+    """
+    How Newton-Schulz iterates: "standard" (torch.optim.Muon's iteration), "gram" (Gram
+    Newton-Schulz on every matrix: the quintic on the m x m Gram matrix, m the smaller
+    side; fp16 on GPUs) or "auto" (Gram where it costs fewer flops: aspect above 1.5,
+    e.g. wk/wv and the MLP of llama3). Exact across world sizes either way.
+    """
+
+    ns_gram_restarts: list[int] = field(default_factory=lambda: list(VARIANT_DEFAULTS["ns_gram_restarts"]))
+    """Iterations after which Gram Newton-Schulz recomputes X and X X^T (default [2]; [] for none)."""
+
     ns_dtype: str = DEFAULT_NS_DTYPE
     """
     What Newton-Schulz multiplies in: "bfloat16" (what Muon is tuned for), "float32"
@@ -237,6 +248,10 @@ def dmuon_kwargs(optimizer_config: Any) -> dict[str, Any]:
         "weight_decay": cfg.weight_decay,
         "ns_steps": cfg.ns_steps,
         "ns_coefficients": cfg.ns_coefficients,
+        "ns_algorithm": cfg.ns_algorithm,
+        # TOML's list is DMuon's tuple; any other value goes to DMuon's validator as is.
+        "ns_gram_restarts": tuple(cfg.ns_gram_restarts) if isinstance(cfg.ns_gram_restarts, list)
+        else cfg.ns_gram_restarts,
         "adjust_lr": None if cfg.adjust_lr == ADJUST_LR_NONE else cfg.adjust_lr,
         "matched_adamw_rms": cfg.matched_adamw_rms,
         "adamw_lr": cfg.adamw_lr,

@@ -20,7 +20,7 @@ one DMuon, which also gives one telemetry record per part.
 
 Options, where they go:
 
-* group options (``lr``, ``momentum``, ``ns_steps``, ..., the update-rule variants
+* group options (``lr``, ``momentum``, ``ns_steps``, ``ns_algorithm``, ..., the update-rule variants
   ``normuon`` / ``normuon_beta2`` / ``cautious_weight_decay``, the AdamW part's
   ``adamw_lr`` / ``adamw_betas`` / ``adamw_eps`` / ``adamw_weight_decay``) and the
   routing keys ``adamw_param_regex`` and ``split_attention_heads``: the group's
