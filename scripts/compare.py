@@ -1,11 +1,14 @@
-"""Plot and summarise a DMuon run against its AdamW baseline from TorchTitan logs.
+"""Plot and summarise TorchTitan runs from their logs: DMuon against its AdamW
+baseline, or any runs by name.
 
     python scripts/compare.py --dmuon outputs/demo/dmuon.log --adamw outputs/demo/adamw.log \
         --out outputs/demo
+    python scripts/compare.py --run standard=outputs/demo/ns_standard.log \
+        --run auto=outputs/demo/ns_auto.log --name loss_ns_algorithms --out outputs/demo
 
-Writes ``<out>/loss_dmuon_vs_adamw.png`` (training and validation loss of both
-runs) and ``<out>/summary.txt`` (final losses and steps/s), and prints the summary.
-Each log is the console output of one ``torchrun --local-ranks-filter 0`` run.
+Writes ``<out>/<name>.png`` (training and validation loss of the runs; default name
+``loss_dmuon_vs_adamw``) and ``<out>/summary.txt`` (final losses and steps/s), and prints
+the summary. Each log is the console output of one ``torchrun --local-ranks-filter 0`` run.
 """
 
 from __future__ import annotations
@@ -60,9 +63,9 @@ def summarise(runs: dict) -> str:
     return "\n".join(lines)
 
 
-def plot(runs: dict, path: Path) -> None:
+def plot(runs: dict, path: Path, title: str) -> None:
     fig, (ax_train, ax_val) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for (name, log), color in zip(runs.items(), ("tab:blue", "tab:orange")):
+    for (name, log), color in zip(runs.items(), ("tab:blue", "tab:orange", "tab:green", "tab:red")):
         steps = sorted(log.train_loss)
         losses = [log.train_loss[s] for s in steps]
         ax_train.plot(steps, losses, color=color, alpha=0.25, linewidth=0.8)
@@ -74,29 +77,36 @@ def plot(runs: dict, path: Path) -> None:
     for ax in (ax_train, ax_val):
         ax.grid(alpha=0.3)
         ax.legend()
-    fig.suptitle("llama3 debug model, 2 CPU ranks (FSDP2/gloo): DMuon vs AdamW")
+    fig.suptitle(f"llama3 debug model, 2 CPU ranks (FSDP2/gloo): {title}")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description="Compare a DMuon and an AdamW TorchTitan run.")
-    parser.add_argument("--dmuon", type=Path, required=True, help="log of the DMuon run")
-    parser.add_argument("--adamw", type=Path, required=True, help="log of the AdamW run")
+    parser = argparse.ArgumentParser(description="Compare TorchTitan runs (DMuon and AdamW, or any by name).")
+    parser.add_argument("--dmuon", type=Path, help="log of the DMuon run")
+    parser.add_argument("--adamw", type=Path, help="log of the AdamW run")
+    parser.add_argument("--run", action="append", default=[], metavar="LABEL=LOG", help="a run by name (repeatable)")
+    parser.add_argument("--name", default="loss_dmuon_vs_adamw", help="the PNG's file name, without .png")
     parser.add_argument("--out", type=Path, required=True, help="folder for the PNG and summary")
     args = parser.parse_args()
 
+    logs = {label: path for label, path in (("DMuon", args.dmuon), ("AdamW", args.adamw)) if path is not None}
+    for item in args.run:
+        label, sep, path = item.partition("=")
+        if not sep or not label or not path:
+            parser.error(f"--run {item!r}: expected LABEL=LOG, e.g. --run standard=outputs/demo/ns_standard.log")
+        logs[label] = Path(path)
+    if not 1 <= len(logs) <= 4:
+        parser.error("give one to four runs (--dmuon, --adamw, --run LABEL=LOG)")
     titan_log = _load_titan_log()
-    runs = {
-        "DMuon": titan_log.parse_log(args.dmuon.read_text()),
-        "AdamW": titan_log.parse_log(args.adamw.read_text()),
-    }
+    runs = {label: titan_log.parse_log(path.read_text()) for label, path in logs.items()}
     for name, log in runs.items():
         if not log.train_loss:
             raise SystemExit(f"no step lines found in the {name} log; did the run fail?")
     args.out.mkdir(parents=True, exist_ok=True)
-    png = args.out / "loss_dmuon_vs_adamw.png"
-    plot(runs, png)
+    png = args.out / f"{args.name}.png"
+    plot(runs, png, " vs ".join(runs))
     summary = summarise(runs) + f"\nplot: {png}\n"
     (args.out / "summary.txt").write_text(summary)
     print(summary, end="")

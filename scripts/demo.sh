@@ -4,6 +4,10 @@
 #   bash scripts/demo.sh              # set up if needed, then train with DMuon (~200 steps)
 #   bash scripts/demo.sh --compare    # also train the AdamW baseline on identical data and
 #                                     # write outputs/demo/loss_dmuon_vs_adamw.png + summary.txt
+#   bash scripts/demo.sh --ns-algorithms
+#                                     # DMuon twice, Newton-Schulz in float32: "standard" and
+#                                     # "auto" (Gram where it is cheaper); writes
+#                                     # outputs/demo/loss_ns_algorithms.png + summary.txt
 #
 # Options:
 #   --steps N      train N steps instead of the TOML's 200 (both runs in --compare)
@@ -14,14 +18,16 @@
 # .gitignore there). Needs no GPU and no network once the packages are installed.
 set -euo pipefail
 
-usage() { sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//'; }
 
 compare=0
+ns_algorithms=0
 force_setup=0
 steps=""
 while [[ $# -gt 0 ]]; do
     case "$1" in
         --compare) compare=1 ;;
+        --ns-algorithms) ns_algorithms=1 ;;
         --setup) force_setup=1 ;;
         --steps) steps="$2"; shift ;;
         -h|--help) usage; exit 0 ;;
@@ -76,6 +82,19 @@ train() {
         exit 1
     fi
 }
+
+if [[ $ns_algorithms == 1 ]]; then
+    # float32 on both sides: "auto" runs Gram in the dtype it is given, and on a CPU
+    # "auto" with bf16 stays "standard" (docs/optimizer.md#ns_algorithm).
+    for algorithm in standard auto; do
+        train "ns_$algorithm" train_configs/llama3_debug_dmuon.toml --metrics.log_freq 1 \
+            --optimizer.ns_dtype float32 --optimizer.ns_algorithm "$algorithm"
+    done
+    echo "== comparison"
+    "$PYTHON" scripts/compare.py --run standard=outputs/demo/ns_standard.log --run auto=outputs/demo/ns_auto.log \
+        --name loss_ns_algorithms --out outputs/demo
+    exit 0
+fi
 
 if [[ $compare == 0 ]]; then
     train dmuon train_configs/llama3_debug_dmuon.toml
