@@ -176,7 +176,7 @@ def orthogonalize(
     if update.ndim != 2:
         raise ValueError(f"orthogonalize expects a 2-D or 3-D tensor, got shape {tuple(update.shape)}")
     schedule, safety = coefficient_schedule(coefficients, steps)
-    x = update.to(dtype, copy=True)
+    x = update.to(dtype)  # no op when it is already in ``dtype``: the division below makes the copy
     # Work on the wide orientation (rows <= cols): the Gram matrix X X^T is then the
     # small one, which makes each step cheaper.
     tall = x.size(0) > x.size(1)
@@ -184,9 +184,9 @@ def orthogonalize(
         x = x.T
     # Frobenius norm bounds the spectral norm, so after this every singular value is <= 1.
     if safety == 1.0:
-        x.div_(x.norm().clamp(min=eps))  # torch.optim.Muon's normalization, bit for bit
+        x = x.div(x.norm().clamp(min=eps))  # torch.optim.Muon's normalization, bit for bit
     else:
-        x.div_(x.norm() * safety + eps)
+        x = x.div(x.norm() * safety + eps)
     for a, b, c in schedule:
         gram = x @ x.T
         poly = torch.addmm(gram, gram, gram, beta=b, alpha=c)

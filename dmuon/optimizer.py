@@ -43,7 +43,7 @@ from dmuon.max_logits import MaxLogitTracker
 from dmuon.group_steps import GroupSteps
 from dmuon.newton_schulz import DEFAULT_NS_DTYPE, DEFAULT_NS_EPS, DEFAULT_NS_STEPS, KELLER_COEFFICIENTS
 from dmuon.param_groups import (
-    build_param_groups, check_adamw_hyperparameters, check_link_gbps, check_muon_hyperparameters, check_ns_dtype,
+    build_param_groups, check_adamw_hyperparameters, check_foreach, check_link_gbps, check_muon_hyperparameters, check_ns_dtype,
     check_optimizer_options, fill_in_variant_defaults, split_options,
 )
 from dmuon.plan import ALL_TO_ALL, DEFAULT_BATCH_NUMEL, OwnerPlan
@@ -59,7 +59,7 @@ ParamsArg = Iterable[torch.Tensor] | Iterable[tuple[str, torch.Tensor]] | Iterab
 # them at its first step. Its measurements (comm_stats, scratch_stats, telemetry) start afresh.
 PICKLED_ATTRIBUTES = (
     "_muon_defaults", "_adamw_defaults", "_names", "_groups_added", "comm", "max_batch_numel", "split_replicas",
-    "ns_dtype", "link_gbps", "replica_link_gbps",
+    "ns_dtype", "link_gbps", "replica_link_gbps", "foreach",
 )
 # The key under which a pickle keeps ``telemetry``. It also tells __setstate__ that it
 # makes a copy: load_state_dict calls it too, with only state and param_groups.
@@ -103,6 +103,10 @@ class DMuon(Optimizer):
             ``"auto"`` (bf16 on accelerators and on CPUs with a bf16 matmul); every
             choice is exact across world sizes.
         telemetry: record each step's figures, read with :meth:`telemetry`.
+        foreach: run the elementwise rules (momentum, decay, the update; AdamW's step)
+            as list ops, one per device and dtype (``dmuon.update_lists``), as torch's
+            optimizers' ``foreach``: None (torch's default for the device: lists on
+            CUDA, per tensor on CPU), True or False. The bits are the same either way.
 
     Non-finite gradients are not filtered (as in ``torch.optim.Muon``): a NaN makes its whole
     matrix non-finite on every rank, and ranks stay in step. Clip or skip such steps upstream.
@@ -137,6 +141,7 @@ class DMuon(Optimizer):
         link_gbps: float = CostModel.link_gbps,
         replica_link_gbps: float = CostModel.replica_link_gbps,
         telemetry: bool = False,
+        foreach: bool | None = None,
     ) -> None:
         if isinstance(params, (set, frozenset)):
             # A set's order differs between processes: ranks would plan differently.
@@ -154,6 +159,7 @@ class DMuon(Optimizer):
         self._muon_defaults, self._adamw_defaults = muon_defaults, adamw_defaults
         self.comm, self.max_batch_numel, self.split_replicas = comm, max_batch_numel, split_replicas
         self.ns_dtype = check_ns_dtype(ns_dtype)
+        self.foreach = check_foreach(foreach)
         self.link_gbps = check_link_gbps(link_gbps, "link_gbps", "DMuon")
         self.replica_link_gbps = check_link_gbps(replica_link_gbps, "replica_link_gbps", "DMuon")
         self._names: dict[torch.Tensor, str] = {}
@@ -184,6 +190,7 @@ class DMuon(Optimizer):
         state = dict(state)
         telemetry = state.pop(TELEMETRY_STATE_KEY, None)
         super().__setstate__(state)
+        self.__dict__.setdefault("foreach", None)  # a pickle from before the option
         # torch's __setstate__ (also run by load_state_dict) adds differentiable=False to
         # defaults; DMuon has no such option, and defaults stay the keys a group may set.
         self.defaults.pop("differentiable", None)
@@ -252,7 +259,7 @@ class DMuon(Optimizer):
         # A DTensor's device is its local shard's.
         self._telemetry.begin_step(self.param_groups[0]["params"][0].device, self.comm_stats.bytes_sent)
         grads = agreed_grads(self.param_groups, list(muon_groups), self.param_name)
-        steps = GroupSteps(self.ns_dtype, self.comm_stats, self._telemetry)  # this step's meters
+        steps = GroupSteps(self.ns_dtype, self.comm_stats, self._telemetry, self.foreach)  # this step's meters
         steps.make_muon_state(grads, muon_groups, self.state)
         self.scratch_stats.reset_peak()
         self._fast_path.step(grads, muon_groups, self.state, steps, self.comm_stats, self.scratch_stats)

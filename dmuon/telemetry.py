@@ -205,15 +205,19 @@ class Telemetry:
         yield
         record.ns_marks.append((start, record.clock.mark()))
 
-    @contextlib.contextmanager
-    def muon_update(self, block: torch.Tensor) -> Iterator[None]:
+    def muon_update(self, block: torch.Tensor) -> contextlib.AbstractContextManager[None]:
         """Around the in-place update of one Muon block (a local shard or a part of it)."""
+        return self.muon_updates([block])
+
+    @contextlib.contextmanager
+    def muon_updates(self, blocks: Sequence[torch.Tensor]) -> Iterator[None]:
+        """Around the in-place update of Muon blocks (local shards or parts of them)."""
         if self._current is None:
             yield
             return
-        before = block.clone()
+        befores = [block.clone() for block in blocks]
         yield
-        self._add(_MUON_DELTA_SQ, _MUON_WEIGHT_SQ, _MUON_NUMEL, [(before, block)])
+        self._add(_MUON_DELTA_SQ, _MUON_WEIGHT_SQ, _MUON_NUMEL, list(zip(befores, blocks)))
 
     @contextlib.contextmanager
     def adamw_update(self, params: Sequence[torch.Tensor]) -> Iterator[None]:

@@ -1,4 +1,4 @@
-"""pack/unpack of the all_to_all buffers (dmuon.comm), with P ranks simulated in one process.
+"""pack/unpack of the all_to_all buffers (dmuon.packing), with P ranks simulated in one process.
 
 ``_all_to_all`` routes the send buffers exactly as ``all_to_all_single`` would: rank r's
 buffer is cut by its send splits, piece o goes to rank o, and each rank concatenates
@@ -12,16 +12,8 @@ import dataclasses
 import pytest
 import torch
 
-from dmuon.comm import (
-    WIRE_DTYPE,
-    CommStats,
-    Exchange,
-    ScratchMeter,
-    pack_gather,
-    pack_scatter,
-    unpack_gather,
-    unpack_scatter,
-)
+from dmuon.comm import WIRE_DTYPE, CommStats, Exchange, ScratchMeter
+from dmuon.packing import pack_gather, pack_scatter, unpack_gather, unpack_scatter
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
@@ -72,6 +64,11 @@ def _unit_matrix(plan: OwnerPlan, i: int, full: list[torch.Tensor]) -> torch.Ten
     return full[unit.param][unit.dim0[0] : unit.dim0[1]].reshape(unit.matrix)
 
 
+def _each(block_of):
+    """The packer asks for lists of blocks; these tests make them one by one."""
+    return lambda units: [block_of(i) for i in units]
+
+
 def _block_of(plan: OwnerPlan, full: list[torch.Tensor], rank: int):
     def block_of(i: int) -> torch.Tensor:
         unit = plan.units[i]
@@ -79,7 +76,7 @@ def _block_of(plan: OwnerPlan, full: list[torch.Tensor], rank: int):
         block = unit.block(rank)
         return local[block.lo : block.hi].reshape(block.shape)
 
-    return block_of
+    return _each(block_of)
 
 
 def _gather(plan: OwnerPlan, batch: list[int], full: list[torch.Tensor]) -> list[dict[int, torch.Tensor]]:
@@ -93,7 +90,7 @@ def _gather(plan: OwnerPlan, batch: list[int], full: list[torch.Tensor]) -> list
 
 def _scatter(plan: OwnerPlan, batch: list[int], owned: list[dict[int, torch.Tensor]]) -> list[dict[int, torch.Tensor]]:
     world_size = plan.world_size
-    sends = [pack_scatter(plan, batch, rank, owned[rank], CPU) for rank in range(world_size)]
+    sends = [pack_scatter(plan, batch, rank, dict(owned[rank]), CPU) for rank in range(world_size)]
     recvs = _all_to_all(sends, [plan.scatter_splits(batch, rank)[0] for rank in range(world_size)])
     return [unpack_scatter(plan, batch, rank, recvs[rank]) for rank in range(world_size)]
 
@@ -175,7 +172,7 @@ def test_gather_buffer_is_ordered_by_owner_then_batch_order():
     plan = make_owner_plan([(2, 2)] * 3, 2)
     units = tuple(dataclasses.replace(u, owner=owner) for u, owner in zip(plan.units, (1, 0, 1)))
     plan = OwnerPlan(2, plan.params, units, ((0, 1, 2),))
-    send = pack_gather(plan, [0, 1, 2], 0, lambda i: torch.full((1, 2), float(i), dtype=WIRE_DTYPE), CPU)
+    send = pack_gather(plan, [0, 1, 2], 0, _each(lambda i: torch.full((1, 2), float(i), dtype=WIRE_DTYPE)), CPU)
     assert send.tolist() == [1.0, 1.0, 0.0, 0.0, 2.0, 2.0]  # owner 0: matrix 1; owner 1: matrices 0, 2
 
 
@@ -197,14 +194,14 @@ def test_pack_and_unpack_run_on_meta_tensors_of_every_layout():
     whole, blocks_back = [], []  # (unit, rank) of every matrix and block unpacked
     for batch in plan.batches:
         for rank in range(4):
-            send = pack_gather(plan, batch, rank, lambda i: torch.empty(plan.units[i].block(rank).shape,
-                                                                        dtype=WIRE_DTYPE, device=meta), meta)
+            send = pack_gather(plan, batch, rank, _each(lambda i: torch.empty(plan.units[i].block(rank).shape,
+                                                                              dtype=WIRE_DTYPE, device=meta)), meta)
             assert send.device == meta and send.numel() == sum(plan.gather_splits(batch, rank)[0])
             recv = torch.empty(sum(plan.gather_splits(batch, rank)[1]), dtype=WIRE_DTYPE, device=meta)
             full = unpack_gather(plan, batch, rank, recv)
             assert all(m.device == meta and m.shape == plan.units[i].matrix for i, m in full.items())
             whole += [(i, rank) for i in full]
-            back = pack_scatter(plan, batch, rank, full, meta)
+            back = pack_scatter(plan, batch, rank, dict(full), meta)
             assert back.device == meta and back.numel() == sum(plan.scatter_splits(batch, rank)[0])
             recv = torch.empty(sum(plan.scatter_splits(batch, rank)[1]), dtype=WIRE_DTYPE, device=meta)
             blocks = unpack_scatter(plan, batch, rank, recv)
