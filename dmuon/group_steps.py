@@ -82,7 +82,7 @@ class GroupSteps:
         for k, (param, group) in enumerate(zip(params, groups)):
             scale = _scale(param.shape, group["split_rows"], group["adjust_lr"], group["matched_adamw_rms"])
             buckets.setdefault((id(group), scale), (group, scale, []))[2].append(k)
-        orthos = [o if o.shape == t.shape else o.view(t.shape) for t, o in zip(targets, orthos)]
+        targets, orthos = map(list, zip(*(_same_shape(t, o) for t, o in zip(targets, orthos))))
         with self.telemetry.muon_updates(targets):
             for group, scale, members in buckets.values():
                 apply_muon_updates_([targets[k] for k in members], [orthos[k] for k in members], group["lr"],
@@ -138,6 +138,16 @@ class GroupSteps:
                        [s["exp_avg_sq"] for s in states], [s["step"] for s in states], lr=group["lr"],
                        betas=group["betas"], eps=group["eps"], weight_decay=group["weight_decay"],
                        cautious_weight_decay=group["cautious_weight_decay"], foreach=self.foreach)
+
+
+def _same_shape(target: torch.Tensor, ortho: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``target`` and ``ortho`` as views of one shape: a flat target seen as the matrix
+    (a result may be a transposed view), or a flat result seen as a shaped target."""
+    if target.shape == ortho.shape:
+        return target, ortho
+    if target.is_contiguous():
+        return target.view(ortho.shape), ortho
+    return target, ortho.view(target.shape)
 
 
 @functools.lru_cache(maxsize=None)

@@ -180,17 +180,29 @@ def orthogonalize(
     # Work on the wide orientation (rows <= cols): the Gram matrix X X^T is then the
     # small one, which makes each step cheaper.
     tall = x.size(0) > x.size(1)
-    if tall:
-        x = x.T
     # Frobenius norm bounds the spectral norm, so after this every singular value is <= 1.
     if safety == 1.0:
         x = x.div(x.norm().clamp(min=eps))  # torch.optim.Muon's normalization, bit for bit
     else:
         x = x.div(x.norm() * safety + eps)
+    x_t = x
+    if tall:  # the norm and the quotient are the same on either orientation
+        x = x.T
+    else:
+        x_t = x.T
+    # Each step writes the next iterate into a buffer it does not read (``out=``: the
+    # same product as a new tensor, bit for bit), and the two buffers alternate, so the
+    # transposes the Gram matrix reads are made once, not once per step.
+    spare, spare_t = None, None
     for a, b, c in schedule:
-        gram = x @ x.T
+        gram = torch.mm(x, x_t)
         poly = torch.addmm(gram, gram, gram, beta=b, alpha=c)
-        x = torch.addmm(x, poly, x, beta=a)
+        if spare is None:
+            spare = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+            spare_t = spare.T
+        torch.addmm(x, poly, x, beta=a, out=spare)
+        reusable = x.is_contiguous()  # the first iterate may be a transposed view: never an ``out``
+        x, x_t, spare, spare_t = spare, spare_t, x if reusable else None, x_t if reusable else None
     return (x.T if tall else x).to(UPDATE_DTYPE)
 
 

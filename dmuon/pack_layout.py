@@ -41,11 +41,20 @@ class BatchLayout:
     send_chunks: tuple[tuple[int, int, int, int], ...]
     """``(first, stop, offset, end)``: ``send_units[first:stop]`` pack into ``send[offset:end]``."""
     owned: tuple[int, ...]
-    """Travelling units this rank owns, in batch order (the whole buffer's order)."""
+    """Travelling units this rank owns, in the whole buffer's order: by column count,
+    then batch order, so the matrices of one column count are cut with one view and one
+    split."""
     owned_numels: tuple[int, ...]
+    owned_in_batch_order: tuple[int, ...]
+    """The same units in batch order (the order of their blocks within a peer's part of a buffer)."""
+    column_groups: tuple[tuple[int, int, tuple[int, ...]], ...]
+    """``(numel, columns, rows of each matrix)`` of each run of ``owned`` of one column count."""
     rows_only: bool
     """Every owned unit's blocks are runs of whole rows (and every holder's block is a
     source's): the fast packing below applies."""
+    even_rows: bool
+    """Every owned unit is cut into equal row chunks, one per rank (``Unit.even_rows``):
+    the results are packed chunk by chunk straight into the scatter's send buffer."""
     whole_sizes: tuple[int, ...]
     """Elements of each source block in whole-buffer order."""
     gather_recv_sizes: tuple[int, ...]
@@ -72,12 +81,13 @@ def make_batch_layout(plan: OwnerPlan, batch: Sequence[int], rank: int,
     units = plan.units
     travelling = plan.travelling(batch)
     send_units = by_owner(plan, [i for i in travelling if units[i].is_source(rank)])
-    owned = [i for i in travelling if units[i].owner == rank]
+    in_batch_order = [i for i in travelling if units[i].owner == rank]
+    owned = sorted(in_batch_order, key=lambda i: units[i].matrix[1])  # stable: batch order within
     whole = [(i, source) for i in owned for source in units[i].sources_by_offset]
     position = {key: k for k, key in enumerate(whole)}
-    recv = [(i, s) for s in range(plan.world_size) for i in owned if units[i].is_source(s)]
+    recv = [(i, s) for s in range(plan.world_size) for i in in_batch_order if units[i].is_source(s)]
     rows_only = all(units[i].rows_only for i in owned)
-    scatter_send = [(i, d) for d in range(plan.world_size) for i in owned if units[i].block(d)]
+    scatter_send = [(i, d) for d in range(plan.world_size) for i in in_batch_order if units[i].block(d)]
     receive = by_owner(plan, [i for i in travelling if units[i].block(rank)])
     return BatchLayout(
         send_units=tuple(send_units),
@@ -85,7 +95,10 @@ def make_batch_layout(plan: OwnerPlan, batch: Sequence[int], rank: int,
                             [pack_key(units[i].param) for i in send_units]),
         owned=tuple(owned),
         owned_numels=tuple(units[i].numel for i in owned),
+        owned_in_batch_order=tuple(in_batch_order),
+        column_groups=_column_groups([units[i].matrix for i in owned]),
         rows_only=rows_only,
+        even_rows=bool(in_batch_order) and all(units[i].even_rows(plan.world_size) for i in in_batch_order),
         whole_sizes=tuple(units[i].block_numel(s) for i, s in whole),
         gather_recv_sizes=tuple(units[i].block_numel(s) for i, s in recv),
         gather_recv_to_whole=tuple(position[key] for key in recv),
@@ -100,6 +113,16 @@ def make_batch_layout(plan: OwnerPlan, batch: Sequence[int], rank: int,
 def _source_of(unit: Unit, holder: int) -> int:
     """The source whose block is ``holder``'s (itself, or its twin in the owner's replica)."""
     return next(s for s in unit.sources if unit.place(s) == unit.place(holder))
+
+
+def _column_groups(matrices: Sequence[tuple[int, int]]) -> tuple[tuple[int, int, tuple[int, ...]], ...]:
+    groups: list[tuple[int, int, list[int]]] = []
+    for rows, cols in matrices:
+        if not groups or groups[-1][1] != cols:
+            groups.append((0, cols, []))
+        numel, _, heights = groups[-1]
+        groups[-1] = (numel + rows * cols, cols, heights + [rows])
+    return tuple((numel, cols, tuple(heights)) for numel, cols, heights in groups)
 
 
 def _chunks(sizes: Sequence[int], keys: Sequence[Hashable]) -> tuple[tuple[int, int, int, int], ...]:

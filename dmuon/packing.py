@@ -36,7 +36,7 @@ def pack_gather(plan: OwnerPlan, batch: Sequence[int], rank: int, blocks_of: Blo
     total = layout.send_chunks[-1][3] if layout.send_chunks else 0
     send = track(meter, torch.empty(total, dtype=WIRE_DTYPE, device=device))
     for first, stop, start, end in layout.send_chunks:
-        chunk_cat(blocks_of(layout.send_units[first:stop]), send[start:end])
+        chunk_cat(blocks_of(layout.send_units[first:stop]), send if end - start == total else send[start:end])
     return send
 
 
@@ -45,23 +45,30 @@ def gather_whole(plan: OwnerPlan, layout: BatchLayout, recv: torch.Tensor, meter
     """The owner's whole buffer (tracked by ``meter``; free it once its matrices are
     used) and each owned matrix, a view of it, from the gather's receive buffer."""
     whole = track(meter, recv.new_empty(sum(layout.owned_numels)))
+    matrices = dict(zip(layout.owned, _matrices(whole, layout)))
     if layout.rows_only:
         if layout.whole_sizes:
             targets = whole.split(layout.whole_sizes)
             torch._foreach_copy_([targets[k] for k in layout.gather_recv_to_whole],
                                  list(recv.split(layout.gather_recv_sizes)))
-        matrices = whole.split(layout.owned_numels)
-        return whole, {i: m.view(plan.units[i].matrix) for i, m in zip(layout.owned, matrices)}
-    matrices = {i: m.view(plan.units[i].matrix) for i, m in zip(layout.owned, whole.split(layout.owned_numels))}
+        return whole, matrices
     offset = 0
     for source in range(plan.world_size):
-        for i in layout.owned:
+        for i in layout.owned_in_batch_order:
             unit = plan.units[i]
             if unit.is_source(source):
                 block = unit.block(source)
                 _region(matrices[i], block).copy_(recv[offset : offset + block.numel].view(block.shape))
                 offset += block.numel
     return whole, matrices
+
+
+def _matrices(whole: torch.Tensor, layout: BatchLayout) -> list[torch.Tensor]:
+    """The owned matrices, views of ``whole``: per run of one column count, one view and one split."""
+    groups = layout.column_groups
+    parts = whole.split([numel for numel, _, _ in groups]) if len(groups) > 1 else [whole]
+    return [matrix for part, (_, cols, heights) in zip(parts, groups)
+            for matrix in part.view(-1, cols).split(heights)]
 
 
 def unpack_gather(plan: OwnerPlan, batch: Sequence[int], rank: int, recv: torch.Tensor) -> dict[int, torch.Tensor]:
@@ -77,11 +84,16 @@ def pack_scatter(plan: OwnerPlan, batch: Sequence[int], rank: int, results: dict
     ``meter``) as soon as they are copied, before the send buffer is made."""
     layout = layout or make_batch_layout(plan, batch, rank)
     size = sum(layout.scatter_send_sizes)
+    if layout.even_rows:  # FSDP's layout: chunk h of every result goes to rank h
+        send = track(meter, torch.empty(size, dtype=WIRE_DTYPE, device=device))
+        chunk_cat([results[i] for i in layout.owned_in_batch_order], send, plan.world_size)
+        _release(results, meter)
+        return send
     if not layout.rows_only:
         send = track(meter, torch.empty(size, dtype=WIRE_DTYPE, device=device))
         offset = 0
         for dest in range(plan.world_size):
-            for i in layout.owned:
+            for i in layout.owned_in_batch_order:
                 block = plan.units[i].block(dest)
                 if block:
                     send[offset : offset + block.numel].view(block.shape).copy_(_region(results[i], block))

@@ -249,6 +249,16 @@ class Unit:
         places = {self.place(s) for s in self.sources}
         return start == self.matrix[0] and all(self.place(holder) in places for holder in self.holders)
 
+    def even_rows(self, world_size: int) -> bool:
+        """Rank ``h`` of ``world_size`` holds rows ``[h m/P, (h+1) m/P)`` of every column
+        (FSDP's ``Shard(0)`` of a matrix whose rows P divides, no replicas): the layout
+        FSDP2 packs its reduce-scatter with, so the owner exchange packs results by chunks."""
+        rows, cols = self.matrix
+        if rows % world_size or self.holders != tuple(range(world_size)):
+            return False
+        chunk = rows // world_size
+        return all(self.place(h) == ((h * chunk, 0), (chunk, cols)) for h in self.holders)
+
     @cached_property
     def _by_rank(self) -> dict[int, Block]:
         return dict(self.blocks)
@@ -400,8 +410,8 @@ def scratch_events(plan: OwnerPlan, rank: int) -> list[int]:
     - Newton-Schulz(b): units kept local: update copy, result, both freed; owned
       travelling units: their results, then the whole matrices' buffer freed;
     - start scatter(b): the results flattened into one buffer and freed, the send
-      buffer filled from it and it freed (blocks of columns: the send buffer filled from
-      the results, freed); receive buffer;
+      buffer filled from it and it freed (even row chunks, blocks of columns: the send
+      buffer filled from the results, freed); receive buffer;
     - finish scatter(b): send freed, blocks applied, receive freed.
     """
     sizes = []
@@ -411,7 +421,7 @@ def scratch_events(plan: OwnerPlan, rank: int) -> list[int]:
         owned_units = [plan.units[i] for i in plan.travelling(batch) if plan.units[i].owner == rank]
         owned = [unit.numel for unit in owned_units]
         local = [plan.units[i].numel for i in plan.kept_local(batch, rank)]
-        rows_only = all(unit.rows_only for unit in owned_units)
+        rows_only = all(u.rows_only for u in owned_units) and not all(u.even_rows(plan.world_size) for u in owned_units)
         sizes.append((sum(gather_send), sum(gather_recv), owned, rows_only, local, sum(scatter_send),
                       sum(scatter_recv)))
 
@@ -430,7 +440,7 @@ def scratch_events(plan: OwnerPlan, rank: int) -> list[int]:
         elif event == START_SCATTER:
             if rows_only:  # results flattened into one buffer, freed; the send buffer filled from it
                 events.extend((sum(owned), -sum(owned), scatter_send, -sum(owned), scatter_recv))
-            else:  # the send buffer filled from the results, freed
+            else:  # the send buffer filled from the results (by chunks, or block by block), freed
                 events.extend((scatter_send, -sum(owned), scatter_recv))
         else:
             events.extend((-scatter_send, -scatter_recv))

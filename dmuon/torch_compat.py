@@ -15,7 +15,7 @@ moves one, this module is the one to change, and its tests say which entry broke
 | ``fake_store`` (``torch.testing._internal.distributed.fake_pg.FakeStore``) | ``dmuon.dry_run``: one process as rank r of any world size (backend ``"fake"``) | 2.15.0 |
 | ``TorchDispatchMode`` (``torch.utils._python_dispatch``) | ``dmuon.dry_run``: sees every op of a step (syncs, launches, collectives, memory) | 2.13.0, 2.15.0 |
 | ``resolve_process_group`` (``torch.distributed.distributed_c10d._resolve_process_group``) | ``dmuon.dry_run``: the group of a functional collective (DTensor's), named by a string | 2.15.0 |
-| ``default_foreach`` (``torch.optim.optimizer._default_to_fused_or_foreach``) | ``DMuon(foreach=None)``: torch's own per-device choice of the list path (CUDA: yes, CPU: no) | 2.13.0, 2.15.0 |
+| ``default_foreach`` (``torch.utils._foreach_utils._get_foreach_kernels_supported_devices``) | ``DMuon(foreach=None)``: torch.optim's own per-device choice of the list path (CUDA: yes, CPU: no) | 2.13.0, 2.15.0 |
 | ``chunk_cat`` (``torch._chunk_cat``) | the owner exchange: many blocks (any shapes, one dtype) flattened into a send buffer in one op, as FSDP2 packs its reduce-scatter | 2.13.0, 2.15.0 |
 | ``local_of`` (``DTensor._local_tensor``) | the step's elementwise rules read and write each DTensor's local tensor itself: ``to_local()`` makes a new view (an op) per call, per parameter per step | 2.13.0, 2.15.0 |
 | ``host_tensor_ops`` (``torch._subclasses.fake_tensor.unset_fake_temporarily``) | host-side bookkeeping (mesh ranks, shard offsets, agreement counts) on real CPU tensors also while a ``FakeTensorMode`` is active (``python -m dmuon.dry_run``) | 2.13.0, 2.15.0 |
@@ -30,8 +30,8 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch._subclasses.fake_tensor import unset_fake_temporarily as host_tensor_ops
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import _StridedShard as StridedShard
-from torch.optim.optimizer import _default_to_fused_or_foreach
 from torch.optim.optimizer import _get_scalar_dtype as scalar_dtype
+from torch.utils._foreach_utils import _get_foreach_kernels_supported_devices
 from torch.utils._python_dispatch import TorchDispatchMode
 
 # The lowest torch dmuon supports (pyproject.toml's requirement) and the newest it was tested on.
@@ -47,15 +47,17 @@ def mkldnn_bf16_supported() -> bool:
     return torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
-def default_foreach(tensors: list[torch.Tensor]) -> bool:
-    """Whether torch.optim would take its foreach path for these tensors by default."""
-    return _default_to_fused_or_foreach(tensors, differentiable=False, use_fused=False)[1]
+def default_foreach(device: torch.device) -> bool:
+    """Whether torch.optim takes its foreach path by default for plain tensors on ``device``."""
+    return device.type in _get_foreach_kernels_supported_devices()
 
 
-def chunk_cat(tensors: list[torch.Tensor], out: torch.Tensor) -> None:
+def chunk_cat(tensors: list[torch.Tensor], out: torch.Tensor, chunks: int = 1) -> None:
     """Write ``tensors`` (one dtype, any shapes and strides), flattened and one after
-    another, into the 1-D ``out`` (any dtype: the values are cast as ``copy_`` casts)."""
-    torch._chunk_cat(tensors, 0, 1, out=out.view(1, -1))
+    another, into the 1-D ``out`` (any dtype: the values are cast as ``copy_`` casts).
+    With ``chunks`` (dividing every tensor's dim 0): chunk ``k`` of every tensor, then
+    chunk ``k + 1`` of every tensor, and so on (FSDP2's reduce-scatter layout)."""
+    torch._chunk_cat(tensors, 0, chunks, out=out.view(chunks, -1))
 
 
 def local_of(tensor: torch.Tensor) -> torch.Tensor:

@@ -30,7 +30,7 @@ Tensors = Sequence[torch.Tensor]
 def resolve_foreach(foreach: bool | None, tensors: Tensors) -> bool:
     """``foreach`` as given, or for ``None`` torch's default for these tensors' device
     (foreach on CUDA, per tensor on CPU), as torch.optim decides it."""
-    return default_foreach(list(tensors)) if foreach is None else foreach
+    return default_foreach(tensors[0].device) if foreach is None and tensors else bool(foreach)
 
 
 def by_signature(*lists: Tensors) -> list[list[int]]:
