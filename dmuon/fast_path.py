@@ -65,6 +65,16 @@ class OwnerRun:
             self.layouts[batch] = make_batch_layout(self.plan, batch, self.rank, lambda j: dtypes[j])
         return self.layouts[batch]
 
+    def widen(self, recv: torch.Tensor) -> torch.Tensor:
+        """Results in the parameters' dtype, one cast of the whole receive buffer, where
+        a foreach op needs one dtype for its multi-tensor kernel (an accelerator; on the
+        CPU every foreach op loops over its tensors anyway). The bits are the same: a
+        bf16 value widens exactly, and ``add_`` computes in the parameter's dtype."""
+        dtypes = {p.dtype for p in self.params}
+        if recv.device.type == "cpu" or len(dtypes) != 1 or recv.dtype in dtypes:
+            return recv
+        return recv.to(dtypes.pop())
+
     def locals(self) -> list[torch.Tensor]:
         """Each parameter's local tensor (the same objects step after step, unless the
         parameters were reassigned)."""
@@ -222,11 +232,16 @@ class FastPath:
             steps.apply_many([params[run.plan.units[i].param] for i in units], [targets[i] for i in units], orthos,
                              [group_of[run.plan.units[i].param] for i in units])
 
-        callbacks = Callbacks(pack_blocks, update_of, orthogonalize, apply_blocks, run.layout)
+        callbacks = Callbacks(pack_blocks, update_of, orthogonalize, apply_blocks, run.layout,
+                              run.widen if steps.lists_for(run.device) else _same)
         run_owner_plan(run.plan, set(present), group=run.group, rank=run.rank, device=run.device,
                        callbacks=callbacks, stats=stats, meter=meter)
         moments = {j: m for j in present if (m := steps.second_moment(params[j], state)) is not None}
         share_second_moments(run.plan, run.rank, moments, run.group, run.device)
+
+
+def _same(recv: torch.Tensor) -> torch.Tensor:
+    return recv
 
 
 def _by_group(indices: Iterable[int], group_of: Sequence[dict[str, Any]]) -> list[tuple[dict[str, Any], list[int]]]:

@@ -22,7 +22,7 @@ from dmuon.functional import (
 from dmuon.newton_schulz import resolve_ns_dtype
 from dmuon.plan import ALL_TO_ALL, REDISTRIBUTE
 from dmuon.telemetry import Telemetry
-from dmuon.torch_compat import local_of
+from dmuon.torch_compat import default_foreach, local_of
 from dmuon.transport.reference import orthogonalize_gathered
 from dmuon.update_lists import apply_muon_updates_, lookahead, momentum_, resolve_foreach
 
@@ -57,6 +57,10 @@ class GroupSteps:
             if group["normuon"]:
                 ortho = normuon_normalize_(ortho, second_moment, group["normuon_beta2"], group["split_rows"])
             return ortho
+
+    def lists_for(self, device: torch.device) -> bool:
+        """Whether the elementwise rules run as list ops on ``device``."""
+        return self.foreach if self.foreach is not None else default_foreach(device)
 
     def momentum(self, bufs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], group: dict[str, Any]) -> None:
         """The momentum EMA of one group's local tensors, in place."""

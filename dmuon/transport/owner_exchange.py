@@ -27,7 +27,9 @@ whatever its number of blocks (``dmuon.packing``, ``dmuon.update_lists``):
 - ``apply_blocks(units, orthos)``: the decayed, scaled update of this rank's block of
   each unit with its result (a flat view, or the matrix);
 - ``layout_of(batch)``: the batch's :class:`~dmuon.pack_layout.BatchLayout` on this
-  rank, made once per plan.
+  rank, made once per plan;
+- ``widen(recv)``: the scatter's receive buffer in the dtype the update adds it in
+  (itself, or one cast of the whole buffer where a list op needs one dtype).
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ UpdateOf = Callable[[int], torch.Tensor]
 Orthogonalize = Callable[[Unit, torch.Tensor], torch.Tensor]
 ApplyBlocks = Callable[[Sequence[int], Sequence[torch.Tensor]], None]
 LayoutOf = Callable[[tuple[int, ...]], BatchLayout]
+Widen = Callable[[torch.Tensor], torch.Tensor]
 
 
 @dataclass
@@ -67,6 +70,7 @@ class Callbacks:
     orthogonalize: Orthogonalize
     apply_blocks: ApplyBlocks
     layout_of: LayoutOf
+    widen: Widen = lambda recv: recv
 
 
 def run_owner_plan(
@@ -160,5 +164,5 @@ class _OwnerStep:
     def finish_scatter(self, batch: tuple[int, ...], scatter: Exchange) -> None:
         recv = scatter.wait()
         layout = self.math.layout_of(batch)
-        self.math.apply_blocks(layout.scatter_recv_units, scatter_blocks(layout, recv))
+        self.math.apply_blocks(layout.scatter_recv_units, scatter_blocks(layout, self.math.widen(recv)))
         self.meter.free(recv)
