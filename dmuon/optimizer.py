@@ -103,10 +103,7 @@ class DMuon(Optimizer):
             ``"auto"`` (bf16 on accelerators and on CPUs with a bf16 matmul); every
             choice is exact across world sizes.
         telemetry: record each step's figures, read with :meth:`telemetry`.
-        foreach: run the elementwise rules (momentum, decay, the update; AdamW's step)
-            as list ops, one per device and dtype (``dmuon.update_lists``), as torch's
-            optimizers' ``foreach``: None (torch's default for the device: lists on
-            CUDA, per tensor on CPU), True or False. The bits are the same either way.
+        foreach: elementwise rules and AdamW as list ops; None: torch's default per device.
 
     Non-finite gradients are not filtered (as in ``torch.optim.Muon``): a NaN makes its whole
     matrix non-finite on every rank, and ranks stay in step. Clip or skip such steps upstream.
@@ -140,8 +137,7 @@ class DMuon(Optimizer):
         ns_dtype: str | torch.dtype = DEFAULT_NS_DTYPE,
         link_gbps: float = CostModel.link_gbps,
         replica_link_gbps: float = CostModel.replica_link_gbps,
-        telemetry: bool = False,
-        foreach: bool | None = None,
+        telemetry: bool = False, foreach: bool | None = None,
     ) -> None:
         if isinstance(params, (set, frozenset)):
             # A set's order differs between processes: ranks would plan differently.
@@ -158,8 +154,7 @@ class DMuon(Optimizer):
         check_adamw_hyperparameters(dict(adamw_defaults), "DMuon (AdamW part)")
         self._muon_defaults, self._adamw_defaults = muon_defaults, adamw_defaults
         self.comm, self.max_batch_numel, self.split_replicas = comm, max_batch_numel, split_replicas
-        self.ns_dtype = check_ns_dtype(ns_dtype)
-        self.foreach = check_foreach(foreach)
+        self.ns_dtype, self.foreach = check_ns_dtype(ns_dtype), check_foreach(foreach)
         self.link_gbps = check_link_gbps(link_gbps, "link_gbps", "DMuon")
         self.replica_link_gbps = check_link_gbps(replica_link_gbps, "replica_link_gbps", "DMuon")
         self._names: dict[torch.Tensor, str] = {}
@@ -190,7 +185,6 @@ class DMuon(Optimizer):
         state = dict(state)
         telemetry = state.pop(TELEMETRY_STATE_KEY, None)
         super().__setstate__(state)
-        self.__dict__.setdefault("foreach", None)  # a pickle from before the option
         # torch's __setstate__ (also run by load_state_dict) adds differentiable=False to
         # defaults; DMuon has no such option, and defaults stay the keys a group may set.
         self.defaults.pop("differentiable", None)
@@ -272,3 +266,7 @@ class DMuon(Optimizer):
         self._telemetry.end_step(self.comm_stats.bytes_sent)
         return loss
 
+
+
+# What a DMuon pickled before ``foreach`` existed gets (its instance has no such attribute).
+DMuon.foreach = None
