@@ -22,7 +22,7 @@ from dmuon.functional import (
 from dmuon.newton_schulz import resolve_ns_dtype
 from dmuon.plan import ALL_TO_ALL, REDISTRIBUTE
 from dmuon.telemetry import Telemetry
-from dmuon.torch_compat import default_foreach, local_of
+from dmuon.torch_compat import local_of
 from dmuon.transport.reference import orthogonalize_gathered
 from dmuon.update_lists import apply_muon_updates_, lookahead, momentum_, resolve_foreach
 
@@ -60,19 +60,19 @@ class GroupSteps:
 
     def lists_for(self, device: torch.device) -> bool:
         """Whether the elementwise rules run as list ops on ``device``."""
-        return self.foreach if self.foreach is not None else default_foreach(device)
+        return resolve_foreach(self.foreach, device)
 
     def momentum(self, bufs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], group: dict[str, Any]) -> None:
         """The momentum EMA of one group's local tensors, in place."""
         if bufs:
-            momentum_(bufs, grads, group["momentum"], resolve_foreach(self.foreach, bufs[:1]))
+            momentum_(bufs, grads, group["momentum"], self.lists_for(bufs[0].device))
 
     def lookahead(self, grads: Sequence[torch.Tensor], bufs: Sequence[torch.Tensor], group: dict[str, Any]
                   ) -> list[torch.Tensor]:
         """What one group's blocks orthogonalize, in their dtype (after :meth:`momentum`)."""
         if not grads:
             return []
-        return lookahead(grads, bufs, group["momentum"], group["nesterov"], resolve_foreach(self.foreach, grads[:1]))
+        return lookahead(grads, bufs, group["momentum"], group["nesterov"], self.lists_for(grads[0].device))
 
     def apply_many(self, params: Sequence[torch.Tensor], targets: Sequence[torch.Tensor],
                    orthos: Sequence[torch.Tensor], groups: Sequence[dict[str, Any]]) -> None:
@@ -81,7 +81,7 @@ class GroupSteps:
         group, shape scale, device and dtype."""
         if not targets:
             return
-        foreach = resolve_foreach(self.foreach, targets[:1])
+        foreach = self.lists_for(targets[0].device)
         buckets: dict[tuple[int, float], tuple[dict[str, Any], float, list[int]]] = {}
         for k, (param, group) in enumerate(zip(params, groups)):
             scale = _scale(param.shape, group["split_rows"], group["adjust_lr"], group["matched_adamw_rms"])
@@ -126,7 +126,7 @@ class GroupSteps:
         muon_(local_params, [local_of(grads[p]) for p in params],
               [local_of(state[p]["momentum_buffer"]) for p in params], shapes=[p.shape for p in params],
               orthogonalize=orthogonalize, updating=self.telemetry.muon_update,
-              foreach=resolve_foreach(self.foreach, local_params[:1]),
+              foreach=bool(local_params) and self.lists_for(local_params[0].device),
               **{key: group[key] for key in MUON_STEP_KEYS})
 
     def adamw(self, group: dict[str, Any], state: Mapping[torch.Tensor, dict[str, Any]]) -> None:

@@ -209,25 +209,23 @@ class Telemetry:
         """Around the in-place update of one Muon block (a local shard or a part of it)."""
         return self.muon_updates([block])
 
-    @contextlib.contextmanager
-    def muon_updates(self, blocks: Sequence[torch.Tensor]) -> Iterator[None]:
+    def muon_updates(self, blocks: Sequence[torch.Tensor]) -> contextlib.AbstractContextManager[None]:
         """Around the in-place update of Muon blocks (local shards or parts of them)."""
-        if self._current is None:
-            yield
-            return
-        befores = [block.clone() for block in blocks]
-        yield
-        self._add(_MUON_DELTA_SQ, _MUON_WEIGHT_SQ, _MUON_NUMEL, list(zip(befores, blocks)))
+        return self._around(_MUON_DELTA_SQ, _MUON_WEIGHT_SQ, _MUON_NUMEL, blocks)
+
+    def adamw_update(self, params: Sequence[torch.Tensor]) -> contextlib.AbstractContextManager[None]:
+        """Around one AdamW group's in-place step (``params``: the rank's local tensors)."""
+        return self._around(_ADAMW_DELTA_SQ, _ADAMW_WEIGHT_SQ, _ADAMW_NUMEL, params)
 
     @contextlib.contextmanager
-    def adamw_update(self, params: Sequence[torch.Tensor]) -> Iterator[None]:
-        """Around one AdamW group's in-place step (``params``: the rank's local tensors)."""
+    def _around(self, delta_at: int, weight_at: int, numel_at: int, tensors: Sequence[torch.Tensor]) -> Iterator[None]:
+        """Copies of ``tensors`` before the update, their change and size added after."""
         if self._current is None:
             yield
             return
-        befores = [p.clone() for p in params]
+        befores = [t.clone() for t in tensors]
         yield
-        self._add(_ADAMW_DELTA_SQ, _ADAMW_WEIGHT_SQ, _ADAMW_NUMEL, list(zip(befores, params)))
+        self._add(delta_at, weight_at, numel_at, list(zip(befores, tensors)))
 
     def _add(self, delta_at: int, weight_at: int, numel_at: int,
              pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:

@@ -27,10 +27,10 @@ from dmuon.update_rules import apply_muon_update_, cautious_decay_, nesterov_loo
 Tensors = Sequence[torch.Tensor]
 
 
-def resolve_foreach(foreach: bool | None, tensors: Tensors) -> bool:
-    """``foreach`` as given, or for ``None`` torch's default for these tensors' device
-    (foreach on CUDA, per tensor on CPU), as torch.optim decides it."""
-    return default_foreach(tensors[0].device) if foreach is None and tensors else bool(foreach)
+def resolve_foreach(foreach: bool | None, device: torch.device) -> bool:
+    """``foreach`` as given, or for ``None`` torch's default for ``device`` (foreach on
+    CUDA, per tensor on CPU), as torch.optim decides it."""
+    return default_foreach(device) if foreach is None else foreach
 
 
 def by_signature(*lists: Tensors) -> list[list[int]]:

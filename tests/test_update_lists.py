@@ -81,8 +81,9 @@ def test_a_tensor_lr_gives_the_bits_of_the_per_tensor_rule():
 
 
 def test_foreach_none_is_torchs_default_for_the_device():
-    assert resolve_foreach(None, [torch.zeros(2)]) is False  # torch.optim steps CPU tensors one by one
-    assert resolve_foreach(True, [torch.zeros(2)]) is True
+    assert resolve_foreach(None, torch.device("cpu")) is False  # torch.optim steps CPU tensors one by one
+    assert resolve_foreach(None, torch.device("cuda")) is True
+    assert resolve_foreach(True, torch.device("cpu")) is True
 
 
 def _model_params(device: str) -> list[tuple[str, torch.nn.Parameter]]:
