@@ -14,8 +14,8 @@ at the same point. Adding a param group forgets both.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -23,17 +23,18 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from dmuon.comm import CommStats, ScratchMeter, mesh_device
+from dmuon.comm import WIRE_DTYPE, CommStats, ScratchMeter, mesh_device
 from dmuon.cost_model import CostModel, plan_with_best_split
 from dmuon.group_steps import GroupSteps
 from dmuon.groups import group_of, host_group_of, sum_on_host
+from dmuon.local_blocks import LocalBlocks
 from dmuon.mesh_facts import mesh_ranks
 from dmuon.newton_schulz import resolve_ns_algorithm, resolve_ns_dtype
+from dmuon.pack_layout import BatchLayout, make_batch_layout
 from dmuon.paths import PATHS, choose_paths
 from dmuon.plan import ALL_TO_ALL, OwnerPlan, ParamSpec, Unit, layout_of, make_owner_plan
-from dmuon.torch_compat import compute_local_shape_and_global_offset, host_tensor_ops
-from dmuon.transport.owner_exchange import run_owner_plan
-from dmuon.update_rules import muon_momentum_
+from dmuon.torch_compat import compute_local_shape_and_global_offset, host_tensor_ops, local_of
+from dmuon.transport.owner_exchange import Callbacks, run_owner_plan
 
 logger = logging.getLogger("dmuon")
 
@@ -48,6 +49,36 @@ class OwnerRun:
     plan: OwnerPlan
     device: torch.device
     """Where this rank's buffers live (the meshes' device)."""
+    blocks: LocalBlocks = field(init=False)
+    """This rank's blocks of the plan's units (views kept with the plan)."""
+    layouts: dict[tuple[int, ...], BatchLayout] = field(default_factory=dict)
+    """Each batch's buffer layout on this rank, made at its first use."""
+
+    def __post_init__(self) -> None:
+        self.blocks = LocalBlocks(self.plan, self.rank)
+
+    def layout(self, batch: tuple[int, ...]) -> BatchLayout:
+        """The layout of ``batch`` (the plan's units of it with a grad), made once; blocks
+        of parameters of different dtypes are packed by separate ops."""
+        if batch not in self.layouts:
+            dtypes = [p.dtype for p in self.params]
+            self.layouts[batch] = make_batch_layout(self.plan, batch, self.rank, lambda j: dtypes[j])
+        return self.layouts[batch]
+
+    def widen(self, recv: torch.Tensor) -> torch.Tensor:
+        """Results in the parameters' dtype, one cast of the whole receive buffer, where
+        a foreach op needs one dtype for its multi-tensor kernel (an accelerator; on the
+        CPU every foreach op loops over its tensors anyway). The bits are the same: a
+        bf16 value widens exactly, and ``add_`` computes in the parameter's dtype."""
+        dtypes = {p.dtype for p in self.params}
+        if recv.device.type == "cpu" or len(dtypes) != 1 or recv.dtype in dtypes:
+            return recv
+        return recv.to(dtypes.pop())
+
+    def locals(self) -> list[torch.Tensor]:
+        """Each parameter's local tensor (the same objects step after step, unless the
+        parameters were reassigned)."""
+        return [local_of(p) for p in self.params]
 
 
 class FastPath:
@@ -160,35 +191,69 @@ class FastPath:
     def step(self, grads: Mapping[torch.Tensor, torch.Tensor], groups: Mapping[torch.Tensor, dict[str, Any]],
              state: Mapping[torch.Tensor, dict[str, Any]], steps: GroupSteps, stats: CommStats,
              meter: ScratchMeter) -> None:
-        """The fast path's step for the parameters in ``grads``: momentum on the local
-        rows as blocks are packed, Newton-Schulz on the owner, the update on the local
-        rows as results come back (``dmuon.transport.owner_exchange``)."""
+        """The fast path's step for the parameters in ``grads``: the momentum EMA of every
+        local shard first (one list op per group), the Nesterov look-ahead packed as
+        blocks travel, Newton-Schulz on the owner, the update on the local rows as
+        results come back (``dmuon.transport.owner_exchange``), each a list op per batch."""
         if self._run is None:
             return
         run, params = self._run, self._run.params
-        local_grads = {j: grads[p].to_local() for j, p in enumerate(params) if p in grads}
-        local_bufs = {j: state[params[j]]["momentum_buffer"].to_local() for j in local_grads}
-        local_params = {j: params[j].to_local() for j in local_grads}
+        present = [j for j, p in enumerate(params) if p in grads]
+        local_grads: list[torch.Tensor | None] = [None] * len(params)
+        local_bufs: list[torch.Tensor | None] = [None] * len(params)
+        for j in present:
+            local_grads[j] = local_of(grads[params[j]])
+            local_bufs[j] = local_of(state[params[j]]["momentum_buffer"])
+        for group, members in _by_group(present, [groups[p] for p in params]):
+            steps.momentum([local_bufs[j] for j in members], [local_grads[j] for j in members], group)
+        bufs = run.blocks.kept("momentum_buffer", local_bufs)
+        targets = run.blocks.kept("param", run.locals(), flat=True)
+        grad_blocks: dict[int, list[torch.Tensor]] = {}  # this step's grads, split on first use
+        group_of = [groups[p] for p in params]
 
-        def update_block(j: int, lo: int, hi: int, shape: tuple[int, int]) -> torch.Tensor:
-            group = groups[params[j]]
-            return muon_momentum_(local_grads[j][lo:hi], local_bufs[j][lo:hi], group["momentum"],
-                                  group["nesterov"]).view(shape)
+        def pack_blocks(units: Sequence[int]) -> list[torch.Tensor]:
+            members = [(group_of[run.plan.units[i].param], i) for i in units]
+            out: list[torch.Tensor] = [None] * len(units)  # type: ignore[list-item]
+            for group, positions in _by_group(range(len(units)), [g for g, _ in members]):
+                unit_ids = [units[k] for k in positions]
+                looks = steps.lookahead([run.blocks.block(i, grad_blocks, local_grads) for i in unit_ids],
+                                        [bufs[i] for i in unit_ids], group)
+                for k, look in zip(positions, looks):
+                    out[k] = look
+            return out
+
+        def update_of(i: int) -> torch.Tensor:
+            (update,) = pack_blocks([i])
+            return update.to(WIRE_DTYPE, copy=True).view(run.plan.units[i].matrix)
 
         def orthogonalize(unit: Unit, matrix: torch.Tensor) -> torch.Tensor:
             moment = steps.second_moment(params[unit.param], state)
             rows = None if moment is None else moment[unit.dim0[0] : unit.dim0[1]]
-            return steps.orthogonalize(matrix, groups[params[unit.param]], rows)
+            return steps.orthogonalize(matrix, group_of[unit.param], rows)
 
-        def apply_block(j: int, lo: int, hi: int, ortho: torch.Tensor) -> None:
-            steps.apply(params[j], local_params[j][lo:hi].view(ortho.shape), ortho, groups[params[j]])
+        def apply_blocks(units: Sequence[int], orthos: Sequence[torch.Tensor]) -> None:
+            steps.apply_many([params[run.plan.units[i].param] for i in units], [targets[i] for i in units], orthos,
+                             [group_of[run.plan.units[i].param] for i in units])
 
-        run_owner_plan(
-            run.plan, local_grads.keys(), group=run.group, rank=run.rank, device=run.device,
-            update_block=update_block, orthogonalize=orthogonalize, apply_block=apply_block, stats=stats, meter=meter,
-        )
-        moments = {j: m for j in local_grads if (m := steps.second_moment(params[j], state)) is not None}
+        callbacks = Callbacks(pack_blocks, update_of, orthogonalize, apply_blocks, run.layout,
+                              run.widen if steps.lists_for(run.device) else _same)
+        run_owner_plan(run.plan, set(present), group=run.group, rank=run.rank, device=run.device,
+                       callbacks=callbacks, stats=stats, meter=meter)
+        moments = {j: m for j in present if (m := steps.second_moment(params[j], state)) is not None}
         share_second_moments(run.plan, run.rank, moments, run.group, run.device)
+
+
+def _same(recv: torch.Tensor) -> torch.Tensor:
+    return recv
+
+
+def _by_group(indices: Iterable[int], group_of: Sequence[dict[str, Any]]) -> list[tuple[dict[str, Any], list[int]]]:
+    """``indices`` bucketed by their param group (by identity), in first-seen order."""
+    buckets: dict[int, tuple[dict[str, Any], list[int]]] = {}
+    for k in indices:
+        group = group_of[k]
+        buckets.setdefault(id(group), (group, []))[1].append(k)
+    return list(buckets.values())
 
 
 def reporting_units(plan: OwnerPlan, rank: int) -> list[Unit]:

@@ -18,13 +18,15 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate
 
 from dmuon.newton_schulz import (
-    DEFAULT_GRAM_RESTARTS, DEFAULT_NS_ALGORITHM, Triple, matrix_shape, newton_schulz_flops, orthogonalize,
-    orthogonalize_row_blocks,
+    DEFAULT_GRAM_RESTARTS, DEFAULT_NS_ALGORITHM, UPDATE_DTYPE, Triple, matrix_shape, newton_schulz_flops,
+    orthogonalize, orthogonalize_row_blocks,
 )
 from dmuon.torch_compat import scalar_dtype
+from dmuon.update_lists import momentum_ as momentum_lists_
 from dmuon.update_rules import adamw_step_ as adamw_
 from dmuon.update_rules import (
-    apply_muon_update_, muon_momentum_, normuon_normalize_, normuon_second_moment_shape, shape_scale,
+    apply_muon_update_, muon_momentum_, nesterov_lookahead, normuon_normalize_, normuon_second_moment_shape,
+    shape_scale,
 )
 
 # Orthogonalizes the update of the ``i``-th tensor of a :func:`muon_` call.
@@ -50,13 +52,14 @@ def newton_schulz(
     """Newton-Schulz of a parameter-shaped update, or of one unit of it: its matrix, each
     expert of a stack, or (``split_rows``) each block of that many rows on its own.
     Returns a new bf16 tensor of ``update``'s shape."""
-    matrix = update.view(matrix_shape(update.shape))
+    shape = matrix_shape(update.shape)
+    matrix = update if update.shape == shape else update.view(shape)  # a view is an op: only when needed
     gram = dict(algorithm=ns_algorithm, restarts=ns_gram_restarts)
     if split_rows:
         ortho = orthogonalize_row_blocks(matrix, split_rows, ns_coefficients, ns_steps, eps, ns_dtype, **gram)
     else:
         ortho = orthogonalize(matrix, ns_coefficients, ns_steps, eps, ns_dtype, **gram)
-    return ortho.view(update.shape)
+    return ortho if ortho.shape == update.shape else ortho.view(update.shape)
 
 
 def newton_schulz_work(shape: Sequence[int], *, ns_steps: int, split_rows: int | None,
@@ -91,13 +94,17 @@ def muon_(
     orthogonalize: Orthogonalize,
     updating: Updating = lambda _: contextlib.nullcontext(),
     cautious_weight_decay: bool = False,
+    foreach: bool = False,
 ) -> None:
     """torch's single-tensor Muon loop over tensors this rank updates whole: its own
     ``params`` (plain tensors, or local tensors of DTensors of global ``shapes``), with
     ``orthogonalize(i, update)`` computing Newton-Schulz (and NorMuon's normalization)
-    where the path puts it."""
+    where the path puts it. The momentum EMA runs first for every tensor (with
+    ``foreach``, one list op: ``dmuon.update_lists``); the rest, per tensor, keeps one
+    update in hand at a time."""
+    momentum_lists_(momentum_bufs, grads, momentum, foreach)
     for i, (param, grad, buf) in enumerate(zip(params, grads, momentum_bufs)):
-        update = muon_momentum_(grad, buf, momentum, nesterov)
+        update = nesterov_lookahead(grad, buf, momentum, nesterov).to(UPDATE_DTYPE, copy=True)
         ortho = orthogonalize(i, update)
         scale = update_scale(shapes[i], split_rows=split_rows, adjust_lr=adjust_lr,
                              matched_adamw_rms=matched_adamw_rms)

@@ -9,21 +9,22 @@ wherever Newton-Schulz runs, on the whole matrix, with the rows of the state it 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import functools
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from dmuon.comm import CommStats
 from dmuon.functional import (
-    adamw_, adamw_state, apply_muon_update_, muon_, newton_schulz, newton_schulz_work, normuon_normalize_,
-    normuon_state, update_scale,
+    adamw_, adamw_state, muon_, newton_schulz, newton_schulz_work, normuon_normalize_, normuon_state, update_scale,
 )
 from dmuon.newton_schulz import resolve_ns_algorithm, resolve_ns_dtype
 from dmuon.plan import ALL_TO_ALL, REDISTRIBUTE
 from dmuon.telemetry import Telemetry
+from dmuon.torch_compat import local_of
 from dmuon.transport.reference import orthogonalize_gathered
+from dmuon.update_lists import apply_muon_updates_, lookahead, momentum_, resolve_foreach
 
 # The Muon group values the update rules read (the rest configure Newton-Schulz).
 MUON_STEP_KEYS = ("lr", "momentum", "nesterov", "weight_decay", "adjust_lr", "matched_adamw_rms", "split_rows",
@@ -35,10 +36,12 @@ NORMUON_STATE_KEY = "normuon_second_moment"
 class GroupSteps:
     """Muon's and AdamW's steps with a group's settings, counted and timed."""
 
-    def __init__(self, ns_dtype: str, stats: CommStats, telemetry: Telemetry) -> None:
+    def __init__(self, ns_dtype: str, stats: CommStats, telemetry: Telemetry, foreach: bool | None = None) -> None:
         self.ns_dtype = ns_dtype
         self.stats = stats
         self.telemetry = telemetry
+        self.foreach = foreach
+        """The optimizer's ``foreach``: None lets torch choose per device (``dmuon.update_lists``)."""
 
     def orthogonalize(self, matrix: torch.Tensor, group: dict[str, Any],
                       second_moment: torch.Tensor | None = None) -> torch.Tensor:
@@ -57,13 +60,39 @@ class GroupSteps:
                 ortho = normuon_normalize_(ortho, second_moment, group["normuon_beta2"], group["split_rows"])
             return ortho
 
-    def apply(self, param: torch.Tensor, target: torch.Tensor, ortho: torch.Tensor, group: dict[str, Any]) -> None:
-        """The decayed, scaled update of ``target`` (``param``'s local tensor or rows of it)."""
-        scale = update_scale(param.shape, split_rows=group["split_rows"], adjust_lr=group["adjust_lr"],
-                             matched_adamw_rms=group["matched_adamw_rms"])
-        with self.telemetry.muon_update(target):
-            apply_muon_update_(target, ortho, group["lr"], group["weight_decay"], scale,
-                               group["cautious_weight_decay"])
+    def lists_for(self, device: torch.device) -> bool:
+        """Whether the elementwise rules run as list ops on ``device``."""
+        return resolve_foreach(self.foreach, device)
+
+    def momentum(self, bufs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], group: dict[str, Any]) -> None:
+        """The momentum EMA of one group's local tensors, in place."""
+        if bufs:
+            momentum_(bufs, grads, group["momentum"], self.lists_for(bufs[0].device))
+
+    def lookahead(self, grads: Sequence[torch.Tensor], bufs: Sequence[torch.Tensor], group: dict[str, Any]
+                  ) -> list[torch.Tensor]:
+        """What one group's blocks orthogonalize, in their dtype (after :meth:`momentum`)."""
+        if not grads:
+            return []
+        return lookahead(grads, bufs, group["momentum"], group["nesterov"], self.lists_for(grads[0].device))
+
+    def apply_many(self, params: Sequence[torch.Tensor], targets: Sequence[torch.Tensor],
+                   orthos: Sequence[torch.Tensor], groups: Sequence[dict[str, Any]]) -> None:
+        """The decayed, scaled update of each ``target`` (its ``param``'s local tensor or
+        rows of it, flat or shaped) with ``ortho`` (flat, or the matrix), one list op per
+        group, shape scale, device and dtype."""
+        if not targets:
+            return
+        foreach = self.lists_for(targets[0].device)
+        buckets: dict[tuple[int, float], tuple[dict[str, Any], float, list[int]]] = {}
+        for k, (param, group) in enumerate(zip(params, groups)):
+            scale = _scale(param.shape, group["split_rows"], group["adjust_lr"], group["matched_adamw_rms"])
+            buckets.setdefault((id(group), scale), (group, scale, []))[2].append(k)
+        targets, orthos = map(list, zip(*(_same_shape(t, o) for t, o in zip(targets, orthos))))
+        with self.telemetry.muon_updates(targets):
+            for group, scale, members in buckets.values():
+                apply_muon_updates_([targets[k] for k in members], [orthos[k] for k in members], group["lr"],
+                                    group["weight_decay"], scale, group["cautious_weight_decay"], foreach)
 
     @staticmethod
     def make_muon_state(grads: Mapping[torch.Tensor, torch.Tensor], groups: Mapping[torch.Tensor, dict[str, Any]],
@@ -80,7 +109,7 @@ class GroupSteps:
     def second_moment(param: torch.Tensor, state: Mapping[torch.Tensor, dict[str, Any]]) -> torch.Tensor | None:
         """The whole NorMuon state of ``param`` on this rank (None outside NorMuon groups)."""
         moment = state[param].get(NORMUON_STATE_KEY)
-        return None if moment is None else _local(moment)
+        return None if moment is None else local_of(moment)
 
     def muon_whole(self, group: dict[str, Any], paths: Mapping[torch.Tensor, str],
                    grads: Mapping[torch.Tensor, torch.Tensor], state: Mapping[torch.Tensor, dict[str, Any]]) -> None:
@@ -95,9 +124,11 @@ class GroupSteps:
                 return orthogonalize_gathered(update, params[i], lambda full: self.orthogonalize(full, group, moment))
             return self.orthogonalize(update, group, moment)
 
-        muon_([_local(p) for p in params], [_local(grads[p]) for p in params],
-              [_local(state[p]["momentum_buffer"]) for p in params], shapes=[p.shape for p in params],
+        local_params = [local_of(p) for p in params]
+        muon_(local_params, [local_of(grads[p]) for p in params],
+              [local_of(state[p]["momentum_buffer"]) for p in params], shapes=[p.shape for p in params],
               orthogonalize=orthogonalize, updating=self.telemetry.muon_update,
+              foreach=bool(local_params) and self.lists_for(local_params[0].device),
               **{key: group[key] for key in MUON_STEP_KEYS})
 
     def adamw(self, group: dict[str, Any], state: Mapping[torch.Tensor, dict[str, Any]]) -> None:
@@ -108,13 +139,25 @@ class GroupSteps:
                 state[param].update(adamw_state(param))
         if params:
             states = [state[p] for p in params]
-            with self.telemetry.adamw_update([_local(p) for p in params]):
+            with self.telemetry.adamw_update([local_of(p) for p in params]):
                 adamw_(params, [p.grad for p in params], [s["exp_avg"] for s in states],
                        [s["exp_avg_sq"] for s in states], [s["step"] for s in states], lr=group["lr"],
                        betas=group["betas"], eps=group["eps"], weight_decay=group["weight_decay"],
-                       cautious_weight_decay=group["cautious_weight_decay"])
+                       cautious_weight_decay=group["cautious_weight_decay"], foreach=self.foreach)
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    """The rank's own data: the local shard of a DTensor, or the tensor itself."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+def _same_shape(target: torch.Tensor, ortho: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``target`` and ``ortho`` as views of one shape: a flat target seen as the matrix
+    (a result may be a transposed view), or a flat result seen as a shaped target."""
+    if target.shape == ortho.shape:
+        return target, ortho
+    if target.is_contiguous():
+        return target.view(ortho.shape), ortho
+    return target, ortho.view(target.shape)
+
+
+@functools.lru_cache(maxsize=None)
+def _scale(shape: tuple[int, ...], split_rows: int | None, adjust_lr: str | None, matched_adamw_rms: float) -> float:
+    """``update_scale``, computed once per shape and setting."""
+    return update_scale(shape, split_rows=split_rows, adjust_lr=adjust_lr, matched_adamw_rms=matched_adamw_rms)
+

@@ -192,33 +192,46 @@ def orthogonalize(
         raise ValueError(f"orthogonalize expects a 2-D or 3-D tensor, got shape {tuple(update.shape)}")
     schedule, safety = coefficient_schedule(coefficients, steps)
     algorithm = resolve_ns_algorithm(algorithm, dtype, update.device.type)
+    # Work on the wide orientation (rows <= cols): the Gram matrix X X^T is then the
+    # small one, which makes each step cheaper.
+    tall = update.size(0) > update.size(1)
     if uses_gram(algorithm, update.shape, steps, restarts):
         compute = gram_dtype_override or gram_dtype(dtype, update.device.type)
         # fp16 holds values below 65504 only: normalize in fp32 first.
-        x, tall = _wide_normalized(update, torch.float32 if compute == torch.float16 else compute, safety, eps)
-        x = gram_iterate(x.to(compute), schedule, restarts)
-    else:
-        x, tall = _wide_normalized(update, dtype, safety, eps)
-        for a, b, c in schedule:
-            gram = x @ x.T
-            poly = torch.addmm(gram, gram, gram, beta=b, alpha=c)
-            x = torch.addmm(x, poly, x, beta=a)
+        x = _normalized(update, torch.float32 if compute == torch.float16 else compute, safety, eps)
+        x = gram_iterate((x.T if tall else x).to(compute), schedule, restarts)
+        return (x.T if tall else x).to(UPDATE_DTYPE)
+    x = _normalized(update, dtype, safety, eps)
+    x = _standard_iterate(*((x.T, x) if tall else (x, x.T)), schedule)
     return (x.T if tall else x).to(UPDATE_DTYPE)
 
 
-def _wide_normalized(update: torch.Tensor, dtype: torch.dtype, safety: float, eps: float) -> tuple[torch.Tensor, bool]:
-    """A copy of ``update`` in ``dtype``, seen wide (rows <= cols: the Gram matrix X X^T
-    is then the small one, which makes each step cheaper), with every singular value
-    at most 1 (the Frobenius norm bounds the spectral norm); and whether it was tall."""
-    x = update.to(dtype, copy=True)
-    tall = x.size(0) > x.size(1)
-    if tall:
-        x = x.T
+def _standard_iterate(x: torch.Tensor, x_t: torch.Tensor, schedule: Sequence[Triple]) -> torch.Tensor:
+    """torch.optim.Muon's quintic iteration on a wide ``x`` (``x_t`` its transpose),
+    ``X <- a X + (b S + c S S) X`` with ``S = X X^T``; returns the last iterate."""
+    # Each step writes the next iterate into a buffer it does not read (``out=``: the
+    # same product as a new tensor, bit for bit), and the two buffers alternate, so the
+    # transposes the Gram matrix reads are made once, not once per step.
+    spare, spare_t = None, None
+    for a, b, c in schedule:
+        gram = torch.mm(x, x_t)
+        poly = torch.addmm(gram, gram, gram, beta=b, alpha=c)
+        if spare is None:
+            spare = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+            spare_t = spare.T
+        torch.addmm(x, poly, x, beta=a, out=spare)
+        reusable = x.is_contiguous()  # the first iterate may be a transposed view: never an ``out``
+        x, x_t, spare, spare_t = spare, spare_t, x if reusable else None, x_t if reusable else None
+    return x
+
+
+def _normalized(update: torch.Tensor, dtype: torch.dtype, safety: float, eps: float) -> torch.Tensor:
+    """``update`` in ``dtype`` (a new tensor) with every singular value at most 1: the
+    Frobenius norm bounds the spectral norm (the same on either orientation)."""
+    x = update.to(dtype)  # no op when it is already in ``dtype``: the division below makes the copy
     if safety == 1.0:
-        x.div_(x.norm().clamp(min=eps))  # torch.optim.Muon's normalization, bit for bit
-    else:
-        x.div_(x.norm() * safety + eps)
-    return x, tall
+        return x.div(x.norm().clamp(min=eps))  # torch.optim.Muon's normalization, bit for bit
+    return x.div(x.norm() * safety + eps)
 
 
 def orthogonalize_row_blocks(

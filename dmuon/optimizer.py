@@ -45,9 +45,10 @@ from dmuon.newton_schulz import (
     DEFAULT_GRAM_RESTARTS, DEFAULT_NS_ALGORITHM, DEFAULT_NS_DTYPE, DEFAULT_NS_EPS, DEFAULT_NS_STEPS, KELLER_COEFFICIENTS,
 )
 from dmuon.param_groups import (
-    build_param_groups, check_adamw_hyperparameters, check_link_gbps, check_muon_hyperparameters, check_ns_dtype,
-    check_optimizer_options, fill_in_variant_defaults, split_options,
+    build_param_groups, check_adamw_hyperparameters, check_foreach, check_link_gbps, check_muon_hyperparameters,
+    check_ns_dtype, check_optimizer_options, split_options,
 )
+from dmuon.pickling import PicklesConfiguration
 from dmuon.plan import ALL_TO_ALL, DEFAULT_BATCH_NUMEL, OwnerPlan
 from dmuon.qk_clip import AttentionHeads
 from dmuon.telemetry import StepFigures, Telemetry
@@ -55,20 +56,7 @@ from dmuon.update_rules import DEFAULT_MATCHED_ADAMW_RMS, DEFAULT_NORMUON_BETA2
 
 ParamsArg = Iterable[torch.Tensor] | Iterable[tuple[str, torch.Tensor]] | Iterable[dict[str, Any]]
 
-# What a pickle or deepcopy of a DMuon keeps besides torch's defaults, state and
-# param_groups: its configuration. The paths and owner plan are derived from the
-# parameters (and a plan holds process groups, which do not pickle): the copy rebuilds
-# them at its first step. Its measurements (comm_stats, scratch_stats, telemetry) start afresh.
-PICKLED_ATTRIBUTES = (
-    "_muon_defaults", "_adamw_defaults", "_names", "_groups_added", "comm", "max_batch_numel", "split_replicas",
-    "ns_dtype", "link_gbps", "replica_link_gbps",
-)
-# The key under which a pickle keeps ``telemetry``. It also tells __setstate__ that it
-# makes a copy: load_state_dict calls it too, with only state and param_groups.
-TELEMETRY_STATE_KEY = "telemetry_enabled"
-
-
-class DMuon(Optimizer):
+class DMuon(PicklesConfiguration, Optimizer):
     """Distributed Muon with an AdamW fallback, for plain tensors and DTensors.
 
     Args (each option's rules in full: docs/optimizer.md):
@@ -106,6 +94,7 @@ class DMuon(Optimizer):
             ``"auto"`` (bf16 on accelerators and on CPUs with a bf16 matmul); every
             choice is exact across world sizes.
         telemetry: record each step's figures, read with :meth:`telemetry`.
+        foreach: elementwise rules and AdamW as list ops; None: torch's default per device.
 
     Non-finite gradients are not filtered (as in ``torch.optim.Muon``): a NaN makes its whole
     matrix non-finite on every rank, and ranks stay in step. Clip or skip such steps upstream.
@@ -121,7 +110,8 @@ class DMuon(Optimizer):
         weight_decay: float = 0.0,
         ns_steps: int = DEFAULT_NS_STEPS,
         ns_coefficients: str | Sequence[float] = KELLER_COEFFICIENTS,
-        ns_algorithm: str = DEFAULT_NS_ALGORITHM, ns_gram_restarts: Sequence[int] = DEFAULT_GRAM_RESTARTS,
+        ns_algorithm: str = DEFAULT_NS_ALGORITHM,
+        ns_gram_restarts: Sequence[int] = DEFAULT_GRAM_RESTARTS,
         eps: float = DEFAULT_NS_EPS,
         adjust_lr: str | None = "original",
         matched_adamw_rms: float = DEFAULT_MATCHED_ADAMW_RMS,
@@ -141,6 +131,7 @@ class DMuon(Optimizer):
         link_gbps: float = CostModel.link_gbps,
         replica_link_gbps: float = CostModel.replica_link_gbps,
         telemetry: bool = False,
+        foreach: bool | None = None,
     ) -> None:
         if isinstance(params, (set, frozenset)):
             # A set's order differs between processes: ranks would plan differently.
@@ -157,7 +148,7 @@ class DMuon(Optimizer):
         check_adamw_hyperparameters(dict(adamw_defaults), "DMuon (AdamW part)")
         self._muon_defaults, self._adamw_defaults = muon_defaults, adamw_defaults
         self.comm, self.max_batch_numel, self.split_replicas = comm, max_batch_numel, split_replicas
-        self.ns_dtype = check_ns_dtype(ns_dtype)
+        self.ns_dtype, self.foreach = check_ns_dtype(ns_dtype), check_foreach(foreach)
         self.link_gbps = check_link_gbps(link_gbps, "link_gbps", "DMuon")
         self.replica_link_gbps = check_link_gbps(replica_link_gbps, "replica_link_gbps", "DMuon")
         self._names: dict[torch.Tensor, str] = {}
@@ -177,23 +168,6 @@ class DMuon(Optimizer):
         self._fast_path = FastPath(self.comm, self.max_batch_numel, self.split_replicas, self.ns_dtype,
                                    self.link_gbps, self.replica_link_gbps)
         self._attention_clip = AttentionClip()
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = super().__getstate__()
-        state.update({name: getattr(self, name) for name in PICKLED_ATTRIBUTES})
-        state[TELEMETRY_STATE_KEY] = self._telemetry.enabled
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        state = dict(state)
-        telemetry = state.pop(TELEMETRY_STATE_KEY, None)
-        super().__setstate__(state)
-        # torch's __setstate__ (also run by load_state_dict) adds differentiable=False to
-        # defaults; DMuon has no such option, and defaults stay the keys a group may set.
-        self.defaults.pop("differentiable", None)
-        fill_in_variant_defaults(self.param_groups)  # a state_dict from before they existed
-        if telemetry is not None:  # a copy, not load_state_dict: nothing derived came with it
-            self._start_afresh(telemetry)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group; one without ``use_muon`` is split into a Muon and an AdamW group
@@ -256,7 +230,7 @@ class DMuon(Optimizer):
         # A DTensor's device is its local shard's.
         self._telemetry.begin_step(self.param_groups[0]["params"][0].device, self.comm_stats.bytes_sent)
         grads = agreed_grads(self.param_groups, list(muon_groups), self.param_name)
-        steps = GroupSteps(self.ns_dtype, self.comm_stats, self._telemetry)  # this step's meters
+        steps = GroupSteps(self.ns_dtype, self.comm_stats, self._telemetry, self.foreach)  # this step's meters
         steps.make_muon_state(grads, muon_groups, self.state)
         self.scratch_stats.reset_peak()
         self._fast_path.step(grads, muon_groups, self.state, steps, self.comm_stats, self.scratch_stats)
@@ -268,4 +242,3 @@ class DMuon(Optimizer):
             self._telemetry.qk_clip(clip.largest, clip.clipped_heads)
         self._telemetry.end_step(self.comm_stats.bytes_sent)
         return loss
-

@@ -427,6 +427,14 @@ def check_optimizer_options(comm: Any, max_batch_numel: Any, split_replicas: Any
     check_split_replicas(split_replicas, where)
 
 
+def check_foreach(value: Any, where: str = "DMuon") -> bool | None:
+    """``foreach``: True, False, or None (torch's default for the parameters' device)."""
+    if not (value is None or isinstance(value, bool)):
+        raise ValueError(f"{where}: foreach must be True, False or None (torch's default for the device), "
+                         f"got {value!r}")
+    return value
+
+
 def check_link_gbps(value: Any, name: str, where: str = "DMuon") -> float:
     """A link speed for the cost model (``link_gbps``, ``replica_link_gbps``): a
     positive, finite number of Gbit/s."""

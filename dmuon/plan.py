@@ -232,6 +232,40 @@ class Unit:
     def is_source(self, rank: int) -> bool:
         return rank in self._sources
 
+    def place(self, rank: int) -> tuple[tuple[int, int], tuple[int, int]]:
+        """Where ``rank``'s block sits in the matrix: ``(offset, shape)`` (replicas share it)."""
+        block = self._by_rank[rank]
+        return block.offset, block.shape
+
+    @cached_property
+    def sources_by_offset(self) -> tuple[int, ...]:
+        """The sources, in the order their blocks lie in the matrix."""
+        return tuple(sorted((s for s in self.sources if self.block(s)), key=lambda s: self._by_rank[s].offset))
+
+    @cached_property
+    def rows_only(self) -> bool:
+        """Its sources' blocks are consecutive runs of whole rows covering the matrix,
+        and every holder's block is one of them: each block is one contiguous range of
+        the matrix, so the owner exchange packs it with splits (``dmuon.packing``)."""
+        start = 0
+        for source in self.sources_by_offset:
+            (row, col), (rows, cols) = self.place(source)
+            if (row, col) != (start, 0) or cols != self.matrix[1]:
+                return False
+            start += rows
+        places = {self.place(s) for s in self.sources}
+        return start == self.matrix[0] and all(self.place(holder) in places for holder in self.holders)
+
+    def even_rows(self, world_size: int) -> bool:
+        """Rank ``h`` of ``world_size`` holds rows ``[h m/P, (h+1) m/P)`` of every column
+        (FSDP's ``Shard(0)`` of a matrix whose rows P divides, no replicas): the layout
+        FSDP2 packs its reduce-scatter with, so the owner exchange packs results by chunks."""
+        rows, cols = self.matrix
+        if rows % world_size or self.holders != tuple(range(world_size)):
+            return False
+        chunk = rows // world_size
+        return all(self.place(h) == ((h * chunk, 0), (chunk, cols)) for h in self.holders)
+
     @cached_property
     def _by_rank(self) -> dict[int, Block]:
         return dict(self.blocks)
@@ -376,41 +410,45 @@ def scratch_events(plan: OwnerPlan, rank: int) -> list[int]:
     """The step's scratch allocations (+numel) and frees (-numel) on ``rank``, in order:
     :func:`batch_schedule`, each event as the buffers it makes and frees.
 
-    - start gather(b): send buffer; per travelling block the rank holds: update copy,
-      packed if the rank is a source, freed; receive buffer;
-    - finish gather(b): send freed; the owned full matrices are cut from the receive
-      buffer (receive freed);
+    - start gather(b): send buffer (each chunk's blocks packed straight into it: their
+      look-ahead is the elementwise scratch of ``dmuon.dry_run.memory_bound``); receive buffer;
+    - finish gather(b): send freed; the owned whole matrices, one buffer, are cut from
+      the receive buffer (receive freed);
     - Newton-Schulz(b): units kept local: update copy, result, both freed; owned
-      travelling units: result, full matrix freed;
-    - start scatter(b): send packed from the results (results freed); receive buffer;
+      travelling units: their results, then the whole matrices' buffer freed;
+    - start scatter(b): the results flattened into one buffer and freed, the send
+      buffer filled from it and it freed (even row chunks, blocks of columns: the send
+      buffer filled from the results, freed); receive buffer;
     - finish scatter(b): send freed, blocks applied, receive freed.
     """
     sizes = []
     for batch in plan.batches:
         gather_send, gather_recv = plan.gather_splits(batch, rank)
         scatter_send, scatter_recv = plan.scatter_splits(batch, rank)
-        blocks = [plan.units[i].block_numel(rank) for i in plan.travelling(batch) if plan.units[i].block(rank)]
-        owned = [plan.units[i].numel for i in plan.travelling(batch) if plan.units[i].owner == rank]
+        owned_units = [plan.units[i] for i in plan.travelling(batch) if plan.units[i].owner == rank]
+        owned = [unit.numel for unit in owned_units]
         local = [plan.units[i].numel for i in plan.kept_local(batch, rank)]
-        sizes.append((sum(gather_send), sum(gather_recv), blocks, owned, local, sum(scatter_send), sum(scatter_recv)))
+        rows_only = all(u.rows_only for u in owned_units) and not all(u.even_rows(plan.world_size) for u in owned_units)
+        sizes.append((sum(gather_send), sum(gather_recv), owned, rows_only, local, sum(scatter_send),
+                      sum(scatter_recv)))
 
     events: list[int] = []
     for event, b in batch_schedule(len(sizes)):
-        send, recv, blocks, owned, local, scatter_send, scatter_recv = sizes[b]
+        send, recv, owned, rows_only, local, scatter_send, scatter_recv = sizes[b]
         if event == START_GATHER:
-            events.append(send)
-            for block in blocks:
-                events.extend((block, -block))
-            events.append(recv)
+            events.extend((send, recv))
         elif event == FINISH_GATHER:
             events.extend((-send, sum(owned), -recv))
         elif event == NEWTON_SCHULZ:
             for numel in local:
                 events.extend((numel, numel, -numel, -numel))
-            for numel in owned:
-                events.extend((numel, -numel))
+            events.extend(owned)  # the results; the whole matrices are one buffer, freed after them
+            events.append(-sum(owned))
         elif event == START_SCATTER:
-            events.extend((scatter_send, -sum(owned), scatter_recv))  # results freed once packed
+            if rows_only:  # results flattened into one buffer, freed; the send buffer filled from it
+                events.extend((sum(owned), -sum(owned), scatter_send, -sum(owned), scatter_recv))
+            else:  # the send buffer filled from the results (by chunks, or block by block), freed
+                events.extend((scatter_send, -sum(owned), scatter_recv))
         else:
             events.extend((-scatter_send, -scatter_recv))
     return events

@@ -205,25 +205,27 @@ class Telemetry:
         yield
         record.ns_marks.append((start, record.clock.mark()))
 
-    @contextlib.contextmanager
-    def muon_update(self, block: torch.Tensor) -> Iterator[None]:
+    def muon_update(self, block: torch.Tensor) -> contextlib.AbstractContextManager[None]:
         """Around the in-place update of one Muon block (a local shard or a part of it)."""
-        if self._current is None:
-            yield
-            return
-        before = block.clone()
-        yield
-        self._add(_MUON_DELTA_SQ, _MUON_WEIGHT_SQ, _MUON_NUMEL, [(before, block)])
+        return self.muon_updates([block])
+
+    def muon_updates(self, blocks: Sequence[torch.Tensor]) -> contextlib.AbstractContextManager[None]:
+        """Around the in-place update of Muon blocks (local shards or parts of them)."""
+        return self._around(_MUON_DELTA_SQ, _MUON_WEIGHT_SQ, _MUON_NUMEL, blocks)
+
+    def adamw_update(self, params: Sequence[torch.Tensor]) -> contextlib.AbstractContextManager[None]:
+        """Around one AdamW group's in-place step (``params``: the rank's local tensors)."""
+        return self._around(_ADAMW_DELTA_SQ, _ADAMW_WEIGHT_SQ, _ADAMW_NUMEL, params)
 
     @contextlib.contextmanager
-    def adamw_update(self, params: Sequence[torch.Tensor]) -> Iterator[None]:
-        """Around one AdamW group's in-place step (``params``: the rank's local tensors)."""
+    def _around(self, delta_at: int, weight_at: int, numel_at: int, tensors: Sequence[torch.Tensor]) -> Iterator[None]:
+        """Copies of ``tensors`` before the update, their change and size added after."""
         if self._current is None:
             yield
             return
-        befores = [p.clone() for p in params]
+        befores = [t.clone() for t in tensors]
         yield
-        self._add(_ADAMW_DELTA_SQ, _ADAMW_WEIGHT_SQ, _ADAMW_NUMEL, list(zip(befores, params)))
+        self._add(delta_at, weight_at, numel_at, list(zip(befores, tensors)))
 
     def _add(self, delta_at: int, weight_at: int, numel_at: int,
              pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:

@@ -16,6 +16,9 @@ moves one, this module is the one to change, and its tests say which entry broke
 | ``fake_store`` (``torch.testing._internal.distributed.fake_pg.FakeStore``) | ``dmuon.dry_run``: one process as rank r of any world size (backend ``"fake"``) | 2.15.0 |
 | ``TorchDispatchMode`` (``torch.utils._python_dispatch``) | ``dmuon.dry_run``: sees every op of a step (syncs, launches, collectives, memory) | 2.13.0, 2.15.0 |
 | ``resolve_process_group`` (``torch.distributed.distributed_c10d._resolve_process_group``) | ``dmuon.dry_run``: the group of a functional collective (DTensor's), named by a string | 2.15.0 |
+| ``default_foreach`` (``torch.utils._foreach_utils._get_foreach_kernels_supported_devices``) | ``DMuon(foreach=None)``: torch.optim's own per-device choice of the list path (CUDA: yes, CPU: no) | 2.13.0, 2.15.0 |
+| ``chunk_cat`` (``torch._chunk_cat``) | the owner exchange: many blocks (any shapes, one dtype) flattened into a send buffer in one op, as FSDP2 packs its reduce-scatter | 2.13.0, 2.15.0 |
+| ``local_of`` (``DTensor._local_tensor``) | the step's elementwise rules read and write each DTensor's local tensor itself: ``to_local()`` makes a new view (an op) per call, per parameter per step | 2.13.0, 2.15.0 |
 | ``host_tensor_ops`` (``torch._subclasses.fake_tensor.unset_fake_temporarily``) | host-side bookkeeping (mesh ranks, shard offsets, agreement counts) on real CPU tensors also while a ``FakeTensorMode`` is active (``python -m dmuon.dry_run``) | 2.13.0, 2.15.0 |
 """
 
@@ -23,19 +26,22 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch._subclasses.fake_tensor import unset_fake_temporarily as host_tensor_ops
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import _StridedShard as StridedShard
 from torch.optim.optimizer import _get_scalar_dtype as scalar_dtype
+from torch.utils._foreach_utils import _get_foreach_kernels_supported_devices
 from torch.utils._python_dispatch import TorchDispatchMode
 
 # The lowest torch dmuon supports (pyproject.toml's requirement) and the newest it was tested on.
 OLDEST_TESTED_TORCH = "2.13.0"
 NEWEST_TESTED_TORCH = "2.15.0"
 
-__all__ = ["FakeTensor", "FakeTensorMode", "StridedShard", "TorchDispatchMode", "compute_local_shape_and_global_offset", "fake_store",
-           "host_tensor_ops", "mkldnn_bf16_supported", "mkldnn_fp16_supported", "resolve_process_group", "scalar_dtype"]
+__all__ = ["FakeTensor", "FakeTensorMode", "StridedShard", "TorchDispatchMode", "chunk_cat",
+           "compute_local_shape_and_global_offset", "default_foreach", "fake_store", "host_tensor_ops", "local_of",
+           "mkldnn_bf16_supported", "mkldnn_fp16_supported", "resolve_process_group", "scalar_dtype"]
 
 
 def mkldnn_bf16_supported() -> bool:
@@ -46,6 +52,25 @@ def mkldnn_bf16_supported() -> bool:
 def mkldnn_fp16_supported() -> bool:
     """Whether oneDNN has an fp16 GEMM for this CPU (AVX-512 FP16, AMX-FP16, Arm FP16)."""
     return torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+
+
+def default_foreach(device: torch.device) -> bool:
+    """Whether torch.optim takes its foreach path by default for plain tensors on ``device``."""
+    return device.type in _get_foreach_kernels_supported_devices()
+
+
+def chunk_cat(tensors: list[torch.Tensor], out: torch.Tensor, chunks: int = 1) -> None:
+    """Write ``tensors`` (one dtype, any shapes and strides), flattened and one after
+    another, into the 1-D ``out`` (any dtype: the values are cast as ``copy_`` casts).
+    With ``chunks`` (dividing every tensor's dim 0): chunk ``k`` of every tensor, then
+    chunk ``k + 1`` of every tensor, and so on (FSDP2's reduce-scatter layout)."""
+    torch._chunk_cat(tensors, 0, chunks, out=out.view(chunks, -1))
+
+
+def local_of(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local tensor (the object it holds, no new view), or a plain tensor
+    itself: what the step's rules read and write, under ``no_grad``."""
+    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
 
 
 def fake_store() -> dist.Store:

@@ -34,6 +34,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim.adamw import adamw as _torch_adamw
 
 from dmuon.newton_schulz import UPDATE_DTYPE, matrix_shape
+from dmuon.torch_compat import local_of
 
 # Shape-aware learning-rate scales (``DMuon(adjust_lr=...)``).
 ADJUST_LR_CHOICES = ("original", "match_rms_adamw", "spectral", None)
@@ -75,8 +76,13 @@ def muon_momentum_(grad: torch.Tensor, buf: torch.Tensor, momentum: float, neste
     buffer's dtype, so orthogonalizing it cannot corrupt momentum.
     """
     buf.lerp_(grad, 1 - momentum)
-    update = grad.lerp(buf, momentum) if nesterov else buf
-    return update.to(UPDATE_DTYPE, copy=True)
+    return nesterov_lookahead(grad, buf, momentum, nesterov).to(UPDATE_DTYPE, copy=True)
+
+
+def nesterov_lookahead(grad: torch.Tensor, buf: torch.Tensor, momentum: float, nesterov: bool) -> torch.Tensor:
+    """What Muon orthogonalizes, in the parameter's dtype, once ``buf`` holds this step's
+    momentum: ``lerp(grad, buf, momentum)`` (a new tensor) with Nesterov, else ``buf``."""
+    return grad.lerp(buf, momentum) if nesterov else buf
 
 
 def normuon_second_moment_shape(shape: Sequence[int]) -> tuple[int, ...]:
@@ -179,10 +185,12 @@ def adamw_step_(
     eps: float,
     weight_decay: float,
     cautious_weight_decay: bool = False,
+    foreach: bool | None = None,
 ) -> None:
     """One AdamW step, delegated to torch's functional AdamW so the bits match
     ``torch.optim.AdamW`` with the same hyperparameters, a one-element Tensor ``lr``
-    included (it also handles DTensors and complex tensors).
+    included (it also handles DTensors and complex tensors). ``foreach``: torch's
+    option (None: torch's default for the device).
 
     With ``cautious_weight_decay`` the decay is :func:`cautious_decay_` with AdamW's
     direction ``u = m_hat / (sqrt(v_hat) + eps)`` (its sign: :func:`adamw_direction_sign`),
@@ -193,10 +201,10 @@ def adamw_step_(
     if cautious_weight_decay and weight_decay != 0:
         for param, grad, exp_avg in zip(params, grads, exp_avgs):
             if param.is_complex():
-                _local(param).mul_(1 - (lr.squeeze() if isinstance(lr, torch.Tensor) else lr) * weight_decay)
+                local_of(param).mul_(1 - (lr.squeeze() if isinstance(lr, torch.Tensor) else lr) * weight_decay)
                 continue
-            direction = adamw_direction_sign(_local(exp_avg), _local(grad), betas[0])
-            cautious_decay_(_local(param), direction, lr, weight_decay)
+            direction = adamw_direction_sign(local_of(exp_avg), local_of(grad), betas[0])
+            cautious_decay_(local_of(param), direction, lr, weight_decay)
         weight_decay = 0.0
     _torch_adamw(
         params,
@@ -205,7 +213,7 @@ def adamw_step_(
         exp_avg_sqs,
         [],
         steps,
-        foreach=None,
+        foreach=foreach,
         has_complex=any(p.is_complex() for p in params),
         amsgrad=False,
         beta1=betas[0],
@@ -216,7 +224,3 @@ def adamw_step_(
         maximize=False,
     )
 
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    """The rank's own part: the elementwise rules read and write only that."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor

@@ -114,6 +114,8 @@ def exactness_runs(layouts: dict[str, tuple[Any, list]]) -> Iterator[tuple[str, 
 
 def exactness(ns_dtype: str = "auto", ns_algorithm: str = "standard") -> dict[Any, Any]:
     """Fast and reference paths on Shard(0) (and 2-D meshes at 4 ranks) vs the oracle.
+    The distributed runs step their elementwise rules as list ops (``foreach=True``),
+    the oracle per tensor (the CPU default), so equality also says the two agree.
 
     Returns ``{(layout, comm): {case: bitwise_equal}}`` plus paths and byte counts.
     """
@@ -124,7 +126,7 @@ def exactness(ns_dtype: str = "auto", ns_algorithm: str = "standard") -> dict[An
     for layout, comm, shard in exactness_runs(layouts):
         params = {n: nn.Parameter(shard(t)) for n, t in _case_tensors(0).items()}
         optimizer = _run(params, lambda step: {n: shard(t) for n, t in _case_tensors(100 + step).items()}, comm=comm,
-                         ns_dtype=ns_dtype, ns_algorithm=ns_algorithm)
+                         ns_dtype=ns_dtype, ns_algorithm=ns_algorithm, foreach=True)
         out[(layout, comm)] = {n: torch.equal(params[n].full_tensor(), oracle[n]) for n in oracle}
         out[(layout, comm, "paths")] = optimizer.comm_paths()
         out[(layout, comm, "bytes")] = optimizer.comm_stats.bytes_sent
@@ -591,7 +593,8 @@ def variants_exactness(ns_dtype: str = "auto") -> dict[Any, Any]:
     """NorMuon and cautious weight decay, both paths, vs single-process DMuon with the
     same groups, on the layouts of :func:`exactness` (Shard(0) over every rank; HSDP and
     FSDP + TP on a 2 x 2 mesh at 4 ranks): ``{(layout, comm): {case: bitwise_equal}}``,
-    and ``{(layout, comm, "moments"): {case: every rank's NorMuon state equals the oracle's}}``."""
+    and ``{(layout, comm, "moments"): {case: every rank's NorMuon state equals the oracle's}}``.
+    As in :func:`exactness`, the distributed runs use list ops, the oracle per tensor."""
     world = dist.get_world_size()
     oracle = {n: nn.Parameter(t) for n, t in _case_tensors(0).items()}
     reference = DMuon(_variant_groups(oracle), weight_decay=0.01, ns_dtype=ns_dtype)
@@ -600,7 +603,7 @@ def variants_exactness(ns_dtype: str = "auto") -> dict[Any, Any]:
     out: dict[Any, Any] = {}
     for layout, comm, shard in exactness_runs(layouts):
         params = {n: nn.Parameter(shard(t)) for n, t in _case_tensors(0).items()}
-        optimizer = DMuon(_variant_groups(params), weight_decay=0.01, ns_dtype=ns_dtype, comm=comm)
+        optimizer = DMuon(_variant_groups(params), weight_decay=0.01, ns_dtype=ns_dtype, comm=comm, foreach=True)
         _variant_steps(optimizer, params, range(STEPS), shard)
         out[(layout, comm)] = {n: torch.equal(params[n].full_tensor(), oracle[n].detach()) for n in oracle}
         out[(layout, comm, "paths")] = optimizer.comm_paths()

@@ -1,4 +1,4 @@
-"""pack/unpack of the all_to_all buffers (dmuon.comm), with P ranks simulated in one process.
+"""pack/unpack of the all_to_all buffers (dmuon.packing), with P ranks simulated in one process.
 
 ``_all_to_all`` routes the send buffers exactly as ``all_to_all_single`` would: rank r's
 buffer is cut by its send splits, piece o goes to rank o, and each rank concatenates
@@ -12,16 +12,8 @@ import dataclasses
 import pytest
 import torch
 
-from dmuon.comm import (
-    WIRE_DTYPE,
-    CommStats,
-    Exchange,
-    ScratchMeter,
-    pack_gather,
-    pack_scatter,
-    unpack_gather,
-    unpack_scatter,
-)
+from dmuon.comm import WIRE_DTYPE, CommStats, Exchange, ScratchMeter
+from dmuon.packing import pack_gather, pack_scatter, unpack_gather, unpack_scatter
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
@@ -72,6 +64,11 @@ def _unit_matrix(plan: OwnerPlan, i: int, full: list[torch.Tensor]) -> torch.Ten
     return full[unit.param][unit.dim0[0] : unit.dim0[1]].reshape(unit.matrix)
 
 
+def _each(block_of):
+    """The packer asks for lists of blocks; these tests make them one by one."""
+    return lambda units: [block_of(i) for i in units]
+
+
 def _block_of(plan: OwnerPlan, full: list[torch.Tensor], rank: int):
     def block_of(i: int) -> torch.Tensor:
         unit = plan.units[i]
@@ -79,7 +76,7 @@ def _block_of(plan: OwnerPlan, full: list[torch.Tensor], rank: int):
         block = unit.block(rank)
         return local[block.lo : block.hi].reshape(block.shape)
 
-    return block_of
+    return _each(block_of)
 
 
 def _gather(plan: OwnerPlan, batch: list[int], full: list[torch.Tensor]) -> list[dict[int, torch.Tensor]]:
@@ -93,7 +90,7 @@ def _gather(plan: OwnerPlan, batch: list[int], full: list[torch.Tensor]) -> list
 
 def _scatter(plan: OwnerPlan, batch: list[int], owned: list[dict[int, torch.Tensor]]) -> list[dict[int, torch.Tensor]]:
     world_size = plan.world_size
-    sends = [pack_scatter(plan, batch, rank, owned[rank], CPU) for rank in range(world_size)]
+    sends = [pack_scatter(plan, batch, rank, dict(owned[rank]), CPU) for rank in range(world_size)]
     recvs = _all_to_all(sends, [plan.scatter_splits(batch, rank)[0] for rank in range(world_size)])
     return [unpack_scatter(plan, batch, rank, recvs[rank]) for rank in range(world_size)]
 
@@ -108,8 +105,12 @@ MESH_SPECS = [
     ParamSpec((4, 3, 5), layout=Layout((2, 2), (Replicate(), Shard(0)))),
     ParamSpec((5, 8), layout=Layout((2, 2), (Replicate(), Shard(1)))),
 ]
+# Row-sharded matrices only (packed with splits), their column counts falling in batch
+# order (the owner's whole buffer groups them by column count), uneven at P = 3.
+ROW_SPECS = [ParamSpec((7, 9)), ParamSpec((5, 4)), ParamSpec((8, 6)), ParamSpec((4, 3)), ParamSpec((6, 9))]
 CASES = [(SPECS, world, True) for world in (2, 3, 4)] + [(MESH_SPECS, 4, split) for split in (True, False)]
-CASE_IDS = ["1d-P2", "1d-P3", "1d-P4", "2x2-split", "2x2-apart"]
+CASES += [(ROW_SPECS, world, True) for world in (2, 3)]
+CASE_IDS = ["1d-P2", "1d-P3", "1d-P4", "2x2-split", "2x2-apart", "rows-P2", "rows-P3"]
 
 
 @pytest.mark.parametrize(("specs", "world_size", "split"), CASES, ids=CASE_IDS)
@@ -175,7 +176,7 @@ def test_gather_buffer_is_ordered_by_owner_then_batch_order():
     plan = make_owner_plan([(2, 2)] * 3, 2)
     units = tuple(dataclasses.replace(u, owner=owner) for u, owner in zip(plan.units, (1, 0, 1)))
     plan = OwnerPlan(2, plan.params, units, ((0, 1, 2),))
-    send = pack_gather(plan, [0, 1, 2], 0, lambda i: torch.full((1, 2), float(i), dtype=WIRE_DTYPE), CPU)
+    send = pack_gather(plan, [0, 1, 2], 0, _each(lambda i: torch.full((1, 2), float(i), dtype=WIRE_DTYPE)), CPU)
     assert send.tolist() == [1.0, 1.0, 0.0, 0.0, 2.0, 2.0]  # owner 0: matrix 1; owner 1: matrices 0, 2
 
 
@@ -197,14 +198,14 @@ def test_pack_and_unpack_run_on_meta_tensors_of_every_layout():
     whole, blocks_back = [], []  # (unit, rank) of every matrix and block unpacked
     for batch in plan.batches:
         for rank in range(4):
-            send = pack_gather(plan, batch, rank, lambda i: torch.empty(plan.units[i].block(rank).shape,
-                                                                        dtype=WIRE_DTYPE, device=meta), meta)
+            send = pack_gather(plan, batch, rank, _each(lambda i: torch.empty(plan.units[i].block(rank).shape,
+                                                                              dtype=WIRE_DTYPE, device=meta)), meta)
             assert send.device == meta and send.numel() == sum(plan.gather_splits(batch, rank)[0])
             recv = torch.empty(sum(plan.gather_splits(batch, rank)[1]), dtype=WIRE_DTYPE, device=meta)
             full = unpack_gather(plan, batch, rank, recv)
             assert all(m.device == meta and m.shape == plan.units[i].matrix for i, m in full.items())
             whole += [(i, rank) for i in full]
-            back = pack_scatter(plan, batch, rank, full, meta)
+            back = pack_scatter(plan, batch, rank, dict(full), meta)
             assert back.device == meta and back.numel() == sum(plan.scatter_splits(batch, rank)[0])
             recv = torch.empty(sum(plan.scatter_splits(batch, rank)[1]), dtype=WIRE_DTYPE, device=meta)
             blocks = unpack_scatter(plan, batch, rank, recv)
@@ -245,3 +246,52 @@ def test_scratch_meter_refuses_to_free_a_tensor_twice():
     meter.free(a)
     with pytest.raises(KeyError):
         meter.free(a)
+
+
+# ------------------------------------------------------------------ ops per batch
+
+
+def _packing_ops(n_matrices: int, world_size: int) -> int:
+    """Aten ops one batch of ``n_matrices`` (of two shapes) takes to pack and unpack on rank 0."""
+    from dmuon.pack_layout import make_batch_layout
+    from dmuon.packing import scatter_blocks
+    from dmuon.torch_compat import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.ops += 1
+            return func(*args, **(kwargs or {}))
+
+    specs = [ParamSpec((8, 4) if i % 2 else (4, 12)) for i in range(n_matrices)]
+    plan = make_owner_plan(specs, world_size)
+    batch = tuple(range(len(plan.units)))
+    plan = dataclasses.replace(plan, batches=(batch,))  # every matrix in one batch
+    full = _full_params(specs)
+    made = {i: _block_of(plan, full, 0)([i])[0] for i in batch if plan.units[i].block(0)}
+    sends = [pack_gather(plan, batch, rank, _block_of(plan, full, rank), CPU) for rank in range(world_size)]
+    recv = _all_to_all(sends, [plan.gather_splits(batch, rank)[0] for rank in range(world_size)])[0]
+    layout = make_batch_layout(plan, batch, 0)
+    scatter_recv = torch.empty(sum(plan.scatter_splits(batch, 0)[1]), dtype=WIRE_DTYPE)
+    with Count():
+        pack_gather(plan, batch, 0, lambda units: [made[i] for i in units], CPU, layout=layout)
+        owned = unpack_gather(plan, batch, 0, recv)
+        pack_scatter(plan, batch, 0, dict(owned), CPU, layout=layout)
+        scatter_blocks(layout, scatter_recv)
+    return Count.ops
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_packing_a_batch_takes_the_same_ops_for_12_or_48_matrices(world_size):
+    """Splits, ``_foreach_copy_`` and ``_chunk_cat``: a few ops per batch and direction,
+    not a slice and a copy per block (uneven rows at P = 3, even chunks at P = 2)."""
+    assert _packing_ops(12, world_size) == _packing_ops(48, world_size)
+
+
+def test_equal_row_chunks_on_every_rank_are_packed_chunk_by_chunk():
+    from dmuon.pack_layout import make_batch_layout
+
+    plan = make_owner_plan([(8, 4), (6, 6)], 2)
+    assert all(make_batch_layout(plan, batch, rank).even_rows for batch in plan.batches for rank in range(2))
+    assert not make_batch_layout(make_owner_plan([(5, 4)], 2), (0,), 0).even_rows  # 5 rows: uneven

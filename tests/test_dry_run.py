@@ -79,17 +79,16 @@ def test_llama3_8b_on_64_ranks_sends_exactly_the_planned_bytes():
 
 @needs_cuda_build
 def test_a_host_read_injected_into_the_step_fails_the_dry_run(tmp_path):
-    """The check can fail: momentum that reads its norm on the host is one sync per block."""
+    """The check can fail: momentum that reads a norm on the host is one sync per group."""
     script = textwrap.dedent("""
-        import json, dmuon.fast_path as fast_path
+        import json, dmuon.group_steps as group_steps
         from dmuon.dry_run.__main__ import make_config, parse_args
         from dmuon.dry_run.run import run_rank
-        momentum = fast_path.muon_momentum_
-        def reading_momentum(*args, **kwargs):
-            update = momentum(*args, **kwargs)
-            float(update.norm())  # a device value read on the host
-            return update
-        fast_path.muon_momentum_ = reading_momentum
+        momentum = group_steps.momentum_
+        def reading_momentum(bufs, *args, **kwargs):
+            momentum(bufs, *args, **kwargs)
+            float(bufs[0].norm())  # a device value read on the host
+        group_steps.momentum_ = reading_momentum
         config, _ = make_config(parse_args(["--model", "debug", "--world-size", "2"]))
         report = run_rank(config, 1)
         print(json.dumps({"syncs": report.host_syncs_per_step, "sites": report.host_sync_sites,
@@ -108,11 +107,11 @@ def test_a_host_read_injected_into_the_step_fails_the_dry_run(tmp_path):
 @needs_cuda_build
 def test_a_cpu_buffer_mixed_into_the_step_fails_the_dry_run():
     script = textwrap.dedent("""
-        import json, torch, dmuon.fast_path as fast_path
+        import json, torch, dmuon.group_steps as group_steps
         from dmuon.dry_run.__main__ import make_config, parse_args
         from dmuon.dry_run.run import run_rank
-        momentum = fast_path.muon_momentum_
-        fast_path.muon_momentum_ = lambda *a, **k: momentum(*a, **k) + torch.zeros(a[0].shape, dtype=torch.bfloat16)
+        lookahead = group_steps.lookahead
+        group_steps.lookahead = lambda *a, **k: [t + torch.zeros(t.shape, dtype=t.dtype) for t in lookahead(*a, **k)]
         config, _ = make_config(parse_args(["--model", "debug", "--world-size", "2"]))
         report = run_rank(config, 0)
         print(json.dumps({"mixed": report.mixed_device_ops, "problems": report.problems()}))

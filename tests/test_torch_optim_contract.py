@@ -95,6 +95,17 @@ def test_copied_optimizer_steps_bitwise_like_the_original_as_torch_optimizers_do
     _assert_bitwise_equal(_run(reference, range(2, 3)), expected)
 
 
+def test_a_dmuon_pickled_before_foreach_existed_unpickles_with_torchs_default():
+    dmuon = DMuon(_tiny_lm().named_parameters(), **HYPER, foreach=True)
+    state = dmuon.__getstate__()
+    del state["foreach"]  # what a pickle from before the option holds
+    old = DMuon.__new__(DMuon)
+    old.__setstate__(state)
+    assert old.foreach is None
+    old.load_state_dict(dmuon.state_dict())  # load_state_dict leaves the option alone
+    assert old.foreach is None and dmuon.foreach is True
+
+
 def test_a_state_dict_from_before_the_update_variants_loads_and_steps_as_before():
     """Checkpoints written before ``normuon``, ``cautious_weight_decay`` and
     ``qk_clip_threshold`` existed lack those keys; torch's optimizers fill in options

@@ -9,8 +9,11 @@ next, so the bound is the largest of three terms (``e``: the parameter's element
 - *owner exchange*: ``OwnerPlan.peak_scratch_bytes`` (bf16 send, receive, whole-matrix
   and result buffers of at most three batches: bounded by ``max_batch_numel``), plus
   the Newton-Schulz workspace of the largest matrix this rank orthogonalizes
-  (:func:`newton_schulz_workspace`), plus the elementwise temporaries of its largest
-  block (:func:`elementwise_bytes`);
+  (:func:`newton_schulz_workspace`), plus the larger of the look-ahead of its largest
+  packing chunk (``dmuon.pack_layout.PACK_CHUNK_NUMEL`` elements or one block, in the
+  parameters' dtype), its largest scatter receive buffer widened to the parameters'
+  dtype (``FastPath.widen``) and the elementwise temporaries of its largest block
+  (:func:`elementwise_bytes`);
 - *whole matrices* (plain tensors, replicated DTensors, the reference path): for the
   largest, its bf16 update and result (and the results a stack of experts or heads is
   concatenated from), its workspace and its elementwise temporaries;
@@ -67,8 +70,17 @@ def _exchange(optimizer: DMuon, groups: dict, rank: int, ns_bytes: int) -> int:
     if not plans:
         return 0
     (plan,) = plans
-    params = optimizer._fast_path._run.params  # noqa: SLF001 - the plan's parameters, in plan order
+    run = optimizer._fast_path._run  # noqa: SLF001 - the plan's parameters and batch layouts
+    params = run.params
     workspace = elementwise = 0
+    for batch in plan.batches:  # each chunk's look-ahead, packed at once, in its parameters' dtype
+        layout = run.layout(batch)
+        for first, _, start, end in layout.send_chunks:
+            param_bytes = params[plan.units[layout.send_units[first]].param].element_size()
+            elementwise = max(elementwise, (end - start) * param_bytes)
+        # The results received, widened to the parameters' dtype for the list ops (FastPath.widen).
+        widest = max(p.element_size() for p in params)
+        elementwise = max(elementwise, sum(layout.scatter_recv_sizes) * widest)
     for unit in plan.units:
         group = groups[params[unit.param]]
         if unit.owner == rank:

@@ -13,7 +13,9 @@ it records, without trusting any counter of DMuon's own:
   collectives) by op, dtype and device, with the bytes each ``all_to_all`` sends to
   other ranks;
 - *device ops*: ops that would launch a CUDA kernel (views, allocations and metadata
-  queries launch none);
+  queries launch none; a ``torch._foreach_*`` op counts once where torch takes its
+  multi-tensor path, lists of one dtype, and once per tensor where it falls back to a
+  loop);
 - *memory*: every device storage the step allocates, live from the op that made it
   until its last tensor dies; the peak is what the step holds above what existed
   before it (parameters, grads, state);
@@ -108,8 +110,8 @@ class StepRecorder(TorchDispatchMode):
         before = {_storage_id(t) for t in on_device}
         out = func(*args, **kwargs)
         outputs = [t for t in _tensors(out) if t.device.type != "cpu"]
-        if outputs and name not in NO_KERNEL_OPS and not func.is_view:
-            self.record.device_ops[name] += 1
+        if launches := _kernel_launches(func, name, args, outputs):
+            self.record.device_ops[name] += launches
         for tensor in outputs:
             self._track(tensor, before)
         return out
@@ -179,6 +181,22 @@ class HostTensorsStayReal(TorchDispatchMode):
             with host_tensor_ops():
                 return func(*args, **kwargs)
         return func(*args, **kwargs)
+
+
+def _kernel_launches(func: Any, name: str, args: tuple, outputs: list[torch.Tensor]) -> int:
+    """The CUDA kernels an op would launch, roughly: none for views and allocations, one
+    for an op with a device output, and for a foreach op (in place ones return nothing)
+    one over lists of one dtype (torch's multi-tensor path; its chunking of long lists
+    aside), else one per tensor (its per-tensor fallback)."""
+    if name in NO_KERNEL_OPS or func.is_view:
+        return 0
+    if not name.startswith("aten._foreach_"):
+        return 1 if outputs else 0
+    lists = [a for a in args if isinstance(a, (list, tuple)) and a and isinstance(a[0], torch.Tensor)]
+    tensors = [t for tensor_list in lists for t in _tensors(tensor_list)]
+    if not tensors or all(t.device.type == "cpu" for t in tensors):
+        return 0
+    return 1 if len({t.dtype for t in tensors}) == 1 else len(lists[0])
 
 
 def _tensors(tree: Any) -> list[torch.Tensor]:

@@ -5,8 +5,9 @@ it, ``dmuon.plan.scratch_events`` predicts its memory and ``dmuon.cost_model`` i
 Per batch ``b`` (every rank issues the same collectives in the same order):
 
 1. gather ``b`` completes; each owner cuts its whole matrices from the receive buffer;
-2. gather ``b + 1`` starts (momentum runs for its blocks as they are packed), so it
-   travels while this rank runs Newton-Schulz;
+2. gather ``b + 1`` starts (the Nesterov look-ahead of its blocks is packed straight
+   into the send buffer; the momentum EMA ran for every block before the first), so
+   it travels while this rank runs Newton-Schulz;
 3. Newton-Schulz on the units this rank keeps whole (applied at once) and on the
    travelling units it owns;
 4. scatter ``b`` starts; scatter ``b - 1`` completes and its blocks are applied.
@@ -14,25 +15,34 @@ Per batch ``b`` (every rank issues the same collectives in the same order):
 So at most three batches' buffers are alive at once, and each is freed as soon as
 it has been used: the scratch is bounded per batch, not per step.
 
-The optimizer supplies the math as three callables, so this module knows nothing of
-param groups or state:
+The optimizer supplies the math as callables, so this module knows nothing of param
+groups or state, and each is called with lists, so a batch costs a few list ops
+whatever its number of blocks (``dmuon.packing``, ``dmuon.update_lists``):
 
-- ``update_block(param, lo, hi, shape)``: momentum on dim-0 rows ``[lo, hi)`` of the
-  parameter's local tensor; returns the bf16 update reshaped to ``shape``;
+- ``pack_blocks(units)``: the look-ahead (momentum already ran) of this rank's block of
+  each unit, in the parameters' dtype, in order (they are flattened into the send buffer);
+- ``update_of(unit)``: the bf16 update of a unit this rank holds whole, as its matrix;
 - ``orthogonalize(unit, matrix)``: Newton-Schulz with the settings of the unit's
   parameter's group (``unit.param``; ``unit.dim0``: the rows of it the matrix is);
-- ``apply_block(param, lo, hi, ortho)``: the decayed, scaled update of those rows.
+- ``apply_blocks(units, orthos)``: the decayed, scaled update of this rank's block of
+  each unit with its result (a flat view, or the matrix);
+- ``layout_of(batch)``: the batch's :class:`~dmuon.pack_layout.BatchLayout` on this
+  rank, made once per plan;
+- ``widen(recv)``: the scatter's receive buffer in the dtype the update adds it in
+  (itself, or one cast of the whole buffer where a list op needs one dtype).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from dmuon.comm import CommStats, Exchange, ScratchMeter, pack_gather, pack_scatter, unpack_gather, unpack_scatter
+from dmuon.comm import CommStats, Exchange, ScratchMeter
+from dmuon.pack_layout import BatchLayout
+from dmuon.packing import gather_whole, pack_gather, pack_scatter, scatter_blocks
 from dmuon.plan import (
     FINISH_GATHER,
     NEWTON_SCHULZ,
@@ -43,9 +53,24 @@ from dmuon.plan import (
     batch_schedule,
 )
 
-UpdateBlock = Callable[[int, int, int, tuple[int, int]], torch.Tensor]
+PackBlocks = Callable[[Sequence[int]], list[torch.Tensor]]
+UpdateOf = Callable[[int], torch.Tensor]
 Orthogonalize = Callable[[Unit, torch.Tensor], torch.Tensor]
-ApplyBlock = Callable[[int, int, int, torch.Tensor], None]
+ApplyBlocks = Callable[[Sequence[int], Sequence[torch.Tensor]], None]
+LayoutOf = Callable[[tuple[int, ...]], BatchLayout]
+Widen = Callable[[torch.Tensor], torch.Tensor]
+
+
+@dataclass
+class Callbacks:
+    """The math and the layouts :func:`run_owner_plan` runs with (see the module docstring)."""
+
+    pack_blocks: PackBlocks
+    update_of: UpdateOf
+    orthogonalize: Orthogonalize
+    apply_blocks: ApplyBlocks
+    layout_of: LayoutOf
+    widen: Widen = lambda recv: recv
 
 
 def run_owner_plan(
@@ -55,22 +80,20 @@ def run_owner_plan(
     group: dist.ProcessGroup,
     rank: int,
     device: torch.device,
-    update_block: UpdateBlock,
-    orthogonalize: Orthogonalize,
-    apply_block: ApplyBlock,
+    callbacks: Callbacks,
     stats: CommStats,
     meter: ScratchMeter,
 ) -> None:
     """Orthogonalize and apply every unit of ``plan`` whose parameter is in ``present``
     (the parameters with a grad, the same set on every rank)."""
-    batches = [[i for i in batch if plan.units[i].param in present] for batch in plan.batches]
+    batches = [tuple(i for i in batch if plan.units[i].param in present) for batch in plan.batches]
     batches = [batch for batch in batches if batch]
     if not batches:
         return
-    step = _OwnerStep(plan, group, rank, device, update_block, orthogonalize, apply_block, stats, meter)
+    step = _OwnerStep(plan, group, rank, device, callbacks, stats, meter)
     # What is in flight, by batch: each entry lives from one event of the schedule to the next.
     gathers: dict[int, Exchange] = {}
-    owned: dict[int, dict[int, torch.Tensor]] = {}
+    owned: dict[int, tuple[torch.Tensor, dict[int, torch.Tensor]]] = {}
     results: dict[int, dict[int, torch.Tensor]] = {}
     scatters: dict[int, Exchange] = {}
     for event, b in batch_schedule(len(batches)):
@@ -81,7 +104,7 @@ def run_owner_plan(
             owned[b] = step.finish_gather(batch, gathers.pop(b))
         elif event == NEWTON_SCHULZ:
             step.orthogonalize_kept(batch)
-            results[b] = step.orthogonalize_owned(owned.pop(b))
+            results[b] = step.orthogonalize_owned(*owned.pop(b))
         elif event == START_SCATTER:
             scatters[b] = step.start_scatter(batch, results.pop(b))
         else:
@@ -97,66 +120,49 @@ class _OwnerStep:
     group: dist.ProcessGroup
     rank: int
     device: torch.device
-    update_block: UpdateBlock
-    orthogonalize: Orthogonalize
-    apply_block: ApplyBlock
+    math: Callbacks
     stats: CommStats
     meter: ScratchMeter
 
-    def block_of(self, unit_index: int) -> torch.Tensor:
-        """This rank's block of a unit's update (momentum runs here)."""
-        unit = self.plan.units[unit_index]
-        block = unit.block(self.rank)
-        return self.meter.track(self.update_block(unit.param, block.lo, block.hi, block.shape))
-
-    def apply(self, unit_index: int, ortho: torch.Tensor) -> None:
-        unit = self.plan.units[unit_index]
-        block = unit.block(self.rank)
-        self.apply_block(unit.param, block.lo, block.hi, ortho)
-
-    def start_gather(self, batch: list[int]) -> Exchange:
-        send = pack_gather(self.plan, batch, self.rank, self.block_of, self.device, self.meter)
+    def start_gather(self, batch: tuple[int, ...]) -> Exchange:
+        layout = self.math.layout_of(batch)
+        send = pack_gather(self.plan, batch, self.rank, self.math.pack_blocks, self.device, self.meter, layout)
         return Exchange(send, *self.plan.gather_splits(batch, self.rank), self.group, self.rank, self.stats,
                         self.device, self.meter)
 
-    def finish_gather(self, batch: list[int], gather: Exchange) -> dict[int, torch.Tensor]:
-        """The whole matrices this rank owns in ``batch``, cut from the receive buffer."""
+    def finish_gather(self, batch: tuple[int, ...], gather: Exchange) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """The buffer of the whole matrices this rank owns in ``batch``, and each, cut
+        from the receive buffer."""
         recv = gather.wait()
-        full = unpack_gather(self.plan, batch, self.rank, recv, self.meter)
+        whole = gather_whole(self.plan, self.math.layout_of(batch), recv, self.meter)
         self.meter.free(recv)
-        return full
+        return whole
 
-    def orthogonalize_kept(self, batch: list[int]) -> None:
+    def orthogonalize_kept(self, batch: tuple[int, ...]) -> None:
         """The units this rank holds whole and keeps: orthogonalized and applied at once."""
         for i in self.plan.kept_local(batch, self.rank):
-            update = self.block_of(i)
-            ortho = self.meter.track(self.orthogonalize(self.plan.units[i], update))
+            update = self.meter.track(self.math.update_of(i))
+            ortho = self.meter.track(self.math.orthogonalize(self.plan.units[i], update))
             self.meter.free(update)
             del update
-            self.apply(i, ortho)
+            self.math.apply_blocks([i], [ortho])
             self.meter.free(ortho)
             del ortho
 
-    def orthogonalize_owned(self, full: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
-        """Newton-Schulz of the gathered matrices; each input is freed once used."""
-        results: dict[int, torch.Tensor] = {}
-        for i in list(full):
-            matrix = full.pop(i)
-            results[i] = self.meter.track(self.orthogonalize(self.plan.units[i], matrix))
-            self.meter.free(matrix)
-            del matrix
+    def orthogonalize_owned(self, whole: torch.Tensor, matrices: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+        """Newton-Schulz of the gathered matrices; their buffer is freed after the last."""
+        results = {i: self.meter.track(self.math.orthogonalize(self.plan.units[i], matrices.pop(i)))
+                   for i in list(matrices)}
+        self.meter.free(whole)
         return results
 
-    def start_scatter(self, batch: list[int], results: dict[int, torch.Tensor]) -> Exchange:
-        send = pack_scatter(self.plan, batch, self.rank, results, self.device, self.meter)
-        for result in results.values():
-            self.meter.free(result)
-        results.clear()
+    def start_scatter(self, batch: tuple[int, ...], results: dict[int, torch.Tensor]) -> Exchange:
+        send = pack_scatter(self.plan, batch, self.rank, results, self.device, self.meter, self.math.layout_of(batch))
         return Exchange(send, *self.plan.scatter_splits(batch, self.rank), self.group, self.rank, self.stats,
                         self.device, self.meter)
 
-    def finish_scatter(self, batch: list[int], scatter: Exchange) -> None:
+    def finish_scatter(self, batch: tuple[int, ...], scatter: Exchange) -> None:
         recv = scatter.wait()
-        for i, block in unpack_scatter(self.plan, batch, self.rank, recv).items():
-            self.apply(i, block)
+        layout = self.math.layout_of(batch)
+        self.math.apply_blocks(layout.scatter_recv_units, scatter_blocks(layout, self.math.widen(recv)))
         self.meter.free(recv)

@@ -1,0 +1,137 @@
+"""Fill and drain the owner exchange's buffers (``dmuon.comm``) with a few ops per
+batch and direction, from a :class:`~dmuon.pack_layout.BatchLayout` made once per plan:
+
+- gather send: the blocks flattened into the buffer, one ``_chunk_cat`` per chunk;
+- gather receive: one ``split`` of it, one of the owner's whole buffer, one
+  ``_foreach_copy_`` between them (the whole matrices are then views of that buffer);
+- scatter send: the results flattened once (``_chunk_cat``), then split, permuted and
+  copied like the gather;
+- scatter receive: one ``split`` into this rank's blocks.
+
+A batch whose owned matrices are cut into columns (``BatchLayout.rows_only`` False)
+is copied block by block. Packing is copies only, so every packing gives the same bits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from dmuon.comm import WIRE_DTYPE, ScratchMeter, free, track
+from dmuon.pack_layout import BatchLayout, make_batch_layout
+from dmuon.plan import Block, OwnerPlan
+from dmuon.torch_compat import chunk_cat
+
+# ``blocks_of(units)``: this rank's blocks of ``units`` (one dtype, any shapes), in order.
+BlocksOf = Callable[[Sequence[int]], list[torch.Tensor]]
+
+
+def pack_gather(plan: OwnerPlan, batch: Sequence[int], rank: int, blocks_of: BlocksOf, device: torch.device,
+                meter: ScratchMeter | None = None, layout: BatchLayout | None = None) -> torch.Tensor:
+    """The gather's send buffer: this rank's block of each unit it sources, by owner,
+    then batch order, made chunk by chunk (``PACK_CHUNK_NUMEL``) so only one chunk's
+    blocks are in hand at once."""
+    layout = layout or make_batch_layout(plan, batch, rank)
+    total = layout.send_chunks[-1][3] if layout.send_chunks else 0
+    send = track(meter, torch.empty(total, dtype=WIRE_DTYPE, device=device))
+    for first, stop, start, end in layout.send_chunks:
+        chunk_cat(blocks_of(layout.send_units[first:stop]), send if end - start == total else send[start:end])
+    return send
+
+
+def gather_whole(plan: OwnerPlan, layout: BatchLayout, recv: torch.Tensor, meter: ScratchMeter | None = None
+                 ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+    """The owner's whole buffer (tracked by ``meter``; free it once its matrices are
+    used) and each owned matrix, a view of it, from the gather's receive buffer."""
+    whole = track(meter, recv.new_empty(sum(layout.owned_numels)))
+    matrices = dict(zip(layout.owned, _matrices(whole, layout)))
+    if layout.rows_only:
+        if layout.whole_sizes:
+            targets = whole.split(layout.whole_sizes)
+            torch._foreach_copy_([targets[k] for k in layout.gather_recv_to_whole],
+                                 list(recv.split(layout.gather_recv_sizes)))
+        return whole, matrices
+    offset = 0
+    for source in range(plan.world_size):
+        for i in layout.owned_in_batch_order:
+            unit = plan.units[i]
+            if unit.is_source(source):
+                block = unit.block(source)
+                _region(matrices[i], block).copy_(recv[offset : offset + block.numel].view(block.shape))
+                offset += block.numel
+    return whole, matrices
+
+
+def _matrices(whole: torch.Tensor, layout: BatchLayout) -> list[torch.Tensor]:
+    """The owned matrices, views of ``whole``: per run of one column count, one view and one split."""
+    groups = layout.column_groups
+    parts = whole.split([numel for numel, _, _ in groups]) if len(groups) > 1 else [whole]
+    return [matrix for part, (_, cols, heights) in zip(parts, groups)
+            for matrix in part.view(-1, cols).split(heights)]
+
+
+def unpack_gather(plan: OwnerPlan, batch: Sequence[int], rank: int, recv: torch.Tensor) -> dict[int, torch.Tensor]:
+    """Whole matrices of the travelling units ``rank`` owns (views of one new buffer)."""
+    return gather_whole(plan, make_batch_layout(plan, batch, rank), recv)[1]
+
+
+def pack_scatter(plan: OwnerPlan, batch: Sequence[int], rank: int, results: dict[int, torch.Tensor],
+                 device: torch.device, meter: ScratchMeter | None = None,
+                 layout: BatchLayout | None = None) -> torch.Tensor:
+    """The scatter's send buffer: by holder rank, then batch order, that rank's block
+    of each result this rank owns. Consumes ``results`` (emptied, and freed in
+    ``meter``) as soon as they are copied, before the send buffer is made."""
+    layout = layout or make_batch_layout(plan, batch, rank)
+    size = sum(layout.scatter_send_sizes)
+    if layout.even_rows:  # FSDP's layout: chunk h of every result goes to rank h
+        send = track(meter, torch.empty(size, dtype=WIRE_DTYPE, device=device))
+        chunk_cat([results[i] for i in layout.owned_in_batch_order], send, plan.world_size)
+        _release(results, meter)
+        return send
+    if not layout.rows_only:
+        send = track(meter, torch.empty(size, dtype=WIRE_DTYPE, device=device))
+        offset = 0
+        for dest in range(plan.world_size):
+            for i in layout.owned_in_batch_order:
+                block = plan.units[i].block(dest)
+                if block:
+                    send[offset : offset + block.numel].view(block.shape).copy_(_region(results[i], block))
+                    offset += block.numel
+        _release(results, meter)
+        return send
+    flat = track(meter, torch.empty(sum(layout.owned_numels), dtype=WIRE_DTYPE, device=device))
+    if layout.owned:
+        chunk_cat([results[i] for i in layout.owned], flat)
+    _release(results, meter)
+    send = track(meter, torch.empty(size, dtype=WIRE_DTYPE, device=device))
+    if layout.owned:
+        sources = flat.split(layout.whole_sizes)
+        torch._foreach_copy_(list(send.split(layout.scatter_send_sizes)),
+                             [sources[k] for k in layout.scatter_send_from_whole])
+    free(meter, flat)
+    return send
+
+
+def _release(results: dict[int, torch.Tensor], meter: ScratchMeter | None) -> None:
+    for result in results.values():
+        free(meter, result)
+    results.clear()
+
+
+def scatter_blocks(layout: BatchLayout, recv: torch.Tensor) -> list[torch.Tensor]:
+    """This rank's block of each unit in ``layout.scatter_recv_units``: flat views of ``recv``."""
+    return list(recv.split(layout.scatter_recv_sizes)) if layout.scatter_recv_units else []
+
+
+def unpack_scatter(plan: OwnerPlan, batch: Sequence[int], rank: int, recv: torch.Tensor) -> dict[int, torch.Tensor]:
+    """``rank``'s block (a view of ``recv``, in its block shape) of every travelling unit it holds."""
+    layout = make_batch_layout(plan, batch, rank)
+    return {i: view.view(plan.units[i].block(rank).shape)
+            for i, view in zip(layout.scatter_recv_units, scatter_blocks(layout, recv))}
+
+
+def _region(matrix: torch.Tensor, block: Block) -> torch.Tensor:
+    """The view of a unit's whole matrix that ``block`` covers."""
+    (row, col), (rows, cols) = block.offset, block.shape
+    return matrix[row : row + rows, col : col + cols]

@@ -1,0 +1,118 @@
+"""The elementwise rules over lists (dmuon.update_lists): the foreach ops give the
+per-tensor rules' bits, for every dtype mix a step meets."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dmuon.optimizer import DMuon
+from dmuon.update_lists import apply_muon_updates_, by_signature, lookahead, momentum_, resolve_foreach
+
+pytestmark = pytest.mark.unit
+
+SHAPES = [(6, 10), (3, 7), (1, 5), (4, 2, 3)]
+# (parameter and state dtype, update dtype): fp32 and bf16 weights, each with bf16 updates.
+DTYPES = [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.bfloat16), (torch.float64, torch.bfloat16)]
+
+
+def _tensors(seed: int, dtype: torch.dtype, shapes=SHAPES) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randn(shape, generator=generator).to(dtype) for shape in shapes]
+
+
+def _clones(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [t.clone() for t in tensors]
+
+
+def _equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return all(x.dtype == y.dtype and torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_momentum_as_list_ops_is_bitwise_the_per_tensor_rule(dtype):
+    grads = _tensors(0, dtype)
+    bufs, expected = _tensors(1, dtype), _tensors(1, dtype)
+    momentum_(bufs, grads, 0.95, foreach=True)
+    momentum_(expected, grads, 0.95, foreach=False)
+    assert _equal(bufs, expected)
+
+
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_lookahead_as_list_ops_is_bitwise_the_per_tensor_rule(nesterov):
+    grads, bufs = _tensors(0, torch.float32), _tensors(1, torch.float32)
+    assert _equal(lookahead(grads, bufs, 0.9, nesterov, foreach=True),
+                  lookahead(grads, bufs, 0.9, nesterov, foreach=False))
+
+
+def test_lookahead_leaves_grads_and_buffers_unchanged():
+    grads, bufs = _tensors(0, torch.float32), _tensors(1, torch.float32)
+    lookahead(grads, bufs, 0.9, True, foreach=True)
+    assert _equal(grads, _tensors(0, torch.float32)) and _equal(bufs, _tensors(1, torch.float32))
+
+
+@pytest.mark.parametrize(("param_dtype", "update_dtype"), DTYPES)
+@pytest.mark.parametrize("weight_decay", [0.0, 0.1])
+@pytest.mark.parametrize("cautious", [False, True])
+def test_the_update_as_list_ops_is_bitwise_the_per_tensor_rule(param_dtype, update_dtype, weight_decay, cautious):
+    orthos = _tensors(2, update_dtype)
+    params, expected = _tensors(3, param_dtype), _tensors(3, param_dtype)
+    apply_muon_updates_(params, orthos, 0.02, weight_decay, 1.7, cautious, foreach=True)
+    apply_muon_updates_(expected, orthos, 0.02, weight_decay, 1.7, cautious, foreach=False)
+    assert _equal(params, expected)
+
+
+def test_a_list_mixing_dtypes_is_stepped_per_signature_with_the_same_bits():
+    orthos = _tensors(2, torch.bfloat16)
+    params = _tensors(3, torch.float32)[:2] + _tensors(3, torch.bfloat16)[2:]
+    expected = _clones(params)
+    assert by_signature(params, orthos) == [[0, 1], [2, 3]]
+    apply_muon_updates_(params, orthos, 0.02, 0.1, 1.0, False, foreach=True)
+    apply_muon_updates_(expected, orthos, 0.02, 0.1, 1.0, False, foreach=False)
+    assert _equal(params, expected)
+
+
+def test_a_tensor_lr_gives_the_bits_of_the_per_tensor_rule():
+    orthos = _tensors(2, torch.bfloat16)
+    params, expected = _tensors(3, torch.float32), _tensors(3, torch.float32)
+    apply_muon_updates_(params, orthos, torch.tensor(0.02), 0.1, 1.5, False, foreach=True)
+    apply_muon_updates_(expected, orthos, torch.tensor(0.02), 0.1, 1.5, False, foreach=False)
+    assert _equal(params, expected)
+
+
+def test_foreach_none_is_torchs_default_for_the_device():
+    assert resolve_foreach(None, torch.device("cpu")) is False  # torch.optim steps CPU tensors one by one
+    assert resolve_foreach(None, torch.device("cuda")) is True
+    assert resolve_foreach(True, torch.device("cpu")) is True
+
+
+def _model_params(device: str) -> list[tuple[str, torch.nn.Parameter]]:
+    shapes = {"wq": (8, 8), "w1": (12, 8), "w2": (8, 12), "experts": (3, 6, 4), "norm": (8,),
+              "tok_embeddings.weight": (10, 8)}
+    generator = torch.Generator().manual_seed(4)
+    return [(n, torch.nn.Parameter(torch.randn(s, generator=generator).to(device))) for n, s in shapes.items()]
+
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU"))]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("options", [{}, {"weight_decay": 0.1, "cautious_weight_decay": True, "normuon": True}],
+                         ids=["plain", "variants"])
+def test_dmuon_with_foreach_steps_the_bits_of_dmuon_without(options, device):
+    runs = {}
+    for foreach in (True, False):
+        params = _model_params(device)
+        optimizer = DMuon(params, lr=0.02, foreach=foreach, **options)
+        for step in range(3):
+            for (_, p), g in zip(params, _tensors(10 + step, torch.float32, [p.shape for _, p in params])):
+                p.grad = g.to(device)
+            optimizer.step()
+        runs[foreach] = [p.detach() for n, p in params if "embed" not in n and n != "norm"]  # the Muon part
+    assert _equal(runs[True], runs[False])
+
+
+@pytest.mark.parametrize("value", [1, 0, "yes", 1.0])
+def test_a_foreach_that_is_not_a_bool_or_none_is_rejected_naming_it(value):
+    with pytest.raises(ValueError, match="foreach must be True, False or None"):
+        DMuon([torch.nn.Parameter(torch.zeros(4, 4))], foreach=value)
