@@ -164,12 +164,12 @@ def make_grads(model: nn.Module) -> list[torch.Tensor]:
     return [p.detach() * 0.01 + 0.001 for p in model.parameters()]
 
 
-def make_optimizers(name: str, model: nn.Module) -> list[torch.optim.Optimizer]:
+def make_optimizers(name: str, model: nn.Module, ns_dtype: str = "auto") -> list[torch.optim.Optimizer]:
     named = list(model.named_parameters())
     if name == "dmuon":
-        return [DMuon(named, lr=LR)]
+        return [DMuon(named, lr=LR, ns_dtype=ns_dtype)]
     if name == "dmuon_foreach":
-        return [DMuon(named, lr=LR, foreach=True)]
+        return [DMuon(named, lr=LR, foreach=True, ns_dtype=ns_dtype)]
     if name == "adamw":
         return [torch.optim.AdamW([p for _, p in named], lr=LR, foreach=True)]
     if name == "muon":
@@ -221,14 +221,14 @@ def measure(step: Callable[[], None], steps: int, warmup: int) -> tuple[float, c
     return statistics.median(times), counter.counts
 
 
-def run_rows(shape: ModelShape, optimizers: Sequence[str], steps: int, warmup: int) -> list[Row]:
+def run_rows(shape: ModelShape, optimizers: Sequence[str], steps: int, warmup: int, ns_dtype: str) -> list[Row]:
     """Every optimizer on ``shape`` on this group's ranks (the same rows on every rank)."""
     rows = []
     for name in optimizers:
         model = build_model(shape)
         params = list(model.parameters())
         grads = make_grads(model)
-        optimizers_ = make_optimizers(name, model)
+        optimizers_ = make_optimizers(name, model, ns_dtype)
 
         def step() -> None:
             for param, grad in zip(params, grads):
@@ -245,18 +245,19 @@ def run_rows(shape: ModelShape, optimizers: Sequence[str], steps: int, warmup: i
     return rows
 
 
-def measure_rows(models: Sequence[str], optimizers: Sequence[str], steps: int, warmup: int) -> list[Row]:
+def measure_rows(models: Sequence[str], optimizers: Sequence[str], steps: int, warmup: int,
+                 ns_dtype: str = "auto") -> list[Row]:
     """Every model and optimizer on this process group's ranks (one thread each)."""
     torch.set_num_threads(1)
-    return [row for model in models for row in run_rows(MODELS[model], optimizers, steps, warmup)]
+    return [row for model in models for row in run_rows(MODELS[model], optimizers, steps, warmup, ns_dtype)]
 
 
 def _worker(rank: int, world_size: int, port: int, models: Sequence[str], optimizers: Sequence[str], steps: int,
-            warmup: int, out: str) -> None:
+            warmup: int, ns_dtype: str, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
-        rows = measure_rows(models, optimizers, steps, warmup)
+        rows = measure_rows(models, optimizers, steps, warmup, ns_dtype)
         if rank == 0:
             with open(out, "w") as f:
                 json.dump([asdict(row) for row in rows], f)
@@ -265,7 +266,7 @@ def _worker(rank: int, world_size: int, port: int, models: Sequence[str], optimi
 
 
 def run_on_ranks(world_size: int, models: Sequence[str], optimizers: Sequence[str], steps: int,
-                 warmup: int) -> list[Row]:
+                 warmup: int, ns_dtype: str = "auto") -> list[Row]:
     """Start ``world_size`` gloo ranks (spawned processes) and return rank 0's rows."""
     import socket
 
@@ -274,7 +275,7 @@ def run_on_ranks(world_size: int, models: Sequence[str], optimizers: Sequence[st
         port = sock.getsockname()[1]
     with tempfile.TemporaryDirectory() as folder:
         out = os.path.join(folder, "rows.json")
-        torch_mp.start_processes(_worker, args=(world_size, port, models, optimizers, steps, warmup, out),
+        torch_mp.start_processes(_worker, args=(world_size, port, models, optimizers, steps, warmup, ns_dtype, out),
                                  nprocs=world_size, join=True, start_method="spawn")
         with open(out) as f:
             return [Row(**row) for row in json.load(f)]
@@ -350,6 +351,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--optimizers", default=",".join(OPTIMIZERS), help="comma-separated subset of %(default)s")
     parser.add_argument("--steps", type=int, default=5, help="timed steps (default %(default)s)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (default %(default)s)")
+    parser.add_argument("--ns-dtype", default="auto", choices=("auto", "bfloat16", "float32"),
+                        help="the DMuon rows' ns_dtype (default auto: bf16 on a CPU with a bf16 matmul, whose "
+                             "per-call cost on tiny matrices is several times fp32's)")
     parser.add_argument("--json", default=None, help="write the rows to this JSON file")
     parser.add_argument("--plot", default=None, help="write a PNG plot to this path (needs matplotlib)")
     args = parser.parse_args(argv)
@@ -368,15 +372,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> list[Row]:
     args = parse_args(argv)
     rows = [row for world in args.ranks
-            for row in run_on_ranks(world, args.models, args.optimizers, args.steps, args.warmup)]
+            for row in run_on_ranks(world, args.models, args.optimizers, args.steps, args.warmup, args.ns_dtype)]
     rows.sort(key=lambda r: (args.models.index(r.model), r.world_size))
-    print(f"benchmarks.host_overhead: {_cpu_name()}, one thread per rank, widths {DIM}/{HIDDEN}")
+    print(f"benchmarks.host_overhead: {_cpu_name()}, one thread per rank, widths {DIM}/{HIDDEN}, "
+          f"DMuon ns_dtype {args.ns_dtype}")
     print(format_table(rows), flush=True)
     for line in acceptance(rows):
         print(line)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"cpu": _cpu_name(), "rows": [asdict(row) for row in rows]}, f, indent=2)
+            json.dump({"cpu": _cpu_name(), "ns_dtype": args.ns_dtype, "rows": [asdict(row) for row in rows]}, f,
+                      indent=2)
         print(f"wrote {args.json}")
     if args.plot:
         try:
