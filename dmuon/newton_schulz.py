@@ -197,18 +197,20 @@ def orthogonalize(
     tall = update.size(0) > update.size(1)
     if uses_gram(algorithm, update.shape, steps, restarts):
         compute = gram_dtype_override or gram_dtype(dtype, update.device.type)
-        # fp16 holds values below 65504 only: normalize in fp32 first.
-        x = _normalized(update, torch.float32 if compute == torch.float16 else compute, safety, eps)
-        x = gram_iterate((x.T if tall else x).to(compute), schedule, restarts)
+        x = gram_iterate(_gram_start(update, compute, safety, eps, tall), schedule, restarts)
         return (x.T if tall else x).to(UPDATE_DTYPE)
-    x = _normalized(update, dtype, safety, eps)
-    x = _standard_iterate(*((x.T, x) if tall else (x, x.T)), schedule)
+    x = _standard_iterate(update, dtype, safety, eps, schedule, tall)
     return (x.T if tall else x).to(UPDATE_DTYPE)
 
 
-def _standard_iterate(x: torch.Tensor, x_t: torch.Tensor, schedule: Sequence[Triple]) -> torch.Tensor:
-    """torch.optim.Muon's quintic iteration on a wide ``x`` (``x_t`` its transpose),
-    ``X <- a X + (b S + c S S) X`` with ``S = X X^T``; returns the last iterate."""
+def _standard_iterate(update: torch.Tensor, dtype: torch.dtype, safety: float, eps: float,
+                      schedule: Sequence[Triple], tall: bool) -> torch.Tensor:
+    """torch.optim.Muon's quintic iteration, ``X <- a X + (b S + c S S) X`` with
+    ``S = X X^T``, from the normalized ``update`` in ``dtype``, seen wide; returns the
+    last iterate. The normalized copy is made here, not by the caller, so that it is
+    freed after the first step (a caller's argument lives until the call returns)."""
+    x = _normalized(update, dtype, safety, eps)
+    x, x_t = (x.T, x) if tall else (x, x.T)
     # Each step writes the next iterate into a buffer it does not read (``out=``: the
     # same product as a new tensor, bit for bit), and the two buffers alternate, so the
     # transposes the Gram matrix reads are made once, not once per step.
@@ -223,6 +225,14 @@ def _standard_iterate(x: torch.Tensor, x_t: torch.Tensor, schedule: Sequence[Tri
         reusable = x.is_contiguous()  # the first iterate may be a transposed view: never an ``out``
         x, x_t, spare, spare_t = spare, spare_t, x if reusable else None, x_t if reusable else None
     return x
+
+
+def _gram_start(update: torch.Tensor, compute: torch.dtype, safety: float, eps: float, tall: bool) -> torch.Tensor:
+    """Gram Newton-Schulz's first iterate: ``update`` normalized, seen wide, in ``compute``.
+    fp16 holds values below 65504 only, so an fp16 start is normalized in fp32 first
+    (that fp32 copy is freed on return)."""
+    x = _normalized(update, torch.float32 if compute == torch.float16 else compute, safety, eps)
+    return (x.T if tall else x).to(compute)
 
 
 def _normalized(update: torch.Tensor, dtype: torch.dtype, safety: float, eps: float) -> torch.Tensor:
