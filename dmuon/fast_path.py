@@ -55,10 +55,13 @@ class OwnerRun:
     """Each batch's buffer layout on this rank, made at its first use."""
     dtypes: list[torch.dtype] = field(init=False)
     """Each parameter's dtype (read once: a DTensor attribute costs microseconds)."""
+    shared_dtype: torch.dtype | None = field(init=False)
+    """The parameters' dtype when they all have one (None otherwise)."""
 
     def __post_init__(self) -> None:
         self.blocks = LocalBlocks(self.plan, self.rank)
         self.dtypes = [p.dtype for p in self.params]
+        self.shared_dtype = self.dtypes[0] if len(set(self.dtypes)) == 1 else None
 
     def layout(self, batch: tuple[int, ...]) -> BatchLayout:
         """The layout of ``batch`` (the plan's units of it with a grad), made once; blocks
@@ -72,12 +75,9 @@ class OwnerRun:
         a foreach op needs one dtype for its multi-tensor kernel (an accelerator; on the
         CPU every foreach op loops over its tensors anyway). The bits are the same: a
         bf16 value widens exactly, and ``add_`` computes in the parameter's dtype."""
-        if recv.device.type == "cpu":
+        if recv.device.type == "cpu" or self.shared_dtype in (None, recv.dtype):
             return recv
-        dtypes = set(self.dtypes)
-        if len(dtypes) != 1 or recv.dtype in dtypes:
-            return recv
-        return recv.to(dtypes.pop())
+        return recv.to(self.shared_dtype)
 
     def locals(self) -> list[torch.Tensor]:
         """Each parameter's local tensor (the same objects step after step, unless the
@@ -203,22 +203,22 @@ class FastPath:
             return
         run, params = self._run, self._run.params
         present = [j for j, p in enumerate(params) if p in grads]
+        param_groups = [groups[p] for p in params]  # by plan parameter
         local_grads: list[torch.Tensor | None] = [None] * len(params)
         local_bufs: list[torch.Tensor | None] = [None] * len(params)
         for j in present:
             local_grads[j] = local_of(grads[params[j]])
             local_bufs[j] = local_of(state[params[j]]["momentum_buffer"])
-        for group, members in _by_group(present, [groups[p] for p in params]):
+        for group, members in _by_group(present, param_groups):
             steps.momentum([local_bufs[j] for j in members], [local_grads[j] for j in members], group)
         bufs = run.blocks.kept("momentum_buffer", local_bufs)
         targets = run.blocks.kept("param", run.locals(), flat=True)
         grad_blocks: dict[int, list[torch.Tensor]] = {}  # this step's grads, split on first use
-        group_of = [groups[p] for p in params]
 
         def pack_blocks(units: Sequence[int]) -> list[torch.Tensor]:
-            members = [(group_of[run.plan.units[i].param], i) for i in units]
+            unit_groups = [param_groups[run.plan.units[i].param] for i in units]
             out: list[torch.Tensor] = [None] * len(units)  # type: ignore[list-item]
-            for group, positions in _by_group(range(len(units)), [g for g, _ in members]):
+            for group, positions in _by_group(range(len(units)), unit_groups):
                 unit_ids = [units[k] for k in positions]
                 looks = steps.lookahead([run.blocks.block(i, grad_blocks, local_grads) for i in unit_ids],
                                         [bufs[i] for i in unit_ids], group)
@@ -233,11 +233,11 @@ class FastPath:
         def orthogonalize(unit: Unit, matrix: torch.Tensor) -> torch.Tensor:
             moment = steps.second_moment(params[unit.param], state)
             rows = None if moment is None else moment[unit.dim0[0] : unit.dim0[1]]
-            return steps.orthogonalize(matrix, group_of[unit.param], rows)
+            return steps.orthogonalize(matrix, param_groups[unit.param], rows)
 
         def apply_blocks(units: Sequence[int], orthos: Sequence[torch.Tensor]) -> None:
             steps.apply_many([params[run.plan.units[i].param] for i in units], [targets[i] for i in units], orthos,
-                             [group_of[run.plan.units[i].param] for i in units])
+                             [param_groups[run.plan.units[i].param] for i in units])
 
         callbacks = Callbacks(pack_blocks, update_of, orthogonalize, apply_blocks, run.layout,
                               run.widen if steps.lists_for(run.device) else _same)
@@ -251,11 +251,11 @@ def _same(recv: torch.Tensor) -> torch.Tensor:
     return recv
 
 
-def _by_group(indices: Iterable[int], group_of: Sequence[dict[str, Any]]) -> list[tuple[dict[str, Any], list[int]]]:
+def _by_group(indices: Iterable[int], group_at: Sequence[dict[str, Any]]) -> list[tuple[dict[str, Any], list[int]]]:
     """``indices`` bucketed by their param group (by identity), in first-seen order."""
     buckets: dict[int, tuple[dict[str, Any], list[int]]] = {}
     for k in indices:
-        group = group_of[k]
+        group = group_at[k]
         buckets.setdefault(id(group), (group, []))[1].append(k)
     return list(buckets.values())
 

@@ -30,7 +30,6 @@ import math
 from collections.abc import Sequence
 
 import torch
-from torch.distributed.tensor import DTensor
 from torch.optim.adamw import adamw as _torch_adamw
 
 from dmuon.newton_schulz import UPDATE_DTYPE, matrix_shape

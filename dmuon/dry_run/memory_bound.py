@@ -12,7 +12,7 @@ next, so the bound is the largest of three terms (``e``: the parameter's element
   (:func:`newton_schulz_workspace`), plus the larger of the look-ahead of its largest
   packing chunk (``dmuon.pack_layout.PACK_CHUNK_NUMEL`` elements or one block, in the
   parameters' dtype), its largest scatter receive buffer widened to the parameters'
-  dtype (``FastPath.widen``) and the elementwise temporaries of its largest block
+  dtype (``OwnerRun.widen``) and the elementwise temporaries of its largest block
   (:func:`elementwise_bytes`);
 - *whole matrices* (plain tensors, replicated DTensors, the reference path): for the
   largest, its bf16 update and result (and the results a stack of experts or heads is
@@ -73,13 +73,13 @@ def _exchange(optimizer: DMuon, groups: dict, rank: int, ns_bytes: int) -> int:
     run = optimizer._fast_path._run  # noqa: SLF001 - the plan's parameters and batch layouts
     params = run.params
     workspace = elementwise = 0
+    widest = max(p.element_size() for p in params)
     for batch in plan.batches:  # each chunk's look-ahead, packed at once, in its parameters' dtype
         layout = run.layout(batch)
         for first, _, start, end in layout.send_chunks:
             param_bytes = params[plan.units[layout.send_units[first]].param].element_size()
             elementwise = max(elementwise, (end - start) * param_bytes)
-        # The results received, widened to the parameters' dtype for the list ops (FastPath.widen).
-        widest = max(p.element_size() for p in params)
+        # The results received, widened to the parameters' dtype for the list ops (OwnerRun.widen).
         elementwise = max(elementwise, sum(layout.scatter_recv_sizes) * widest)
     for unit in plan.units:
         group = groups[params[unit.param]]
