@@ -31,28 +31,10 @@ What it patches and why:
    which reduces with a plain SUM -- mathematically the same with factor 1.0.
    ``train_specs.with_dmuon`` applies this wrapper to every spec it registers.
 
-4. **Exit after a successful run.** Gloo runs each collective on a worker thread
-   of its ``ProcessGroupGloo``. A worker drops its reference to a finished
-   collective only *after* the caller's ``wait()`` has returned, and those threads
-   outlive ``destroy_process_group()`` (gloo's ``shutdown()`` does not stop them;
-   pytorch/pytorch#130345). When that late reference is the last one to a tensor
-   Python has already let go of, the worker must take the GIL to free the
-   tensor's Python object. If the main thread has meanwhile begun interpreter
-   finalization, CPython 3.11 ends the worker with ``pthread_exit`` inside a C++
-   destructor and the process dies with ``terminate called without an active
-   exception`` / ``Fatal Python error: Aborted`` (SIGABRT) after training
-   finished -- on a rank other than 0, since rank 0 sleeps 2 s before exiting
-   (pytorch/pytorch#190489). A core dump of such a rank shows exactly that stack:
-   ``ProcessGroupGloo::runLoop`` -> ``~AsyncAllreduceWork`` ->
-   ``THPVariable_dealloc`` -> ``take_gil`` -> ``pthread_exit`` -> ``std::terminate``.
-   The process groups are still referenced from C++ at exit (``gc.collect()``
-   frees none of them), so we cannot free them -- and join their threads --
-   early. Instead an ``atexit`` handler, which runs before finalization begins,
-   flushes the output and ends a cleanly finished run with ``os._exit(0)``: with
-   no finalization, no thread is ever told to exit. It acts only when
-   ``__main__`` is a ``torchtitan`` module, the process group was destroyed
-   (TorchTitan's ``main`` does that only after training succeeded) and no
-   exception escaped; any other exit is left alone.
+4. **Exit after a successful run.** ``clean_exit.install()``: a cleanly finished job ends
+   with ``os._exit(0)`` before interpreter finalization, where gloo's worker threads
+   could otherwise abort a finished rank with SIGABRT (pytorch/pytorch#190489; the
+   whole story is in ``torchtitan_ext/clean_exit.py``).
 
 5. **Counting tokens per expert (MoE).** The MoE router and token reorderer
    (``torchtitan.models.moe.moe``) count tokens per expert with ``torch.histc``
@@ -76,7 +58,6 @@ the start of the Trainer, before it picks a device; never on import of the packa
 
 from __future__ import annotations
 
-import atexit
 import functools
 import importlib
 import logging
@@ -85,10 +66,10 @@ import sys
 from typing import Any, Callable
 
 import torch
-import torch.distributed as dist
 
 from torchtitan.tools.logging import logger
 
+from .. import clean_exit
 from ..cpu_common import force_sum_reduction, needs_cpu_compat, point_torchtitan_at_cpu, wrap_parallelize_fn  # noqa: F401 (re-exported)
 from ..integer_histc import HISTC_INTEGER_DTYPES, integer_histc
 from ..versions import require_tested
@@ -103,28 +84,6 @@ _MODULES_WITH_DEVICE_COPIES = (
 )
 
 _applied = False
-
-
-def torchtitan_finished_cleanly() -> bool:
-    """True at exit of a TorchTitan job whose ``main`` completed (see patch 4)."""
-    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
-    return (
-        spec is not None
-        and spec.name.startswith("torchtitan.")
-        and dist.is_available()
-        and not dist.is_initialized()  # TorchTitan destroys the group only on success
-        and not hasattr(sys, "last_value")  # set when an exception ended the program
-    )
-
-
-def _exit_before_finalization() -> None:
-    """Patch 4: end a cleanly finished TorchTitan job without interpreter finalization."""
-    if not torchtitan_finished_cleanly():
-        return
-    logging.shutdown()  # flush log handlers, as finalization would have
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 
 
 def _histc_with_integer_cpu_support(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
@@ -171,7 +130,7 @@ def apply() -> None:
         return
     require_tested("0.2", "TorchTitan's device selection, memory monitor and MoE helpers (the CPU layer)")
     point_torchtitan_at_cpu(_MODULES_WITH_DEVICE_COPIES)
-    atexit.register(_exit_before_finalization)
+    clean_exit.install()
     _install_moe_patches()
     _applied = True
     logger.info("torchtitan_ext.titan02.cpu_compat: no accelerator found, running TorchTitan on CPU/gloo")

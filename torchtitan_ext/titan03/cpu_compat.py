@@ -23,10 +23,14 @@ What 0.3.0 still needs on CPU (each found by running the 2-rank debug job), and 
    switches every FSDP module to a plain SUM, the same result with factor 1.0.
 4. **Attention** (config, no patch): ``cpu_attention.CpuBlockCausalAttention``.
 
-Not needed with TorchTitan 0.3.0 and torch 2.15: the 0.2.x layer's ``atexit`` guard
-against gloo's worker threads aborting a finished rank during interpreter finalization
-(pytorch/pytorch#130345): ten clean 2-rank runs without it all exited with status 0.
-Nor the 0.2.x MoE patches (an integer ``torch.histc`` and the CPU
+5. **Exit after a successful run** (``atexit`` handler): ``clean_exit.install()``, the
+   0.2.x layer's guard against gloo's worker threads aborting a finished rank with
+   SIGABRT during interpreter finalization (pytorch/pytorch#190489; the whole story is in
+   ``torchtitan_ext/clean_exit.py``). Ten clean 2-rank runs once suggested 0.3.0 with
+   torch 2.15 did without it; then a 4-rank HSDP run in CI aborted on rank 2 after its
+   last step.
+
+Not needed with TorchTitan 0.3.0: the 0.2.x MoE patches (an integer ``torch.histc`` and the CPU
 ``generate_permute_indices``): 0.3.0's MoE (``models/common/moe.py``,
 ``token_dispatcher.py``) calls neither, and qwen3's MoE debug model trains on this layer
 with expert parallelism 2 (``tests/test_titan03_layouts.py``).
@@ -36,6 +40,7 @@ from __future__ import annotations
 
 from torchtitan.tools.logging import logger
 
+from .. import clean_exit
 from ..cpu_common import needs_cpu_compat, point_torchtitan_at_cpu, wrap_parallelize_fn
 from ..versions import require_tested
 
@@ -60,7 +65,7 @@ def installed() -> bool:
 
 
 def install() -> bool:
-    """Install patches 1 and 2 on a CPU-only machine; return whether they are in place.
+    """Install patches 1, 2 and 5 on a CPU-only machine; return whether they are in place.
 
     Idempotent; does nothing (and returns False) when an accelerator exists.
     """
@@ -71,6 +76,7 @@ def install() -> bool:
         return False
     require_tested("0.3", "TorchTitan's device selection and memory monitor (the 0.3 CPU layer)")
     point_torchtitan_at_cpu(MODULES_WITH_DEVICE_COPIES)
+    clean_exit.install()
     _installed = True
     logger.info("torchtitan_ext.titan03.cpu_compat: no accelerator found, running TorchTitan on CPU/gloo")
     return True
