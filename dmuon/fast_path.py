@@ -20,7 +20,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from dmuon.comm import WIRE_DTYPE, CommStats, ScratchMeter, mesh_device

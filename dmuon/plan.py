@@ -37,9 +37,9 @@ from dataclasses import dataclass, replace
 from functools import cached_property
 
 import torch
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate
 
-from dmuon.layout import Box, Layout, chunk_ranges
+from dmuon.layout import Box, Layout
 from dmuon.mesh_facts import mesh_ranks_in_order
 from dmuon.newton_schulz import (
     DEFAULT_GRAM_RESTARTS, DEFAULT_NS_ALGORITHM, DEFAULT_NS_STEPS, matrix_shape, newton_schulz_flops,

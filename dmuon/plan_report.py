@@ -41,8 +41,8 @@ from pathlib import Path
 
 from dmuon.cost_model import CostModel, exchange_ms, newton_schulz_ms, overlapped_ms
 from dmuon.layout import Layout
-from dmuon.newton_schulz import DEFAULT_NS_ALGORITHM, DEFAULT_NS_STEPS, NS_ALGORITHMS, NS_DTYPES, newton_schulz_flops
-from dmuon.plan import DEFAULT_BATCH_NUMEL, WIRE_BYTES, OwnerPlan, ParamSpec, lpt_bound_flops, make_owner_plan
+from dmuon.newton_schulz import DEFAULT_NS_ALGORITHM, DEFAULT_NS_STEPS, NS_ALGORITHMS, NS_DTYPES
+from dmuon.plan import DEFAULT_BATCH_NUMEL, ParamSpec, lpt_bound_flops, make_owner_plan
 
 @dataclass(frozen=True)
 class Llama3:

@@ -60,9 +60,6 @@ from __future__ import annotations
 
 import functools
 import importlib
-import logging
-import os
-import sys
 from typing import Any, Callable
 
 import torch
