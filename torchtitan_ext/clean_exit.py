@@ -1,7 +1,7 @@
 """How a finished CPU TorchTitan job exits: ``os._exit(0)`` before interpreter finalization.
 
 Both lines' CPU layers (``titan02/cpu_compat.py`` patch 4, ``titan03/cpu_compat.py``
-patch 3) call ``install()``.
+patch 5) call ``install()``.
 
 Why: gloo runs each collective on a worker thread of its ``ProcessGroupGloo``. A worker
 drops its reference to a finished collective only *after* the caller's ``wait()`` has
@@ -36,7 +36,7 @@ import sys
 
 import torch.distributed as dist
 
-__all__ = ["install", "installed", "torchtitan_finished_cleanly"]
+__all__ = ["install", "torchtitan_finished_cleanly"]
 
 _installed = False
 
@@ -60,11 +60,6 @@ def _exit_before_finalization() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
-
-
-def installed() -> bool:
-    """True once ``install`` has registered the handler in this process."""
-    return _installed
 
 
 def install() -> None:

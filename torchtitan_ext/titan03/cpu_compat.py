@@ -22,7 +22,6 @@ What 0.3.0 still needs on CPU (each found by running the 2-rank debug job), and 
    gloo rejects ("Cannot use ReduceOp.PREMUL_SUM with Gloo"); ``wrap_parallelize_fn``
    switches every FSDP module to a plain SUM, the same result with factor 1.0.
 4. **Attention** (config, no patch): ``cpu_attention.CpuBlockCausalAttention``.
-
 5. **Exit after a successful run** (``atexit`` handler): ``clean_exit.install()``, the
    0.2.x layer's guard against gloo's worker threads aborting a finished rank with
    SIGABRT during interpreter finalization (pytorch/pytorch#190489; the whole story is in
