@@ -23,7 +23,7 @@ DMuon rows use ``--ns-dtype`` (default ``auto``: bf16 on GPUs and CPUs with a na
 matmul, fp32 elsewhere), and the table says which dtype each row ran. A last row gives
 the throughput of Newton-Schulz on one ``dim x dim`` matrix in each dtype, on rank 0.
 DMuon rows also use ``--ns-algorithm`` (default ``standard``; ``gram``, ``auto``: Gram
-Newton-Schulz, ``dmuon.gram_newton_schulz``), and the table says which.
+Newton-Schulz, ``dmuon.numerics.gram_newton_schulz``), and the table says which.
 
 On a CPU without a native bf16 matmul (``torch.backends.cpu.get_cpu_capability()`` AVX2,
 ``dmuon.torch_compat.mkldnn_bf16_supported()`` False) the bf16 rows (``dmuon_bf16``,
@@ -58,7 +58,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from benchmarks.layouts import LAYOUTS, default_mesh_shape, like, parallelize
-from dmuon.newton_schulz import (
+from dmuon.numerics.newton_schulz import (
     DEFAULT_NS_ALGORITHM,
     DEFAULT_NS_DTYPE,
     DEFAULT_NS_STEPS,

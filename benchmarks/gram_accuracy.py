@@ -4,7 +4,7 @@
     python -m benchmarks.gram_accuracy --coefficients polar_express --json
 
 For each shape (aspect 1.5 to 8, wide and tall) and kind of input, the bf16 update
-``G`` is orthogonalized by ``dmuon.newton_schulz.orthogonalize`` in several ways, and
+``G`` is orthogonalized by ``dmuon.numerics.newton_schulz.orthogonalize`` in several ways, and
 each result ``O`` (bf16, as Muon applies it) is compared with the exact polar factor
 ``U V^T`` of ``G`` (SVD in float64): ``||O - U V^T||_F / ||U V^T||_F``. Five iterations
 do not converge on small singular values, so even the float64 iteration is some way off;
@@ -24,7 +24,7 @@ import json
 
 import torch
 
-from dmuon.newton_schulz import GRAM, STANDARD, orthogonalize
+from dmuon.numerics.newton_schulz import GRAM, STANDARD, orthogonalize
 
 DEFAULT_SHAPES = ("256x384", "384x256", "256x896", "896x256", "256x1024", "1024x256", "128x1024", "1024x128")
 INPUTS = ("gaussian", "lowrank", "momentum")

@@ -6,7 +6,7 @@ Run::
 
 Times, on one attention's ``q``/``k``/``v`` of the given shape (median of repeats after
 warm-up): SDPA's causal forward, SDPA's forward + backward (what a training step runs
-per attention), and ``dmuon.qk_clip.head_max_logits`` (what ``MaxLogitTracker.observe``
+per attention), and ``dmuon.attention.qk_clip.head_max_logits`` (what ``MaxLogitTracker.observe``
 adds). Its scratch bound (``[batch, heads, chunk, keys]`` logits of one query chunk) is
 printed from the formula; on CUDA the measured peak of extra memory is printed too.
 The defaults are one attention of the CPU demo (TorchTitan's llama3 debug model:
@@ -22,7 +22,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from dmuon.qk_clip import DEFAULT_LOGIT_SCRATCH_BYTES, head_max_logits
+from dmuon.attention.qk_clip import DEFAULT_LOGIT_SCRATCH_BYTES, head_max_logits
 
 
 def _median_seconds(fn, device: torch.device, repeats: int) -> float:

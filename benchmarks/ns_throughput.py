@@ -6,7 +6,7 @@
     python -m benchmarks.ns_throughput --device cpu --threads 1 --ns-dtype float32 \
         --algorithms standard gram --shapes cpu-llama --dmuon-step
 
-For each shape: the time of ``dmuon.newton_schulz.orthogonalize`` (5 steps, bf16 on an
+For each shape: the time of ``dmuon.numerics.newton_schulz.orthogonalize`` (5 steps, bf16 on an
 accelerator), its TFLOP/s by ``newton_schulz_flops``, and that as a fraction of the
 TFLOP/s of one large bf16 matmul on the same device (the achievable peak, measured
 here rather than taken from a datasheet). ``--peak-tflops`` adds the fraction of a
@@ -25,9 +25,15 @@ import time
 import torch
 
 from dmuon import DMuon
-from dmuon.newton_schulz import (
-    DEFAULT_NS_DTYPE, NS_ALGORITHMS, NS_DTYPE_CHOICES, STANDARD, newton_schulz_flops, orthogonalize,
-    resolve_ns_algorithm, resolve_ns_dtype,
+from dmuon.numerics.newton_schulz import (
+    DEFAULT_NS_DTYPE,
+    NS_ALGORITHMS,
+    NS_DTYPE_CHOICES,
+    STANDARD,
+    newton_schulz_flops,
+    orthogonalize,
+    resolve_ns_algorithm,
+    resolve_ns_dtype,
 )
 
 # llama3 8B's Muon matrices (wq/wo, wk/wv, w1/w3, w2) and 70B's MLP: rows x cols.

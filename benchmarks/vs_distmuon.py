@@ -33,9 +33,9 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from dmuon.layout import chunk_ranges
-from dmuon.newton_schulz import AUTO, DEFAULT_NS_ALGORITHM, DEFAULT_NS_STEPS, newton_schulz_flops
+from dmuon.numerics.newton_schulz import AUTO, DEFAULT_NS_ALGORITHM, DEFAULT_NS_STEPS, newton_schulz_flops
 from dmuon.plan import WIRE_BYTES, OwnerPlan, ParamSpec, make_owner_plan
+from dmuon.plan.layout import chunk_ranges
 from dmuon.plan_report import PRESETS, Llama3, min_bytes_per_rank
 
 COMPARE_MODELS = ("llama3-8b", "llama3-70b")
@@ -147,7 +147,7 @@ def whole_matrix_exchange_bytes(shapes: Sequence[Sequence[int]], owners: Sequenc
 
 def ns_loads(shapes: Sequence[Sequence[int]], owners: Sequence[int], world_size: int,
              ns_steps: int = DEFAULT_NS_STEPS) -> list[int]:
-    """Newton-Schulz flops per rank (``dmuon.newton_schulz.newton_schulz_flops``)."""
+    """Newton-Schulz flops per rank (``dmuon.numerics.newton_schulz.newton_schulz_flops``)."""
     loads = [0] * world_size
     for shape, owner in zip(shapes, owners):
         loads[owner] += newton_schulz_flops(shape, ns_steps)

@@ -8,13 +8,13 @@ benchmark is not part of this package: it is ``benchmarks.bench`` in the reposit
 run from its root (``torchrun --standalone --nproc-per-node 2 -m benchmarks.bench``).
 """
 
-from dmuon.comm import CommStats
-from dmuon.newton_schulz import KELLER_COEFFICIENTS, NS_COEFFICIENT_SETS, orthogonalize
+from dmuon.attention.max_logits import MaxLogitTracker
+from dmuon.attention.qk_clip import AttentionHeads
+from dmuon.exchange.comm import CommStats
+from dmuon.numerics.newton_schulz import KELLER_COEFFICIENTS, NS_COEFFICIENT_SETS, orthogonalize
+from dmuon.numerics.update_rules import ADJUST_LR_CHOICES, shape_scale
 from dmuon.optimizer import DMuon
-from dmuon.max_logits import MaxLogitTracker
 from dmuon.param_groups import DEFAULT_ADAMW_NAME_PATTERN, default_use_muon
-from dmuon.qk_clip import AttentionHeads
-from dmuon.update_rules import ADJUST_LR_CHOICES, shape_scale
 
 __all__ = [
     "ADJUST_LR_CHOICES",

@@ -1,12 +1,12 @@
 """The fast path of one ``DMuon``: its one owner plan, the process group that runs it,
-and the step that runs it (``dmuon.transport.owner_exchange``).
+and the step that runs it (``dmuon.exchange.owner_exchange``).
 
 A NorMuon group's normalization runs with Newton-Schulz, where the matrix is whole:
-on its owner. Its per-row state is replicated (``dmuon.functional.normuon_state``):
+on its owner. Its per-row state is replicated (``dmuon.numerics.functional.normuon_state``):
 the owner reads the rows of the matrices it owns from its own copy, and after the
-exchange :func:`share_second_moments` gives every rank the rows the owners wrote.
+exchange ``dmuon.exchange.reductions.share_second_moments`` gives every rank the rows the owners wrote.
 
-Made lazily: the paths (``dmuon.paths``) on first query, the plan at the first
+Made lazily: the paths (``dmuon.plan.paths``) on first query, the plan at the first
 ``step()``, where every rank runs the one collective planning needs (the shard check)
 at the same point. Adding a param group forgets both.
 """
@@ -22,18 +22,20 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from dmuon.comm import WIRE_DTYPE, CommStats, ScratchMeter, mesh_device
-from dmuon.cost_model import CostModel, plan_with_best_split
+from dmuon.exchange.comm import WIRE_DTYPE, CommStats, ScratchMeter, mesh_device
+from dmuon.exchange.groups import group_of, host_group_of, sum_on_host
+from dmuon.exchange.owner_exchange import Callbacks, run_owner_plan
+from dmuon.exchange.reductions import share_second_moments
 from dmuon.group_steps import GroupSteps
-from dmuon.groups import group_of, host_group_of, sum_on_host
-from dmuon.local_blocks import LocalBlocks
-from dmuon.mesh_facts import mesh_ranks
-from dmuon.newton_schulz import resolve_ns_algorithm, resolve_ns_dtype
-from dmuon.pack_layout import BatchLayout, make_batch_layout
-from dmuon.paths import PATHS, choose_paths
-from dmuon.plan import ALL_TO_ALL, OwnerPlan, ParamSpec, Unit, layout_of, make_owner_plan
+from dmuon.numerics.newton_schulz import resolve_ns_algorithm, resolve_ns_dtype
+from dmuon.plan.cost_model import CostModel, plan_with_best_split
+from dmuon.plan.local_blocks import LocalBlocks
+from dmuon.plan.mesh_facts import mesh_ranks
+from dmuon.plan.owner_plan import OwnerPlan, make_owner_plan
+from dmuon.plan.pack_layout import BatchLayout, make_batch_layout
+from dmuon.plan.paths import ALL_TO_ALL, PATHS, choose_paths, layout_of
+from dmuon.plan.units import ParamSpec, Unit
 from dmuon.torch_compat import compute_local_shape_and_global_offset, host_tensor_ops, local_of
-from dmuon.transport.owner_exchange import Callbacks, run_owner_plan
 
 logger = logging.getLogger("dmuon")
 
@@ -87,7 +89,7 @@ class OwnerRun:
 class FastPath:
     """One optimizer's paths, and its owner plan with the group that runs it.
 
-    One plan serves every fast parameter: ``dmuon.paths`` sends a parameter on a mesh
+    One plan serves every fast parameter: ``dmuon.plan.paths`` sends a parameter on a mesh
     of other ranks to the reference path, so there is never more than one."""
 
     def __init__(self, comm: str, max_batch_numel: int, split_replicas: bool | None, ns_dtype: str,
@@ -108,7 +110,7 @@ class FastPath:
 
     def paths(self, muon_params: Sequence[torch.Tensor], name_of: Callable[[torch.Tensor], str]
               ) -> dict[torch.Tensor, str]:
-        """Each Muon parameter's path (``dmuon.paths``; no collective), made once."""
+        """Each Muon parameter's path (``dmuon.plan.paths``; no collective), made once."""
         if self._paths is None:
             self._paths = choose_paths(muon_params, self.comm, name_of)
         return self._paths
@@ -164,11 +166,11 @@ class FastPath:
     def _check_shards_agree_with_plan(run: OwnerRun, name_of: Callable[[torch.Tensor], str]) -> None:
         """Every rank's local shard must be the block of the parameter the plan assumes.
 
-        The plan reads DTensor's placement rules (``dmuon.layout``); here each rank
+        The plan reads DTensor's placement rules (``dmuon.plan.layout``); here each rank
         compares them with DTensor's own answer and with the local tensor's shape, so
         one built by ``DTensor.from_local`` with custom uneven shards is caught. Shapes
         and offsets are host facts: the check sums the mismatches over the ranks on the
-        host (``dmuon.groups.sum_on_host``), once, at planning time, so a mismatch on
+        host (``dmuon.exchange.groups.sum_on_host``), once, at planning time, so a mismatch on
         any rank stops every rank and no device value is read.
         """
         wrong = []
@@ -197,7 +199,7 @@ class FastPath:
         """The fast path's step for the parameters in ``grads``: the momentum EMA of every
         local shard first (one list op per group), the Nesterov look-ahead packed as
         blocks travel, Newton-Schulz on the owner, the update on the local rows as
-        results come back (``dmuon.transport.owner_exchange``), each a list op per batch."""
+        results come back (``dmuon.exchange.owner_exchange``), each a list op per batch."""
         if self._run is None:
             return
         run, params = self._run, self._run.params
@@ -257,39 +259,3 @@ def _by_group(indices: Iterable[int], group_at: Sequence[dict[str, Any]]) -> lis
         group = group_at[k]
         buckets.setdefault(id(group), (group, []))[1].append(k)
     return list(buckets.values())
-
-
-def reporting_units(plan: OwnerPlan, rank: int) -> list[Unit]:
-    """The units whose rows ``rank`` reports in :func:`share_second_moments`: of the
-    units covering the same rows of a parameter (one per holder for a unit kept
-    whole, one per replica without ``split_replicas``), the one of the lowest owner,
-    so every row is reported exactly once."""
-    first: dict[tuple[int, tuple[int, int]], Unit] = {}
-    for unit in plan.units:
-        key = (unit.param, unit.dim0)
-        if key not in first or unit.owner < first[key].owner:
-            first[key] = unit
-    return [unit for unit in first.values() if unit.owner == rank]
-
-
-def share_second_moments(plan: OwnerPlan, rank: int, moments: Mapping[int, torch.Tensor],
-                         group: dist.ProcessGroup, device: torch.device) -> None:
-    """Make every rank's copy of the NorMuon state ``moments`` (plan parameter index ->
-    the whole rows on this rank; the same keys on every rank) equal to what the owners
-    wrote this step: each rank contributes the rows it reports (:func:`reporting_units`)
-    and zeros elsewhere, and one ``all_reduce`` sums them per dtype. A sum of one value
-    and zeros is that value, so every copy gets the owner's bits."""
-    mine = reporting_units(plan, rank)
-    for dtype in sorted({m.dtype for m in moments.values()}, key=str):
-        members = [(j, m) for j, m in sorted(moments.items()) if m.dtype == dtype]
-        flat = torch.zeros(sum(m.numel() for _, m in members), dtype=dtype, device=device)
-        views, offset = [], 0
-        for j, moment in members:
-            view = flat[offset : offset + moment.numel()].view(moment.shape)
-            for unit in (u for u in mine if u.param == j):
-                view[unit.dim0[0] : unit.dim0[1]].copy_(moment[unit.dim0[0] : unit.dim0[1]])
-            views.append((moment, view))
-            offset += moment.numel()
-        dist.all_reduce(flat, group=group)
-        for moment, view in views:
-            moment.copy_(view)

@@ -1,4 +1,4 @@
-"""The functional Muon and AdamW steps (``dmuon.functional``) run with one param
+"""The functional Muon and AdamW steps (``dmuon.numerics.functional``) run with one param
 group's settings, measured as ``DMuon`` reports them: every Newton-Schulz call adds its
 flops to ``CommStats.ns_flops`` and its time to the telemetry, and every in-place update
 is seen by the telemetry's update/weight RMS.
@@ -15,21 +15,28 @@ from typing import Any
 
 import torch
 
-from dmuon.comm import CommStats
-from dmuon.functional import (
-    adamw_, adamw_state, muon_, newton_schulz, newton_schulz_work, normuon_normalize_, normuon_state, update_scale,
+from dmuon.exchange.comm import CommStats
+from dmuon.exchange.reference import orthogonalize_gathered
+from dmuon.numerics.functional import (
+    adamw_,
+    adamw_state,
+    muon_,
+    newton_schulz,
+    newton_schulz_work,
+    normuon_normalize_,
+    normuon_state,
+    update_scale,
 )
-from dmuon.newton_schulz import resolve_ns_algorithm, resolve_ns_dtype
-from dmuon.plan import ALL_TO_ALL, REDISTRIBUTE
+from dmuon.numerics.newton_schulz import resolve_ns_algorithm, resolve_ns_dtype
+from dmuon.numerics.update_lists import apply_muon_updates_, lookahead, momentum_, resolve_foreach
+from dmuon.plan.paths import ALL_TO_ALL, REDISTRIBUTE
 from dmuon.telemetry import Telemetry
 from dmuon.torch_compat import local_of
-from dmuon.transport.reference import orthogonalize_gathered
-from dmuon.update_lists import apply_muon_updates_, lookahead, momentum_, resolve_foreach
 
 # The Muon group values the update rules read (the rest configure Newton-Schulz).
 MUON_STEP_KEYS = ("lr", "momentum", "nesterov", "weight_decay", "adjust_lr", "matched_adamw_rms", "split_rows",
                   "cautious_weight_decay")
-# The state key of NorMuon's per-row second moment (``dmuon.functional.normuon_state``).
+# The state key of NorMuon's per-row second moment (``dmuon.numerics.functional.normuon_state``).
 NORMUON_STATE_KEY = "normuon_second_moment"
 
 
@@ -41,7 +48,7 @@ class GroupSteps:
         self.stats = stats
         self.telemetry = telemetry
         self.foreach = foreach
-        """The optimizer's ``foreach``: None lets torch choose per device (``dmuon.update_lists``)."""
+        """The optimizer's ``foreach``: None lets torch choose per device (``dmuon.numerics.update_lists``)."""
 
     def orthogonalize(self, matrix: torch.Tensor, group: dict[str, Any],
                       second_moment: torch.Tensor | None = None) -> torch.Tensor:
@@ -98,7 +105,7 @@ class GroupSteps:
     def make_muon_state(grads: Mapping[torch.Tensor, torch.Tensor], groups: Mapping[torch.Tensor, dict[str, Any]],
                         state: Mapping[torch.Tensor, dict[str, Any]]) -> None:
         """At a Muon parameter's first grad: a zero momentum buffer, and in a NorMuon
-        group a zero second moment (``dmuon.functional.normuon_state``)."""
+        group a zero second moment (``dmuon.numerics.functional.normuon_state``)."""
         for param in grads:
             if "momentum_buffer" not in state[param]:
                 state[param]["momentum_buffer"] = torch.zeros_like(param, memory_format=torch.preserve_format)
@@ -115,7 +122,7 @@ class GroupSteps:
                    grads: Mapping[torch.Tensor, torch.Tensor], state: Mapping[torch.Tensor, dict[str, Any]]) -> None:
         """Muon for the group's parameters with a grad that are whole on this rank
         (``local``: orthogonalized in place) or gathered whole on every rank
-        (``redistribute``: ``dmuon.transport.reference``); the fast path ran the others."""
+        (``redistribute``: ``dmuon.exchange.reference``); the fast path ran the others."""
         params = [p for p in group["params"] if p in grads and paths[p] != ALL_TO_ALL]
 
         def orthogonalize(i: int, update: torch.Tensor) -> torch.Tensor:

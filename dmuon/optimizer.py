@@ -4,11 +4,11 @@ One ``step()``:
 
 1. every rank agrees, with one small ``all_reduce`` per mesh, on which distributed
    Muon parameters have a grad (and whether any rank found an invalid grad):
-   ``dmuon.grad_agreement``;
-2. each matrix is orthogonalized once, on the path ``dmuon.paths`` chose for it: on
+   ``dmuon.exchange.grad_agreement``;
+2. each matrix is orthogonalized once, on the path ``dmuon.plan.paths`` chose for it: on
    its owner rank, batch by batch (``all_to_all`` fast path: ``dmuon.fast_path`` over
-   ``dmuon.transport.owner_exchange``), on every rank (``redistribute`` reference
-   path, ``dmuon.transport.reference``), or where it lives (``local``: plain tensors,
+   ``dmuon.exchange.owner_exchange``), on every rank (``redistribute`` reference
+   path, ``dmuon.exchange.reference``), or where it lives (``local``: plain tensors,
    replicas); momentum runs on the local shards just before, and weight decay and the
    scaled update land on them just after, so scratch memory is bounded per batch (or
    per parameter);
@@ -16,9 +16,9 @@ One ``step()``:
 4. QK-clip, for the attentions registered with :meth:`DMuon.clip_attention`: one
    ``all_reduce(MAX)`` of their per-head logits, then the heads over their group's
    ``qk_clip_threshold`` get their rows of ``W_q``/``W_k`` scaled where they lie
-   (``dmuon.attention_clip``).
+   (``dmuon.attention.clipping``).
 
-The math is ``dmuon.functional`` (run with a group's settings, counted and timed, by
+The math is ``dmuon.numerics.functional`` (run with a group's settings, counted and timed, by
 ``dmuon.group_steps``); the groups are ``dmuon.param_groups``'. This class holds the
 state and the configuration, and calls them in that order.
 
@@ -34,25 +34,38 @@ from typing import Any
 import torch
 from torch.optim.optimizer import Optimizer
 
-from dmuon.attention_clip import AttentionClip, muon_group_threshold
-from dmuon.comm import CommStats, ScratchMeter
-from dmuon.cost_model import CostModel
+from dmuon.attention.clipping import AttentionClip, muon_group_threshold
+from dmuon.attention.max_logits import MaxLogitTracker
+from dmuon.attention.qk_clip import AttentionHeads
+from dmuon.exchange.comm import CommStats, ScratchMeter
+from dmuon.exchange.grad_agreement import agreed_grads
 from dmuon.fast_path import FastPath
-from dmuon.grad_agreement import agreed_grads
-from dmuon.max_logits import MaxLogitTracker
 from dmuon.group_steps import GroupSteps
-from dmuon.newton_schulz import (
-    DEFAULT_GRAM_RESTARTS, DEFAULT_NS_ALGORITHM, DEFAULT_NS_DTYPE, DEFAULT_NS_EPS, DEFAULT_NS_STEPS, KELLER_COEFFICIENTS,
+from dmuon.numerics.newton_schulz import (
+    DEFAULT_GRAM_RESTARTS,
+    DEFAULT_NS_ALGORITHM,
+    DEFAULT_NS_DTYPE,
+    DEFAULT_NS_EPS,
+    DEFAULT_NS_STEPS,
+    KELLER_COEFFICIENTS,
 )
+from dmuon.numerics.update_rules import DEFAULT_MATCHED_ADAMW_RMS, DEFAULT_NORMUON_BETA2
 from dmuon.param_groups import (
-    build_param_groups, check_adamw_hyperparameters, check_foreach, check_link_gbps, check_muon_hyperparameters,
-    check_ns_dtype, check_optimizer_options, split_options,
+    build_param_groups,
+    check_adamw_hyperparameters,
+    check_foreach,
+    check_link_gbps,
+    check_muon_hyperparameters,
+    check_ns_dtype,
+    check_optimizer_options,
+    split_options,
 )
 from dmuon.pickling import PicklesConfiguration
-from dmuon.plan import ALL_TO_ALL, DEFAULT_BATCH_NUMEL, OwnerPlan
-from dmuon.qk_clip import AttentionHeads
+from dmuon.plan.batches import DEFAULT_BATCH_NUMEL
+from dmuon.plan.cost_model import CostModel
+from dmuon.plan.owner_plan import OwnerPlan
+from dmuon.plan.paths import ALL_TO_ALL
 from dmuon.telemetry import StepFigures, Telemetry
-from dmuon.update_rules import DEFAULT_MATCHED_ADAMW_RMS, DEFAULT_NORMUON_BETA2
 
 ParamsArg = Iterable[torch.Tensor] | Iterable[tuple[str, torch.Tensor]] | Iterable[dict[str, Any]]
 
@@ -78,9 +91,9 @@ class DMuon(PicklesConfiguration, Optimizer):
             ``"spectral"`` (``sqrt(A/B)``) or ``None``.
         split_rows: orthogonalize each block of this many rows on its own (a head).
         normuon, normuon_beta2: NorMuon's row-normalized update and its EMA coefficient
-            (``dmuon.update_rules``; adds the state ``normuon_second_moment``).
+            (``dmuon.numerics.update_rules``; adds the state ``normuon_second_moment``).
         cautious_weight_decay: decay only where update and weight agree in sign.
-        qk_clip_threshold: QK-clip (``dmuon.qk_clip``); None: off. Needs the attentions
+        qk_clip_threshold: QK-clip (``dmuon.attention.qk_clip``); None: off. Needs the attentions
             registered with :meth:`clip_attention` and reporting to :attr:`max_logits`.
         adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay: the AdamW part.
         comm: ``"all_to_all"`` (owner-computed fast path where the placement allows it)
@@ -181,13 +194,13 @@ class DMuon(PicklesConfiguration, Optimizer):
         self._fast_path.forget()  # paths and plan cover every Muon parameter: rebuild them
 
     def clip_attention(self, name: str, q_weight: torch.Tensor, k_weight: torch.Tensor, heads: AttentionHeads) -> None:
-        """Watch one attention for QK-clip (``dmuon.attention_clip``); every rank registers
+        """Watch one attention for QK-clip (``dmuon.attention.clipping``); every rank registers
         the same ones in the same order. A pickle or deepcopy registers its own."""
         self._attention_clip.add(name, q_weight, k_weight, heads, self.param_name)
 
     @property
     def max_logits(self) -> MaxLogitTracker:
-        """Where the model reports attention logits for QK-clip (``dmuon.max_logits``)."""
+        """Where the model reports attention logits for QK-clip (``dmuon.attention.max_logits``)."""
         return self._attention_clip.tracker
 
     def last_max_logits(self) -> dict[str, torch.Tensor]:

@@ -12,12 +12,18 @@ from typing import Any
 
 import torch
 
-from dmuon.newton_schulz import (
-    DEFAULT_GRAM_RESTARTS, DEFAULT_NS_ALGORITHM, MAX_NS_STEPS, NS_ALGORITHMS, NS_COEFFICIENT_SETS, NS_DTYPE_CHOICES,
-    NS_DTYPES, ns_dtype_name,
+from dmuon.numerics.newton_schulz import (
+    DEFAULT_GRAM_RESTARTS,
+    DEFAULT_NS_ALGORITHM,
+    MAX_NS_STEPS,
+    NS_ALGORITHMS,
+    NS_COEFFICIENT_SETS,
+    NS_DTYPE_CHOICES,
+    NS_DTYPES,
+    ns_dtype_name,
 )
-from dmuon.plan import COMM_CHOICES
-from dmuon.update_rules import ADJUST_LR_CHOICES, DEFAULT_NORMUON_BETA2
+from dmuon.numerics.update_rules import ADJUST_LR_CHOICES, DEFAULT_NORMUON_BETA2
+from dmuon.plan.paths import COMM_CHOICES
 
 # By default, a parameter with ndim >= 2 gets Muon unless its name marks it as an
 # embedding or an output head: those are lookup tables / classifiers, not linear maps

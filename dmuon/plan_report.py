@@ -19,7 +19,7 @@ time from a simple cost model:
 - its gather and scatter take ``G_b``, ``S_b`` = the most bytes a rank sends in them
   divided by the per-rank link bandwidth;
 - the step overlaps batch ``b``'s Newton-Schulz with gather ``b + 1`` and scatter
-  ``b - 1`` (``dmuon.transport.owner_exchange``), so
+  ``b - 1`` (``dmuon.exchange.owner_exchange``), so
   ``optimizer_ms = G_0 + sum_b max(NS_b, G_{b+1} + S_{b-1}) + S_{last}``;
 - ``train_step_ms = 6 * params * tokens_per_rank / (train_mfu * peak)`` (forward and
   backward of a dense model), and ``optimizer_fraction = optimizer / (train + optimizer)``.
@@ -39,10 +39,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from dmuon.cost_model import CostModel, exchange_ms, newton_schulz_ms, overlapped_ms
-from dmuon.layout import Layout
-from dmuon.newton_schulz import DEFAULT_NS_ALGORITHM, DEFAULT_NS_STEPS, NS_ALGORITHMS, NS_DTYPES
-from dmuon.plan import DEFAULT_BATCH_NUMEL, ParamSpec, lpt_bound_flops, make_owner_plan
+from dmuon.numerics.newton_schulz import DEFAULT_NS_ALGORITHM, DEFAULT_NS_STEPS, NS_ALGORITHMS, NS_DTYPES
+from dmuon.plan.batches import DEFAULT_BATCH_NUMEL
+from dmuon.plan.cost_model import CostModel, exchange_ms, newton_schulz_ms, overlapped_ms
+from dmuon.plan.layout import Layout
+from dmuon.plan.owner_plan import make_owner_plan
+from dmuon.plan.owners import lpt_bound_flops
+from dmuon.plan.units import ParamSpec
+
 
 @dataclass(frozen=True)
 class Llama3:

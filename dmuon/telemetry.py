@@ -11,7 +11,7 @@
 - ``muon_weight_rms`` / ``adamw_weight_rms``: RMS of the weights after the step, likewise;
 - ``max_logit`` / ``qk_clipped_heads``: with QK-clip, the largest attention logit of
   the step's forward passes over every rank (before clipping) and how many heads were
-  clipped (``dmuon.attention_clip``; NaN and 0 without QK-clip). Already reduced by the
+  clipped (``dmuon.attention.clipping``; NaN and 0 without QK-clip). Already reduced by the
   clip's own collective: they cost nothing more.
 
 ``optimizer.telemetry()`` returns the last step's ``StepFigures`` (``None`` when telemetry
@@ -48,6 +48,8 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+
+from dmuon.exchange.reductions import start_sum
 
 # Positions in the vector of sums reduced across ranks.
 _MUON_DELTA_SQ, _MUON_WEIGHT_SQ, _MUON_NUMEL, _ADAMW_DELTA_SQ, _ADAMW_WEIGHT_SQ, _ADAMW_NUMEL = range(6)
@@ -185,8 +187,7 @@ class Telemetry:
             return
         record.end = record.clock.mark()
         record.bytes_sent = bytes_sent_so_far - record.bytes_before
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            record.pending = dist.all_reduce(record.sums, async_op=True)
+        record.pending = start_sum(record.sums)
         # Figures are made from the record when read, not here: no sync in step().
         self._current, self._finished, self._figures = None, record, None
 

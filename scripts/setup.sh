@@ -18,6 +18,10 @@
 # copy of a multi-GB wheel, and disk there is tight.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# Some machines cap packages for pip in a machine-wide constraints file (e.g. torch<=2.14.1,
+# to prefer the releases on their own disk); that cap would refuse the torch asked for here.
+# An explicit constraints file replaces the machine's for every pip call of this script.
+export PIP_CONSTRAINT="$PWD/scripts/pip_constraints.txt"
 venv=${DMUON_VENV:-.venv}
 torch_version=${TORCH_VERSION:-2.13.0}
 if [[ ! -x "$venv/bin/python" ]]; then

@@ -533,8 +533,8 @@ SCHEDULE_BATCH_NUMEL = 8 * 16
 def owner_exchange_collectives() -> list[tuple[str, int]]:
     """The owner exchange's collectives in one real step, in the order this rank
     started (``("start", k)``: the k-th ``Exchange`` made) and waited for them
-    (``("wait", k)``), recorded by wrapping ``dmuon.comm.Exchange``."""
-    from dmuon.comm import Exchange
+    (``("wait", k)``), recorded by wrapping ``dmuon.exchange.comm.Exchange``."""
+    from dmuon.exchange.comm import Exchange
 
     mesh = init_device_mesh(device_type(), (dist.get_world_size(),))
     generator = torch.Generator().manual_seed(0)

@@ -178,8 +178,8 @@ def titan_llama3_exactness(dp_replicate: int, dp_shard: int, tp: int) -> dict[st
 
 def reference_transport() -> dict[str, bool]:
     """The reference way on a 2 x 2 mesh: each rank gets its part of the whole result."""
-    from dmuon.newton_schulz import orthogonalize
-    from dmuon.transport.reference import orthogonalize_gathered
+    from dmuon.exchange.reference import orthogonalize_gathered
+    from dmuon.numerics.newton_schulz import orthogonalize
 
     mesh = init_device_mesh(device_type(), (2, 2))
     out = {}

@@ -52,7 +52,7 @@ def test_one_matrix_per_batch_still_sends_exactly_the_minimum(tmp_path):
 
 @pytest.mark.multirank
 def test_newton_schulz_work_is_split_evenly_between_the_ranks(report):
-    from dmuon.newton_schulz import newton_schulz_flops
+    from dmuon.numerics.newton_schulz import newton_schulz_flops
 
     hidden = ffn_hidden(64)
     total = 2 * (4 * newton_schulz_flops((64, 64)) + 3 * newton_schulz_flops((hidden, 64)))

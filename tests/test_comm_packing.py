@@ -1,4 +1,4 @@
-"""pack/unpack of the all_to_all buffers (dmuon.packing), with P ranks simulated in one process.
+"""pack/unpack of the all_to_all buffers (dmuon.exchange.packing), with P ranks simulated in one process.
 
 ``_all_to_all`` routes the send buffers exactly as ``all_to_all_single`` would: rank r's
 buffer is cut by its send splits, piece o goes to rank o, and each rank concatenates
@@ -11,15 +11,14 @@ import dataclasses
 
 import pytest
 import torch
-
-from dmuon.comm import WIRE_DTYPE, CommStats, Exchange, ScratchMeter
-from dmuon.packing import pack_gather, pack_scatter, unpack_gather, unpack_scatter
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from dmuon.layout import Layout
-from dmuon.newton_schulz import orthogonalize
+from dmuon.exchange.comm import WIRE_DTYPE, CommStats, Exchange, ScratchMeter
+from dmuon.exchange.packing import pack_gather, pack_scatter, unpack_gather, unpack_scatter
+from dmuon.numerics.newton_schulz import orthogonalize
 from dmuon.plan import OwnerPlan, ParamSpec, make_owner_plan
+from dmuon.plan.layout import Layout
 
 pytestmark = pytest.mark.unit
 
@@ -253,8 +252,8 @@ def test_scratch_meter_refuses_to_free_a_tensor_twice():
 
 def _packing_ops(n_matrices: int, world_size: int) -> int:
     """Aten ops one batch of ``n_matrices`` (of two shapes) takes to pack and unpack on rank 0."""
-    from dmuon.pack_layout import make_batch_layout
-    from dmuon.packing import scatter_blocks
+    from dmuon.exchange.packing import scatter_blocks
+    from dmuon.plan.pack_layout import make_batch_layout
     from dmuon.torch_compat import TorchDispatchMode
 
     class Count(TorchDispatchMode):
@@ -290,7 +289,7 @@ def test_packing_a_batch_takes_the_same_ops_for_12_or_48_matrices(world_size):
 
 
 def test_equal_row_chunks_on_every_rank_are_packed_chunk_by_chunk():
-    from dmuon.pack_layout import make_batch_layout
+    from dmuon.plan.pack_layout import make_batch_layout
 
     plan = make_owner_plan([(8, 4), (6, 6)], 2)
     assert all(make_batch_layout(plan, batch, rank).even_rows for batch in plan.batches for rank in range(2))

@@ -1,13 +1,14 @@
-"""The fast path's time model (dmuon.cost_model): what it charges and what it chooses."""
+"""The fast path's time model (dmuon.plan.cost_model): what it charges and what it chooses."""
 
 from __future__ import annotations
 
-import pytest
 import random
 
-from dmuon.cost_model import CostModel, exchange_ms, optimizer_ms, overlapped_ms, plan_with_best_split
-from dmuon.layout import Layout
+import pytest
+
 from dmuon.plan import ParamSpec, make_owner_plan
+from dmuon.plan.cost_model import CostModel, exchange_ms, optimizer_ms, overlapped_ms, plan_with_best_split
+from dmuon.plan.layout import Layout
 
 pytestmark = pytest.mark.unit
 
@@ -48,7 +49,7 @@ def test_the_predicted_step_is_at_least_its_newton_schulz():
 def test_newton_schulz_in_float32_is_charged_at_the_fp32_peak():
     import torch
 
-    from dmuon.cost_model import newton_schulz_ms
+    from dmuon.plan.cost_model import newton_schulz_ms
 
     plan = make_owner_plan([ParamSpec((512, 512)) for _ in range(4)], 2)
     bf16 = sum(newton_schulz_ms(plan, CostModel()))

@@ -1,4 +1,4 @@
-"""Gram Newton-Schulz (dmuon.gram_newton_schulz) and how DMuon chooses and runs it
+"""Gram Newton-Schulz (dmuon.numerics.gram_newton_schulz) and how DMuon chooses and runs it
 (``ns_algorithm``, ``ns_gram_restarts``)."""
 
 from __future__ import annotations
@@ -8,9 +8,14 @@ import torch
 
 from benchmarks.gram_accuracy import make_input, polar_factor
 from dmuon import DMuon
-from dmuon import gram_newton_schulz as gns
-from dmuon.gram_newton_schulz import gram_dtype, gram_flops, resolve_ns_algorithm, segment_lengths, uses_gram
-from dmuon.newton_schulz import KELLER_COEFFICIENTS, newton_schulz_flops, orthogonalize, orthogonalize_row_blocks
+from dmuon.numerics import gram_newton_schulz as gns
+from dmuon.numerics.gram_newton_schulz import gram_dtype, gram_flops, resolve_ns_algorithm, segment_lengths, uses_gram
+from dmuon.numerics.newton_schulz import (
+    KELLER_COEFFICIENTS,
+    newton_schulz_flops,
+    orthogonalize,
+    orthogonalize_row_blocks,
+)
 
 pytestmark = pytest.mark.unit
 

@@ -1,4 +1,4 @@
-"""Host agreements (``dmuon.groups``) as they run under NCCL alone: on gloo groups DMuon
+"""Host agreements (``dmuon.exchange.groups``) as they run under NCCL alone: on gloo groups DMuon
 makes for the rank sets, not on the default group. Here the default group is gloo too,
 and ``takes_cpu_tensors`` is made to answer False, so the groups DMuon would make next
 to an NCCL default group are made and used for real.
@@ -16,13 +16,13 @@ pytestmark = pytest.mark.multirank
 
 
 def _as_under_nccl_alone() -> None:
-    from dmuon import groups
+    from dmuon.exchange import groups
 
     groups.takes_cpu_tensors = lambda group: False
 
 
 def host_sums_on_made_groups() -> dict:
-    from dmuon import groups
+    from dmuon.exchange import groups
 
     _as_under_nccl_alone()
     rank = dist.get_rank()

@@ -1,4 +1,4 @@
-"""Which block each rank holds (dmuon.layout): DTensor's placement rules, as pure data."""
+"""Which block each rank holds (dmuon.plan.layout): DTensor's placement rules, as pure data."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from dmuon.layout import Layout, chunk_ranges, local_indices
+from dmuon.plan.layout import Layout, chunk_ranges, local_indices
 
 pytestmark = pytest.mark.unit
 

@@ -1,11 +1,11 @@
-"""Newton-Schulz orthogonalization (dmuon.newton_schulz): the pure math core."""
+"""Newton-Schulz orthogonalization (dmuon.numerics.newton_schulz): the pure math core."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from dmuon.newton_schulz import KELLER_COEFFICIENTS, matrix_shape, newton_schulz_flops, orthogonalize
+from dmuon.numerics.newton_schulz import KELLER_COEFFICIENTS, matrix_shape, newton_schulz_flops, orthogonalize
 
 pytestmark = pytest.mark.unit
 
@@ -145,7 +145,7 @@ def test_polar_express_lands_every_singular_value_closer_to_one_than_keller(shap
 
 
 def test_polar_express_is_the_paper_schedule_with_its_bf16_safety_factor():
-    from dmuon.newton_schulz import POLAR_EXPRESS_COEFFICIENTS, coefficient_schedule
+    from dmuon.numerics.newton_schulz import POLAR_EXPRESS_COEFFICIENTS, coefficient_schedule
 
     schedule, safety = coefficient_schedule("polar_express", 10)
     assert safety == 1.01
@@ -157,7 +157,7 @@ def test_polar_express_is_the_paper_schedule_with_its_bf16_safety_factor():
 
 
 def test_a_per_iteration_list_repeats_its_last_triple():
-    from dmuon.newton_schulz import coefficient_schedule
+    from dmuon.numerics.newton_schulz import coefficient_schedule
 
     schedule, safety = coefficient_schedule([(3.0, -3.0, 1.0), (2.0, -1.5, 0.5)], 4)
     assert schedule == [(3.0, -3.0, 1.0), (2.0, -1.5, 0.5), (2.0, -1.5, 0.5), (2.0, -1.5, 0.5)]

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from dmuon import DMuon
-from dmuon.newton_schulz import (
+from dmuon.numerics.newton_schulz import (
     NS_DTYPE_CHOICES,
     UPDATE_DTYPE,
     native_bf16_matmul,
@@ -90,7 +90,7 @@ def test_auto_is_float32_on_a_cpu_without_bf16_hardware_and_says_so_once():
         "opt = DMuon([torch.nn.Parameter(torch.randn(8, 4))])\n"
         "for _ in range(2):\n"
         "    opt.param_groups[0]['params'][0].grad = torch.randn(8, 4); opt.step()\n"
-        "from dmuon.newton_schulz import resolve_ns_dtype\n"
+        "from dmuon.numerics.newton_schulz import resolve_ns_dtype\n"
         "print('capability', torch.backends.cpu.get_cpu_capability(), resolve_ns_dtype('auto', 'cpu'))\n"
     )
     env = dict(os.environ, **AVX2_ONLY_ENV)

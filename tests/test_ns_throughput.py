@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from benchmarks.ns_throughput import main, measure
-from dmuon.newton_schulz import newton_schulz_flops
+from dmuon.numerics.newton_schulz import newton_schulz_flops
 
 pytestmark = pytest.mark.unit
 

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from dmuon import DMuon
-from dmuon.update_rules import shape_scale
+from dmuon.numerics.update_rules import shape_scale
 
 pytestmark = [pytest.mark.unit, pytest.mark.usefixtures("one_thread")]
 
@@ -464,7 +464,7 @@ def test_nan_grad_makes_that_matrix_non_finite_without_raising():
 
 
 def test_split_rows_orthogonalizes_each_block_of_rows_on_its_own():
-    from dmuon.newton_schulz import orthogonalize_row_blocks
+    from dmuon.numerics.newton_schulz import orthogonalize_row_blocks
 
     generator = torch.Generator().manual_seed(0)
     weight, grad = torch.randn(12, 20, generator=generator), torch.randn(12, 20, generator=generator)
@@ -483,13 +483,13 @@ def test_split_rows_scales_the_update_by_the_block_shape():
     split, whole = nn.Parameter(weight.clone()), nn.Parameter(weight.clone())
     split.grad, whole.grad = grad.clone(), grad.clone()
     DMuon([split], lr=0.1, momentum=0.0, nesterov=False, split_rows=4, ns_dtype="bfloat16").step()  # scale 1
-    from dmuon.newton_schulz import orthogonalize_row_blocks
+    from dmuon.numerics.newton_schulz import orthogonalize_row_blocks
 
     assert torch.equal(split.detach(), weight - 0.1 * orthogonalize_row_blocks(grad, 4).float())
 
 
 def test_a_block_of_a_split_is_bit_for_bit_the_block_orthogonalized_alone():
-    from dmuon.newton_schulz import orthogonalize, orthogonalize_row_blocks
+    from dmuon.numerics.newton_schulz import orthogonalize, orthogonalize_row_blocks
 
     update = torch.randn(12, 20, generator=torch.Generator().manual_seed(2))
     assert torch.equal(orthogonalize_row_blocks(update, 4)[4:8], orthogonalize(update[4:8]))

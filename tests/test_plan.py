@@ -7,12 +7,10 @@ import socket
 import pytest
 import torch
 import torch.distributed as dist
-
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from dmuon.layout import Layout, chunk_ranges
-from dmuon.newton_schulz import newton_schulz_flops
+from dmuon.numerics.newton_schulz import newton_schulz_flops
 from dmuon.plan import (
     ALL_TO_ALL,
     FINISH_GATHER,
@@ -26,12 +24,13 @@ from dmuon.plan import (
     assign_owners,
     batch_schedule,
     comm_path,
+    layout_problem,
     lpt_bound_flops,
     make_owner_plan,
-    layout_problem,
     make_units,
     scratch_events,
 )
+from dmuon.plan.layout import Layout, chunk_ranges
 
 pytestmark = pytest.mark.unit
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from dmuon.newton_schulz import newton_schulz_flops
+from dmuon.numerics.newton_schulz import newton_schulz_flops
 from dmuon.plan_report import PRESETS, main, min_bytes_per_rank
 
 pytestmark = pytest.mark.unit

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from dmuon import AttentionHeads, DMuon
-from dmuon.qk_clip import FUSED_GROUPED, clip_factors, head_max_logits, row_scales
+from dmuon.attention.qk_clip import FUSED_GROUPED, clip_factors, head_max_logits, row_scales
 
 pytestmark = pytest.mark.unit
 

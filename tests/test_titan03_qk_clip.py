@@ -18,9 +18,9 @@ pytestmark = pytest.mark.unit
 require_titan03()
 
 import torch  # noqa: E402
-from dmuon.qk_clip import head_max_logits  # noqa: E402
 from torchtitan.models.llama3 import model_registry  # noqa: E402
 
+from dmuon.attention.qk_clip import head_max_logits  # noqa: E402
 from torchtitan_ext.titan03.cpu_attention import document_ids_from_boundaries, use_cpu_attention  # noqa: E402
 from torchtitan_ext.titan03.optimizer import dmuon_optimizer  # noqa: E402
 
@@ -112,7 +112,7 @@ def test_fused_wqkv_clipping_scales_a_clipped_heads_q_and_k_rows_and_never_v():
     dmuon = container.optimizers[0]
     tokens, positions = _batch()
     _forward(model, tokens, positions)
-    maxima = dmuon.max_logits.take(LAYER0, 16, torch.device("cpu"))
+    maxima = dmuon.attention.max_logits.take(LAYER0, 16, torch.device("cpu"))
     threshold = float(maxima.median())  # about half the heads of layer 0 over it
     for group in dmuon.param_groups:
         if group["use_muon"]:
@@ -149,9 +149,9 @@ def test_an_attention_with_qk_norm_is_refused_naming_it():
 
 
 def test_the_step_line_shows_max_logit_and_clipped_heads_only_with_qk_clip():
-    from dmuon.telemetry import StepFigures
     from torchtitan.tools.utils import NoColor
 
+    from dmuon.telemetry import StepFigures
     from torchtitan_ext.step_figures import console_text
 
     sums = [4.0, 100.0, 400.0, 1.0, 25.0, 100.0]

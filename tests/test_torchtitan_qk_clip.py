@@ -13,18 +13,18 @@ import math
 import pytest
 import torch
 import torch.nn as nn
-
-import torchtitan_ext.titan02.job  # noqa: F401  (registers the DMuon-aware train specs)
-from dmuon import DMuon
-from dmuon.qk_clip import head_max_logits
-from dmuon.telemetry import StepFigures
 from torchtitan.config import ConfigManager
 from torchtitan.models.llama3 import Transformer, TransformerModelArgs
 from torchtitan.protocols.train_spec import get_train_spec
 from torchtitan.tools.utils import NoColor
-from torchtitan_ext.titan02.max_logits import QKClipUnsupported
+
+import torchtitan_ext.titan02.job  # noqa: F401  (registers the DMuon-aware train specs)
+from dmuon import DMuon
+from dmuon.attention.qk_clip import head_max_logits
+from dmuon.telemetry import StepFigures
 from torchtitan_ext.step_figures import console_text, metric_values
 from torchtitan_ext.titan02.config import dmuon_kwargs
+from torchtitan_ext.titan02.max_logits import QKClipUnsupported
 from torchtitan_ext.titan_log import parse_log
 
 EXT = ["--job.custom_config_module", "torchtitan_ext", "--experimental.custom_import", "torchtitan_ext.titan02.job",

@@ -1,4 +1,4 @@
-"""The ways a matrix reaches Newton-Schulz (dmuon.transport), each on its own.
+"""The ways a matrix reaches Newton-Schulz (dmuon.exchange), each on its own.
 
 The owner exchange's packing is specified in tests/test_comm_packing.py and its
 exactness on every layout in tests/test_distributed_meshes.py. The local way only

@@ -1,4 +1,4 @@
-"""The elementwise rules over lists (dmuon.update_lists): the foreach ops give the
+"""The elementwise rules over lists (dmuon.numerics.update_lists): the foreach ops give the
 per-tensor rules' bits, for every dtype mix a step meets."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from dmuon.numerics.update_lists import apply_muon_updates_, by_signature, lookahead, momentum_, resolve_foreach
 from dmuon.optimizer import DMuon
-from dmuon.update_lists import apply_muon_updates_, by_signature, lookahead, momentum_, resolve_foreach
 
 pytestmark = pytest.mark.unit
 

@@ -1,4 +1,4 @@
-"""The elementwise Muon rules (dmuon.update_rules)."""
+"""The elementwise Muon rules (dmuon.numerics.update_rules)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from dmuon.update_rules import ADJUST_LR_CHOICES, apply_muon_update_, muon_momentum_, shape_scale
+from dmuon.numerics.update_rules import ADJUST_LR_CHOICES, apply_muon_update_, muon_momentum_, shape_scale
 
 pytestmark = pytest.mark.unit
 

@@ -18,9 +18,9 @@ import torch
 from torch import nn
 
 from dmuon import DMuon
-from dmuon.functional import newton_schulz
-from dmuon.newton_schulz import KELLER_COEFFICIENTS
-from dmuon.update_rules import apply_muon_update_, cautious_decay_, cautious_mask, normuon_normalize_
+from dmuon.numerics.functional import newton_schulz
+from dmuon.numerics.newton_schulz import KELLER_COEFFICIENTS
+from dmuon.numerics.update_rules import apply_muon_update_, cautious_decay_, cautious_mask, normuon_normalize_
 
 pytestmark = pytest.mark.unit
 

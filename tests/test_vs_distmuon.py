@@ -22,7 +22,7 @@ from benchmarks.vs_distmuon import (
     step_bytes,
     whole_matrix_exchange_bytes,
 )
-from dmuon.newton_schulz import newton_schulz_flops
+from dmuon.numerics.newton_schulz import newton_schulz_flops
 from dmuon.plan_report import min_bytes_per_rank
 
 pytestmark = pytest.mark.unit

@@ -10,7 +10,7 @@ next, so the bound is the largest of three terms (``e``: the parameter's element
   and result buffers of at most three batches: bounded by ``max_batch_numel``), plus
   the Newton-Schulz workspace of the largest matrix this rank orthogonalizes
   (:func:`newton_schulz_workspace`), plus the larger of the look-ahead of its largest
-  packing chunk (``dmuon.pack_layout.PACK_CHUNK_NUMEL`` elements or one block, in the
+  packing chunk (``dmuon.plan.pack_layout.PACK_CHUNK_NUMEL`` elements or one block, in the
   parameters' dtype), its largest scatter receive buffer widened to the parameters'
   dtype (``OwnerRun.widen``) and the elementwise temporaries of its largest block
   (:func:`elementwise_bytes`);
@@ -28,9 +28,10 @@ import math
 import torch
 from torch.distributed.tensor import DTensor
 
-from dmuon.newton_schulz import matrix_shape, resolve_ns_dtype
+from dmuon.numerics.newton_schulz import matrix_shape, resolve_ns_dtype
 from dmuon.optimizer import DMuon
-from dmuon.plan import ALL_TO_ALL, WIRE_BYTES
+from dmuon.plan.owner_plan import WIRE_BYTES
+from dmuon.plan.paths import ALL_TO_ALL
 
 # Lists of AdamW-parameter size torch's foreach AdamW holds at once.
 ADAMW_TEMPORARIES = 2

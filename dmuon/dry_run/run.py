@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch.distributed.tensor import DTensor, Replicate
 
+from dmuon.attention.qk_clip import AttentionHeads
 from dmuon.dry_run.fake_cuda import fake_cuda_rank
 from dmuon.dry_run.layouts import LayoutSpec, lay_out, make_mesh
 from dmuon.dry_run.memory_bound import peak_bound_bytes
@@ -22,8 +23,7 @@ from dmuon.dry_run.models import Preset, Transformer, build
 from dmuon.dry_run.recorder import HostTensorsStayReal, StepRecord, StepRecorder
 from dmuon.group_steps import NORMUON_STATE_KEY
 from dmuon.optimizer import DMuon
-from dmuon.plan import WIRE_BYTES
-from dmuon.qk_clip import AttentionHeads
+from dmuon.plan.owner_plan import WIRE_BYTES
 
 # Tokens per rank of the logits the attentions report to QK-clip (their cost is the
 # forward's, not the step's; any length shows the step's work).
@@ -94,7 +94,7 @@ class RankReport:
 
 
 def _host_agreement(row: dict) -> bool:
-    """DMuon's host agreements: sums of a few int64 on the CPU (``dmuon.groups``)."""
+    """DMuon's host agreements: sums of a few int64 on the CPU (``dmuon.exchange.groups``)."""
     return row["op"].startswith("c10d.allreduce_") and row["dtype"] == "int64"
 
 

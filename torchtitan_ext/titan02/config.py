@@ -32,8 +32,14 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from dmuon.cost_model import CostModel
-from dmuon.newton_schulz import DEFAULT_NS_COEFFICIENTS_NAME, DEFAULT_NS_DTYPE, DEFAULT_NS_EPS, DEFAULT_NS_STEPS
+from dmuon.numerics.newton_schulz import (
+    DEFAULT_NS_COEFFICIENTS_NAME,
+    DEFAULT_NS_DTYPE,
+    DEFAULT_NS_EPS,
+    DEFAULT_NS_STEPS,
+)
+from dmuon.numerics.update_rules import ADJUST_LR_CHOICES as DMUON_ADJUST_LR_CHOICES
+from dmuon.numerics.update_rules import DEFAULT_MATCHED_ADAMW_RMS
 from dmuon.param_groups import (
     DEFAULT_ADJUST_LR,
     DEFAULT_MOMENTUM,
@@ -48,9 +54,8 @@ from dmuon.param_groups import (
     check_split_replicas,
     split_options,
 )
-from dmuon.plan import ALL_TO_ALL
-from dmuon.update_rules import ADJUST_LR_CHOICES as DMUON_ADJUST_LR_CHOICES
-from dmuon.update_rules import DEFAULT_MATCHED_ADAMW_RMS
+from dmuon.plan.cost_model import CostModel
+from dmuon.plan.paths import ALL_TO_ALL
 
 from ..routing import DEFAULT_ADAMW_PARAM_REGEX
 from ..versions import require_tested
@@ -198,7 +203,7 @@ class Optimizer:
     every rank of every replica (each orthogonalizes ~1/(R*S) of the matrices; results
     cross to the other replicas), "never" keeps each replica to itself (~1/S each, no
     traffic between replicas), "auto" lets DMuon's cost model choose
-    (dmuon.cost_model.plan_with_best_split). No effect without replicas.
+    (dmuon.plan.cost_model.plan_with_best_split). No effect without replicas.
     """
 
     link_gbps: float = _COST_MODEL.link_gbps

@@ -8,7 +8,7 @@ to a child module named ``inner_attention`` (SDPA, FlexAttention or varlen wrapp
 A forward pre-hook on that child therefore sees exactly the ``q`` and ``k`` whose
 products are the logits, without copying or editing TorchTitan's ``forward``. The hook
 only measures (``DMuon.max_logits.observe``: per-head maxima, bounded scratch); the
-clip itself happens in ``DMuon.step`` (``dmuon.attention_clip``).
+clip itself happens in ``DMuon.step`` (``dmuon.attention.clipping``).
 
 Refused, with the reason, because clipping their rows would not do what QK-clip
 promises:
@@ -28,6 +28,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch.nn as nn
+
 from dmuon import AttentionHeads, DMuon
 
 INNER = "inner_attention"

@@ -30,8 +30,6 @@ from collections.abc import Callable
 
 import torch
 import torch.nn as nn
-from dmuon import AttentionHeads, DMuon
-from dmuon.qk_clip import FUSED_GROUPED, SEPARATE, MaskMod
 from torch.distributed.tensor import DTensor
 from torch.nn.attention.flex_attention import BlockMask
 from torch.utils.hooks import RemovableHandle
@@ -42,6 +40,9 @@ from torchtitan.models.common.attention import (
     QKVLinear,
     VarlenMetadata,
 )
+
+from dmuon import AttentionHeads, DMuon
+from dmuon.attention.qk_clip import FUSED_GROUPED, SEPARATE, MaskMod
 
 from .cpu_attention import document_ids_from_boundaries
 

@@ -46,24 +46,24 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
+from torch.optim import Optimizer
+from torchtitan.components.optimizer import OptimizersContainer, ParamGroupConfig
+
 from dmuon import DMuon
-from dmuon.newton_schulz import DEFAULT_NS_COEFFICIENTS_NAME
+from dmuon.numerics.newton_schulz import DEFAULT_NS_COEFFICIENTS_NAME
 from dmuon.param_groups import (
-    make_group,
+    GROUP_OPTIONS,
+    MUON_KEYS,
     check_link_gbps,
     check_ns_dtype,
     check_optimizer_options,
-    GROUP_OPTIONS,
-    MUON_KEYS,
+    make_group,
     split_options,
 )
 from dmuon.telemetry import StepFigures
-from torch.distributed.tensor import DTensor
-from torch.optim import Optimizer
 
-from torchtitan.components.optimizer import OptimizersContainer, ParamGroupConfig
-
-from ..routing import ADAMW, attention_head_dims, DEFAULT_ADAMW_PARAM_REGEX, MUON, MUON_HEADS, route_parameters
+from ..routing import ADAMW, DEFAULT_ADAMW_PARAM_REGEX, MUON, MUON_HEADS, attention_head_dims, route_parameters
 from ..step_figures import combined_figures
 from .max_logits import install_qk_clip, qk_clip_enabled
 

@@ -6,7 +6,7 @@ collective forever. So every rank checks its own grads, then one small sum per m
 tells every rank the same counts, and every rank raises the same error or none does.
 
 Whether a grad exists and whether it is usable are host facts (Python objects, shapes,
-types), so the sum runs on the host (``dmuon.groups.sum_on_host``): no device value is
+types), so the sum runs on the host (``dmuon.exchange.groups.sum_on_host``): no device value is
 read, and the step does not wait for the backward's kernels to finish.
 """
 
@@ -19,8 +19,8 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from dmuon.groups import host_group_of, sum_on_host
-from dmuon.mesh_facts import mesh_ranks
+from dmuon.exchange.groups import host_group_of, sum_on_host
+from dmuon.plan.mesh_facts import mesh_ranks
 
 
 def grad_problem(param: torch.Tensor, use_muon: bool) -> str | None:

@@ -19,7 +19,7 @@ How ``gamma_h`` is shared between ``W_q`` and ``W_k`` depends on who owns the ke
 - MLA (DeepSeek-V3, Kimi K2 itself) splits each head into a head-specific part
   (``q_C``, ``k_C``: ``sqrt(gamma_h)`` each) and a rotary part whose key is shared
   (``q_R``: ``gamma_h``, ``k_R``: untouched). dmuon does not implement MLA's row map;
-  ``dmuon.attention_clip`` refuses layouts it does not know.
+  ``dmuon.attention.clipping`` refuses layouts it does not know.
 
 Rows are scaled in float32 and rounded once to the weight's dtype, elementwise, so the
 result does not depend on which rank holds which rows: bitwise equal to a single
@@ -185,7 +185,7 @@ def scale_rows_(local: torch.Tensor, rows: Sequence[tuple[int, int]], factors: t
     ``local``'s dtype.
 
     ``local`` holds the global rows ``rows`` (``(start, length)`` ranges, concatenated
-    in order, as ``dmuon.layout.local_indices`` gives them); ``factors`` has one entry
+    in order, as ``dmuon.plan.layout.local_indices`` gives them); ``factors`` has one entry
     per global row. A row whose factor is 1 keeps its bits (``x * 1.0`` is ``x`` in
     IEEE arithmetic, and the round trip through float32 is exact), so no host sync is
     needed to find the clipped rows."""

@@ -8,7 +8,7 @@ One batch is two ``all_to_all_single`` calls on flat bf16 buffers:
 - *scatter*: each owner sends every holder (every replica) its block of the
   orthogonalized matrix.
 
-Packing and unpacking (``dmuon.packing``) are plain tensor code, separate from the
+Packing and unpacking (``dmuon.exchange.packing``) are plain tensor code, separate from the
 collective here, so they can be tested by routing buffers between simulated ranks in
 one process (also on the ``meta`` device). Every buffer is created on the device the
 caller names, which is the mesh's device: NCCL rejects a CPU tensor where gloo would
@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from dmuon.newton_schulz import UPDATE_DTYPE as WIRE_DTYPE
+from dmuon.numerics.newton_schulz import UPDATE_DTYPE as WIRE_DTYPE
 
 
 @dataclass

@@ -1,5 +1,5 @@
-"""Fill and drain the owner exchange's buffers (``dmuon.comm``) with a few ops per
-batch and direction, from a :class:`~dmuon.pack_layout.BatchLayout` made once per plan:
+"""Fill and drain the owner exchange's buffers (``dmuon.exchange.comm``) with a few ops per
+batch and direction, from a :class:`~dmuon.plan.pack_layout.BatchLayout` made once per plan:
 
 - gather send: the blocks flattened into the buffer, one ``_chunk_cat`` per chunk;
 - gather receive: one ``split`` of it, one of the owner's whole buffer, one
@@ -18,9 +18,10 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from dmuon.comm import WIRE_DTYPE, ScratchMeter, free, track
-from dmuon.pack_layout import BatchLayout, make_batch_layout
-from dmuon.plan import Block, OwnerPlan
+from dmuon.exchange.comm import WIRE_DTYPE, ScratchMeter, free, track
+from dmuon.plan.owner_plan import OwnerPlan
+from dmuon.plan.pack_layout import BatchLayout, make_batch_layout
+from dmuon.plan.units import Block
 from dmuon.torch_compat import chunk_cat
 
 # ``blocks_of(units)``: this rank's blocks of ``units`` (one dtype, any shapes), in order.

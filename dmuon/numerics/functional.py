@@ -17,17 +17,27 @@ from typing import Any, ContextManager
 import torch
 from torch.distributed.tensor import DTensor, Replicate
 
-from dmuon.newton_schulz import (
-    DEFAULT_GRAM_RESTARTS, DEFAULT_NS_ALGORITHM, UPDATE_DTYPE, Triple, matrix_shape, newton_schulz_flops,
-    orthogonalize, orthogonalize_row_blocks,
+from dmuon.numerics.newton_schulz import (
+    DEFAULT_GRAM_RESTARTS,
+    DEFAULT_NS_ALGORITHM,
+    UPDATE_DTYPE,
+    Triple,
+    matrix_shape,
+    newton_schulz_flops,
+    orthogonalize,
+    orthogonalize_row_blocks,
 )
-from dmuon.torch_compat import scalar_dtype
-from dmuon.update_lists import momentum_ as momentum_lists_
-from dmuon.update_rules import adamw_step_ as adamw_
-from dmuon.update_rules import (
-    apply_muon_update_, muon_momentum_, nesterov_lookahead, normuon_normalize_, normuon_second_moment_shape,
+from dmuon.numerics.update_lists import momentum_ as momentum_lists_
+from dmuon.numerics.update_rules import adamw_step_ as adamw_
+from dmuon.numerics.update_rules import (
+    apply_muon_update_,
+    muon_momentum_,
+    nesterov_lookahead,
+    normuon_normalize_,
+    normuon_second_moment_shape,
     shape_scale,
 )
+from dmuon.torch_compat import scalar_dtype
 
 # Orthogonalizes the update of the ``i``-th tensor of a :func:`muon_` call.
 Orthogonalize = Callable[[int, torch.Tensor], torch.Tensor]
@@ -100,7 +110,7 @@ def muon_(
     ``params`` (plain tensors, or local tensors of DTensors of global ``shapes``), with
     ``orthogonalize(i, update)`` computing Newton-Schulz (and NorMuon's normalization)
     where the path puts it. The momentum EMA runs first for every tensor (with
-    ``foreach``, one list op: ``dmuon.update_lists``); the rest, per tensor, keeps one
+    ``foreach``, one list op: ``dmuon.numerics.update_lists``); the rest, per tensor, keeps one
     update in hand at a time."""
     momentum_lists_(momentum_bufs, grads, momentum, foreach)
     for i, (param, grad, buf) in enumerate(zip(params, grads, momentum_bufs)):

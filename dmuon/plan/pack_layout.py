@@ -24,7 +24,8 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
-from dmuon.plan import OwnerPlan, Unit
+from dmuon.plan.owner_plan import OwnerPlan
+from dmuon.plan.units import Unit
 
 # The most elements the gather packs with one list op: the look-ahead it computes for
 # them (in the parameters' dtype) lives until they are packed, so this bounds that

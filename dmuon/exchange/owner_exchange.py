@@ -1,7 +1,7 @@
 """The owner exchange: one step of the owner-computed fast path, for any layout the plan describes.
 
 The schedule is ``dmuon.plan.batch_schedule``, written once as data: this module runs
-it, ``dmuon.plan.scratch_events`` predicts its memory and ``dmuon.cost_model`` its time.
+it, ``dmuon.plan.scratch_events`` predicts its memory and ``dmuon.plan.cost_model`` its time.
 Per batch ``b`` (every rank issues the same collectives in the same order):
 
 1. gather ``b`` completes; each owner cuts its whole matrices from the receive buffer;
@@ -17,7 +17,7 @@ it has been used: the scratch is bounded per batch, not per step.
 
 The optimizer supplies the math as callables, so this module knows nothing of param
 groups or state, and each is called with lists, so a batch costs a few list ops
-whatever its number of blocks (``dmuon.packing``, ``dmuon.update_lists``):
+whatever its number of blocks (``dmuon.exchange.packing``, ``dmuon.numerics.update_lists``):
 
 - ``pack_blocks(units)``: the look-ahead (momentum already ran) of this rank's block of
   each unit, in the parameters' dtype, in order (they are flattened into the send buffer);
@@ -26,7 +26,7 @@ whatever its number of blocks (``dmuon.packing``, ``dmuon.update_lists``):
   parameter's group (``unit.param``; ``unit.dim0``: the rows of it the matrix is);
 - ``apply_blocks(units, orthos)``: the decayed, scaled update of this rank's block of
   each unit with its result (a flat view, or the matrix);
-- ``layout_of(batch)``: the batch's :class:`~dmuon.pack_layout.BatchLayout` on this
+- ``layout_of(batch)``: the batch's :class:`~dmuon.plan.pack_layout.BatchLayout` on this
   rank, made once per plan;
 - ``widen(recv)``: the scatter's receive buffer in the dtype the update adds it in
   (itself, or one cast of the whole buffer where a list op needs one dtype).
@@ -40,18 +40,12 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from dmuon.comm import CommStats, Exchange, ScratchMeter
-from dmuon.pack_layout import BatchLayout
-from dmuon.packing import gather_whole, pack_gather, pack_scatter, scatter_blocks
-from dmuon.plan import (
-    FINISH_GATHER,
-    NEWTON_SCHULZ,
-    START_GATHER,
-    START_SCATTER,
-    OwnerPlan,
-    Unit,
-    batch_schedule,
-)
+from dmuon.exchange.comm import CommStats, Exchange, ScratchMeter
+from dmuon.exchange.packing import gather_whole, pack_gather, pack_scatter, scatter_blocks
+from dmuon.plan.owner_plan import OwnerPlan
+from dmuon.plan.pack_layout import BatchLayout
+from dmuon.plan.schedule import FINISH_GATHER, NEWTON_SCHULZ, START_GATHER, START_SCATTER, batch_schedule
+from dmuon.plan.units import Unit
 
 PackBlocks = Callable[[Sequence[int]], list[torch.Tensor]]
 UpdateOf = Callable[[int], torch.Tensor]

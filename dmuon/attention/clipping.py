@@ -4,9 +4,9 @@ per step, and the row scaling of whatever block of ``W_q`` / ``W_k`` each rank h
 No weight travels. Each rank learns every head's largest logit from one
 ``all_reduce(MAX)`` of a small vector (one float per head of every registered
 attention) over the ranks of the weights' mesh, computes the same factors
-(``dmuon.qk_clip``), and scales the rows it holds: FSDP's row shards, TP's column-wise
+(``dmuon.attention.qk_clip``), and scales the rows it holds: FSDP's row shards, TP's column-wise
 (``Shard(0)``) shards, FSDP+TP's strided rows, replicas, all read from the placements
-(``dmuon.layout.local_indices``). The factors are equal on every rank and the scaling
+(``dmuon.plan.layout.local_indices``). The factors are equal on every rank and the scaling
 is elementwise, so the clipped weights are bitwise those of a single process.
 
 Every rank runs the reduction at every step, whatever its grads or logits, so ranks
@@ -24,12 +24,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Partial
 
-from dmuon.comm import mesh_device
-from dmuon.layout import Range, local_indices
-from dmuon.groups import group_of, host_group_of, sum_on_host
-from dmuon.max_logits import MaxLogitTracker
-from dmuon.mesh_facts import mesh_ranks
-from dmuon.qk_clip import FUSED_GROUPED, AttentionHeads, clip_factors, row_scales, scale_rows_
+from dmuon.attention.max_logits import MaxLogitTracker
+from dmuon.attention.qk_clip import FUSED_GROUPED, AttentionHeads, clip_factors, row_scales, scale_rows_
+from dmuon.exchange.comm import mesh_device
+from dmuon.exchange.groups import group_of, host_group_of, sum_on_host
+from dmuon.exchange.reductions import max_in_place
+from dmuon.plan.layout import Range, local_indices
+from dmuon.plan.mesh_facts import mesh_ranks
 
 logger = logging.getLogger("dmuon")
 
@@ -103,8 +104,7 @@ class AttentionClip:
         self._check_reported([self.tracker.has_seen(t.name) for t in self.targets])
         seen = [self.tracker.take(t.name, t.heads.n_heads, device) for t in self.targets]
         flat = torch.cat(seen)
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=self._group())
+        max_in_place(flat, self._group())
         max_logits = dict(zip((t.name for t in self.targets), flat.split([t.heads.n_heads for t in self.targets])))
         clipped = torch.zeros((), dtype=torch.int64, device=device)
         for target in self.targets:
@@ -119,7 +119,7 @@ class AttentionClip:
             else:
                 _scale_local_rows(target.q_weight, q_factors)
                 if target.heads.shares_keys:
-                    continue  # GQA / MQA: shared keys stay as they are (dmuon.qk_clip)
+                    continue  # GQA / MQA: shared keys stay as they are (dmuon.attention.qk_clip)
                 _scale_local_rows(target.k_weight, k_factors)
         largest = flat.max() if flat.numel() else torch.tensor(float("-inf"), device=device)
         self.last = ClipResult(max_logits, largest, clipped)

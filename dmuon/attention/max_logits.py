@@ -4,7 +4,7 @@ optimizer last took them.
 
 Local only: the tracker never communicates. ``DMuon`` takes the maxima at each
 ``step()`` and reduces them with a MAX over the ranks of the attention weights' mesh
-(``dmuon.attention_clip``), which covers data-, context- and tensor-parallel ranks.
+(``dmuon.attention.clipping``), which covers data-, context- and tensor-parallel ranks.
 
 A model calls :meth:`MaxLogitTracker.observe` from its attention's forward, or from a
 forward pre-hook on the module that receives ``q`` and ``k`` after the rotary embedding
@@ -18,7 +18,7 @@ import math
 
 import torch
 
-from dmuon.qk_clip import DEFAULT_LOGIT_SCRATCH_BYTES, MaskMod, head_max_logits
+from dmuon.attention.qk_clip import DEFAULT_LOGIT_SCRATCH_BYTES, MaskMod, head_max_logits
 
 
 class MaxLogitTracker:
@@ -45,7 +45,7 @@ class MaxLogitTracker:
     ) -> None:
         """Fold the logits of ``q`` and ``k`` (``[batch, heads, seq, head_dim]``, this
         rank's heads ``head_offset ..``) into attention ``name``'s maxima over its
-        ``n_heads`` query heads; ``dmuon.qk_clip.head_max_logits`` says the rest.
+        ``n_heads`` query heads; ``dmuon.attention.qk_clip.head_max_logits`` says the rest.
 
         Ignored with autograd off: evaluation runs under ``no_grad``, and its logits are
         not the training step's. (A forward recomputed by activation checkpointing is

@@ -1,4 +1,4 @@
-"""The elementwise rules of ``dmuon.update_rules`` over lists of tensors.
+"""The elementwise rules of ``dmuon.numerics.update_rules`` over lists of tensors.
 
 With ``foreach`` each rule is one ``torch._foreach_*`` op per device and dtype
 signature of its tensors (as torch.optim's foreach path groups them), so a step's
@@ -21,8 +21,8 @@ from collections.abc import Sequence
 
 import torch
 
+from dmuon.numerics.update_rules import apply_muon_update_, cautious_decay_, nesterov_lookahead
 from dmuon.torch_compat import default_foreach
-from dmuon.update_rules import apply_muon_update_, cautious_decay_, nesterov_lookahead
 
 Tensors = Sequence[torch.Tensor]
 
@@ -53,7 +53,7 @@ def momentum_(bufs: Tensors, grads: Tensors, momentum: float, foreach: bool) -> 
 
 
 def lookahead(grads: Tensors, bufs: Tensors, momentum: float, nesterov: bool, foreach: bool) -> list[torch.Tensor]:
-    """:func:`~dmuon.update_rules.nesterov_lookahead` of every pair (after
+    """:func:`~dmuon.numerics.update_rules.nesterov_lookahead` of every pair (after
     :func:`momentum_`): new tensors with Nesterov, the buffers themselves without."""
     if not (foreach and nesterov):
         return [nesterov_lookahead(grad, buf, momentum, nesterov) for grad, buf in zip(grads, bufs)]
@@ -68,7 +68,7 @@ def apply_muon_updates_(
     params: Tensors, orthos: Tensors, lr: float | torch.Tensor, weight_decay: float, scale: float,
     cautious_weight_decay: bool, foreach: bool,
 ) -> None:
-    """:func:`~dmuon.update_rules.apply_muon_update_` of every pair (``params`` of one
+    """:func:`~dmuon.numerics.update_rules.apply_muon_update_` of every pair (``params`` of one
     group and one shape scale): the decay, then the scaled step."""
     if not foreach or isinstance(lr, torch.Tensor):
         for param, ortho in zip(params, orthos):

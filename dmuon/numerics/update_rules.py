@@ -32,7 +32,7 @@ from collections.abc import Sequence
 import torch
 from torch.optim.adamw import adamw as _torch_adamw
 
-from dmuon.newton_schulz import UPDATE_DTYPE, matrix_shape
+from dmuon.numerics.newton_schulz import UPDATE_DTYPE, matrix_shape
 from dmuon.torch_compat import local_of
 
 # Shape-aware learning-rate scales (``DMuon(adjust_lr=...)``).

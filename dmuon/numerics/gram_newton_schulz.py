@@ -17,7 +17,7 @@ restarts costs ``4 a + 8 k - 6`` (``R``: ``2 a``; ``R^2``: ``2`` per iteration;
 ``Q W``: ``2`` but for the first; ``W R W``: ``4`` but for the last; ``Q X``: ``2 a``),
 so 5 iterations with one restart cost ``8 a + 28`` against the standard ``20 a + 10``:
 Gram is cheaper above ``a = 1.5``. This module holds the iteration and its flops;
-:mod:`dmuon.newton_schulz` decides when it runs and in which dtype.
+:mod:`dmuon.numerics.newton_schulz` decides when it runs and in which dtype.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from dmuon.torch_compat import mkldnn_fp16_supported
 DEFAULT_GRAM_RESTARTS: tuple[int, ...] = (2,)
 
 # How Newton-Schulz iterates (``DMuon(ns_algorithm=...)``): "standard" is torch.optim.Muon's
-# iteration, bit for bit; "gram" is :mod:`dmuon.gram_newton_schulz` on every unit;
+# iteration, bit for bit; "gram" is :mod:`dmuon.numerics.gram_newton_schulz` on every unit;
 # "auto" runs Gram on a unit where it costs fewer flops (aspect above 1.5 with the default
 # restart) and its dtype runs as fast as the standard one's (:func:`gram_runs_as_fast`).
 STANDARD, GRAM, AUTO = "standard", "gram", "auto"

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
-from dmuon.plan import OwnerPlan
+from dmuon.plan.owner_plan import OwnerPlan
 
 
 class LocalBlocks:

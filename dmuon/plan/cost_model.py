@@ -22,19 +22,17 @@ from dataclasses import dataclass
 
 import torch
 
-from dmuon.plan import (
-    DEFAULT_BATCH_NUMEL,
+from dmuon.plan.batches import DEFAULT_BATCH_NUMEL
+from dmuon.plan.owner_plan import WIRE_BYTES, OwnerPlan, make_owner_plan
+from dmuon.plan.schedule import (
     FINISH_GATHER,
     FINISH_SCATTER,
     NEWTON_SCHULZ,
     START_GATHER,
     START_SCATTER,
-    WIRE_BYTES,
-    OwnerPlan,
-    ParamSpec,
     batch_schedule,
-    make_owner_plan,
 )
+from dmuon.plan.units import ParamSpec
 
 H100_BF16_DENSE_TFLOPS = 989.0
 # fp32 without TF32 (torch's default for fp32 matmuls), H100 SXM.

@@ -18,9 +18,20 @@ from collections.abc import Sequence
 
 import torch
 
-from dmuon.gram_newton_schulz import (  # noqa: F401 (re-exported: the algorithm is a Newton-Schulz option)
-    AUTO, DEFAULT_GRAM_RESTARTS, DEFAULT_NS_ALGORITHM, GRAM, NS_ALGORITHMS, STANDARD, gram_dtype, gram_flops,
-    gram_iterate, gram_runs_as_fast, resolve_ns_algorithm, standard_flops, uses_gram,
+from dmuon.numerics.gram_newton_schulz import (  # noqa: F401 (re-exported: the algorithm is a Newton-Schulz option)
+    AUTO,
+    DEFAULT_GRAM_RESTARTS,
+    DEFAULT_NS_ALGORITHM,
+    GRAM,
+    NS_ALGORITHMS,
+    STANDARD,
+    gram_dtype,
+    gram_flops,
+    gram_iterate,
+    gram_runs_as_fast,
+    resolve_ns_algorithm,
+    standard_flops,
+    uses_gram,
 )
 from dmuon.torch_compat import mkldnn_bf16_supported
 
@@ -168,7 +179,7 @@ def orthogonalize(
     ``dtype``: what the standard iteration multiplies in (a value of :data:`NS_DTYPES`).
     ``algorithm``: one of :data:`NS_ALGORITHMS`; a unit that runs Gram Newton-Schulz
     (:func:`uses_gram`) multiplies in :func:`gram_dtype` and restarts after the
-    iterations in ``restarts`` (:mod:`dmuon.gram_newton_schulz`);
+    iterations in ``restarts`` (:mod:`dmuon.numerics.gram_newton_schulz`);
     ``gram_dtype_override`` replaces that dtype (accuracy studies).
 
     ``update`` is 2-D ``[A, B]`` or a 3-D stack ``[E, A, B]`` (see :func:`matrix_shape`).
@@ -272,7 +283,7 @@ def newton_schulz_flops(shape: Sequence[int], steps: int = DEFAULT_NS_STEPS, alg
 
     Standard, per step on an ``m x n`` matrix (m <= n): ``X X^T`` costs 2 m^2 n, the
     polynomial ``b S + c S S`` costs 2 m^3, and the final product costs 2 m^2 n. Gram:
-    :func:`dmuon.gram_newton_schulz.gram_flops`. Used to balance Newton-Schulz work
+    :func:`dmuon.numerics.gram_newton_schulz.gram_flops`. Used to balance Newton-Schulz work
     across ranks.
     """
     dims = matrix_shape(shape)

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from dmuon.mesh_facts import mesh_ranks
+from dmuon.plan.mesh_facts import mesh_ranks
 from dmuon.torch_compat import host_tensor_ops
 
 # The backend DMuon adds for host agreements when the default group takes no CPU tensors.

@@ -1,0 +1,22 @@
+"""Layer 3, the exchange: runs a plan with collectives. The only layer that issues them
+(``tests/test_layers.py`` checks it), so every collective a step makes is in this folder.
+
+May import: ``dmuon.numerics``, ``dmuon.plan`` and ``dmuon.torch_compat``; never QK-clip
+or the optimizer's own modules.
+
+- ``comm``: one batch's ``all_to_all_single`` on flat bf16 buffers, the bytes it sent, the
+  scratch meter;
+- ``packing``: filling and draining those buffers with a few ops per batch;
+- ``owner_exchange``: the fast path, a plan's batches executed in the schedule's order
+  (blocks travel to one owner per matrix and back);
+- ``reference``: every rank gathers and orthogonalizes the whole parameter
+  (``comm="redistribute"``, and layouts the plan cannot describe);
+- ``groups``: the process group of each rank set, for device collectives and host sums;
+- ``grad_agreement``: every rank agrees which grads a step uses;
+- ``reductions``: the small all-reduces of the step (NorMuon's rows, QK-clip's logits,
+  telemetry's sums).
+
+A rank holding the whole parameter (the ``local`` path) needs no exchange: it
+orthogonalizes its own update in place. Which path a parameter takes is decided in
+``dmuon.plan.paths``; a new layout is a new case in ``dmuon.plan.layout``, not new step code.
+"""

@@ -1,0 +1,16 @@
+"""Layer 1, the numerics: Muon's and AdamW's math as pure functions on tensors.
+
+Newton-Schulz (the standard iteration and Gram Newton-Schulz), the elementwise update
+rules (momentum, the Nesterov look-ahead, shape-aware scale, decoupled and cautious weight
+decay, NorMuon), their list forms over ``torch._foreach_*`` ops (the same bits), and the
+functional Muon, NorMuon and AdamW steps on whole tensors. Nothing here knows about ranks,
+meshes, plans or process groups.
+
+May import: no other dmuon layer; only ``dmuon.torch_compat`` (torch's private names).
+
+- ``newton_schulz``: ``orthogonalize`` and its coefficient schedules, dtypes and flops;
+- ``gram_newton_schulz``: the Gram iteration, its flops, when it pays;
+- ``update_rules``: the elementwise rules on one tensor;
+- ``update_lists``: the same rules over lists (``foreach``);
+- ``functional``: whole-tensor Muon, NorMuon and AdamW steps (the single-process reference).
+"""

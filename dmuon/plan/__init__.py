@@ -1,0 +1,46 @@
+"""Layer 2, the plan: everything decided from shapes, placements and world sizes, before
+any tensor moves. Who owns which matrix, in which batch, which blocks travel where, what
+it costs in bytes, flops and scratch memory. No process group, no collective: the plan of
+any rank at any P can be made (and tested) in one process.
+
+May import: ``dmuon.numerics`` (the flop counts of Newton-Schulz) and
+``dmuon.torch_compat``. Imported by the exchange, QK-clip and the optimizer.
+
+- ``layout``: which box of a parameter each rank holds, from its mesh and placements;
+- ``mesh_facts``: a mesh's ranks, read on the host once;
+- ``units``: parameters cut into units (matrices) and each rank's block of them;
+- ``owners``: one owner per unit, balanced by Newton-Schulz flops (LPT);
+- ``batches``: units grouped into batches under the memory cap;
+- ``schedule``: the exchange's events per batch and the scratch each holds;
+- ``owner_plan``: ``OwnerPlan`` (units, owners, batches; a rank's splits, bytes, peak
+  scratch) and ``make_owner_plan``;
+- ``paths``: which path (``local``, ``all_to_all``, ``redistribute``) each parameter takes;
+- ``cost_model``: predicted times, and the HSDP split-replicas choice;
+- ``pack_layout``: where each block of a batch lies in a rank's buffers;
+- ``local_blocks``: a rank's blocks as views of its local tensors, kept with the plan.
+
+The names below are the plan's vocabulary, importable as ``dmuon.plan.<name>``.
+"""
+
+from dmuon.plan.batches import DEFAULT_BATCH_NUMEL, OVERLAP_BATCHES
+from dmuon.plan.owner_plan import WIRE_BYTES, OwnerPlan, make_owner_plan
+from dmuon.plan.owners import assign_owners, lpt_bound_flops
+from dmuon.plan.paths import ALL_TO_ALL, COMM_CHOICES, LOCAL, PATHS, REDISTRIBUTE, choose_paths, comm_path, layout_of
+from dmuon.plan.schedule import (
+    COLLECTIVE_EVENTS,
+    FINISH_GATHER,
+    FINISH_SCATTER,
+    NEWTON_SCHULZ,
+    START_GATHER,
+    START_SCATTER,
+    batch_schedule,
+    scratch_events,
+)
+from dmuon.plan.units import Block, ParamSpec, Unit, layout_problem, make_units
+
+__all__ = [
+    "ALL_TO_ALL", "Block", "COLLECTIVE_EVENTS", "COMM_CHOICES", "DEFAULT_BATCH_NUMEL", "FINISH_GATHER",
+    "FINISH_SCATTER", "LOCAL", "NEWTON_SCHULZ", "OVERLAP_BATCHES", "OwnerPlan", "PATHS", "ParamSpec", "REDISTRIBUTE",
+    "START_GATHER", "START_SCATTER", "Unit", "WIRE_BYTES", "assign_owners", "batch_schedule", "choose_paths",
+    "comm_path", "layout_of", "layout_problem", "lpt_bound_flops", "make_owner_plan", "make_units", "scratch_events",
+]
