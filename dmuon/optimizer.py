@@ -50,16 +50,15 @@ from dmuon.numerics.newton_schulz import (
     KELLER_COEFFICIENTS,
 )
 from dmuon.numerics.update_rules import DEFAULT_MATCHED_ADAMW_RMS, DEFAULT_NORMUON_BETA2
-from dmuon.param_groups import (
-    build_param_groups,
+from dmuon.options import (
     check_adamw_hyperparameters,
     check_foreach,
     check_link_gbps,
     check_muon_hyperparameters,
     check_ns_dtype,
     check_optimizer_options,
-    split_options,
 )
+from dmuon.param_groups import build_param_groups, split_options
 from dmuon.pickling import PicklesConfiguration
 from dmuon.plan.batches import DEFAULT_BATCH_NUMEL
 from dmuon.plan.cost_model import CostModel

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dmuon import DMuon
-from dmuon.param_groups import check_link_gbps
+from dmuon.options import check_link_gbps
 from dmuon.plan.cost_model import CostModel
 
 pytestmark = pytest.mark.unit

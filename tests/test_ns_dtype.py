@@ -19,7 +19,7 @@ from dmuon.numerics.newton_schulz import (
     orthogonalize,
     resolve_ns_dtype,
 )
-from dmuon.param_groups import check_ns_dtype
+from dmuon.options import check_ns_dtype
 
 pytestmark = pytest.mark.unit
 

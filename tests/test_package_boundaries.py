@@ -3,54 +3,27 @@ only (pyproject.toml), so neither may reach into benchmarks/ or tests/, and the
 optimizer's runtime does not import the reporting tool dmuon.plan_report; and only
 dmuon.torch_compat imports torch's private names.
 
-Read from the source files' import statements (ast), not by importing them: an import
-inside a function counts as much as one at the top.
+Read from the source files' import statements (``tests/source_imports.py``). The
+layers inside dmuon/ have their own test, tests/test_layers.py.
 """
 
 from __future__ import annotations
 
-import ast
-from pathlib import Path
-
 import pytest
+
+from tests.source_imports import REPO
+from tests.source_imports import imports_of as _imports
+from tests.source_imports import module_name as _module_name
+from tests.source_imports import sources as _sources
+from tests.source_imports import within as _within
 
 pytestmark = pytest.mark.unit
 
-REPO = Path(__file__).resolve().parents[1]
 SHIPPED = ("dmuon", "torchtitan_ext")
 NOT_SHIPPED = ("benchmarks", "tests")
 TOOLS_IN_DMUON = ("dmuon.plan_report", "dmuon.dry_run")
 # The one module allowed to import torch's private names (those with a part starting "_").
 TORCH_COMPAT = "dmuon.torch_compat"
-
-
-def _module_name(path: Path) -> str:
-    parts = path.relative_to(REPO).with_suffix("").parts
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-
-
-def _imports(path: Path) -> set[str]:
-    """Every module ``path`` imports, relative imports resolved to absolute names."""
-    package = _module_name(path) if path.name == "__init__.py" else _module_name(path).rpartition(".")[0]
-    names = set()
-    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
-        if isinstance(node, ast.Import):
-            names.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            base = package.split(".")[: len(package.split(".")) - node.level + 1] if node.level else []
-            module = ".".join([*base, *([node.module] if node.module else [])])
-            names.add(module)
-            # ``from package import module`` imports a module too.
-            names.update(f"{module}.{alias.name}" for alias in node.names)
-    return names
-
-
-def _within(name: str, packages: tuple[str, ...]) -> bool:
-    return any(name == p or name.startswith(p + ".") for p in packages)
-
-
-def _sources(package: str) -> list[Path]:
-    return sorted((REPO / package).rglob("*.py"))
 
 
 def test_imports_are_read_from_the_source_including_relative_ones():

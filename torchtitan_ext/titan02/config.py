@@ -40,18 +40,20 @@ from dmuon.numerics.newton_schulz import (
 )
 from dmuon.numerics.update_rules import ADJUST_LR_CHOICES as DMUON_ADJUST_LR_CHOICES
 from dmuon.numerics.update_rules import DEFAULT_MATCHED_ADAMW_RMS
-from dmuon.param_groups import (
-    DEFAULT_ADJUST_LR,
-    DEFAULT_MOMENTUM,
-    DEFAULT_NESTEROV,
-    DEFAULT_SPLIT_REPLICAS,
-    VARIANT_DEFAULTS,
+from dmuon.options import (
     check_adamw_hyperparameters,
     check_comm,
     check_link_gbps,
     check_muon_hyperparameters,
     check_ns_dtype,
     check_split_replicas,
+)
+from dmuon.param_groups import (
+    DEFAULT_ADJUST_LR,
+    DEFAULT_MOMENTUM,
+    DEFAULT_NESTEROV,
+    DEFAULT_SPLIT_REPLICAS,
+    VARIANT_DEFAULTS,
     split_options,
 )
 from dmuon.plan.cost_model import CostModel

@@ -52,15 +52,8 @@ from torchtitan.components.optimizer import OptimizersContainer, ParamGroupConfi
 
 from dmuon import DMuon
 from dmuon.numerics.newton_schulz import DEFAULT_NS_COEFFICIENTS_NAME
-from dmuon.param_groups import (
-    GROUP_OPTIONS,
-    MUON_KEYS,
-    check_link_gbps,
-    check_ns_dtype,
-    check_optimizer_options,
-    make_group,
-    split_options,
-)
+from dmuon.options import check_link_gbps, check_ns_dtype, check_optimizer_options
+from dmuon.param_groups import GROUP_OPTIONS, MUON_KEYS, make_group, split_options
 from dmuon.telemetry import StepFigures
 
 from ..routing import ADAMW, DEFAULT_ADAMW_PARAM_REGEX, MUON, MUON_HEADS, attention_head_dims, route_parameters

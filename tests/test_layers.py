@@ -1,0 +1,167 @@
+"""dmuon's layers, kept by a test: each folder is one layer, and a layer imports only the
+layers below it.
+
+    numerics  <  plan  <  exchange  <  attention  <  the optimizer (dmuon/*.py)  <  the tools
+
+``dmuon.torch_compat`` is the floor beneath them all: it imports no dmuon module, and any
+layer may import it (it is where torch's private names live). The tools users call,
+``dmuon.plan_report`` and ``dmuon.dry_run``, sit on top; nothing in the runtime imports
+them (tests/test_package_boundaries.py). The exchange is the only layer that issues
+collectives. Read from the source (``ast``), so an import inside a function counts.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+from tests.source_imports import REPO, imports_of, module_name, sources, within
+
+pytestmark = pytest.mark.unit
+
+FLOOR = "dmuon.torch_compat"
+# The layer folders, lowest first.
+LAYERS = ("dmuon.numerics", "dmuon.plan", "dmuon.exchange", "dmuon.attention")
+TOOLS = ("dmuon.plan_report", "dmuon.dry_run")
+OPTIMIZER = "dmuon"  # the modules directly in dmuon/: the DMuon class and its step
+# What dmuon/ itself may hold besides the layer folders and the tools: the optimizer's own modules.
+OPTIMIZER_MODULES = {"__init__", "optimizer", "fast_path", "group_steps", "param_groups", "options", "pickling",
+                     "telemetry", "torch_compat"}
+# The most lines a runtime module (every module of dmuon/ but the tools) may have.
+MAX_MODULE_LINES = 300
+# torch.distributed calls that talk to other ranks (or make a group, which every member must call).
+COLLECTIVES = {
+    "all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "all_to_all", "all_to_all_single",
+    "reduce_scatter", "reduce_scatter_tensor", "broadcast", "broadcast_object_list", "reduce", "gather", "scatter",
+    "send", "recv", "isend", "irecv", "batch_isend_irecv", "barrier", "monitored_barrier", "new_group",
+    "new_subgroups", "split_group",
+}
+# DTensor methods and functions that run collectives on the mesh.
+DTENSOR_COLLECTIVES = {"full_tensor", "redistribute", "distribute_tensor"}
+
+
+def level(module: str) -> tuple[int, str]:
+    """Where ``module`` sits: (height, folder). Higher may import lower, and a folder its own."""
+    if within(module, (FLOOR,)):
+        return 0, FLOOR
+    for height, layer in enumerate(LAYERS, start=1):
+        if within(module, (layer,)):
+            return height, layer
+    if within(module, TOOLS):
+        return len(LAYERS) + 2, "the tools"
+    return len(LAYERS) + 1, OPTIMIZER
+
+
+def upward_imports(imports: dict[str, set[str]]) -> list[str]:
+    """``"a imports b: <b's folder> is not below <a's folder>"`` for each import of a dmuon module that is not
+    below the importer's layer (nor in its own folder)."""
+    found = []
+    for module, names in sorted(imports.items()):
+        height, folder = level(module)
+        for name in sorted(n for n in names if within(n, ("dmuon",))):
+            if name == "dmuon" and module != "dmuon" and height <= len(LAYERS):
+                found.append(f"{module} imports the dmuon package (the optimizer) from {folder}")
+                continue
+            other_height, other_folder = level(name)
+            if other_height > height or (other_height == height and other_folder != folder):
+                found.append(f"{module} imports {name}: {other_folder} {verb(other_folder)} not below {folder}")
+    return found
+
+
+def verb(folder: str) -> str:
+    return "are" if folder == "the tools" else "is"
+
+
+def collective_calls(path: Path, source: str | None = None) -> list[str]:
+    """``"module:line name"`` for each collective a module calls (``dist.all_reduce(...)``,
+    ``torch.distributed.new_group(...)``, ``x.full_tensor()``, ``distribute_tensor(...)``)."""
+    tree = ast.parse(path.read_text() if source is None else source)
+    found = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        func = node.func
+        name = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else None
+        on_dist = isinstance(func, ast.Attribute) and ast.unparse(func.value) in ("dist", "torch.distributed")
+        if (on_dist and name in COLLECTIVES) or name in DTENSOR_COLLECTIVES:
+            found.append(f"{module_name(path)}:{node.lineno} {name}")
+    return found
+
+
+def _runtime_sources() -> list[Path]:
+    return [path for path in sources("dmuon") if not within(module_name(path), TOOLS)]
+
+
+def test_each_layer_imports_only_the_layers_below_it():
+    imports = {module_name(path): imports_of(path) for path in sources("dmuon")}
+    assert set(LAYERS) <= set(imports), "a layer folder is missing"
+    assert upward_imports(imports) == []
+
+
+def test_an_import_of_a_higher_layer_is_named():
+    assert upward_imports({"dmuon.numerics.newton_schulz": {"dmuon.plan.units"}}) == [
+        "dmuon.numerics.newton_schulz imports dmuon.plan.units: dmuon.plan is not below dmuon.numerics"]
+    assert upward_imports({"dmuon.plan.units": {"dmuon.exchange.comm", "dmuon.numerics.newton_schulz"}}) == [
+        "dmuon.plan.units imports dmuon.exchange.comm: dmuon.exchange is not below dmuon.plan"]
+    assert upward_imports({"dmuon.exchange.comm": {"dmuon.optimizer"}}) == [
+        "dmuon.exchange.comm imports dmuon.optimizer: dmuon is not below dmuon.exchange"]
+    assert upward_imports({"dmuon.exchange.comm": {"dmuon.attention.qk_clip"}}) == [
+        "dmuon.exchange.comm imports dmuon.attention.qk_clip: dmuon.attention is not below dmuon.exchange"]
+    assert upward_imports({"dmuon.optimizer": {"dmuon.dry_run.run"}}) == [
+        "dmuon.optimizer imports dmuon.dry_run.run: the tools are not below dmuon"]
+    assert upward_imports({"dmuon.torch_compat": {"dmuon.numerics.newton_schulz"}}) == [
+        "dmuon.torch_compat imports dmuon.numerics.newton_schulz: dmuon.numerics is not below dmuon.torch_compat"]
+
+
+def test_a_layer_may_import_its_own_folder_the_floor_and_the_layers_below():
+    assert upward_imports({
+        "dmuon.plan.owner_plan": {"dmuon.plan.units", "dmuon.numerics.newton_schulz", "dmuon.torch_compat"},
+        "dmuon.exchange.comm": {"dmuon.plan.owner_plan", "dmuon.numerics.newton_schulz"},
+        "dmuon.attention.clipping": {"dmuon.exchange.groups", "dmuon.plan.layout"},
+        "dmuon.optimizer": {"dmuon.attention.clipping", "dmuon.fast_path"},
+        "dmuon.dry_run.run": {"dmuon.optimizer", "dmuon.plan_report"},
+    }) == []
+
+
+def test_nothing_in_dmuon_imports_the_integrations_the_benchmarks_or_the_tests():
+    offenders = {module_name(path): sorted(n for n in imports_of(path)
+                                           if within(n, ("torchtitan_ext", "benchmarks", "tests")))
+                 for path in sources("dmuon")}
+    assert {module: names for module, names in offenders.items() if names} == {}
+
+
+def test_only_the_exchange_issues_collectives():
+    outside = [call for path in _runtime_sources() if not within(module_name(path), ("dmuon.exchange",))
+               for call in collective_calls(path)]
+    assert outside == []
+    assert collective_calls(REPO / "dmuon" / "exchange" / "comm.py"), "the exchange's collectives are not seen"
+
+
+def test_a_collective_outside_the_exchange_is_named():
+    path = REPO / "dmuon" / "telemetry.py"
+    source = "import torch.distributed as dist\n\ndef f(t, d):\n    dist.all_reduce(t)\n    return d.full_tensor()\n"
+    assert collective_calls(path, source) == ["dmuon.telemetry:4 all_reduce", "dmuon.telemetry:5 full_tensor"]
+
+
+def test_dmuon_holds_the_optimizer_modules_the_layer_folders_and_the_tools_only():
+    modules = {path.stem for path in (REPO / "dmuon").glob("*.py")}
+    folders = {path.name for path in (REPO / "dmuon").iterdir() if (path / "__init__.py").exists()}
+    assert modules == OPTIMIZER_MODULES | {"plan_report"}
+    assert folders == {layer.split(".")[1] for layer in LAYERS} | {"dry_run"}
+
+
+@pytest.mark.parametrize("layer", LAYERS)
+def test_each_layer_folder_says_what_it_holds_and_what_it_may_import(layer):
+    init = REPO / Path(*layer.split(".")) / "__init__.py"
+    docstring = ast.get_docstring(ast.parse(init.read_text())) or ""
+    assert "May import:" in docstring
+    for path in sorted(init.parent.glob("*.py")):
+        if path.name != "__init__.py":
+            assert f"``{path.stem}``" in docstring, f"{layer}'s docstring does not list {path.stem}"
+
+
+def test_no_runtime_module_is_over_the_line_limit():
+    long = {module_name(p): n for p in _runtime_sources() if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES}
+    assert long == {}
