@@ -16,6 +16,7 @@ stay in step; a rank that saw no logits contributes ``-inf``.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -121,7 +122,7 @@ class AttentionClip:
                 if target.heads.shares_keys:
                     continue  # GQA / MQA: shared keys stay as they are (dmuon.attention.qk_clip)
                 _scale_local_rows(target.k_weight, k_factors)
-        largest = flat.max() if flat.numel() else torch.tensor(float("-inf"), device=device)
+        largest = flat.max() if flat.numel() else torch.full((), -math.inf, device=device)
         self.last = ClipResult(max_logits, largest, clipped)
         return self.last
 

@@ -27,7 +27,7 @@ from concurrent.futures import ProcessPoolExecutor
 from dmuon.dry_run.fake_cuda import DryRunError, check_cuda_build
 from dmuon.dry_run.layouts import parse_layout
 from dmuon.dry_run.models import PRESETS
-from dmuon.dry_run.run import DryRunConfig, RankReport, run_rank, sample_ranks
+from dmuon.dry_run.run import PARAM_DTYPES, DryRunConfig, RankReport, run_rank, sample_ranks
 
 MiB = 1 << 20
 # Parallel rank processes by default: each is one thread (fake tensors do no math).
@@ -47,6 +47,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--qk-clip", type=float, default=None, metavar="TAU",
                         help="DMuon(qk_clip_threshold=TAU), every attention registered and reporting logits")
     parser.add_argument("--max-batch-numel", type=int, default=None, help="DMuon(max_batch_numel=...)")
+    parser.add_argument("--param-dtype", default="float32", choices=PARAM_DTYPES,
+                        help="the parameters' dtype (default %(default)s, as TorchTitan keeps them)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     return parser.parse_args(argv)
 
@@ -62,7 +64,8 @@ def make_config(args: argparse.Namespace) -> tuple[DryRunConfig, list[int]]:
     options = {key: value for key, value in (
         ("normuon", args.normuon or None), ("cautious_weight_decay", args.cautious_weight_decay or None),
         ("qk_clip_threshold", args.qk_clip), ("max_batch_numel", args.max_batch_numel)) if value is not None}
-    return DryRunConfig(args.model, PRESETS[args.model], layout, args.world_size, options), _ranks(args)
+    return (DryRunConfig(args.model, PRESETS[args.model], layout, args.world_size, options, args.param_dtype),
+            _ranks(args))
 
 
 def _ranks(args: argparse.Namespace) -> list[int]:

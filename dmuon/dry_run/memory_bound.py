@@ -11,7 +11,8 @@ next, so the bound is the largest of three terms (``e``: the parameter's element
   the Newton-Schulz workspace of the largest matrix this rank orthogonalizes
   (:func:`newton_schulz_workspace`), plus the larger of the look-ahead of its largest
   packing chunk (``dmuon.plan.pack_layout.PACK_CHUNK_NUMEL`` elements or one block, in the
-  parameters' dtype), its largest scatter receive buffer widened to the parameters'
+  parameters' dtype; twice that on an accelerator for parameters wider than bf16, whose
+  chunk is flattened into a stage before its cast: ``dmuon.exchange.packing.stages_casts``), its largest scatter receive buffer widened to the parameters'
   dtype (``OwnerRun.widen``) and the elementwise temporaries of its largest block
   (:func:`elementwise_bytes`);
 - *whole matrices* (plain tensors, replicated DTensors, the reference path): for the
@@ -28,6 +29,7 @@ import math
 import torch
 from torch.distributed.tensor import DTensor
 
+from dmuon.exchange.packing import stages_casts
 from dmuon.numerics.newton_schulz import matrix_shape, resolve_ns_dtype
 from dmuon.optimizer import DMuon
 from dmuon.plan.owner_plan import WIRE_BYTES
@@ -79,7 +81,9 @@ def _exchange(optimizer: DMuon, groups: dict, rank: int, ns_bytes: int) -> int:
         layout = run.layout(batch)
         for first, _, start, end in layout.send_chunks:
             param_bytes = params[plan.units[layout.send_units[first]].param].element_size()
-            elementwise = max(elementwise, (end - start) * param_bytes)
+            # On an accelerator, a chunk wider than bf16 is flattened into a stage of its dtype first.
+            staged = param_bytes != WIRE_BYTES and stages_casts(run.device)
+            elementwise = max(elementwise, (2 if staged else 1) * (end - start) * param_bytes)
         # The results received, widened to the parameters' dtype for the list ops (OwnerRun.widen).
         elementwise = max(elementwise, sum(layout.scatter_recv_sizes) * widest)
     for unit in plan.units:

@@ -117,6 +117,12 @@ class Transformer(nn.Module):
         self.output = nn.Linear(p.dim, p.vocab, bias=False)
 
 
-def build(preset: Preset) -> Transformer:
-    """The model, on the current default device (``torch.device("cuda")`` in a dry run)."""
-    return Transformer(preset)
+def build(preset: Preset, dtype: torch.dtype = torch.float32) -> Transformer:
+    """The model, on the current default device (``torch.device("cuda")`` in a dry run),
+    its parameters made in ``dtype`` (a fake tensor cannot be converted afterwards)."""
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        return Transformer(preset)
+    finally:
+        torch.set_default_dtype(default)

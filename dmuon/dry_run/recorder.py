@@ -6,16 +6,23 @@ it records, without trusting any counter of DMuon's own:
 
 - *host syncs*: a device value read on the host (``.item()``, ``.tolist()``,
   ``bool(t)``, ``int(t)``: ``aten._local_scalar_dense``), a copy from the device to the
-  CPU, or an op whose output shape depends on device values (``nonzero``). Each is
-  counted with the line of code that made it, and a read gets a placeholder value, so
-  a run counts every sync instead of stopping at the first;
+  CPU, a copy from pageable (not pinned) CPU memory to the device (CUDA stages it and
+  the host waits: ``torch.as_tensor(x, device="cuda")`` is one), or an op whose output
+  shape depends on device values (``nonzero``). Each is counted with the line of code
+  that made it, and a read gets a placeholder value, so a run counts every sync
+  instead of stopping at the first;
 - *collectives*: each c10d op (``torch.distributed`` calls and DTensor's functional
   collectives) by op, dtype and device, with the bytes each ``all_to_all`` sends to
   other ranks;
 - *device ops*: ops that would launch a CUDA kernel (views, allocations and metadata
   queries launch none; a ``torch._foreach_*`` op counts once where torch takes its
   multi-tensor path, lists of one dtype, and once per tensor where it falls back to a
-  loop);
+  loop; a concatenation (``cat``, ``_chunk_cat``) counts once per input where CUDA's
+  kernel would cast them one ``copy_`` at a time);
+- *precision hazards*: an op given a 0-dim tensor on the device of a wider floating
+  dtype than its bf16 or fp16 tensors (a ``torch._foreach_*`` scalar tensor included):
+  CUDA reads such an operand in the tensors' own dtype (0.998 becomes 0.99609375 in
+  bf16), where a CPU scalar tensor or a Python number keeps the opmath precision;
 - *memory*: every device storage the step allocates, live from the op that made it
   until its last tensor dies; the peak is what the step holds above what existed
   before it (parameters, grads, state);
@@ -51,6 +58,9 @@ NO_KERNEL_OPS = frozenset({
     "_c10d_functional.wait_tensor.default",
 })
 LOCAL_SCALAR_DENSE = "aten._local_scalar_dense.default"
+# Ops that flatten a list of tensors into one output.
+CONCATENATIONS = ("aten.cat", "aten._chunk_cat")
+REDUCED_FLOATS = (torch.bfloat16, torch.float16)
 # What a host read returns in a dry run: the value is unknowable, the run goes on.
 PLACEHOLDERS = {torch.bool: False}
 PLACEHOLDER = 1
@@ -77,6 +87,8 @@ class StepRecord:
     host_syncs: list[str] = field(default_factory=list)
     """One entry per host sync: the op and the line of code that made it."""
     mixed_device_ops: list[str] = field(default_factory=list)
+    precision_hazards: list[str] = field(default_factory=list)
+    """Ops given a wider 0-dim device scalar than their bf16/fp16 tensors, with the line."""
     collectives: dict[tuple[str, str, str], CollectiveRow] = field(default_factory=dict)
     bytes_sent: int = 0
     """Bytes this rank's device ``all_to_all`` calls send to other ranks."""
@@ -93,6 +105,8 @@ class StepRecorder(TorchDispatchMode):
         self.record = StepRecord()
         self._live: dict[int, int] = {}  # storage id -> bytes, for storages made during the step
         self._live_bytes = 0
+        # Storages made pinned during the step (a fake tensor always says is_pinned() False).
+        self._pinned: weakref.WeakSet[torch.UntypedStorage] = weakref.WeakSet()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
         kwargs = kwargs or {}
@@ -101,10 +115,14 @@ class StepRecorder(TorchDispatchMode):
         on_device = [t for t in tensors if t.device.type != "cpu"]
         if name == LOCAL_SCALAR_DENSE:
             return self._host_read(func, args, on_device)
+        if self._writes_from_pageable_memory(name, args, kwargs):
+            self.record.host_syncs.append(f"{name} (a copy from pageable host memory) at {_caller()}")
         if on_device:
             self._check_devices(name, tensors)
             if _reads_to_host(name, args, kwargs) or _data_dependent(func, args):
                 self.record.host_syncs.append(f"{name} at {_caller()}")
+            if hazard := _scalar_precision_hazard(args, kwargs):
+                self.record.precision_hazards.append(f"{name} {hazard} at {_caller()}")
         if func.namespace in ("c10d", "_c10d_functional"):
             self._collective(name, args, tensors)
         before = {_storage_id(t) for t in on_device}
@@ -114,7 +132,26 @@ class StepRecorder(TorchDispatchMode):
             self.record.device_ops[name] += launches
         for tensor in outputs:
             self._track(tensor, before)
+        if kwargs.get("pin_memory") or name.startswith("aten._pin_memory"):
+            self._pinned.update(_storage(t) for t in _tensors(out))
         return out
+
+    def _writes_from_pageable_memory(self, name: str, args: tuple, kwargs: dict) -> bool:
+        """A copy from CPU memory that is not pinned into device memory: CUDA copies it
+        through a staging buffer and the host waits for it (``non_blocking`` or not)."""
+        if name.startswith("aten._to_copy"):
+            device = kwargs.get("device")
+            source = args[0]
+            into_device = device is not None and torch.device(device).type != "cpu"
+        elif name.startswith("aten.copy_"):
+            source = args[1]
+            into_device = args[0].device.type != "cpu"
+        else:
+            return False
+        return into_device and source.device.type == "cpu" and not self._is_pinned(source)
+
+    def _is_pinned(self, tensor: torch.Tensor) -> bool:
+        return tensor.is_pinned() or _storage(tensor) in self._pinned
 
     def _host_read(self, func, args, on_device: list[torch.Tensor]):  # noqa: ANN001, ANN202
         tensor = args[0]
@@ -190,6 +227,8 @@ def _kernel_launches(func: Any, name: str, args: tuple, outputs: list[torch.Tens
     aside), else one per tensor (its per-tensor fallback)."""
     if name in NO_KERNEL_OPS or func.is_view:
         return 0
+    if name.startswith(CONCATENATIONS):
+        return _concat_launches(name, args, outputs)
     if not name.startswith("aten._foreach_"):
         return 1 if outputs else 0
     lists = [a for a in args if isinstance(a, (list, tuple)) and a and isinstance(a[0], torch.Tensor)]
@@ -197,6 +236,38 @@ def _kernel_launches(func: Any, name: str, args: tuple, outputs: list[torch.Tens
     if not tensors or all(t.device.type == "cpu" for t in tensors):
         return 0
     return 1 if len({t.dtype for t in tensors}) == 1 else len(lists[0])
+
+
+def _concat_launches(name: str, args: tuple, outputs: list[torch.Tensor]) -> int:
+    """CUDA's ``cat`` runs one kernel when its inputs share the output's dtype, and
+    ``_chunk_cat`` also when it widens bf16 to fp32; otherwise both copy each input on
+    its own (``cat_out``: one ``copy_`` per input), one launch each."""
+    if not outputs:
+        return 0
+    inputs = [t for t in _tensors(args[0]) if t.numel()]
+    out_dtype = outputs[0].dtype
+    dtypes = {t.dtype for t in inputs}
+    if dtypes <= {out_dtype} or (name.startswith("aten._chunk_cat") and dtypes == {torch.bfloat16}
+                                 and out_dtype == torch.float32):
+        return 1
+    return max(len(inputs), 1)
+
+
+def _scalar_precision_hazard(args: tuple, kwargs: dict) -> str | None:
+    """How an op reads a 0-dim device scalar of another floating dtype than its bf16 or
+    fp16 tensors (CUDA casts it to theirs), or None."""
+    narrow = {t.dtype for t in _tensors((args, kwargs)) if t.ndim > 0 and t.dtype in REDUCED_FLOATS}
+    if not narrow:
+        return None
+    direct = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+    other = {t.dtype for t in direct if t.ndim == 0 and t.device.type != "cpu" and t.is_floating_point()} - narrow
+    if not other:
+        return None
+    return f"reads a {_names(other)} device scalar as {_names(narrow)}"
+
+
+def _names(dtypes: set[torch.dtype]) -> str:
+    return "/".join(sorted(str(d).removeprefix("torch.") for d in dtypes))
 
 
 def _tensors(tree: Any) -> list[torch.Tensor]:

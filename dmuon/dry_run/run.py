@@ -28,6 +28,8 @@ from dmuon.plan.owner_plan import WIRE_BYTES
 # Tokens per rank of the logits the attentions report to QK-clip (their cost is the
 # forward's, not the step's; any length shows the step's work).
 QK_CLIP_SEQ = 16
+# The parameter dtypes a dry run can lay out (``--param-dtype``).
+PARAM_DTYPES = ("float32", "bfloat16", "float16")
 
 
 @dataclass(frozen=True)
@@ -40,6 +42,9 @@ class DryRunConfig:
     world_size: int
     options: dict = field(default_factory=dict)
     """Keyword arguments of ``DMuon`` (``normuon``, ``qk_clip_threshold``, ...)."""
+    param_dtype: str = "float32"
+    """The parameters' dtype (and so their grads' and state's): ``float32`` as TorchTitan
+    keeps sharded parameters, or ``bfloat16``/``float16`` as a user of the FSDP2 API may."""
 
 
 @dataclass
@@ -58,6 +63,8 @@ class RankReport:
     peak_step_bytes: int
     peak_bound_bytes: int
     mixed_device_ops: list[str]
+    precision_hazards: list[str]
+    """Ops that read a 0-dim device scalar of another dtype than their bf16/fp16 tensors."""
     state_layout_problems: list[str]
     muon_params: int
     adamw_params: int
@@ -78,6 +85,9 @@ class RankReport:
             found.append(f"{self.host_syncs_per_step} host sync(s): {'; '.join(self.host_sync_sites[:5])}")
         if self.mixed_device_ops:
             found.append(f"ops mixing CPU and CUDA tensors: {'; '.join(self.mixed_device_ops[:5])}")
+        if self.precision_hazards:
+            found.append(f"{len(self.precision_hazards)} op(s) lose a scalar's precision on CUDA: "
+                         f"{'; '.join(self.precision_hazards[:5])}")
         if self.bytes_sent_per_rank != self.plan_bytes_sent_per_rank:
             found.append(f"sent {self.bytes_sent_per_rank} bytes, the plan says {self.plan_bytes_sent_per_rank}")
         if self.peak_step_bytes > self.peak_bound_bytes:
@@ -105,7 +115,7 @@ def run_rank(config: DryRunConfig, rank: int) -> RankReport:
         with HostTensorsStayReal():
             mesh = make_mesh(config.layout)
             with torch.device("cuda"):
-                model = build(config.preset)
+                model = build(config.preset, getattr(torch, config.param_dtype))
             lay_out(model, config.layout, mesh)
         optimizer = DMuon(model.named_parameters(), lr=0.02, weight_decay=0.1, **config.options)
         if config.options.get("qk_clip_threshold") is not None:
@@ -125,6 +135,7 @@ def run_rank(config: DryRunConfig, rank: int) -> RankReport:
         report.error = error
         report.host_syncs_first_step = len(first.record.host_syncs)
         report.mixed_device_ops = first.record.mixed_device_ops + report.mixed_device_ops
+        report.precision_hazards = first.record.precision_hazards + report.precision_hazards
         return report
 
 
@@ -144,6 +155,7 @@ def _report(rank: int, optimizer: DMuon, record: StepRecord, seconds: float) -> 
         peak_step_bytes=record.peak_bytes,
         peak_bound_bytes=peak_bound_bytes(optimizer, _plan_rank(optimizer)),
         mixed_device_ops=record.mixed_device_ops,
+        precision_hazards=record.precision_hazards,
         state_layout_problems=state_layout_problems(optimizer),
         muon_params=sum(len(g["params"]) for g in groups if g["use_muon"]),
         adamw_params=sum(len(g["params"]) for g in groups if not g["use_muon"]),

@@ -1,7 +1,9 @@
 """Fill and drain the owner exchange's buffers (``dmuon.exchange.comm``) with a few ops per
 batch and direction, from a :class:`~dmuon.plan.pack_layout.BatchLayout` made once per plan:
 
-- gather send: the blocks flattened into the buffer, one ``_chunk_cat`` per chunk;
+- gather send: the blocks flattened into the buffer, one ``_chunk_cat`` per chunk (on an
+  accelerator, blocks wider than bf16 are flattened in their own dtype and cast in one
+  more op, :func:`stages_casts`);
 - gather receive: one ``split`` of it, one of the owner's whole buffer, one
   ``_foreach_copy_`` between them (the whole matrices are then views of that buffer);
 - scatter send: the results flattened once (``_chunk_cat``), then split, permuted and
@@ -37,8 +39,25 @@ def pack_gather(plan: OwnerPlan, batch: Sequence[int], rank: int, blocks_of: Blo
     total = layout.send_chunks[-1][3] if layout.send_chunks else 0
     send = track(meter, torch.empty(total, dtype=WIRE_DTYPE, device=device))
     for first, stop, start, end in layout.send_chunks:
-        chunk_cat(blocks_of(layout.send_units[first:stop]), send if end - start == total else send[start:end])
+        blocks = blocks_of(layout.send_units[first:stop])
+        target = send if end - start == total else send[start:end]
+        if blocks[0].dtype == WIRE_DTYPE or not stages_casts(device):
+            chunk_cat(blocks, target)
+            continue
+        # Flattened in their own dtype first (one kernel), then cast as a whole (one more):
+        # flattening and casting at once is one copy per block on CUDA.
+        stage = torch.empty(end - start, dtype=blocks[0].dtype, device=device)
+        chunk_cat(blocks, stage)
+        del blocks
+        target.copy_(stage)
     return send
+
+
+def stages_casts(device: torch.device) -> bool:
+    """Whether the gather flattens a chunk in the parameters' dtype and casts it in a second
+    op: on accelerators, whose ``_chunk_cat`` runs one kernel only without a cast (CUDA's
+    falls back to one ``copy_`` per block); the CPU casts while it flattens, in one op."""
+    return device.type not in ("cpu", "meta")
 
 
 def gather_whole(plan: OwnerPlan, layout: BatchLayout, recv: torch.Tensor, meter: ScratchMeter | None = None

@@ -85,8 +85,16 @@ def apply_muon_updates_(
 
 
 def _decay_factor(value: float, like: torch.Tensor) -> torch.Tensor:
-    """``value`` as the 0-dim tensor ``mul_`` by that number computes with (fp32, fp64
-    for fp64 tensors), on ``like``'s device: ``_foreach_mul_`` by a plain number would
-    round it to a bf16 list's dtype first."""
+    """``value`` as the number ``mul_`` by a Python float multiplies with (fp32; fp64 for
+    fp64 tensors), held in a 0-dim **CPU** tensor, whatever ``like``'s device.
+
+    Both alternatives lose bits on a bf16 (or fp16) list. ``_foreach_mul_`` by a plain
+    number rounds it to the list's dtype on the CPU (0.998 -> 0.99609375, about twice the
+    decay at lr 0.02, wd 0.1). A 0-dim fp32 tensor on the GPU is worse: CUDA's
+    ``_foreach_mul_`` falls back to one ``mul_`` per tensor for a scalar of another dtype,
+    and that ``mul_`` reads a non-CPU operand as the tensor's own dtype. A CPU scalar
+    tensor is what both devices read exactly: CUDA's ``_foreach_mul_`` passes its value
+    to the multi-tensor kernel as an fp32 opmath number (one launch, no device sync: the
+    value is already on the host), and the CPU computes ``mul_`` with it in fp32."""
     dtype = torch.float64 if like.dtype == torch.float64 else torch.float32
-    return torch.full((), value, dtype=dtype, device=like.device)
+    return torch.tensor(value, dtype=dtype)

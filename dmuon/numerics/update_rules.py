@@ -138,10 +138,11 @@ def cautious_decay_(param: torch.Tensor, update: torch.Tensor, lr: float | torch
     as the plain decay does it, so with every sign agreeing the bits are the plain
     decay's; elsewhere it is left as it is.
     """
-    if isinstance(lr, torch.Tensor):
-        lr = lr.squeeze()
     dtype = torch.float64 if param.dtype == torch.float64 else torch.float32  # what mul_ by a number computes in
-    keep = torch.as_tensor(1 - lr * weight_decay, dtype=dtype, device=param.device)
+    if isinstance(lr, torch.Tensor):  # torch's own arithmetic on the Tensor, moved only if it must
+        keep = (1 - lr.squeeze() * weight_decay).to(device=param.device, dtype=dtype)
+    else:  # filled on the device: a tensor copied from a Python number would wait for the device
+        keep = torch.full((), 1 - lr * weight_decay, dtype=dtype, device=param.device)
     param.mul_(torch.where(cautious_mask(update, param), keep, torch.ones((), dtype=dtype, device=param.device)))
 
 

@@ -1,0 +1,153 @@
+"""Scalars a step hands to device ops, and the dry run's recorder that catches the ways
+they go wrong on CUDA without a GPU (meta tensors stand in for CUDA ones here, so these
+run on the CPU build too; the dry runs at the end need a CUDA build):
+
+- a tensor copied from a Python number or pageable CPU memory to the device makes the
+  host wait: the recorder counts it as a host sync;
+- a 0-dim device scalar wider than a bf16/fp16 tensor it multiplies is read in the
+  tensor's dtype by CUDA: the recorder reports it as a precision hazard;
+- a concatenation that casts runs one copy per input on CUDA: the recorder counts each.
+
+DMuon's list decay keeps its factor on the host (an fp32 CPU scalar, which CUDA's
+foreach kernel reads at full precision) and cautious decay fills its scalars on the device.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dmuon.dry_run.recorder import StepRecorder
+from dmuon.numerics.update_lists import _decay_factor, apply_muon_updates_
+from dmuon.numerics.update_rules import apply_muon_update_, cautious_decay_
+
+pytestmark = pytest.mark.unit
+
+needs_cuda_build = pytest.mark.skipif(torch.version.cuda is None,
+                                      reason="the dry run needs a CUDA build of torch (CI's torch 2.15 leg)")
+LR, WD = 0.02, 0.1
+
+
+def recorded(fn) -> StepRecorder:
+    with StepRecorder() as recorder:
+        fn()
+    return recorder
+
+
+# ---------------------------------------------------------------- the recorder's detections
+
+
+def test_a_scalar_made_on_the_host_and_moved_to_the_device_is_a_host_sync():
+    # What torch.as_tensor(0.998, device="cuda") dispatches (the dry run sees it so on fake CUDA).
+    record = recorded(lambda: torch.tensor(0.998).to("meta")).record
+    assert len(record.host_syncs) == 1 and "pageable" in record.host_syncs[0]
+
+
+def test_a_scalar_filled_on_the_device_is_no_host_sync():
+    assert recorded(lambda: torch.full((), 0.998, device="meta")).record.host_syncs == []
+
+
+def test_a_copy_of_a_pageable_cpu_tensor_into_device_memory_is_a_host_sync():
+    target, source = torch.empty(8, device="meta"), torch.ones(8)
+    assert len(recorded(lambda: target.copy_(source)).record.host_syncs) == 1
+
+
+def test_a_wider_device_scalar_on_a_bf16_list_is_a_precision_hazard():
+    params = [torch.empty(4, 4, dtype=torch.bfloat16, device="meta") for _ in range(3)]
+    factor = torch.full((), 0.998, dtype=torch.float32, device="meta")
+    hazards = recorded(lambda: torch._foreach_mul_(params, factor)).record.precision_hazards
+    assert len(hazards) == 1 and "float32 device scalar as bfloat16" in hazards[0]
+
+
+@pytest.mark.parametrize("factor", [torch.tensor(0.998), torch.full((), 0.998, dtype=torch.bfloat16, device="meta")],
+                         ids=["cpu fp32 scalar", "device scalar of the list's dtype"])
+def test_a_cpu_scalar_or_one_of_the_lists_dtype_is_no_precision_hazard(factor):
+    params = [torch.empty(4, 4, dtype=torch.bfloat16, device="meta") for _ in range(3)]
+    assert recorded(lambda: torch._foreach_mul_(params, factor)).record.precision_hazards == []
+
+
+def test_a_wider_device_scalar_on_an_fp32_list_is_no_precision_hazard():
+    params = [torch.empty(4, 4, device="meta") for _ in range(3)]
+    factor = torch.full((), 0.998, dtype=torch.float64, device="meta")
+    assert recorded(lambda: torch._foreach_mul_(params, factor)).record.precision_hazards == []
+
+
+@pytest.mark.parametrize("inputs, out, launches", [
+    (torch.float32, torch.bfloat16, 3),  # cast while flattening: one copy_ per input
+    (torch.bfloat16, torch.bfloat16, 1),
+    (torch.float32, torch.float32, 1),
+    (torch.bfloat16, torch.float32, 1),  # the one cast CUDA's _chunk_cat does in its kernel
+])
+def test_a_concatenation_counts_one_launch_or_one_per_input_where_it_casts(inputs, out, launches):
+    blocks = [torch.empty(2, 4, dtype=inputs, device="meta") for _ in range(3)]
+    send = torch.empty(24, dtype=out, device="meta")
+    ops = recorded(lambda: torch._chunk_cat(blocks, 0, 1, out=send.view(1, -1))).record.device_ops
+    assert sum(ops.values()) == launches
+
+
+# ---------------------------------------------------------------- DMuon's scalars
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_the_list_decay_factor_is_an_fp32_cpu_scalar_whatever_the_lists_device(dtype):
+    factor = _decay_factor(1 - LR * WD, torch.empty(2, dtype=dtype, device="meta"))
+    assert factor.device.type == "cpu" and factor.dtype == torch.float32 and factor.ndim == 0
+    assert factor.item() == torch.tensor(1 - LR * WD, dtype=torch.float32).item()
+
+
+def test_the_list_decay_of_fp64_parameters_keeps_an_fp64_factor():
+    assert _decay_factor(0.998, torch.empty(2, dtype=torch.float64)).dtype == torch.float64
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_list_decay_of_reduced_precision_parameters_has_the_per_tensor_bits(dtype):
+    torch.manual_seed(0)
+    params = [torch.randn(5, 7).to(dtype) for _ in range(3)]
+    orthos = [torch.randn(5, 7).to(dtype) for _ in range(3)]
+    lists, loop = [p.clone() for p in params], [p.clone() for p in params]
+    apply_muon_updates_(lists, orthos, LR, WD, 0.5, cautious_weight_decay=False, foreach=True)
+    for param, ortho in zip(loop, orthos):
+        apply_muon_update_(param, ortho, LR, WD, 0.5)
+    assert all(torch.equal(a, b) for a, b in zip(lists, loop))
+    assert not all(torch.equal(a, p) for a, p in zip(lists, params))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_list_decay_on_the_device_has_no_host_sync_and_no_precision_hazard(dtype):
+    params = [torch.empty(4, 4, dtype=dtype, device="meta") for _ in range(3)]
+    orthos = [torch.empty(4, 4, dtype=dtype, device="meta") for _ in range(3)]
+    record = recorded(lambda: apply_muon_updates_(params, orthos, LR, WD, 0.5, False, foreach=True)).record
+    assert record.host_syncs == [] and record.precision_hazards == []
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_cautious_decay_fills_its_factor_on_the_device_with_no_host_sync_or_precision_hazard(dtype):
+    # (On meta, torch.as_tensor(x, device=...) dispatches nothing; on fake CUDA it is a
+    # copy from the host, which the dry runs of tests/test_dry_run.py count.)
+    param, update = torch.empty(4, 4, dtype=dtype, device="meta"), torch.empty(4, 4, dtype=dtype, device="meta")
+    record = recorded(lambda: cautious_decay_(param, update, LR, WD)).record
+    assert record.device_ops["aten.full.default"] == 1
+    assert record.host_syncs == [] and record.precision_hazards == []
+
+
+def test_cautious_decay_keeps_the_plain_decays_bits_where_every_sign_agrees():
+    param = torch.rand(6, 6).bfloat16() + 0.5
+    cautious, plain = param.clone(), param.clone()
+    cautious_decay_(cautious, torch.ones(6, 6, dtype=torch.bfloat16), LR, WD)
+    plain.mul_(1 - LR * WD)
+    assert torch.equal(cautious, plain) and not torch.equal(plain, param)
+
+
+# ---------------------------------------------------------------- the dry run
+
+
+@needs_cuda_build
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_a_dry_run_with_reduced_precision_parameters_finds_no_precision_hazard(dtype):
+    from dmuon.dry_run.__main__ import make_config, parse_args, run_ranks
+
+    config, ranks = make_config(parse_args(["--model", "debug", "--world-size", "4", "--ranks", "0,3",
+                                            "--param-dtype", dtype, "--cautious-weight-decay"]))
+    for report in run_ranks(config, ranks, jobs=2):
+        assert report.problems() == [], (report.rank, report.problems())
+        assert report.precision_hazards == [] and report.host_syncs_per_step == 0
