@@ -1,6 +1,7 @@
 """The exactness and robustness scenarios on CUDA with NCCL.
 
-Skipped without a GPU (CI has none). With one GPU: the single-process checks; with two
+Skipped without a GPU (CI has none; none of these has run on a GPU yet: no session of this
+project has had one). With one GPU: the single-process checks; with two
 or more: the multi-rank scenarios on NCCL, which, unlike gloo, rejects any buffer that
 is not on the GPU. Run them with ``bash scripts/test.sh tests/test_cuda.py`` on a GPU
 machine (docs/development.md, "CUDA").
@@ -46,6 +47,46 @@ def test_dmuon_on_one_gpu_is_bitwise_equal_to_torch_muon():
         dmuon.step()
         muon.step()
     assert all(torch.equal(a, b) for a, b in zip(ours, theirs))
+
+
+def _bf16_step(foreach: bool, cautious: bool) -> list[torch.Tensor]:
+    from dmuon import DMuon
+
+    generator = torch.Generator().manual_seed(1)
+    params = [nn.Parameter(torch.randn(shape, generator=generator).to("cuda", torch.bfloat16))
+              for shape in ((64, 32), (32, 96), (48, 48))]
+    optimizer = DMuon([{"params": params, "use_muon": True}], lr=0.02, weight_decay=0.1, foreach=foreach,
+                      cautious_weight_decay=cautious)
+    for _ in range(3):
+        for param in params:
+            param.grad = torch.randn(param.shape, generator=generator).to("cuda", torch.bfloat16)
+        optimizer.step()
+    return [p.detach().clone() for p in params]
+
+
+@pytest.mark.parametrize("cautious", [False, True], ids=["plain decay", "cautious decay"])
+def test_bf16_parameters_decay_by_the_fp32_factor_on_the_list_path_too(cautious):
+    """The list decay once multiplied by a CUDA fp32 scalar that CUDA read as bf16 (0.998 ->
+    0.99609375); the per-tensor path multiplies by the Python number, in fp32."""
+    assert all(torch.equal(a, b) for a, b in zip(_bf16_step(True, cautious), _bf16_step(False, cautious)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_step_with_cautious_decay_never_waits_for_the_gpu(dtype):
+    from dmuon import DMuon
+
+    params = [nn.Parameter(torch.randn(32, 48, device="cuda", dtype=dtype)), nn.Parameter(torch.randn(48, device="cuda"))]
+    optimizer = DMuon([{"params": params[:1], "use_muon": True}, {"params": params[1:], "use_muon": False}],
+                      lr=0.02, weight_decay=0.1, cautious_weight_decay=True)
+    for param in params:
+        param.grad = torch.randn_like(param)
+    optimizer.step()  # the first step makes state
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        optimizer.step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
 
 
 def test_one_rank_nccl_group_runs_every_layout_locally():

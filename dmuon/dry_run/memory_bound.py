@@ -12,8 +12,9 @@ next, so the bound is the largest of three terms (``e``: the parameter's element
   (:func:`newton_schulz_workspace`), plus the larger of the look-ahead of its largest
   packing chunk (``dmuon.plan.pack_layout.PACK_CHUNK_NUMEL`` elements or one block, in the
   parameters' dtype; twice that on an accelerator for parameters wider than bf16, whose
-  chunk is flattened into a stage before its cast: ``dmuon.exchange.packing.stages_casts``), its largest scatter receive buffer widened to the parameters'
-  dtype (``OwnerRun.widen``) and the elementwise temporaries of its largest block
+  chunk is flattened into a stage before its cast: ``dmuon.exchange.packing.stages_casts``),
+  its largest scatter receive buffer widened to the parameters' dtype
+  (``OwnerRun.widen``) and the elementwise temporaries of its largest block
   (:func:`elementwise_bytes`);
 - *whole matrices* (plain tensors, replicated DTensors, the reference path): for the
   largest, its bf16 update and result (and the results a stack of experts or heads is
