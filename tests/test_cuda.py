@@ -75,7 +75,8 @@ def test_bf16_parameters_decay_by_the_fp32_factor_on_the_list_path_too(cautious)
 def test_a_step_with_cautious_decay_never_waits_for_the_gpu(dtype):
     from dmuon import DMuon
 
-    params = [nn.Parameter(torch.randn(32, 48, device="cuda", dtype=dtype)), nn.Parameter(torch.randn(48, device="cuda"))]
+    params = [nn.Parameter(torch.randn(32, 48, device="cuda", dtype=dtype)),
+              nn.Parameter(torch.randn(48, device="cuda"))]
     optimizer = DMuon([{"params": params[:1], "use_muon": True}, {"params": params[1:], "use_muon": False}],
                       lr=0.02, weight_decay=0.1, cautious_weight_decay=True)
     for param in params:
