@@ -151,3 +151,14 @@ def test_a_dry_run_with_reduced_precision_parameters_finds_no_precision_hazard(d
     for report in run_ranks(config, ranks, jobs=2):
         assert report.problems() == [], (report.rank, report.problems())
         assert report.precision_hazards == [] and report.host_syncs_per_step == 0
+
+
+@pytest.mark.parametrize("ns_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("shape", [(48, 16), (16, 48)], ids=["tall", "wide"])
+def test_newton_schulz_returns_a_contiguous_result_for_the_scatter_to_flatten(shape, ns_dtype):
+    """A transposed result would be copied again inside CUDA's ``_chunk_cat``, one more
+    temporary per matrix, all alive at once (unseen by the dry run's fake kernels)."""
+    from dmuon.numerics.newton_schulz import orthogonalize
+
+    result = orthogonalize(torch.randn(shape).bfloat16(), dtype=ns_dtype)
+    assert result.is_contiguous() and result.dtype == torch.bfloat16 and result.shape == shape

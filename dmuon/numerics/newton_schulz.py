@@ -183,9 +183,10 @@ def orthogonalize(
     ``gram_dtype_override`` replaces that dtype (accuracy studies).
 
     ``update`` is 2-D ``[A, B]`` or a 3-D stack ``[E, A, B]`` (see :func:`matrix_shape`).
-    Returns a new bf16 tensor of the same shape (rounded from ``dtype``); ``update`` is never modified (this
-    avoids torch.optim.Muon's aliasing defect, where ``x.bfloat16()`` of a bf16 buffer
-    is the buffer itself and the in-place normalization corrupts momentum).
+    Returns a new contiguous bf16 tensor of the same shape (rounded from ``dtype``);
+    ``update`` is never modified (this avoids torch.optim.Muon's aliasing defect, where
+    ``x.bfloat16()`` of a bf16 buffer is the buffer itself and the in-place
+    normalization corrupts momentum).
 
     A 3-D stack is E independent matrices, each orthogonalized on its own by the 2-D
     routine. That makes expert ``e`` of the result a function of expert ``e`` alone,
@@ -209,9 +210,17 @@ def orthogonalize(
     if uses_gram(algorithm, update.shape, steps, restarts):
         compute = gram_dtype_override or gram_dtype(dtype, update.device.type)
         x = gram_iterate(_gram_start(update, compute, safety, eps, tall), schedule, restarts)
-        return (x.T if tall else x).to(UPDATE_DTYPE)
-    x = _standard_iterate(update, dtype, safety, eps, schedule, tall)
-    return (x.T if tall else x).to(UPDATE_DTYPE)
+        return _result(x, tall)
+    return _result(_standard_iterate(update, dtype, safety, eps, schedule, tall), tall)
+
+
+def _result(x: torch.Tensor, tall: bool) -> torch.Tensor:
+    """The last iterate, seen in ``update``'s orientation, as a contiguous bf16 tensor. A
+    tall matrix's iterate is its transpose, and a transposed view would be copied again,
+    as one more temporary per matrix, by every op that flattens results for the scatter
+    (CUDA's ``_chunk_cat``); here the copy is the cast itself, or one copy of one matrix."""
+    x = x.T if tall else x
+    return x.contiguous() if x.dtype == UPDATE_DTYPE else x.to(UPDATE_DTYPE, memory_format=torch.contiguous_format)
 
 
 def _standard_iterate(update: torch.Tensor, dtype: torch.dtype, safety: float, eps: float,
