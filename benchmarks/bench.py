@@ -38,189 +38,62 @@ algorithms (all-reduce ``2(P-1)/P n``, all-gather ``(P-1) n_in``, reduce-scatter
 all-to-all ``(P-1)/P n_in``). The minimum bytes per rank of owner-computed
 Newton-Schulz depend on the layout (``dmuon.plan_report.min_bytes_per_rank``; ``4 N (P-1) / P^2``
 for FSDP).
+
+This module runs the rows and reads the command line; ``benchmarks.bench_workload``
+holds the settings, the rows and the model they step, ``benchmarks.bench_timing`` how
+a row is measured, ``benchmarks.bench_report`` the table, the JSON and the chart.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import math
 import os
-import statistics
-import time
-from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 
-from benchmarks.layouts import LAYOUTS, default_mesh_shape, like, parallelize
+from benchmarks.bench_report import write_report
+from benchmarks.bench_timing import (
+    device_name,
+    log_rank0,
+    newton_schulz_throughput,
+    profiled_bytes_sent,
+    resolve_device,
+    time_steps,
+)
+from benchmarks.bench_workload import (
+    BF16_ROWS,
+    DMUON_ROWS,
+    FAST_PATH_ROWS,
+    LR,
+    OPTIMIZERS,
+    SLOW_BF16_REASON,
+    BenchConfig,
+    Block,
+    build_model,
+    make_grads,
+    slow_bf16_rows,
+)
+from benchmarks.layouts import LAYOUTS, default_mesh_shape
 from dmuon.numerics.newton_schulz import (
-    DEFAULT_NS_ALGORITHM,
-    DEFAULT_NS_DTYPE,
     DEFAULT_NS_STEPS,
     NS_ALGORITHMS,
     NS_DTYPE_CHOICES,
-    NS_DTYPES,
-    native_bf16_matmul,
     newton_schulz_flops,
     ns_dtype_name,
-    orthogonalize,
     resolve_ns_algorithm,
     resolve_ns_dtype,
 )
 from dmuon.optimizer import DMuon
-from dmuon.plan import DEFAULT_BATCH_NUMEL
 from dmuon.plan_report import min_bytes_per_rank
-
-OPTIMIZERS = ("dmuon", "dmuon_bf16", "redistribute", "vanilla", "adamw", "single")
-# The rows that run DMuon, and so Newton-Schulz in the chosen dtype (dmuon_bf16: in bf16),
-# and those on its fast path, whose bytes come from its own exact counters.
-DMUON_ROWS = ("dmuon", "dmuon_bf16", "redistribute", "single")
-FAST_PATH_ROWS = ("dmuon", "dmuon_bf16")
-# The rows whose Newton-Schulz runs in bf16 whatever --ns-dtype says: torch.optim.Muon's
-# dtype, for the like-for-like comparison with it.
-BF16_ROWS = ("dmuon_bf16", "vanilla")
-LR = 0.02
-
-
-@dataclass
-class BenchConfig:
-    dim: int = 512
-    """Model width: attention matrices are dim x dim."""
-    layers: int = 4
-    """Transformer blocks, 7 matrices each (wq, wk, wv, wo, w1, w2, w3)."""
-    steps: int = 10
-    """Timed steps per optimizer."""
-    warmup: int = 3
-    """Untimed steps before timing."""
-    threads: int = 1
-    """torch threads per rank (CPU)."""
-    optimizers: tuple[str, ...] = OPTIMIZERS
-    max_batch_numel: int = DEFAULT_BATCH_NUMEL
-    """DMuon's max_batch_numel (small values: one matrix per batch)."""
-    device: str = "auto"
-    """"cuda" (one GPU per rank, NCCL), "cpu" (gloo), or "auto": cuda when available."""
-    layout: str = "fsdp"
-    """How the stack is parallelized: one of ``benchmarks.layouts.LAYOUTS``."""
-    mesh_shape: tuple[int, ...] = ()
-    """The layout's mesh; empty: ``default_mesh_shape(layout, world size)``."""
-    split_replicas: bool = True
-    """DMuon's split_replicas (matters for ``hsdp`` only)."""
-    ns_dtype: str = DEFAULT_NS_DTYPE
-    """DMuon's ns_dtype for the DMuon rows (``dmuon_bf16`` always runs bf16)."""
-    ns_algorithm: str = DEFAULT_NS_ALGORITHM
-    """DMuon's ns_algorithm for the DMuon rows."""
-    bf16_rows: bool = False
-    """Run the bf16 rows (``BF16_ROWS``) also on a CPU whose bf16 matmul is slow."""
-    json: str | None = None
-    """Write the results here as JSON."""
-    plot: str | None = None
-    """Write a PNG bar chart of step time and bytes sent here (needs matplotlib)."""
-
-
-def ffn_hidden(dim: int, multiple_of: int = 256) -> int:
-    """Llama's SwiGLU hidden size: 2/3 of 4 * dim, rounded up to ``multiple_of``."""
-    hidden = int(2 * (4 * dim) / 3)
-    return multiple_of * -(-hidden // multiple_of)
-
-
-class Block(nn.Module):
-    """The matrices of one llama block (no norms: they hold no Muon work)."""
-
-    def __init__(self, dim: int) -> None:
-        super().__init__()
-        hidden = ffn_hidden(dim)
-        for name in ("wq", "wk", "wv", "wo"):
-            setattr(self, name, nn.Linear(dim, dim, bias=False))
-        self.w1 = nn.Linear(dim, hidden, bias=False)
-        self.w2 = nn.Linear(hidden, dim, bias=False)
-        self.w3 = nn.Linear(dim, hidden, bias=False)
-
-
-def build_model(cfg: BenchConfig, device: torch.device) -> nn.Module:
-    torch.manual_seed(0)
-    model = nn.Sequential(*(Block(cfg.dim) for _ in range(cfg.layers))).to(device)
-    parallelize(model, cfg.layout, cfg.mesh_shape, device.type)
-    return model
-
-
-def make_grads(model: nn.Module) -> list[DTensor]:
-    """Deterministic full gradients (the same on every rank, so replicas agree), laid
-    out like the parameters."""
-    generator = torch.Generator().manual_seed(1)
-    return [like(p, torch.randn(p.shape, generator=generator).to(p.device)) for p in model.parameters()]
-
-
-def time_steps(step: Callable[[], None], cfg: BenchConfig, device: torch.device, label: str) -> float:
-    """Median over timed steps of the slowest rank's step time, in ms."""
-    times = []
-    for i in range(cfg.warmup + cfg.steps):
-        dist.barrier()
-        _sync(device)
-        start = time.perf_counter()
-        step()
-        _sync(device)
-        elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
-        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-        if i >= cfg.warmup:
-            times.append(elapsed.item() * 1e3)
-        _log(f"  {label}: step {i + 1}/{cfg.warmup + cfg.steps} {elapsed.item() * 1e3:8.1f} ms"
-             f"{'  (warm-up)' if i < cfg.warmup else ''}")
-    return statistics.median(times)
-
-
-def profiled_bytes_sent(step: Callable[[], None], world_size: int) -> int:
-    """Bytes this rank sends in one ``step()``, from the backend collectives the profiler records."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
-        step()
-    total = 0.0
-    for event in prof.events():
-        backend, _, op = event.name.partition(":")
-        if backend not in ("gloo", "nccl") or not event.input_shapes or not event.input_shapes[0]:
-            continue
-        numel = 1
-        for size in event.input_shapes[0]:
-            numel *= size
-        dtypes = getattr(event, "input_dtypes", None) or ["float"]
-        nbytes = numel * _element_size(dtypes[0])
-        p = world_size
-        if "all_reduce" in op or "allreduce" in op:
-            total += 2 * (p - 1) / p * nbytes
-        elif "all_gather" in op or "allgather" in op:
-            total += (p - 1) * nbytes
-        elif "reduce_scatter" in op or "all_to_all" in op or "alltoall" in op:
-            total += (p - 1) / p * nbytes
-        elif "broadcast" in op or "scatter" in op:
-            total += (p - 1) / p * nbytes
-    return int(total)
-
-
-def _element_size(dtype_name: str) -> int:
-    name = str(dtype_name).lower()
-    if any(k in name for k in ("bfloat16", "half", "float16", "short", "int16")):
-        return 2
-    if any(k in name for k in ("double", "int64", "long")):
-        return 8
-    if any(k in name for k in ("char", "int8", "bool", "byte")):
-        return 1
-    return 4
-
-
-def slow_bf16_rows(optimizers: tuple[str, ...], device_type: str, asked: bool) -> tuple[str, ...]:
-    """The bf16 rows left out of this run, unless ``asked``: those of ``optimizers`` on a
-    CPU without a native bf16 matmul, where their Newton-Schulz alone takes minutes a step."""
-    if asked or native_bf16_matmul(device_type):
-        return ()
-    return tuple(name for name in optimizers if name in BF16_ROWS)
 
 
 def run_benchmark(cfg: BenchConfig) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
-    device = _device(cfg.device)
+    device = resolve_device(cfg.device)
     if not cfg.mesh_shape:
         cfg = dataclasses.replace(cfg, mesh_shape=default_mesh_shape(cfg.layout, world))
     if math.prod(cfg.mesh_shape) != world:
@@ -231,14 +104,14 @@ def run_benchmark(cfg: BenchConfig) -> dict:
     ns_compute = resolve_ns_dtype(cfg.ns_dtype, device.type)
     algorithm = resolve_ns_algorithm(cfg.ns_algorithm, ns_compute, device.type)
     ns_flops_total = sum(newton_schulz_flops(s, DEFAULT_NS_STEPS, algorithm) for s in shapes)
-    _log(f"benchmarks.bench: {world} rank(s) on {device.type}, {cfg.threads} thread(s) each; layout {cfg.layout} "
-         f"on mesh {cfg.mesh_shape}; {cfg.layers} blocks of width {cfg.dim}: {len(shapes)} matrices, "
-         f"{muon_elements / 1e6:.1f}M elements")
+    log_rank0(f"benchmarks.bench: {world} rank(s) on {device.type}, {cfg.threads} thread(s) each; "
+              f"layout {cfg.layout} on mesh {cfg.mesh_shape}; {cfg.layers} blocks of width {cfg.dim}: "
+              f"{len(shapes)} matrices, {muon_elements / 1e6:.1f}M elements")
 
     ns_dtype = ns_dtype_name(ns_compute)
     left_out = slow_bf16_rows(cfg.optimizers, device.type, cfg.bf16_rows)
     if left_out:
-        _log(f"left out {', '.join(left_out)}: {SLOW_BF16_REASON}")
+        log_rank0(f"left out {', '.join(left_out)}: {SLOW_BF16_REASON}")
     optimizers = [name for name in cfg.optimizers
                   if not (name == "dmuon_bf16" and ns_dtype == "bfloat16") and name not in left_out]
     for name in optimizers:
@@ -279,7 +152,7 @@ def run_benchmark(cfg: BenchConfig) -> dict:
         "world_size": world,
         "dim": cfg.dim,
         "muon_elements": muon_elements,
-        "device": _device_name(device),
+        "device": device_name(device),
         "threads_per_rank": cfg.threads,
         "layout": cfg.layout,
         "mesh_shape": list(cfg.mesh_shape),
@@ -299,21 +172,8 @@ def run_benchmark(cfg: BenchConfig) -> dict:
     if "vanilla" in results and like_vanilla:
         report["speedup_vs_vanilla"] = results["vanilla"]["step_ms"] / like_vanilla["step_ms"]
     if rank == 0:
-        print(format_table(report), flush=True)
-        if cfg.json:
-            with open(cfg.json, "w") as f:
-                json.dump(report, f, indent=2)
-            print(f"wrote {cfg.json}", flush=True)
-        if cfg.plot:
-            plot_report(report, cfg.plot)
-            print(f"wrote {cfg.plot}", flush=True)
+        write_report(report, cfg.json, cfg.plot)
     return report
-
-
-# Why slow_bf16_rows leaves rows out, as the output says it.
-SLOW_BF16_REASON = (f"this CPU ({torch.backends.cpu.get_cpu_capability()}) has no native bf16 matmul, so their bf16 "
-                    "Newton-Schulz runs ~50x slower than fp32 (minutes a step); pass --bf16-rows to run them "
-                    "(the like-for-like comparison with torch.optim.Muon)")
 
 
 def _row_ns_dtype(name: str, ns_dtype: str) -> str | None:
@@ -321,26 +181,6 @@ def _row_ns_dtype(name: str, ns_dtype: str) -> str | None:
     if name in ("dmuon_bf16", "vanilla"):  # torch.optim.Muon computes in bf16
         return "bfloat16"
     return ns_dtype if name in DMUON_ROWS else None
-
-
-def newton_schulz_throughput(dim: int, device: torch.device, repeats: int = 2) -> dict[str, float]:
-    """GFLOP/s of Newton-Schulz on one ``dim x dim`` matrix in each compute dtype (best of
-    ``repeats`` after a small warm-up), on this rank alone."""
-    generator = torch.Generator().manual_seed(2)
-    matrix = torch.randn(dim, dim, generator=generator).bfloat16().to(device)
-    flops = newton_schulz_flops(matrix.shape)
-    rates = {}
-    for name, dtype in NS_DTYPES.items():
-        orthogonalize(matrix[:64, :64], dtype=dtype)
-        best = math.inf
-        for _ in range(repeats):
-            _sync(device)
-            start = time.perf_counter()
-            orthogonalize(matrix, dtype=dtype)
-            _sync(device)
-            best = min(best, time.perf_counter() - start)
-        rates[name] = flops / best / 1e9
-    return rates
 
 
 def _bench_single(cfg: BenchConfig, device: torch.device) -> dict[str, float]:
@@ -371,92 +211,6 @@ def _make_optimizer(name: str, params: list[torch.Tensor], cfg: BenchConfig) -> 
     if name == "adamw":
         return torch.optim.AdamW(params, lr=LR, foreach=True)
     raise ValueError(f"unknown optimizer {name!r}; choose from {OPTIMIZERS}")
-
-
-def format_table(report: dict) -> str:
-    """A plain-text table of a benchmark report."""
-    results = report["results"]
-    vanilla = results.get("vanilla", {}).get("step_ms")
-    lines = [
-        f"world size {report['world_size']}, {report['device']}, {report['threads_per_rank']} thread(s)/rank, "
-        f"Muon elements N = {report['muon_elements']:,}, layout {report['layout']} on mesh {report['mesh_shape']}, "
-        f"DMuon ns_algorithm {report.get('ns_algorithm', DEFAULT_NS_ALGORITHM)}",
-        f"{'optimizer':<14}{'NS dtype':>10}{'step ms':>10}{'vs vanilla':>12}{'bytes sent/rank':>18}",
-    ]
-    for name, row in results.items():
-        # Only a row whose Newton-Schulz runs in bf16, as vanilla's does, is compared with it.
-        comparable = vanilla and row.get("ns_dtype") in ("bfloat16", None)
-        speedup = f"{vanilla / row['step_ms']:.2f}x" if comparable else "-"
-        lines.append(f"{name:<14}{row.get('ns_dtype') or '-':>10}{row['step_ms']:>10.1f}{speedup:>12}"
-                     f"{row['bytes_sent_per_rank']:>18,}")
-    lines += [f"{name:<14}{'left out':>10}: {reason}" for name, reason in report.get("left_out", {}).items()]
-    lines.append(f"owner-exchange minimum for this layout = {report['min_bytes_per_rank']:,} bytes/rank "
-                 f"(dmuon.plan_report.min_bytes_per_rank)")
-    dmuon = results.get("dmuon", {})
-    if "ns_flops_per_rank_max" in dmuon:
-        ideal = report["ns_flops_total"] / report["world_size"]
-        lines.append(f"dmuon: {dmuon['batches']} batch(es) (max_batch_numel {report['max_batch_numel']:,}), "
-                     f"Newton-Schulz GFLOP on the busiest rank {dmuon['ns_flops_per_rank_max'] / 1e9:.2f} "
-                     f"= {dmuon['ns_flops_per_rank_max'] / ideal:.2f} x total/P")
-    if "parallel_efficiency" in report:
-        lines.append(f"parallel efficiency single / (P * dmuon) = {report['parallel_efficiency']:.2f}")
-    rates = report.get("ns_throughput_gflops")
-    if rates:
-        dim = report.get("dim", "dim")
-        lines.append(f"Newton-Schulz on one {dim} x {dim} matrix, rank 0: "
-                     + ", ".join(f"{name} {rate:.1f} GFLOP/s" for name, rate in rates.items())
-                     + f" (fp32 / bf16 = {rates['float32'] / rates['bfloat16']:.2f})")
-    return "\n".join(lines)
-
-
-def plot_report(report: dict, path: str) -> None:
-    """Two bar charts side by side: median step time and bytes sent per rank."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    names = list(report["results"])
-    step_ms = [report["results"][n]["step_ms"] for n in names]
-    mbytes = [report["results"][n]["bytes_sent_per_rank"] / 1e6 for n in names]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.8))
-    left.bar(names, step_ms, color="tab:blue")
-    left.set_ylabel("median step (ms, slowest rank)")
-    right.bar(names, mbytes, color="tab:orange")
-    right.axhline(report["min_bytes_per_rank"] / 1e6, color="black", linestyle="--", linewidth=1,
-                  label="owner-computed minimum 4N(P-1)/P²")
-    right.set_ylabel("MB sent per rank per step")
-    right.legend(fontsize=8, loc="center left")
-    for axis in (left, right):
-        axis.tick_params(axis="x", rotation=20)
-    fig.suptitle(f"benchmarks.bench: {report['world_size']} rank(s), {report['device']}, "
-                 f"N = {report['muon_elements'] / 1e6:.1f}M Muon elements", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
-def _device(choice: str = "auto") -> torch.device:
-    if choice == "cuda" or (choice == "auto" and torch.cuda.is_available()):
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-    return torch.device("cpu")
-
-
-def _device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    native = "yes" if native_bf16_matmul("cpu") else "no"
-    return f"cpu ({os.cpu_count()} cores, {torch.backends.cpu.get_cpu_capability()}, native bf16 matmul: {native})"
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _log(message: str) -> None:
-    if dist.get_rank() == 0:
-        print(message, flush=True)
 
 
 def parse_args(argv: list[str] | None = None) -> BenchConfig:
@@ -510,7 +264,7 @@ def main(argv: list[str] | None = None) -> None:
     os.environ.setdefault("WORLD_SIZE", "1")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29517")
-    device = _device(cfg.device)
+    device = resolve_device(cfg.device)
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)

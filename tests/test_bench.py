@@ -7,8 +7,10 @@ import json
 
 import pytest
 
-from benchmarks import bench
-from benchmarks.bench import BF16_ROWS, OPTIMIZERS, ffn_hidden, format_table, parse_args, slow_bf16_rows
+from benchmarks import bench, bench_workload
+from benchmarks.bench import parse_args
+from benchmarks.bench_report import format_table
+from benchmarks.bench_workload import BF16_ROWS, OPTIMIZERS, ffn_hidden, slow_bf16_rows
 from tests import distributed_scenarios as scenarios
 from tests.multiprocess import run_on_ranks
 
@@ -125,7 +127,7 @@ def test_unknown_optimizer_name_is_rejected():
 @pytest.fixture
 def cpu_without_bf16_matmul(monkeypatch):
     """A CPU like an AVX2 one: no native bf16 GEMM (accelerators keep theirs)."""
-    monkeypatch.setattr(bench, "native_bf16_matmul", lambda device_type: device_type != "cpu")
+    monkeypatch.setattr(bench_workload, "native_bf16_matmul", lambda device_type: device_type != "cpu")
 
 
 @pytest.mark.unit
@@ -141,7 +143,7 @@ def test_the_bf16_rows_run_when_asked_or_where_bf16_matmul_is_native(cpu_without
 
 @pytest.mark.unit
 def test_the_bf16_rows_run_on_a_cpu_with_native_bf16_matmul(monkeypatch):
-    monkeypatch.setattr(bench, "native_bf16_matmul", lambda device_type: True)
+    monkeypatch.setattr(bench_workload, "native_bf16_matmul", lambda device_type: True)
     assert slow_bf16_rows(OPTIMIZERS, "cpu", asked=False) == ()
 
 
@@ -156,7 +158,7 @@ def test_one_flag_or_naming_a_bf16_row_asks_for_the_bf16_rows(argv, asked):
 def test_the_table_says_which_rows_were_left_out_and_why():
     report = {"world_size": 1, "device": "cpu", "threads_per_rank": 1, "muon_elements": 1, "layout": "fsdp",
               "mesh_shape": [1], "results": {}, "min_bytes_per_rank": 0, "ns_algorithm": "gram",
-              "left_out": {"vanilla": bench.SLOW_BF16_REASON}}
+              "left_out": {"vanilla": bench_workload.SLOW_BF16_REASON}}
     table = format_table(report)
     assert "vanilla" in table and "--bf16-rows" in table and "ns_algorithm gram" in table
 

@@ -138,7 +138,7 @@ def _write_toml(tmp_path, optimizer_lines: str):
 
 
 def test_polar_express_is_chosen_by_name_in_toml(tmp_path):
-    from torchtitan_ext.titan02.config import dmuon_kwargs
+    from torchtitan_ext.titan02.kwargs import dmuon_kwargs
 
     cfg = _write_toml(tmp_path, 'ns_coefficients = "polar_express"\n')
     assert dmuon_kwargs(cfg)["ns_coefficients"] == "polar_express"
@@ -148,7 +148,7 @@ def test_a_per_iteration_coefficient_list_is_accepted_in_toml(tmp_path):
     import torch
 
     from dmuon import DMuon
-    from torchtitan_ext.titan02.config import dmuon_kwargs
+    from torchtitan_ext.titan02.kwargs import dmuon_kwargs
 
     cfg = _write_toml(tmp_path, "ns_coefficients = [[3.4445, -4.775, 2.0315], [3.0, -3.2, 1.2]]\n")
     optimizer = DMuon([torch.nn.Parameter(torch.zeros(4, 4))], **dmuon_kwargs(cfg))
@@ -177,7 +177,7 @@ def test_the_update_rule_variants_reach_dmuons_muon_and_adamw_groups():
     import torch
 
     from dmuon import DMuon
-    from torchtitan_ext.titan02.config import dmuon_kwargs
+    from torchtitan_ext.titan02.kwargs import dmuon_kwargs
 
     cfg = parse(*EXT, "--optimizer.name", "DMuon", "--optimizer.normuon", "--optimizer.normuon_beta2", "0.9",
                 "--optimizer.cautious_weight_decay").optimizer
@@ -198,7 +198,7 @@ def test_gram_newton_schulz_and_its_restarts_reach_dmuons_muon_group(tmp_path):
     import torch
 
     from dmuon import DMuon
-    from torchtitan_ext.titan02.config import dmuon_kwargs
+    from torchtitan_ext.titan02.kwargs import dmuon_kwargs
 
     cfg = _write_toml(tmp_path, 'ns_algorithm = "auto"\nns_gram_restarts = [1, 3]\n')
     optimizer = DMuon([("w", torch.nn.Parameter(torch.zeros(4, 8)))], **dmuon_kwargs(cfg))

@@ -23,7 +23,7 @@ from dmuon import DMuon
 from dmuon.attention.qk_clip import head_max_logits
 from dmuon.telemetry import StepFigures
 from torchtitan_ext.step_figures import console_text, metric_values
-from torchtitan_ext.titan02.config import dmuon_kwargs
+from torchtitan_ext.titan02.kwargs import dmuon_kwargs
 from torchtitan_ext.titan02.max_logits import QKClipUnsupported
 from torchtitan_ext.titan_log import parse_log
 

@@ -31,7 +31,8 @@ __all__ = ["JobConfig"]
 
 def __getattr__(name: str) -> Any:
     if name == "JobConfig":
-        from .titan02.config import install_config_validation, JobConfig
+        from .titan02.config import JobConfig
+        from .titan02.validation import install_config_validation
 
         install_config_validation()
         return JobConfig

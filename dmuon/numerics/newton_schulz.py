@@ -215,10 +215,8 @@ def orthogonalize(
 
 
 def _result(x: torch.Tensor, tall: bool) -> torch.Tensor:
-    """The last iterate, seen in ``update``'s orientation, as a contiguous bf16 tensor. A
-    tall matrix's iterate is its transpose, and a transposed view would be copied again,
-    as one more temporary per matrix, by every op that flattens results for the scatter
-    (CUDA's ``_chunk_cat``); here the copy is the cast itself, or one copy of one matrix."""
+    """The last iterate in ``update``'s orientation, contiguous bf16: CUDA's ``_chunk_cat``
+    would copy a tall matrix's transposed view again when the scatter flattens results."""
     x = x.T if tall else x
     return x.contiguous() if x.dtype == UPDATE_DTYPE else x.to(UPDATE_DTYPE, memory_format=torch.contiguous_format)
 

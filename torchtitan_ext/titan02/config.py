@@ -14,10 +14,8 @@ stock keys keep their TorchTitan meaning:
 * ``weight_decay``: decoupled weight decay for both parts.
 * ``implementation``: applies to Adam/AdamW only.
 
-``validate_optimizer_config`` rejects bad values with the error ``DMuon(...)``
-gives (the same validator, with ``[optimizer]`` where DMuon says ``DMuon``);
-``install_config_validation`` makes TorchTitan's ``ConfigManager`` call it
-right after parsing, i.e. before any process group or model exists.
+What the fields make, DMuon's keyword arguments, is ``kwargs.dmuon_kwargs``; their
+parse-time checks are in ``validation``.
 """
 
 # No `from __future__ import annotations` here: TorchTitan merges dataclasses by
@@ -25,57 +23,27 @@ right after parsing, i.e. before any process group or model exists.
 # Choice fields are typed ``str``, not ``Literal[...]``: tyro would then reject a bad
 # command-line value itself (exit 2, its own message) before dmuon's validator runs,
 # and a TOML value and a command-line value would be checked by two different rules.
-import contextlib
-import functools
-import re
-from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
 
-from dmuon.numerics.newton_schulz import (
-    DEFAULT_NS_COEFFICIENTS_NAME,
-    DEFAULT_NS_DTYPE,
-    DEFAULT_NS_EPS,
-    DEFAULT_NS_STEPS,
-)
-from dmuon.numerics.update_rules import ADJUST_LR_CHOICES as DMUON_ADJUST_LR_CHOICES
+from dmuon.numerics.newton_schulz import DEFAULT_NS_COEFFICIENTS_NAME, DEFAULT_NS_DTYPE, DEFAULT_NS_STEPS
 from dmuon.numerics.update_rules import DEFAULT_MATCHED_ADAMW_RMS
-from dmuon.options import (
-    check_adamw_hyperparameters,
-    check_comm,
-    check_link_gbps,
-    check_muon_hyperparameters,
-    check_ns_dtype,
-    check_split_replicas,
-)
 from dmuon.param_groups import (
     DEFAULT_ADJUST_LR,
     DEFAULT_MOMENTUM,
     DEFAULT_NESTEROV,
     DEFAULT_SPLIT_REPLICAS,
     VARIANT_DEFAULTS,
-    split_options,
 )
 from dmuon.plan.cost_model import CostModel
 from dmuon.plan.paths import ALL_TO_ALL
 
 from ..routing import DEFAULT_ADAMW_PARAM_REGEX
-from ..versions import require_tested
+from .kwargs import SPLIT_REPLICAS
 
 DMUON_NAME = "DMuon"
-# What [experimental] custom_import names: importing it installs the job half (job.py).
-JOB_MODULE = "torchtitan_ext.titan02.job"
-# What dmuon's messages name this front end by (DMuon's own say "DMuon").
-WHERE = "[optimizer]"
-
-# TOML has no null, so "none" stands for DMuon's adjust_lr=None (no scaling).
-ADJUST_LR_NONE = "none"
-ADJUST_LR_CHOICES = tuple(ADJUST_LR_NONE if choice is None else choice for choice in DMUON_ADJUST_LR_CHOICES)
-# [optimizer] split_replicas -> DMuon's split_replicas (TOML has no null either).
-SPLIT_REPLICAS = {"auto": None, "always": True, "never": False}
+# DMuon's default split_replicas, as TOML spells it.
 DEFAULT_SPLIT_REPLICAS_NAME = {value: name for name, value in SPLIT_REPLICAS.items()}[DEFAULT_SPLIT_REPLICAS]
-# The network bandwidths DMuon's cost model takes (same names in TOML and in DMuon).
-LINK_SPEEDS = ("link_gbps", "replica_link_gbps")
+# The bandwidth fields default to those of DMuon's cost model.
 _COST_MODEL = CostModel()
 
 # Parameter names (as ``model.named_parameters()`` prints them; FSDP2 adds no
@@ -239,150 +207,3 @@ class JobConfig:
     """The part of TorchTitan's JobConfig this extension adds (only ``[optimizer]``)."""
 
     optimizer: Optimizer = field(default_factory=Optimizer)
-
-
-def dmuon_kwargs(optimizer_config: Any) -> dict[str, Any]:
-    """Map ``[optimizer]`` fields onto ``dmuon.DMuon`` keyword arguments.
-
-    A spelling the TOML tables do not know is passed on as written, so that dmuon's
-    validator rejects it with its own message.
-    """
-    cfg = optimizer_config
-    kwargs = {
-        "lr": cfg.lr,
-        "momentum": cfg.momentum,
-        "nesterov": cfg.nesterov,
-        "weight_decay": cfg.weight_decay,
-        "ns_steps": cfg.ns_steps,
-        "ns_coefficients": cfg.ns_coefficients,
-        "ns_algorithm": cfg.ns_algorithm,
-        # TOML's list is DMuon's tuple; any other value goes to DMuon's validator as is.
-        "ns_gram_restarts": tuple(cfg.ns_gram_restarts) if isinstance(cfg.ns_gram_restarts, list)
-        else cfg.ns_gram_restarts,
-        "adjust_lr": None if cfg.adjust_lr == ADJUST_LR_NONE else cfg.adjust_lr,
-        "matched_adamw_rms": cfg.matched_adamw_rms,
-        "adamw_lr": cfg.adamw_lr,
-        "adamw_betas": (cfg.beta1, cfg.beta2),
-        "adamw_eps": cfg.eps,
-        "normuon": cfg.normuon,
-        "normuon_beta2": cfg.normuon_beta2,
-        "cautious_weight_decay": cfg.cautious_weight_decay,
-        # TOML's 0 is DMuon's None (off); any other value goes to DMuon's validator as is.
-        "qk_clip_threshold": None if cfg.qk_clip_threshold == 0 else cfg.qk_clip_threshold,
-        "comm": cfg.comm,
-        "split_replicas": SPLIT_REPLICAS.get(cfg.split_replicas, cfg.split_replicas)
-        if isinstance(cfg.split_replicas, str) else cfg.split_replicas,
-        "ns_dtype": cfg.ns_dtype,
-        "telemetry": cfg.telemetry,
-    }
-    kwargs.update({name: getattr(cfg, name) for name in LINK_SPEEDS})
-    return kwargs
-
-
-@contextlib.contextmanager
-def _toml_spellings(field: str, spellings: Iterable[str]) -> Iterator[None]:
-    """DMuon's message names Python values (``None``, ``True``); for the two fields TOML
-    spells differently, append the TOML spellings to it."""
-    try:
-        yield
-    except ValueError as error:
-        if f" {field} " not in str(error):
-            raise
-        raise ValueError(f"{error}; in TOML, {field} is one of {', '.join(map(repr, spellings))}") from None
-
-
-@contextlib.contextmanager
-def _qk_clip_off_is_zero() -> Iterator[None]:
-    """DMuon's message says None is off; in TOML it is 0."""
-    try:
-        yield
-    except ValueError as error:
-        if " qk_clip_threshold " not in str(error):
-            raise
-        raise ValueError(f"{error}; in TOML, qk_clip_threshold = 0 turns QK-clip off") from None
-
-
-def qk_clip_wanted(optimizer_config: Any) -> bool:
-    """Whether the attentions must be hooked: to clip them, or only to measure logits."""
-    return bool(optimizer_config.qk_clip_threshold) or optimizer_config.track_max_logits
-
-
-def validate_optimizer_config(optimizer_config: Any) -> None:
-    """Raise ``ValueError`` if a DMuon setting cannot work: dmuon's own message, with
-    ``[optimizer]`` where ``DMuon(...)`` says ``DMuon``.
-
-    Every option DMuon takes is checked by the validator ``DMuon(...)`` calls, on the
-    value ``dmuon_kwargs`` passes it; only the TOML-only keys (``early_step_in_backward``,
-    ``adamw_param_regex``) have rules here. Only checks anything when
-    ``[optimizer] name = "DMuon"``.
-    """
-    cfg = optimizer_config
-    if cfg.name != DMUON_NAME:
-        return
-    if cfg.early_step_in_backward:
-        raise ValueError(
-            f"{WHERE} early_step_in_backward = true is not supported with "
-            f'name = "{DMUON_NAME}": Muon orthogonalizes whole matrices after the '
-            "backward pass (and gradient clipping), not one parameter inside it. "
-            "Set early_step_in_backward = false."
-        )
-    try:
-        re.compile(cfg.adamw_param_regex)
-    except (re.error, TypeError) as e:
-        raise ValueError(
-            f"{WHERE} adamw_param_regex = {cfg.adamw_param_regex!r} is not a valid "
-            f"Python regular expression ({e}). In TOML, write it as a literal string in "
-            "single quotes so backslashes stay as typed."
-        ) from e
-    kwargs = dmuon_kwargs(cfg)
-    # In DMuon.__init__'s order, so that a config with several bad values reports
-    # the one DMuon would report first.
-    check_comm(kwargs["comm"], WHERE)
-    with _toml_spellings("split_replicas", SPLIT_REPLICAS):
-        check_split_replicas(kwargs["split_replicas"], WHERE)
-    # The Muon keys TOML has no field for keep DMuon's defaults.
-    muon, adamw = split_options({"eps": DEFAULT_NS_EPS, "split_rows": None, **kwargs})
-    with _toml_spellings("adjust_lr", ADJUST_LR_CHOICES), _qk_clip_off_is_zero():
-        check_muon_hyperparameters(muon, WHERE)
-    check_adamw_hyperparameters(adamw, f"{WHERE} (AdamW part)")
-    check_ns_dtype(kwargs["ns_dtype"], WHERE)
-    for name in LINK_SPEEDS:
-        check_link_gbps(getattr(cfg, name), name, WHERE)
-
-
-def check_job_module_imported(config: Any) -> None:
-    """``name = "DMuon"`` builds DMuon only once ``torchtitan_ext.titan02.job`` ran: say so
-    at parse time instead of TorchTitan's "Optimizer DMuon not added" after start-up."""
-    if config.optimizer.name == DMUON_NAME and not config.experimental.custom_import:
-        raise ValueError(
-            f'{WHERE} name = "{DMUON_NAME}" needs the job half of the extension: add '
-            f'[experimental] custom_import = "{JOB_MODULE}" (or import that module from '
-            "your own custom_import module)."
-        )
-
-
-def install_config_validation() -> None:
-    """Run ``validate_optimizer_config`` whenever TorchTitan validates a parsed config.
-
-    TorchTitan merges our dataclass fields into a new class based on its own, so a
-    ``__post_init__`` here would never run, and 0.2.x has no validation hook;
-    wrapping ``ConfigManager._validate_config`` is the one place that sees every
-    parsed config (TOML and command line). It is installed when TorchTitan reads
-    ``torchtitan_ext.JobConfig``, i.e. only for a job whose config names this
-    extension (``torchtitan_ext/__init__.py``).
-    """
-    from torchtitan.config.manager import ConfigManager
-
-    original = ConfigManager._validate_config
-    if getattr(original, "_dmuon_validation", False):
-        return
-    require_tested("0.2", "ConfigManager._validate_config (DMuon's [optimizer] checks at parse time)")
-
-    @functools.wraps(original)
-    def validate_config(self) -> None:
-        original(self)
-        validate_optimizer_config(self.config.optimizer)
-        check_job_module_imported(self.config)
-
-    validate_config._dmuon_validation = True  # type: ignore[attr-defined]
-    ConfigManager._validate_config = validate_config

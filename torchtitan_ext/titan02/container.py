@@ -37,7 +37,8 @@ from torchtitan.tools.logging import logger
 from ..routing import ADAMW, group_layout, MUON_HEADS, route_parameters, RoutedParameters
 from .max_logits import install_max_logit_hooks, require_attentions
 from ..step_figures import combined_figures
-from .config import dmuon_kwargs, qk_clip_wanted, validate_optimizer_config
+from .kwargs import dmuon_kwargs, qk_clip_wanted
+from .validation import validate_optimizer_config
 
 
 def _numel(params: list[tuple[str, nn.Parameter]]) -> int:

@@ -1,0 +1,139 @@
+"""The parse-time checks of DMuon's ``[optimizer]`` fields, and where TorchTitan runs them.
+
+``validate_optimizer_config`` rejects bad values with the error ``DMuon(...)``
+gives (the same validator, with ``[optimizer]`` where DMuon says ``DMuon``);
+``install_config_validation`` makes TorchTitan's ``ConfigManager`` call it
+right after parsing, i.e. before any process group or model exists.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import re
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+from dmuon.numerics.newton_schulz import DEFAULT_NS_EPS
+from dmuon.options import (
+    check_adamw_hyperparameters,
+    check_comm,
+    check_link_gbps,
+    check_muon_hyperparameters,
+    check_ns_dtype,
+    check_split_replicas,
+)
+from dmuon.param_groups import split_options
+
+from ..versions import require_tested
+from .config import DMUON_NAME
+from .kwargs import ADJUST_LR_CHOICES, dmuon_kwargs, LINK_SPEEDS, SPLIT_REPLICAS
+
+# What [experimental] custom_import names: importing it installs the job half (job.py).
+JOB_MODULE = "torchtitan_ext.titan02.job"
+# What dmuon's messages name this front end by (DMuon's own say "DMuon").
+WHERE = "[optimizer]"
+
+
+@contextlib.contextmanager
+def _toml_spellings(field: str, spellings: Iterable[str]) -> Iterator[None]:
+    """DMuon's message names Python values (``None``, ``True``); for the two fields TOML
+    spells differently, append the TOML spellings to it."""
+    try:
+        yield
+    except ValueError as error:
+        if f" {field} " not in str(error):
+            raise
+        raise ValueError(f"{error}; in TOML, {field} is one of {', '.join(map(repr, spellings))}") from None
+
+
+@contextlib.contextmanager
+def _qk_clip_off_is_zero() -> Iterator[None]:
+    """DMuon's message says None is off; in TOML it is 0."""
+    try:
+        yield
+    except ValueError as error:
+        if " qk_clip_threshold " not in str(error):
+            raise
+        raise ValueError(f"{error}; in TOML, qk_clip_threshold = 0 turns QK-clip off") from None
+
+
+def validate_optimizer_config(optimizer_config: Any) -> None:
+    """Raise ``ValueError`` if a DMuon setting cannot work: dmuon's own message, with
+    ``[optimizer]`` where ``DMuon(...)`` says ``DMuon``.
+
+    Every option DMuon takes is checked by the validator ``DMuon(...)`` calls, on the
+    value ``dmuon_kwargs`` passes it; only the TOML-only keys (``early_step_in_backward``,
+    ``adamw_param_regex``) have rules here. Only checks anything when
+    ``[optimizer] name = "DMuon"``.
+    """
+    cfg = optimizer_config
+    if cfg.name != DMUON_NAME:
+        return
+    if cfg.early_step_in_backward:
+        raise ValueError(
+            f"{WHERE} early_step_in_backward = true is not supported with "
+            f'name = "{DMUON_NAME}": Muon orthogonalizes whole matrices after the '
+            "backward pass (and gradient clipping), not one parameter inside it. "
+            "Set early_step_in_backward = false."
+        )
+    try:
+        re.compile(cfg.adamw_param_regex)
+    except (re.error, TypeError) as e:
+        raise ValueError(
+            f"{WHERE} adamw_param_regex = {cfg.adamw_param_regex!r} is not a valid "
+            f"Python regular expression ({e}). In TOML, write it as a literal string in "
+            "single quotes so backslashes stay as typed."
+        ) from e
+    kwargs = dmuon_kwargs(cfg)
+    # In DMuon.__init__'s order, so that a config with several bad values reports
+    # the one DMuon would report first.
+    check_comm(kwargs["comm"], WHERE)
+    with _toml_spellings("split_replicas", SPLIT_REPLICAS):
+        check_split_replicas(kwargs["split_replicas"], WHERE)
+    # The Muon keys TOML has no field for keep DMuon's defaults.
+    muon, adamw = split_options({"eps": DEFAULT_NS_EPS, "split_rows": None, **kwargs})
+    with _toml_spellings("adjust_lr", ADJUST_LR_CHOICES), _qk_clip_off_is_zero():
+        check_muon_hyperparameters(muon, WHERE)
+    check_adamw_hyperparameters(adamw, f"{WHERE} (AdamW part)")
+    check_ns_dtype(kwargs["ns_dtype"], WHERE)
+    for name in LINK_SPEEDS:
+        check_link_gbps(getattr(cfg, name), name, WHERE)
+
+
+def check_job_module_imported(config: Any) -> None:
+    """``name = "DMuon"`` builds DMuon only once ``torchtitan_ext.titan02.job`` ran: say so
+    at parse time instead of TorchTitan's "Optimizer DMuon not added" after start-up."""
+    if config.optimizer.name == DMUON_NAME and not config.experimental.custom_import:
+        raise ValueError(
+            f'{WHERE} name = "{DMUON_NAME}" needs the job half of the extension: add '
+            f'[experimental] custom_import = "{JOB_MODULE}" (or import that module from '
+            "your own custom_import module)."
+        )
+
+
+def install_config_validation() -> None:
+    """Run ``validate_optimizer_config`` whenever TorchTitan validates a parsed config.
+
+    TorchTitan merges our dataclass fields into a new class based on its own, so a
+    ``__post_init__`` here would never run, and 0.2.x has no validation hook;
+    wrapping ``ConfigManager._validate_config`` is the one place that sees every
+    parsed config (TOML and command line). It is installed when TorchTitan reads
+    ``torchtitan_ext.JobConfig``, i.e. only for a job whose config names this
+    extension (``torchtitan_ext/__init__.py``).
+    """
+    from torchtitan.config.manager import ConfigManager
+
+    original = ConfigManager._validate_config
+    if getattr(original, "_dmuon_validation", False):
+        return
+    require_tested("0.2", "ConfigManager._validate_config (DMuon's [optimizer] checks at parse time)")
+
+    @functools.wraps(original)
+    def validate_config(self) -> None:
+        original(self)
+        validate_optimizer_config(self.config.optimizer)
+        check_job_module_imported(self.config)
+
+    validate_config._dmuon_validation = True  # type: ignore[attr-defined]
+    ConfigManager._validate_config = validate_config

@@ -1,0 +1,114 @@
+"""DMuon's options in a TorchTitan 0.3.x optimizer config: where each goes, and its checks.
+
+* group options (``lr``, ``momentum``, ``ns_steps``, ``ns_algorithm``, ..., the update-rule variants
+  ``normuon`` / ``normuon_beta2`` / ``cautious_weight_decay``, the AdamW part's
+  ``adamw_lr`` / ``adamw_betas`` / ``adamw_eps`` / ``adamw_weight_decay``) and the
+  routing keys ``adamw_param_regex`` and ``split_attention_heads``: the group's
+  ``optimizer_kwargs``;
+* whole-optimizer options (``comm``, ``max_batch_numel``, ``split_replicas``,
+  ``ns_dtype``, ``link_gbps``, ``replica_link_gbps``, ``telemetry``):
+  ``optimizer_factory_kwargs_by_name["DMuon"]``.
+
+TorchTitan adds ``fused`` / ``foreach`` (from ``implementation``) to every group
+dict; DMuon has one implementation (its AdamW part is its own loop), so the
+container drops them from DMuon's groups, and a DMuon group that sets them itself is
+refused while the config is built. Every value is checked by
+``validate_dmuon_config``, which ``DMuonOptimizersContainer.Config.__post_init__``
+calls (so also after command-line overrides), with dmuon's own validators and the
+config field in the message.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+from typing import Any
+
+from torchtitan.components.optimizer import OptimizersContainer
+
+from dmuon import DMuon
+from dmuon.options import check_link_gbps, check_ns_dtype, check_optimizer_options
+from dmuon.param_groups import GROUP_OPTIONS, make_group, split_options
+
+from ..routing import DEFAULT_ADAMW_PARAM_REGEX
+
+DMUON_NAME = "DMuon"
+# Keys TorchTitan's ``implementation`` adds to every group dict; DMuon takes neither.
+IMPLEMENTATION_KEYS = ("fused", "foreach")
+# Group keys the container reads to split a DMuon group (DMuon never sees them).
+ROUTING_KEYS = ("adamw_param_regex", "split_attention_heads")
+# DMuon's options that are the whole optimizer's (its constructor's, not a group's).
+FACTORY_OPTIONS = ("comm", "max_batch_numel", "split_replicas", "ns_dtype", "link_gbps",
+                   "replica_link_gbps", "telemetry")
+# DMuon's constructor defaults, read from its signature so they cannot drift.
+DMUON_DEFAULTS = {
+    name: p.default for name, p in inspect.signature(DMuon.__init__).parameters.items()
+    if p.default is not inspect.Parameter.empty
+}
+
+
+def check_group_options(options: dict[str, Any], where: str) -> None:
+    """Raise ``ValueError`` naming ``where`` for a DMuon group's bad key or value.
+
+    The values are checked by the validator ``DMuon(...)`` runs on each group it
+    builds (``dmuon.param_groups``), with this group's options over DMuon's defaults.
+    """
+    use_muon = options.get("use_muon")
+    if use_muon is not None and not isinstance(use_muon, bool):
+        raise ValueError(f"{where}: use_muon must be a bool, got {use_muon!r}")
+    for key in IMPLEMENTATION_KEYS:
+        if key in options:
+            raise ValueError(f"{where}: {key!r} does not apply to DMuon (it has one implementation); "
+                             "remove it (optimizer.implementation applies to Adam/AdamW groups only)")
+    routing = ROUTING_KEYS if use_muon is None else ()
+    known = GROUP_OPTIONS[use_muon] | set(routing) | {"use_muon"}
+    unknown = set(options) - known
+    if unknown:
+        raise ValueError(f"{where}: unknown key(s) {sorted(unknown)} for a DMuon group"
+                         f"{'' if use_muon is None else f' with use_muon={use_muon}'}; known: {sorted(known)} "
+                         f"(whole-optimizer options go in optimizer.optimizer_factory_kwargs_by_name"
+                         f"[{DMUON_NAME!r}])")
+    _check_routing(options, where)
+    muon_defaults, adamw_defaults = split_options(DMUON_DEFAULTS)
+    for kind in (True, False) if use_muon is None else (use_muon,):
+        mine = {k: v for k, v in options.items() if k in GROUP_OPTIONS[kind]}
+        defaults = muon_defaults if kind else adamw_defaults
+        make_group([], kind, False, mine, defaults, where if kind else f"{where} (AdamW part)")
+
+
+def _check_routing(options: dict[str, Any], where: str) -> None:
+    regex = options.get("adamw_param_regex", DEFAULT_ADAMW_PARAM_REGEX)
+    try:
+        re.compile(regex)
+    except (re.error, TypeError) as error:
+        raise ValueError(f"{where}: adamw_param_regex {regex!r} is not a Python regular expression "
+                         f"({error})") from None
+    heads = options.get("split_attention_heads", False)
+    if not isinstance(heads, bool):
+        raise ValueError(f"{where}: split_attention_heads must be a bool, got {heads!r}")
+
+
+def check_factory_options(options: dict[str, Any], where: str) -> None:
+    """Raise ``ValueError`` naming ``where`` for a bad whole-optimizer option."""
+    unknown = set(options) - set(FACTORY_OPTIONS)
+    if unknown:
+        raise ValueError(f"{where}: unknown key(s) {sorted(unknown)}; it takes DMuon's whole-optimizer "
+                         f"options {list(FACTORY_OPTIONS)} (group options go in a param group's "
+                         "optimizer_kwargs)")
+    merged = {**DMUON_DEFAULTS, **options}
+    check_optimizer_options(merged["comm"], merged["max_batch_numel"], merged["split_replicas"], where)
+    check_ns_dtype(merged["ns_dtype"], where)
+    for name in ("link_gbps", "replica_link_gbps"):
+        check_link_gbps(merged[name], name, where)
+    if not isinstance(merged["telemetry"], bool):
+        raise ValueError(f"{where}: telemetry must be a bool, got {merged['telemetry']!r}")
+
+
+def validate_dmuon_config(config: OptimizersContainer.Config) -> None:
+    """Check every DMuon setting of an optimizer config; the message names the field."""
+    for index, group in enumerate(config.param_groups):
+        if group.optimizer_name == DMUON_NAME:
+            check_group_options(group.optimizer_kwargs, f"optimizer.param_groups[{index}].optimizer_kwargs")
+    factory = config.optimizer_factory_kwargs_by_name.get(DMUON_NAME)
+    if factory is not None:
+        check_factory_options(factory, f"optimizer.optimizer_factory_kwargs_by_name[{DMUON_NAME!r}]")
