@@ -209,8 +209,7 @@ def orthogonalize(
     tall = update.size(0) > update.size(1)
     if uses_gram(algorithm, update.shape, steps, restarts):
         compute = gram_dtype_override or gram_dtype(dtype, update.device.type)
-        x = gram_iterate(_gram_start(update, compute, safety, eps, tall), schedule, restarts)
-        return _result(x, tall)
+        return _result(gram_iterate(_gram_start(update, compute, safety, eps, tall), schedule, restarts), tall)
     return _result(_standard_iterate(update, dtype, safety, eps, schedule, tall), tall)
 
 
