@@ -47,6 +47,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--qk-clip", type=float, default=None, metavar="TAU",
                         help="DMuon(qk_clip_threshold=TAU), every attention registered and reporting logits")
     parser.add_argument("--max-batch-numel", type=int, default=None, help="DMuon(max_batch_numel=...)")
+    parser.add_argument("--nccl-alone", action="store_true",
+                        help="a default group that takes no CPU tensors, as NCCL alone (TorchTitan's GPU default)")
     parser.add_argument("--param-dtype", default="float32", choices=PARAM_DTYPES,
                         help="the parameters' dtype (default %(default)s, as TorchTitan keeps them)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
@@ -64,8 +66,8 @@ def make_config(args: argparse.Namespace) -> tuple[DryRunConfig, list[int]]:
     options = {key: value for key, value in (
         ("normuon", args.normuon or None), ("cautious_weight_decay", args.cautious_weight_decay or None),
         ("qk_clip_threshold", args.qk_clip), ("max_batch_numel", args.max_batch_numel)) if value is not None}
-    return (DryRunConfig(args.model, PRESETS[args.model], layout, args.world_size, options, args.param_dtype),
-            _ranks(args))
+    return (DryRunConfig(args.model, PRESETS[args.model], layout, args.world_size, options, args.nccl_alone,
+                         args.param_dtype), _ranks(args))
 
 
 def _ranks(args: argparse.Namespace) -> list[int]:
@@ -113,6 +115,10 @@ def format_table(config: DryRunConfig, reports: list[RankReport]) -> str:
                      f"{r.plan_bytes_sent_per_rank / MiB:>9.2f} {r.device_ops_per_step:>6} "
                      f"{r.state_bytes / MiB:>10.1f} {r.peak_step_bytes / MiB:>9.1f} {r.peak_bound_bytes / MiB:>10.1f} "
                      f"{collectives:<40} {r.seconds:>5.1f}")
+    lines.append(f"{'rank':>5} {'host collectives':>16} {'groups made':>11} {'plan heap MiB':>13} {'same program':>12}")
+    for r in reports:
+        lines.append(f"{r.rank:>5} {r.host_collectives_per_step:>16} {r.process_groups_made:>11} "
+                     f"{r.plan_host_bytes / MiB:>13.2f} {str(r.same_program):>12}")
     for r in reports:
         for problem in r.problems():
             lines.append(f"rank {r.rank}: {problem}")

@@ -95,6 +95,10 @@ class StepRecord:
     device_ops: Counter = field(default_factory=Counter)
     peak_bytes: int = 0
     """The most device bytes the step's own allocations held at once."""
+    program: list[tuple] = field(default_factory=list)
+    """Every op that launches a kernel or talks to other ranks, in order, with its
+    tensors' shapes, dtypes and devices: two steps with equal programs dispatch the same
+    device work (what a CUDA graph captures once and replays)."""
 
 
 class StepRecorder(TorchDispatchMode):
@@ -130,6 +134,8 @@ class StepRecorder(TorchDispatchMode):
         outputs = [t for t in _tensors(out) if t.device.type != "cpu"]
         if launches := _kernel_launches(func, name, args, outputs):
             self.record.device_ops[name] += launches
+        if launches or func.namespace in ("c10d", "_c10d_functional"):
+            self.record.program.append((name, *((tuple(t.shape), t.dtype, t.device.type) for t in tensors)))
         for tensor in outputs:
             self._track(tensor, before)
         if kwargs.get("pin_memory") or name.startswith("aten._pin_memory"):

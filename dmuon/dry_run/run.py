@@ -1,9 +1,10 @@
-"""One rank's dry run: build, lay out, two real DMuon steps, and what the second did.
+"""One rank's dry run: build, lay out, three real DMuon steps, and what the second did.
 
 The first step makes the state and the plan (and runs the plan's one-time checks); the
-second is the steady step every later one repeats, and it runs under
-:class:`~dmuon.dry_run.recorder.StepRecorder`. The optimizer is the unmodified
-``dmuon.DMuon``; only the model's size, the process group and the tensors are fake.
+second is the steady step every later one repeats, and the third shows that it does
+(the same program); each runs under :class:`~dmuon.dry_run.recorder.StepRecorder`. The
+optimizer is the unmodified ``dmuon.DMuon``; only the model's size, the process group
+and the tensors are fake.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from dmuon.attention.qk_clip import AttentionHeads
 from dmuon.dry_run.fake_cuda import fake_cuda_rank
+from dmuon.dry_run.host_costs import counting_groups, plan_host_bytes
 from dmuon.dry_run.layouts import LayoutSpec, lay_out, make_mesh
 from dmuon.dry_run.memory_bound import peak_bound_bytes
 from dmuon.dry_run.models import Preset, Transformer, build
@@ -42,6 +44,8 @@ class DryRunConfig:
     world_size: int
     options: dict = field(default_factory=dict)
     """Keyword arguments of ``DMuon`` (``normuon``, ``qk_clip_threshold``, ...)."""
+    nccl_alone: bool = False
+    """The default group takes no CPU tensors, as NCCL alone (``dmuon.dry_run.host_costs``)."""
     param_dtype: str = "float32"
     """The parameters' dtype (and so their grads' and state's): ``float32`` as TorchTitan
     keeps sharded parameters, or ``bfloat16``/``float16`` as a user of the FSDP2 API may."""
@@ -69,6 +73,15 @@ class RankReport:
     muon_params: int
     adamw_params: int
     seconds: float
+    host_collectives_per_step: int = 0
+    """Collectives on CPU tensors in the steady step (each meets every host of its group)."""
+    process_groups_made: int = 0
+    """Process groups made from DMuon's construction to the end of the third step."""
+    plan_host_bytes: int = 0
+    """Python heap the plan keeps (``tracemalloc``): paths, owner plan, blocks, layouts."""
+    same_program: bool = True
+    """Steps 2 and 3 dispatched the same device ops and collectives, in order, with the
+    same shapes."""
     host_syncs_first_step: int = 0
     """Host syncs of the first step (state and plan made, the plan checked): 0 too.
     (Every other figure is the steady step's; mixed-device ops are both steps'.)"""
@@ -85,6 +98,8 @@ class RankReport:
             found.append(f"{self.host_syncs_per_step} host sync(s): {'; '.join(self.host_sync_sites[:5])}")
         if self.mixed_device_ops:
             found.append(f"ops mixing CPU and CUDA tensors: {'; '.join(self.mixed_device_ops[:5])}")
+        if not self.same_program:
+            found.append("steps 2 and 3 dispatched different device programs")
         if self.precision_hazards:
             found.append(f"{len(self.precision_hazards)} op(s) lose a scalar's precision on CUDA: "
                          f"{'; '.join(self.precision_hazards[:5])}")
@@ -109,7 +124,7 @@ def _host_agreement(row: dict) -> bool:
 
 
 def run_rank(config: DryRunConfig, rank: int) -> RankReport:
-    """Be ``rank`` of ``config.world_size``; build, lay out, step twice, report."""
+    """Be ``rank`` of ``config.world_size``; build, lay out, step three times, report."""
     start = time.perf_counter()
     with fake_cuda_rank(rank, config.world_size):
         with HostTensorsStayReal():
@@ -117,25 +132,35 @@ def run_rank(config: DryRunConfig, rank: int) -> RankReport:
             with torch.device("cuda"):
                 model = build(config.preset, getattr(torch, config.param_dtype))
             lay_out(model, config.layout, mesh)
-        optimizer = DMuon(model.named_parameters(), lr=0.02, weight_decay=0.1, **config.options)
-        if config.options.get("qk_clip_threshold") is not None:
-            _register_attentions(optimizer, model, config.preset)
-        for param in model.parameters():
-            param.grad = torch.empty_like(param)
-        first, steady, error = StepRecorder(), StepRecorder(), None
-        for label, recorder in (("first", first), ("steady", steady)):
-            _report_logits(optimizer, model, config)
+        with counting_groups(config.nccl_alone) as groups:
+            optimizer = DMuon(model.named_parameters(), lr=0.02, weight_decay=0.1, **config.options)
+            if config.options.get("qk_clip_threshold") is not None:
+                _register_attentions(optimizer, model, config.preset)
+            for param in model.parameters():
+                param.grad = torch.empty_like(param)
+            first, steady, again, error = StepRecorder(), StepRecorder(), StepRecorder(), None
             try:
-                with recorder:  # a host read gets a placeholder instead of raising
-                    optimizer.step()
+                with first:
+                    plan_bytes = plan_host_bytes(optimizer)  # what the first step would plan
             except Exception as exc:  # noqa: BLE001 - reported with what was recorded up to it
-                error = f"the {label} step raised {type(exc).__name__}: {str(exc)[:500]}"
-                break
+                plan_bytes, error = 0, f"planning raised {type(exc).__name__}: {str(exc)[:500]}"
+            for label, recorder in (("first", first), ("steady", steady), ("third", again)):
+                if error:
+                    break
+                _report_logits(optimizer, model, config)
+                try:
+                    with recorder:  # a host read gets a placeholder instead of raising
+                        optimizer.step()
+                except Exception as exc:  # noqa: BLE001 - reported with what was recorded up to it
+                    error = f"the {label} step raised {type(exc).__name__}: {str(exc)[:500]}"
         report = _report(rank, optimizer, steady.record, time.perf_counter() - start)
         report.error = error
         report.host_syncs_first_step = len(first.record.host_syncs)
         report.mixed_device_ops = first.record.mixed_device_ops + report.mixed_device_ops
         report.precision_hazards = first.record.precision_hazards + report.precision_hazards
+        report.process_groups_made = groups.made
+        report.plan_host_bytes = plan_bytes
+        report.same_program = steady.record.program == again.record.program
         return report
 
 
@@ -146,6 +171,7 @@ def _report(rank: int, optimizer: DMuon, record: StepRecord, seconds: float) -> 
         rank=rank,
         host_syncs_per_step=len(record.host_syncs),
         host_sync_sites=record.host_syncs,
+        host_collectives_per_step=sum(row.count for row in record.collectives.values() if row.device == "cpu"),
         bytes_sent_per_rank=record.bytes_sent,
         plan_bytes_sent_per_rank=sum(plan.bytes_sent(_plan_rank(optimizer), WIRE_BYTES) for plan in plans),
         collectives=[asdict(row) for row in record.collectives.values()],

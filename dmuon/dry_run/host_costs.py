@@ -1,0 +1,82 @@
+"""What a step costs the hosts, which a fake process group would otherwise hide: the
+process groups DMuon makes, the Python heap its plan keeps, and (with the recorder) the
+collectives on CPU tensors and whether every step dispatches the same program.
+
+Under the fake group every collective is free and every group is made at once, so these
+are counted, not timed. ``nccl_alone()`` makes the default group look like NCCL alone
+(TorchTitan's default on GPUs unless ``training.enable_cpu_offload``): it takes no CPU
+tensors, so every host agreement needs a group of its own, as on a real cluster; the
+groups are then made with the fake backend instead of gloo, which would wait for peers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import tracemalloc
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from dmuon.exchange import groups as dmuon_groups
+from dmuon.optimizer import DMuon
+
+
+@dataclass
+class GroupCount:
+    """Process groups made while it was counting, by backend."""
+
+    made: int = 0
+    backends: tuple[str, ...] = ()
+
+
+@contextlib.contextmanager
+def counting_groups(nccl_alone: bool = False) -> Iterator[GroupCount]:
+    """Count ``dist.new_group`` calls; with ``nccl_alone``, DMuon sees a default group that
+    takes no CPU tensors, and a group asked for with gloo is made with the fake backend."""
+    count = GroupCount()
+    real_new_group, real_takes = dist.new_group, dmuon_groups.takes_cpu_tensors
+
+    def new_group(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202 - dist.new_group's signature
+        count.made += 1
+        count.backends += (str(kwargs.get("backend")),)
+        if nccl_alone and kwargs.get("backend") == dmuon_groups.HOST_BACKEND:
+            kwargs["backend"] = "fake"
+        return real_new_group(*args, **kwargs)
+
+    dist.new_group = new_group
+    if nccl_alone:
+        dmuon_groups.takes_cpu_tensors = lambda group: group is not dist.group.WORLD and real_takes(group)
+    try:
+        yield count
+    finally:
+        dist.new_group, dmuon_groups.takes_cpu_tensors = real_new_group, real_takes
+
+
+def plan_host_bytes(optimizer: DMuon) -> int:
+    """The Python heap (``tracemalloc``) the optimizer's plan keeps: its paths, its owner
+    plan with this rank's blocks, and every batch's buffer layout, made here as the first
+    step would make them (the step then finds them made)."""
+    with retained_heap() as heap:
+        optimizer._fast_path.plan(optimizer._muon_groups(), optimizer.param_name)  # noqa: SLF001
+        run = optimizer._fast_path._run  # noqa: SLF001 - the plan and its batch layouts
+        if run is not None:
+            for batch in run.plan.batches:
+                run.layout(batch)
+    return heap[0]
+
+
+@contextlib.contextmanager
+def retained_heap() -> Iterator[list[int]]:
+    """The Python heap (``tracemalloc``) retained from entry to exit, after a collection."""
+    result = [0]
+    gc.collect()
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    try:
+        yield result
+    finally:
+        gc.collect()
+        result[0] = tracemalloc.get_traced_memory()[0] - before
+        tracemalloc.stop()
