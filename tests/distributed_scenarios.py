@@ -323,6 +323,48 @@ def state_dict_resume() -> dict[str, bool]:
     return out
 
 
+def copies_step_like_the_original() -> dict[str, dict[str, bool]]:
+    """A DMuon on Shard(0) DTensors, deep-copied and pickled after a step (its paths and
+    owner plan built), then the original and each copy stepped twice with the same
+    grads: ``{copy: {"params": ..., "state": ...}}``, whether this rank's local shards of
+    every parameter and of every state tensor equal the original's, bitwise. A copy that
+    shared a parameter with the original would step it twice."""
+    import copy
+    import pickle
+
+    world = dist.get_world_size()
+    params, mesh = _sharded_model(world)
+    original = DMuon(_groups(params))
+    _set_grads(params, mesh, 1)
+    original.step()
+    optimizers = {"original": original, "deepcopy": copy.deepcopy(original),
+                  "pickle": pickle.loads(pickle.dumps(original))}
+    for step in (2, 3):
+        for optimizer in optimizers.values():
+            _set_grads(_params_by_name(optimizer), mesh, step)
+            optimizer.step()
+
+    def local(t: Any) -> torch.Tensor:
+        return t.to_local() if isinstance(t, DTensor) else t
+
+    def agree(optimizer: DMuon) -> dict[str, bool]:
+        mine, theirs = _params_by_name(optimizer), _params_by_name(original)
+        return {
+            "params": mine.keys() == theirs.keys() and all(
+                torch.equal(local(p), local(theirs[n])) for n, p in mine.items()),
+            "state": all(
+                optimizer.state[p].keys() == original.state[theirs[n]].keys() > set() and all(
+                    torch.equal(local(v), local(original.state[theirs[n]][k])) for k, v in optimizer.state[p].items())
+                for n, p in mine.items()),
+        }
+
+    return {name: agree(optimizer) for name, optimizer in optimizers.items() if optimizer is not original}
+
+
+def _params_by_name(optimizer: DMuon) -> dict[str, nn.Parameter]:
+    return {optimizer.param_name(p): p for group in optimizer.param_groups for p in group["params"]}
+
+
 def path_log() -> list[str]:
     """The log lines DMuon emits over two steps (paths and the compute dtype)."""
     records: list[str] = []

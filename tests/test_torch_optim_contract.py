@@ -84,8 +84,6 @@ def test_copied_optimizer_steps_bitwise_like_the_original_as_torch_optimizers_do
 
     copies = copy_of(dmuon), [copy_of(opt) for opt in reference]
 
-    # The derived caches (paths, plans with their process groups) are not carried over.
-    assert "_paths" not in dmuon.__getstate__() and "_fast_plans" not in dmuon.__getstate__()
     public = {k for k in vars(dmuon) if not k.startswith("_")}
     assert {k for k in vars(copies[0]) if not k.startswith("_")} == public
     assert copies[0].defaults == dmuon.defaults  # still the keys a group may set
@@ -93,6 +91,24 @@ def test_copied_optimizer_steps_bitwise_like_the_original_as_torch_optimizers_do
     _assert_bitwise_equal(_run([copies[0]], range(2, 3)), expected)
     _assert_bitwise_equal(_run(copies[1], range(2, 3)), expected)
     _assert_bitwise_equal(_run(reference, range(2, 3)), expected)
+
+
+# What a pickle of a DMuon holds: torch.optim.Optimizer's own (defaults, state,
+# param_groups), DMuon's configuration, and whether telemetry was on. Nothing derived
+# from the parameters (the fast path's paths and owner plan, whose process groups do
+# not pickle; the QK-clip registrations) and no measurement.
+TORCH_PICKLED = {"defaults", "state", "param_groups"}
+DMUON_CONFIGURATION = {"_muon_defaults", "_adamw_defaults", "_names", "_groups_added", "comm", "max_batch_numel",
+                       "split_replicas", "ns_dtype", "link_gbps", "replica_link_gbps", "foreach"}
+
+
+def test_a_pickle_holds_torchs_state_and_dmuons_configuration_and_nothing_derived():
+    dmuon = DMuon(_tiny_lm().named_parameters(), **HYPER, telemetry=True)
+    _run([dmuon], range(2))  # the first step derives the paths
+    assert set(torch.optim.AdamW([nn.Parameter(torch.zeros(2))]).__getstate__()) == TORCH_PICKLED
+    state = dmuon.__getstate__()
+    assert set(state) == TORCH_PICKLED | DMUON_CONFIGURATION | {"telemetry_enabled"}
+    assert state["telemetry_enabled"] is True
 
 
 def test_a_dmuon_pickled_before_foreach_existed_unpickles_with_torchs_default():
