@@ -12,7 +12,6 @@ import pickle
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
@@ -218,16 +217,6 @@ def test_param_names_given_as_a_group_key_name_bare_tensors_like_torch():
     assert ours.param_name(vector) == "b"
     with pytest.raises(ValueError, match="param_names must be one str per parameter"):
         DMuon([{"params": [matrix, vector], "param_names": ["w"]}])
-
-
-@pytest.fixture
-def one_rank_gloo():
-    """A world-size-1 gloo group in this process, as DCP's state-dict helpers expect."""
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialized")
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def test_param_names_survive_torchtitans_flattened_checkpoint_round_trip_bitwise(one_rank_gloo, tmp_path):
