@@ -8,9 +8,11 @@ raises ``TimeoutError`` so a hang fails the test instead of stalling CI. A rank 
 reported but then exits other than 0 (a crash, an abort, an exit code at teardown), or
 does not exit within ``EXIT_TIMEOUT_S``, fails the run too.
 
-A rank that finished cleanly (reported, process group destroyed, no exception) ends
-with ``os._exit(0)`` from an ``atexit`` handler, after every handler ``fn`` registered
-and before interpreter finalization. That keeps it clear of the gloo abort at exit that
+A rank that reported waits until every rank has (rank 0 holds the store that ranks
+still setting up groups need), then destroys its process group. One that finished
+cleanly (reported, group destroyed, no exception) ends with ``os._exit(0)`` from an
+``atexit`` handler, after every handler ``fn`` registered and before interpreter
+finalization. That keeps it clear of the gloo abort at exit that
 docs/reliability.md describes (a gloo worker thread that frees a tensor during
 finalization takes the process down with SIGABRT, ``terminate called without an active
 exception``: pytorch/pytorch#190489, #130345; ``torchtitan_ext/clean_exit.py`` does the
@@ -44,7 +46,7 @@ def free_port() -> int:
 
 
 def _worker(rank: int, world_size: int, port: int, backend: str, fn: Callable[..., Any], args: tuple,
-            results: Any) -> None:
+            results: Any, all_reported: Any) -> None:
     import torch
     import torch.distributed as dist
 
@@ -60,6 +62,7 @@ def _worker(rank: int, world_size: int, port: int, backend: str, fn: Callable[..
         dist.init_process_group(backend, rank=rank, world_size=world_size)
         value = fn(*args)
         results.put((rank, "ok", value))
+        all_reported.wait()  # set by the parent; it kills the ranks instead if one fails
     except BaseException:  # report everything, including KeyboardInterrupt, to the parent
         results.put((rank, "error", traceback.format_exc()))
         return
@@ -94,8 +97,10 @@ def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: f
     """``[fn(*args) on rank 0, ..., on rank world_size - 1]``."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
+    all_reported = ctx.Event()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, backend, fn, args, results), daemon=True)
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, backend, fn, args, results, all_reported),
+                         daemon=True)
              for r in range(world_size)]
     for proc in procs:
         proc.start()
@@ -117,6 +122,7 @@ def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: f
             collected[rank] = (status, value)
             if status == "error":
                 raise RuntimeError(f"{fn.__name__} failed on rank {rank}:\n{value}")
+        all_reported.set()
         exit_by = time.monotonic() + EXIT_TIMEOUT_S
         for proc in procs:
             proc.join(timeout=max(0.0, exit_by - time.monotonic()))
