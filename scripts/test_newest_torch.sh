@@ -7,7 +7,9 @@
 #                    0.2.x end-to-end run (train, checkpoint, resume);
 #   .venv-titan0.3   TorchTitan 0.3.0 and its own requirements, over .venv-torch2.15's
 #                    packages (scripts/setup_titan03.sh): the 0.3.x adapter's
-#                    tests, its CPU end-to-end runs and layouts included, and the import check.
+#                    tests, its CPU end-to-end runs and layouts included, the import check,
+#                    and tests/test_vs_distmuon.py (its model of DistMuon's balancing is
+#                    checked against TorchTitan 0.3's own function, skipped beside 0.2.x).
 #
 # The second environment borrows the first one's torch rather than installing its own: one
 # ~6 GB copy instead of two (a CI machine ran out of disk with two, plus pip's cache).
@@ -23,4 +25,4 @@ python=$(DMUON_VENV=.venv-torch2.15 TORCH_VERSION=2.15.0 bash scripts/setup.sh)
 
 python=$(bash scripts/setup_titan03.sh)
 "$python" -c "import torch, importlib.metadata as m; print('torch', torch.__version__, '+ TorchTitan', m.version('torchtitan'))"
-exec "$python" -m pytest tests/test_extension_imports.py tests/test_titan03_*.py "$@"
+exec "$python" -m pytest tests/test_extension_imports.py tests/test_vs_distmuon.py tests/test_titan03_*.py "$@"

@@ -1,5 +1,5 @@
-"""The rule that every test says what it needs, and fixtures shared by the
-TorchTitan end-to-end test files.
+"""The rule that every test says what it needs, fixtures shared by the TorchTitan
+end-to-end test files, and the in-process ones (one thread, a one-rank gloo group).
 
 Every test carries exactly one of the marks in ``TEST_KINDS`` (registered in
 pyproject.toml); collecting one without, or with two, stops the run, so that
@@ -63,6 +63,19 @@ def dmuon_run(tmp_path_factory, short_run_args):
     log, _ = torchrun(DMUON_TOML, folder, *short_run_args,
                       "--checkpoint.enable", "--checkpoint.interval", "5")
     return log, folder
+
+
+@pytest.fixture
+def one_rank_gloo():
+    """A world-size-1 gloo group in this process: enough for DTensors on a one-rank mesh
+    and for DCP's state-dict helpers."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
 
 
 @pytest.fixture

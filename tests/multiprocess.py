@@ -4,21 +4,39 @@
 localhost port, runs ``fn(*args)`` in each after ``init_process_group("gloo")`` (or
 ``backend="nccl"``: one GPU per rank) and returns the per-rank results. A worker's exception is re-raised in the caller with
 its traceback; a run that outlives ``timeout`` is killed, every process of it, and
-raises ``TimeoutError`` so a hang fails the test instead of stalling CI.
+raises ``TimeoutError`` so a hang fails the test instead of stalling CI. A rank that
+reported but then exits other than 0 (a crash, an abort, an exit code at teardown), or
+does not exit within ``EXIT_TIMEOUT_S``, fails the run too.
+
+A rank that reported waits until every rank has (rank 0 holds the store that ranks
+still setting up groups need), then destroys its process group. One that finished
+cleanly (reported, group destroyed, no exception) ends with ``os._exit(0)`` from an
+``atexit`` handler, after every handler ``fn`` registered and before interpreter
+finalization. That keeps it clear of the gloo abort at exit that
+docs/reliability.md describes (a gloo worker thread that frees a tensor during
+finalization takes the process down with SIGABRT, ``terminate called without an active
+exception``: pytorch/pytorch#190489, #130345; ``torchtitan_ext/clean_exit.py`` does the
+same for TorchTitan jobs). So no exit status is excused: every rank must exit 0.
 """
 
 from __future__ import annotations
 
+import atexit
+import logging
 import multiprocessing as mp
 import os
 import queue
+import signal
 import socket
+import sys
 import time
 import traceback
 from collections.abc import Callable
 from typing import Any
 
 DEFAULT_TIMEOUT_S = 180.0
+# How long a rank that reported may take to exit.
+EXIT_TIMEOUT_S = 30.0
 
 
 def free_port() -> int:
@@ -28,24 +46,50 @@ def free_port() -> int:
 
 
 def _worker(rank: int, world_size: int, port: int, backend: str, fn: Callable[..., Any], args: tuple,
-            results: Any) -> None:
+            results: Any, all_reported: Any) -> None:
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    finished = []
+    # Registered before fn runs, so it runs after every atexit handler fn registers.
+    atexit.register(_exit_before_finalization, finished)
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank)
         dist.init_process_group(backend, rank=rank, world_size=world_size)
         value = fn(*args)
         results.put((rank, "ok", value))
+        all_reported.wait()  # set by the parent; it kills the ranks instead if one fails
     except BaseException:  # report everything, including KeyboardInterrupt, to the parent
         results.put((rank, "error", traceback.format_exc()))
+        return
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+    finished.append(True)  # reported, group destroyed: nothing raised
+
+
+def _exit_before_finalization(finished: list) -> None:
+    """End a rank that finished cleanly with status 0 before interpreter finalization,
+    where gloo's worker threads can abort it (module docstring); any other exit is left
+    to Python."""
+    if not finished:
+        return
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def _exit_status(code: int | None) -> str:
+    if code is None:
+        return f"did not exit within {EXIT_TIMEOUT_S:.0f} s"
+    if code < 0:
+        return f"was killed by {signal.Signals(-code).name}"
+    return f"exited with {code}"
 
 
 def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = DEFAULT_TIMEOUT_S,
@@ -53,8 +97,10 @@ def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: f
     """``[fn(*args) on rank 0, ..., on rank world_size - 1]``."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
+    all_reported = ctx.Event()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, backend, fn, args, results), daemon=True)
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, backend, fn, args, results, all_reported),
+                         daemon=True)
              for r in range(world_size)]
     for proc in procs:
         proc.start()
@@ -76,8 +122,14 @@ def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: f
             collected[rank] = (status, value)
             if status == "error":
                 raise RuntimeError(f"{fn.__name__} failed on rank {rank}:\n{value}")
+        all_reported.set()
+        exit_by = time.monotonic() + EXIT_TIMEOUT_S
         for proc in procs:
-            proc.join(timeout=30)
+            proc.join(timeout=max(0.0, exit_by - time.monotonic()))
+        failed = {r: _exit_status(p.exitcode) for r, p in enumerate(procs) if p.exitcode != 0}
+        if failed:
+            raise RuntimeError(f"{fn.__name__}: every rank reported, then "
+                               + "; ".join(f"rank {r} {how}" for r, how in failed.items()))
     finally:
         for proc in procs:
             if proc.is_alive():

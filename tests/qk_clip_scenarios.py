@@ -102,8 +102,9 @@ LAYOUTS = {
 
 
 def layouts_match_single_process() -> dict[str, dict[str, bool]]:
-    """``{layout: {check: ok}}`` for each layout this world size has (HSDP and FSDP+TP
-    at 4 ranks)."""
+    """This rank's ``{layout: {check: ok}}`` for each layout this world size has (HSDP
+    and FSDP+TP at 4 ranks): its blocks of the clipped weights, the max logits it was
+    told, and its telemetry, each against the single process's."""
     world = dist.get_world_size()
     oracle = single_process()
     out = {}
@@ -133,7 +134,9 @@ def layouts_match_single_process() -> dict[str, dict[str, bool]]:
                 weights[n].grad = shard(g)
             optimizer.step()
             clipped.append(optimizer.telemetry().qk_clipped_heads)
-        checks = {f"weights.{n}": torch.equal(w.full_tensor(), oracle["weights"][n]) for n, w in weights.items()}
+        # This rank's block of each weight (under HSDP full_tensor() would be its replica's only).
+        checks = {f"weights.{n}": torch.equal(w.to_local(), shard(oracle["weights"][n]).to_local())
+                  for n, w in weights.items()}
         checks.update({f"max_logits.{n}": torch.equal(m, oracle["max_logits"][n])
                        for n, m in optimizer.last_max_logits().items()})
         checks["clipped_heads"] = clipped == oracle["clipped"]

@@ -24,6 +24,19 @@ def test_dcp_save_and_load_resumes_bitwise(resumed):
 
 
 @pytest.fixture(scope="module")
+def copies() -> list[dict[str, dict[str, bool]]]:
+    """Every rank's figures (one launch for both kinds of copy)."""
+    return run_on_ranks(scenarios.copies_step_like_the_original, 2)
+
+
+@pytest.mark.parametrize("copy_of", ["deepcopy", "pickle"])
+def test_a_copy_of_a_dmuon_over_dtensors_steps_bitwise_like_the_original(copies, copy_of):
+    """As torch's optimizers do (``test_torch_optim_contract.py``), with DTensor
+    parameters on 2 ranks whose owner plan the copy rebuilds: every rank judged."""
+    assert [rank[copy_of] for rank in copies] == [{"params": True, "state": True}] * 2
+
+
+@pytest.fixture(scope="module")
 def log_lines() -> list[str]:
     return run_on_ranks(scenarios.path_log, 2)[0]
 

@@ -4,7 +4,8 @@
 One uninterrupted 2-rank run of 50 steps, checkpointing at step 25, is the reference:
 
 * its loss falls (DMuon trains the model through TorchTitan 0.3 on CPU);
-* a 2-rank run resumed from its step-25 checkpoint logs exactly its losses for 26..50;
+* a 2-rank run resumed from its step-25 checkpoint logs its losses for 26..50 and ends
+  with its step-50 checkpoint, bit for bit (weights and optimizer state);
 * a 1-rank run resumes from the same 2-rank checkpoint (DCP reshards FSDP shards into
   plain tensors; the per-rank dataloader state is skipped, TorchTitan cannot reshard it)
   and carries on from the trained loss, not from scratch.
@@ -29,6 +30,7 @@ from tests.titan03_support import require_titan03  # noqa: E402
 require_titan03()
 
 from tests import launch  # noqa: E402
+from tests.checkpoints import assert_same_checkpoints, checkpoint_dir  # noqa: E402
 from torchtitan_ext.titan_log import parse_log, TitanLog  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -70,8 +72,7 @@ def torchrun03(dump_folder: Path, tokenizer_dir: Path, *overrides: str, nproc: i
 
 def _resume_from_reference(reference: Path, run: Path) -> None:
     """Give ``run`` the reference's step-25 checkpoint, as if it had stopped there."""
-    step_dir = Path("checkpoint") / f"step-{CHECKPOINT_STEP}"
-    shutil.copytree(reference / step_dir, run / step_dir)
+    shutil.copytree(checkpoint_dir(reference, CHECKPOINT_STEP), checkpoint_dir(run, CHECKPOINT_STEP))
 
 
 @pytest.fixture(scope="module")
@@ -98,13 +99,16 @@ def test_every_dmuon_step_line_carries_the_optimizers_telemetry(reference):
     assert all(t["sent_mib"] > 0 and t["muon_update_rms"] > 0 for t in log.telemetry.values())
 
 
-def test_resuming_a_checkpoint_gives_exactly_the_uninterrupted_losses(reference, tmp_path, tokenizer_dir):
+def test_resuming_a_checkpoint_reproduces_the_uninterrupted_run_bit_for_bit(reference, tmp_path, tokenizer_dir):
     reference_run, reference_log = reference
-    _resume_from_reference(reference_run, tmp_path)
-    log, _ = torchrun03(tmp_path, tokenizer_dir)
+    run = tmp_path / "resumed"
+    _resume_from_reference(reference_run, run)
+    log, _ = torchrun03(run, tokenizer_dir)
     resumed = range(CHECKPOINT_STEP + 1, STEPS + 1)
     assert sorted(log.train_loss) == list(resumed), "the run did not start after the checkpoint"
     assert {s: log.train_loss[s] for s in resumed} == {s: reference_log.train_loss[s] for s in resumed}
+    # The losses are printed with a few decimals; the step-50 checkpoints hold every bit.
+    assert_same_checkpoints(checkpoint_dir(run, STEPS), checkpoint_dir(reference_run, STEPS), tmp_path / "loaded")
 
 
 def test_a_two_rank_checkpoint_resumes_on_one_rank(reference, tmp_path, tokenizer_dir):

@@ -12,7 +12,6 @@ import pickle
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
@@ -84,8 +83,6 @@ def test_copied_optimizer_steps_bitwise_like_the_original_as_torch_optimizers_do
 
     copies = copy_of(dmuon), [copy_of(opt) for opt in reference]
 
-    # The derived caches (paths, plans with their process groups) are not carried over.
-    assert "_paths" not in dmuon.__getstate__() and "_fast_plans" not in dmuon.__getstate__()
     public = {k for k in vars(dmuon) if not k.startswith("_")}
     assert {k for k in vars(copies[0]) if not k.startswith("_")} == public
     assert copies[0].defaults == dmuon.defaults  # still the keys a group may set
@@ -93,6 +90,24 @@ def test_copied_optimizer_steps_bitwise_like_the_original_as_torch_optimizers_do
     _assert_bitwise_equal(_run([copies[0]], range(2, 3)), expected)
     _assert_bitwise_equal(_run(copies[1], range(2, 3)), expected)
     _assert_bitwise_equal(_run(reference, range(2, 3)), expected)
+
+
+# What a pickle of a DMuon holds: torch.optim.Optimizer's own (defaults, state,
+# param_groups), DMuon's configuration, and whether telemetry was on. Nothing derived
+# from the parameters (the fast path's paths and owner plan, whose process groups do
+# not pickle; the QK-clip registrations) and no measurement.
+TORCH_PICKLED = {"defaults", "state", "param_groups"}
+DMUON_CONFIGURATION = {"_muon_defaults", "_adamw_defaults", "_names", "_groups_added", "comm", "max_batch_numel",
+                       "split_replicas", "ns_dtype", "link_gbps", "replica_link_gbps", "foreach"}
+
+
+def test_a_pickle_holds_torchs_state_and_dmuons_configuration_and_nothing_derived():
+    dmuon = DMuon(_tiny_lm().named_parameters(), **HYPER, telemetry=True)
+    _run([dmuon], range(2))  # the first step derives the paths
+    assert set(torch.optim.AdamW([nn.Parameter(torch.zeros(2))]).__getstate__()) == TORCH_PICKLED
+    state = dmuon.__getstate__()
+    assert set(state) == TORCH_PICKLED | DMUON_CONFIGURATION | {"telemetry_enabled"}
+    assert state["telemetry_enabled"] is True
 
 
 def test_a_dmuon_pickled_before_foreach_existed_unpickles_with_torchs_default():
@@ -202,16 +217,6 @@ def test_param_names_given_as_a_group_key_name_bare_tensors_like_torch():
     assert ours.param_name(vector) == "b"
     with pytest.raises(ValueError, match="param_names must be one str per parameter"):
         DMuon([{"params": [matrix, vector], "param_names": ["w"]}])
-
-
-@pytest.fixture
-def one_rank_gloo():
-    """A world-size-1 gloo group in this process, as DCP's state-dict helpers expect."""
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialized")
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def test_param_names_survive_torchtitans_flattened_checkpoint_round_trip_bitwise(one_rank_gloo, tmp_path):

@@ -14,15 +14,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.titan_runs import (
-    ADAMW_TOML,
+from tests.checkpoints import (
+    assert_same_checkpoints,
     assert_same_tensors,
     checkpoint_dir,
-    copy_checkpoint,
-    DMUON_TOML,
     load_checkpoint,
-    torchrun,
+    NON_MODEL_STATES,
 )
+from tests.titan_runs import ADAMW_TOML, copy_checkpoint, DMUON_TOML, torchrun
 
 pytestmark = pytest.mark.torchrun
 
@@ -58,18 +57,18 @@ def test_with_telemetry_off_dmuon_step_lines_are_exactly_torchtitans(short_run_a
     assert log.telemetry == {}
 
 
-def test_resuming_from_a_checkpoint_reproduces_the_uninterrupted_losses(dmuon_run, short_run_args, tmp_path):
+def test_resuming_from_a_checkpoint_reproduces_the_uninterrupted_run_bit_for_bit(dmuon_run, short_run_args, tmp_path):
     full, full_folder = dmuon_run
-    copy_checkpoint(full_folder, 5, tmp_path)
-    resumed, out = torchrun(DMUON_TOML, tmp_path, *short_run_args,
+    run = tmp_path / "resumed"
+    copy_checkpoint(full_folder, 5, run)
+    resumed, out = torchrun(DMUON_TOML, run, *short_run_args,
                             "--checkpoint.enable", "--checkpoint.interval", "5")
     assert "Loading the checkpoint" in out and "step-5" in out
     assert sorted(resumed.train_loss) == [6, 7, 8, 9, 10]
-    # Printed with 5 decimals: equal strings mean equal to ~1e-5, i.e. bitwise in practice.
     assert {s: resumed.train_loss[s] for s in range(6, 11)} == {s: full.train_loss[s] for s in range(6, 11)}
-
-
-NON_MODEL_STATES = ("optimizer", "lr_scheduler", "dataloader", "train_state")
+    # The losses are printed with 5 decimals; the step-10 checkpoints hold every bit:
+    # the weights, the momentum buffers and the AdamW moments.
+    assert_same_checkpoints(checkpoint_dir(run, 10), checkpoint_dir(full_folder, 10), tmp_path / "loaded")
 
 
 @pytest.fixture(scope="module")

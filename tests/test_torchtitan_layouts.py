@@ -5,7 +5,7 @@ builds -- HSDP, FSDP x TP, TP, and expert parallelism in the two MoE models --
 and checks that the loss went down. ``scripts/show_layouts.py`` prints each
 parameter's mesh and placements under these layouts. PP has its test in
 ``test_torchtitan_e2e.py``. One EP run also checkpoints, and a second run resumes
-from that checkpoint with the same losses.
+from that checkpoint and ends with the same checkpoint, bit for bit.
 
 DMuon logs, at its first step, which communication path each Muon parameter
 takes (``comm_paths`` reads those lines back). Every Muon parameter of these layouts
@@ -19,6 +19,7 @@ import re
 
 import pytest
 
+from tests.checkpoints import assert_same_checkpoints, checkpoint_dir
 from tests.titan_runs import copy_checkpoint, DMUON_TOML, torchrun
 
 pytestmark = pytest.mark.torchrun
@@ -115,15 +116,17 @@ def test_llama4_with_expert_parallel_2_trains_with_dmuon(llama4_ep_run):
     assert "redistribute" not in paths, paths
 
 
-def test_resuming_an_expert_parallel_run_reproduces_the_uninterrupted_losses(llama4_ep_run, short_run_args,
-                                                                             tmp_path):
+def test_resuming_an_expert_parallel_run_reproduces_the_uninterrupted_run_bit_for_bit(llama4_ep_run, short_run_args,
+                                                                                     tmp_path):
     full, _, full_folder = llama4_ep_run
-    copy_checkpoint(full_folder, CHECKPOINT_STEP, tmp_path)
-    resumed, out = torchrun(DMUON_TOML, tmp_path, *short_run_args, *FEW_STEPS, *moe_model("llama4"), *EP_2,
+    run = tmp_path / "resumed"
+    copy_checkpoint(full_folder, CHECKPOINT_STEP, run)
+    resumed, out = torchrun(DMUON_TOML, run, *short_run_args, *FEW_STEPS, *moe_model("llama4"), *EP_2,
                             "--checkpoint.enable", "--checkpoint.interval", str(CHECKPOINT_STEP))
     assert "Loading the checkpoint" in out and f"step-{CHECKPOINT_STEP}" in out
     later = range(CHECKPOINT_STEP + 1, STEPS + 1)
     assert sorted(resumed.train_loss) == list(later)
-    # Printed with 5 decimals: equal strings mean equal to ~1e-5, i.e. bitwise in practice.
-    # Momentum of the expert stacks, AdamW moments and the MoE expert_bias buffer all have to come back.
     assert {s: resumed.train_loss[s] for s in later} == {s: full.train_loss[s] for s in later}
+    # The losses are printed with 5 decimals; the last checkpoints hold every bit: the
+    # momentum of the expert stacks, the AdamW moments and the MoE expert_bias buffer.
+    assert_same_checkpoints(checkpoint_dir(run, STEPS), checkpoint_dir(full_folder, STEPS), tmp_path / "loaded")

@@ -23,15 +23,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.titan_runs import (
-    assert_same_tensors,
-    attempt_output,
-    attempts,
-    checkpoint_dir,
-    DMUON_TOML,
-    load_checkpoint,
-    torchrun,
-)
+from tests.checkpoints import assert_same_checkpoints, checkpoint_dir
+from tests.titan_runs import attempt_output, attempts, DMUON_TOML, torchrun
 from tests.titan_hooks.fault_injection import KillPlan, plan_from_env
 from torchtitan_ext.launch_checks import restarts_share_a_stale_store
 from torchtitan_ext.titan_log import parse_log
@@ -112,9 +105,7 @@ def test_the_restarted_job_ends_with_the_uninterrupted_model_and_optimizer_bit_f
         killed_run, dmuon_run, tmp_path):
     _, folder = killed_run
     _, uninterrupted_folder = dmuon_run
-    restarted = load_checkpoint(checkpoint_dir(folder, 10), tmp_path / "restarted")
-    uninterrupted = load_checkpoint(checkpoint_dir(uninterrupted_folder, 10), tmp_path / "uninterrupted")
-    assert_same_tensors(restarted, uninterrupted)
+    assert_same_checkpoints(checkpoint_dir(folder, 10), checkpoint_dir(uninterrupted_folder, 10), tmp_path)
 
 
 # ------------------------------------------------------------ the fault's switch

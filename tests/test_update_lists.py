@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from dmuon.numerics.update_lists import apply_muon_updates_, by_signature, lookahead, momentum_, resolve_foreach
+from dmuon.numerics.update_rules import apply_muon_update_, nesterov_lookahead
 from dmuon.optimizer import DMuon
 
 pytestmark = pytest.mark.unit
@@ -38,11 +39,15 @@ def test_momentum_as_list_ops_is_bitwise_the_per_tensor_rule(dtype):
     assert _equal(bufs, expected)
 
 
+@pytest.mark.parametrize("foreach", [True, False])
 @pytest.mark.parametrize("nesterov", [True, False])
-def test_lookahead_as_list_ops_is_bitwise_the_per_tensor_rule(nesterov):
+def test_lookahead_of_a_list_is_bitwise_the_per_tensor_rule(nesterov, foreach):
+    """Against ``update_rules.nesterov_lookahead``, one pair at a time: with Nesterov
+    ``lerp(grad, buf, momentum)``, without it the buffer."""
     grads, bufs = _tensors(0, torch.float32), _tensors(1, torch.float32)
-    assert _equal(lookahead(grads, bufs, 0.9, nesterov, foreach=True),
-                  lookahead(grads, bufs, 0.9, nesterov, foreach=False))
+    expected = [nesterov_lookahead(grad, buf, 0.9, nesterov) for grad, buf in zip(grads, bufs)]
+    assert _equal(lookahead(grads, bufs, 0.9, nesterov, foreach=foreach), expected)
+    assert _equal(expected, bufs) != nesterov  # the two rules differ on these tensors
 
 
 def test_lookahead_leaves_grads_and_buffers_unchanged():
@@ -72,12 +77,24 @@ def test_a_list_mixing_dtypes_is_stepped_per_signature_with_the_same_bits():
     assert _equal(params, expected)
 
 
-def test_a_tensor_lr_gives_the_bits_of_the_per_tensor_rule():
-    orthos = _tensors(2, torch.bfloat16)
+# An lr, decay and scale for which a Tensor lr's arithmetic (in the Tensor's fp32, as
+# torch.optim.Muon does it) gives other bits than the same lr as a number (double).
+TENSOR_LR, TENSOR_LR_DECAY, TENSOR_LR_SCALE = 0.017, 0.1, 1.7
+
+
+def test_a_tensor_lr_through_the_list_form_gives_the_bits_of_the_per_tensor_rule():
+    """``apply_muon_updates_(foreach=True)`` with a Tensor lr against
+    ``update_rules.apply_muon_update_`` one tensor at a time, with that Tensor."""
+    orthos, lr = _tensors(2, torch.bfloat16), torch.tensor(TENSOR_LR)
     params, expected = _tensors(3, torch.float32), _tensors(3, torch.float32)
-    apply_muon_updates_(params, orthos, torch.tensor(0.02), 0.1, 1.5, False, foreach=True)
-    apply_muon_updates_(expected, orthos, torch.tensor(0.02), 0.1, 1.5, False, foreach=False)
+    apply_muon_updates_(params, orthos, lr, TENSOR_LR_DECAY, TENSOR_LR_SCALE, False, foreach=True)
+    for param, ortho in zip(expected, orthos):
+        apply_muon_update_(param, ortho, lr, TENSOR_LR_DECAY, TENSOR_LR_SCALE)
     assert _equal(params, expected)
+    # The list ops with the lr as a number give other bits: a list form that took them would show.
+    as_number = _tensors(3, torch.float32)
+    apply_muon_updates_(as_number, orthos, lr.item(), TENSOR_LR_DECAY, TENSOR_LR_SCALE, False, foreach=True)
+    assert not _equal(as_number, expected)
 
 
 def test_foreach_none_is_torchs_default_for_the_device():
@@ -108,8 +125,10 @@ def test_dmuon_with_foreach_steps_the_bits_of_dmuon_without(options, device):
             for (_, p), g in zip(params, _tensors(10 + step, torch.float32, [p.shape for _, p in params])):
                 p.grad = g.to(device)
             optimizer.step()
-        runs[foreach] = [p.detach() for n, p in params if "embed" not in n and n != "norm"]  # the Muon part
-    assert _equal(runs[True], runs[False])
+        runs[foreach] = {n: p.detach() for n, p in params}
+    # Both halves: the Muon matrices and the AdamW ones (the 1-D norm, the embeddings).
+    assert {"norm", "tok_embeddings.weight"} < runs[True].keys() == runs[False].keys()
+    assert [n for n, p in runs[True].items() if not _equal([p], [runs[False][n]])] == []
 
 
 @pytest.mark.parametrize("value", [1, 0, "yes", 1.0])

@@ -3,7 +3,8 @@ counts, and a few figures of docs/vs_distmuon.md pinned (llama3 8B at P = 8, the
 cheapest row; the whole table takes ~20 s).
 
 The model of DistMuon's balancing is also checked against TorchTitan's own function
-where TorchTitan 0.3.x is installed (skipped beside 0.2.x, this project's default).
+where TorchTitan 0.3.x is installed (skipped beside 0.2.x, this project's default; the
+0.3 leg of scripts/test_newest_torch.sh runs this file).
 """
 
 from __future__ import annotations

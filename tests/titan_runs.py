@@ -4,7 +4,7 @@ Every launch is ``torchrun --standalone`` (a free port is picked) with
 ``OMP_NUM_THREADS=1`` and a timeout, through ``tests.launch``: a run that hangs is
 stopped with every process it started, torchrun's workers included. Every rank's output is kept under
 ``<dump_folder>/torchrun_logs/<run id>/attempt_<n>/<rank>/`` and shown when a
-run fails.
+run fails. The checkpoints a run writes are read with ``tests/checkpoints.py``.
 """
 
 from __future__ import annotations
@@ -14,10 +14,8 @@ import shutil
 import sys
 from pathlib import Path
 
-import torch
-from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
 from tests import launch
+from tests.checkpoints import checkpoint_dir
 from torchtitan_ext.titan_log import parse_log, TitanLog
 
 REPO = Path(__file__).resolve().parents[1]
@@ -99,42 +97,6 @@ def _tails(dump_folder: Path) -> str:
     return "".join(f"\n--- {f} ---\n{f.read_text()[-2000:]}" for f in files)
 
 
-def checkpoint_dir(run: Path, step: int) -> Path:
-    return run / "checkpoint" / f"step-{step}"
-
-
 def copy_checkpoint(src_run: Path, step: int, dst_run: Path) -> None:
+    """Give ``dst_run`` the checkpoint ``src_run`` wrote at ``step``, as if it had stopped there."""
     shutil.copytree(checkpoint_dir(src_run, step), checkpoint_dir(dst_run, step))
-
-
-def load_checkpoint(folder: Path, scratch: Path) -> dict:
-    """A DCP checkpoint as full tensors, read offline (no process group needed).
-
-    Model weights sit at the top level under their parameter names; the
-    optimizer state sits under ``"optimizer"`` with TorchTitan's flat keys
-    (``state.<param>.<name>``, ``param_groups.<param>.<option>``).
-    """
-    scratch.mkdir(parents=True, exist_ok=True)
-    converted = scratch / f"{folder.name}.pt"
-    dcp_to_torch_save(folder, converted)
-    return torch.load(converted, weights_only=False)
-
-
-def assert_same_tensors(actual: dict, expected: dict) -> None:
-    """``actual`` and ``expected`` (nested dicts) hold tensors under the same keys, bitwise equal."""
-    actual_tensors, expected_tensors = _tensors(actual), _tensors(expected)
-    assert actual_tensors.keys() == expected_tensors.keys()
-    assert expected_tensors, "no tensors to compare"
-    differing = [k for k, t in expected_tensors.items()
-                 if t.dtype != actual_tensors[k].dtype or not torch.equal(t, actual_tensors[k])]
-    assert not differing, f"{len(differing)} of {len(expected_tensors)} tensors differ: {differing[:5]}"
-
-
-def _tensors(tree: dict, prefix: str = "") -> dict[str, torch.Tensor]:
-    found: dict[str, torch.Tensor] = {}
-    for key, value in tree.items():
-        if isinstance(value, torch.Tensor):
-            found[prefix + str(key)] = value
-        elif isinstance(value, dict):
-            found.update(_tensors(value, f"{prefix}{key}/"))
-    return found

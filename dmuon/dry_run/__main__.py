@@ -11,8 +11,9 @@ fake CUDA device), builds the preset's parameters as fake CUDA tensors, lays the
 with FSDP2 / DTensor, and takes two real ``DMuon`` steps; the second is recorded
 (``dmuon.dry_run.recorder``). Exits 1 if any rank read a device value on the host, mixed
 CPU and CUDA tensors, sent other bytes than the plan says, held more memory than the
-bound, or ran a collective on CPU tensors; 2 on bad input. Needs a CUDA build of torch
-(no GPU). What it proves and what it cannot: docs/dry_run.md.
+bound, or ran a collective on CPU tensors; 2 on bad input (checked first, on any torch
+build) or without a CUDA build of torch, which it needs (no GPU). What it proves and
+what it cannot: docs/dry_run.md.
 """
 
 from __future__ import annotations
@@ -130,8 +131,8 @@ def format_table(config: DryRunConfig, reports: list[RankReport]) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
+        config, ranks = make_config(args)  # bad input is told on any torch build
         check_cuda_build()
-        config, ranks = make_config(args)
     except DryRunError as error:
         print(f"dmuon.dry_run: {error}", file=sys.stderr)
         return 2
