@@ -112,7 +112,7 @@ def test_fused_wqkv_clipping_scales_a_clipped_heads_q_and_k_rows_and_never_v():
     dmuon = container.optimizers[0]
     tokens, positions = _batch()
     _forward(model, tokens, positions)
-    maxima = dmuon.attention.max_logits.take(LAYER0, 16, torch.device("cpu"))
+    maxima = dmuon.max_logits.take(LAYER0, 16, torch.device("cpu"))
     threshold = float(maxima.median())  # about half the heads of layer 0 over it
     for group in dmuon.param_groups:
         if group["use_muon"]:
