@@ -3,10 +3,11 @@ process groups DMuon makes, the Python heap its plan keeps, and (with the record
 collectives on CPU tensors and whether every step dispatches the same program.
 
 Under the fake group every collective is free and every group is made at once, so these
-are counted, not timed. ``nccl_alone()`` makes the default group look like NCCL alone
-(TorchTitan's default on GPUs unless ``training.enable_cpu_offload``): it takes no CPU
-tensors, so every host agreement needs a group of its own, as on a real cluster; the
-groups are then made with the fake backend instead of gloo, which would wait for peers.
+are counted, not timed. ``counting_groups(nccl_alone=True)`` makes the default group look
+like NCCL alone (TorchTitan's default on GPUs unless ``training.enable_cpu_offload``): it
+takes no CPU tensors, so every host agreement needs a group of its own, as on a real
+cluster; the groups are then made with the fake backend instead of gloo, which would wait
+for peers.
 """
 
 from __future__ import annotations
@@ -25,10 +26,9 @@ from dmuon.optimizer import DMuon
 
 @dataclass
 class GroupCount:
-    """Process groups made while it was counting, by backend."""
+    """Process groups made while it was counting."""
 
     made: int = 0
-    backends: tuple[str, ...] = ()
 
 
 @contextlib.contextmanager
@@ -40,7 +40,6 @@ def counting_groups(nccl_alone: bool = False) -> Iterator[GroupCount]:
 
     def new_group(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202 - dist.new_group's signature
         count.made += 1
-        count.backends += (str(kwargs.get("backend")),)
         if nccl_alone and kwargs.get("backend") == dmuon_groups.HOST_BACKEND:
             kwargs["backend"] = "fake"
         return real_new_group(*args, **kwargs)

@@ -125,7 +125,7 @@ class StepRecorder(TorchDispatchMode):
             self._check_devices(name, tensors)
             if _reads_to_host(name, args, kwargs) or _data_dependent(func, args):
                 self.record.host_syncs.append(f"{name} at {_caller()}")
-            if hazard := _scalar_precision_hazard(args, kwargs):
+            if hazard := _scalar_precision_hazard(args, kwargs, tensors):
                 self.record.precision_hazards.append(f"{name} {hazard} at {_caller()}")
         if func.namespace in ("c10d", "_c10d_functional"):
             self._collective(name, args, tensors)
@@ -145,16 +145,9 @@ class StepRecorder(TorchDispatchMode):
     def _writes_from_pageable_memory(self, name: str, args: tuple, kwargs: dict) -> bool:
         """A copy from CPU memory that is not pinned into device memory: CUDA copies it
         through a staging buffer and the host waits for it (``non_blocking`` or not)."""
-        if name.startswith("aten._to_copy"):
-            device = kwargs.get("device")
-            source = args[0]
-            into_device = device is not None and torch.device(device).type != "cpu"
-        elif name.startswith("aten.copy_"):
-            source = args[1]
-            into_device = args[0].device.type != "cpu"
-        else:
-            return False
-        return into_device and source.device.type == "cpu" and not self._is_pinned(source)
+        ends = _copy_ends(name, args, kwargs)
+        return (ends is not None and ends[1] != "cpu" and ends[0].device.type == "cpu"
+                and not self._is_pinned(ends[0]))
 
     def _is_pinned(self, tensor: torch.Tensor) -> bool:
         return tensor.is_pinned() or _storage(tensor) in self._pinned
@@ -259,10 +252,10 @@ def _concat_launches(name: str, args: tuple, outputs: list[torch.Tensor]) -> int
     return max(len(inputs), 1)
 
 
-def _scalar_precision_hazard(args: tuple, kwargs: dict) -> str | None:
+def _scalar_precision_hazard(args: tuple, kwargs: dict, tensors: list[torch.Tensor]) -> str | None:
     """How an op reads a 0-dim device scalar of another floating dtype than its bf16 or
-    fp16 tensors (CUDA casts it to theirs), or None."""
-    narrow = {t.dtype for t in _tensors((args, kwargs)) if t.ndim > 0 and t.dtype in REDUCED_FLOATS}
+    fp16 tensors (CUDA casts it to theirs), or None. ``tensors``: every tensor it was given."""
+    narrow = {t.dtype for t in tensors if t.ndim > 0 and t.dtype in REDUCED_FLOATS}
     if not narrow:
         return None
     direct = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
@@ -289,14 +282,21 @@ def _tensors(tree: Any) -> list[torch.Tensor]:
     return []
 
 
-def _reads_to_host(name: str, args: tuple, kwargs: dict) -> bool:
-    """A copy from the device into CPU memory: the host waits for it."""
+def _copy_ends(name: str, args: tuple, kwargs: dict) -> tuple[torch.Tensor, str] | None:
+    """``(source, target device type)`` of a copy that names its target (``_to_copy``/``to``
+    with a ``device``, ``copy_``), or None."""
     if name.startswith("aten._to_copy") or name.startswith("aten.to."):
         device = kwargs.get("device")
-        return device is not None and torch.device(device).type == "cpu"
+        return None if device is None else (args[0], torch.device(device).type)
     if name.startswith("aten.copy_"):
-        return args[0].device.type == "cpu" and args[1].device.type != "cpu"
-    return False
+        return args[1], args[0].device.type
+    return None
+
+
+def _reads_to_host(name: str, args: tuple, kwargs: dict) -> bool:
+    """A copy from the device into CPU memory: the host waits for it."""
+    ends = _copy_ends(name, args, kwargs)
+    return ends is not None and ends[1] == "cpu" and ends[0].device.type != "cpu"
 
 
 def _data_dependent(func, args: tuple) -> bool:  # noqa: ANN001
