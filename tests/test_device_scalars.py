@@ -20,11 +20,10 @@ import torch
 from dmuon.dry_run.recorder import StepRecorder
 from dmuon.numerics.update_lists import _decay_factor, apply_muon_updates_
 from dmuon.numerics.update_rules import apply_muon_update_, cautious_decay_
+from tests.dry_runs import dry_run, needs_cuda_build
 
 pytestmark = pytest.mark.unit
 
-needs_cuda_build = pytest.mark.skipif(torch.version.cuda is None,
-                                      reason="the dry run needs a CUDA build of torch (CI's torch 2.15 leg)")
 LR, WD = 0.02, 0.1
 
 
@@ -144,11 +143,8 @@ def test_cautious_decay_keeps_the_plain_decays_bits_where_every_sign_agrees():
 @needs_cuda_build
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_a_dry_run_with_reduced_precision_parameters_finds_no_precision_hazard(dtype):
-    from dmuon.dry_run.__main__ import make_config, parse_args, run_ranks
-
-    config, ranks = make_config(parse_args(["--model", "debug", "--world-size", "4", "--ranks", "0,3",
-                                            "--param-dtype", dtype, "--cautious-weight-decay"]))
-    for report in run_ranks(config, ranks, jobs=2):
+    for report in dry_run("--model", "debug", "--world-size", "4", "--ranks", "0,3", "--param-dtype", dtype,
+                          "--cautious-weight-decay"):
         assert report.problems() == [], (report.rank, report.problems())
         assert report.precision_hazards == [] and report.host_syncs_per_step == 0
 

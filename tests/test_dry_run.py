@@ -16,21 +16,14 @@ import textwrap
 import pytest
 import torch
 
-from dmuon.dry_run.__main__ import main, make_config, parse_args, run_ranks
+from dmuon.dry_run.__main__ import main
 from dmuon.dry_run.fake_cuda import DryRunError, check_cuda_build
 from dmuon.dry_run.layouts import parse_layout
+from tests.dry_runs import dry_run, needs_cuda_build
 
 pytestmark = pytest.mark.unit
 
-needs_cuda_build = pytest.mark.skipif(torch.version.cuda is None,
-                                      reason="the dry run needs a CUDA build of torch (CI's torch 2.15 leg)")
 TIMEOUT_S = 300
-
-
-def dry_run(*argv: str):
-    """The reports of the ranks ``argv`` names (CLI arguments)."""
-    config, ranks = make_config(parse_args(list(argv)))
-    return run_ranks(config, ranks, jobs=2)
 
 
 def assert_clean(reports) -> None:

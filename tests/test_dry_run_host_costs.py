@@ -10,11 +10,10 @@ import pytest
 import torch
 
 from dmuon.dry_run.recorder import StepRecorder
+from tests.dry_runs import dry_run, needs_cuda_build
 
 pytestmark = pytest.mark.unit
 
-needs_cuda_build = pytest.mark.skipif(torch.version.cuda is None,
-                                      reason="the dry run needs a CUDA build of torch (CI's torch 2.15 leg)")
 
 
 def program_of(shape: tuple[int, ...], scale: float) -> list[tuple]:
@@ -30,13 +29,6 @@ def test_two_steps_with_the_same_ops_and_shapes_have_the_same_program():
 
 def test_a_step_whose_shapes_change_has_another_program():
     assert program_of((4, 8), 0.5) != program_of((8, 8), 0.5)
-
-
-def dry_run(*argv: str):
-    from dmuon.dry_run.__main__ import make_config, parse_args, run_ranks
-
-    config, ranks = make_config(parse_args(list(argv)))
-    return run_ranks(config, ranks, jobs=2)
 
 
 @needs_cuda_build
