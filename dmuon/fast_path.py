@@ -7,8 +7,11 @@ the owner reads the rows of the matrices it owns from its own copy, and after th
 exchange ``dmuon.exchange.reductions.share_second_moments`` gives every rank the rows the owners wrote.
 
 Made lazily: the paths (``dmuon.plan.paths``) on first query, the plan at the first
-``step()``, where every rank runs the one collective planning needs (the shard check)
-at the same point. Adding a param group forgets both.
+``step()``. Adding a param group forgets both.
+
+Every step runs every unit of the plan, whatever the grads: a parameter without a usable
+grad on this rank sends its momentum (unchanged), and the device mask of
+``dmuon.exchange.grad_status`` decides, on every rank alike, which results are applied.
 """
 
 from __future__ import annotations
@@ -23,10 +26,12 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from dmuon.exchange.comm import WIRE_DTYPE, CommStats, ScratchMeter, mesh_device
-from dmuon.exchange.groups import group_of, host_group_of, sum_on_host
+from dmuon.exchange.groups import group_of
 from dmuon.exchange.owner_exchange import Callbacks, run_owner_plan
 from dmuon.exchange.reductions import share_second_moments
 from dmuon.group_steps import GroupSteps
+from dmuon.numerics.functional import normuon_state
+from dmuon.numerics.masked_updates import mask_
 from dmuon.numerics.newton_schulz import resolve_ns_algorithm, resolve_ns_dtype
 from dmuon.plan.cost_model import CostModel, plan_with_best_split
 from dmuon.plan.local_blocks import LocalBlocks
@@ -58,6 +63,11 @@ class OwnerRun:
     """Each parameter's dtype (read once: a DTensor attribute costs microseconds)."""
     shared_dtype: torch.dtype | None = field(init=False)
     """The parameters' dtype when they all have one (None otherwise)."""
+    wrong_shards: list[int] = field(default_factory=list)
+    """Plan parameters whose local shard here is not the block the plan assumes."""
+    stand_ins: dict[int, torch.Tensor] = field(default_factory=dict)
+    """For each wrong shard: zeros of the plan's shape that take its place in the step
+    (which is then masked on every rank), so the collectives stay the plan's."""
 
     def __post_init__(self) -> None:
         self.blocks = LocalBlocks(self.plan, self.rank)
@@ -82,8 +92,12 @@ class OwnerRun:
 
     def locals(self) -> list[torch.Tensor]:
         """Each parameter's local tensor (the same objects step after step, unless the
-        parameters were reassigned)."""
-        return [local_of(p) for p in self.params]
+        parameters were reassigned); a wrong shard's stand-in."""
+        return [self.stand_ins.get(j, local_of(p)) for j, p in enumerate(self.params)]
+
+    def local(self, j: int, tensor: torch.Tensor) -> torch.Tensor:
+        """The local tensor of ``tensor`` (a grad or state of plan parameter ``j``), or the stand-in."""
+        return self.stand_ins.get(j, local_of(tensor))
 
 
 class FastPath:
@@ -121,16 +135,15 @@ class FastPath:
 
     def plan(self, groups_of: Mapping[torch.Tensor, dict[str, Any]], name_of: Callable[[torch.Tensor], str]) -> None:
         """Plan the fast path, once, at the first step (``groups_of``: each Muon
-        parameter's param group, in order). Every rank runs this at the same point, so the
-        shard check's collective is matched on every rank."""
+        parameter's param group, in order). Runs no collective."""
         if self._planned:
             return
         paths = self.paths(list(groups_of), name_of)
         fast = [p for p, path in paths.items() if path == ALL_TO_ALL]
         if fast:
             run = self._make_run(fast, [groups_of[p] for p in fast])
-            self._check_shards_agree_with_plan(run, name_of)
-            self._run = run  # only a checked plan is kept (and reported by owner_plans)
+            self._check_shards_agree_with_plan(run)
+            self._run = run
         self._planned = True
         for path in PATHS:
             names = [name_of(p) for p, chosen in paths.items() if chosen == path]
@@ -163,18 +176,17 @@ class FastPath:
         return OwnerRun(group, plan_rank[dist.get_rank()], params, plan, device)
 
     @staticmethod
-    def _check_shards_agree_with_plan(run: OwnerRun, name_of: Callable[[torch.Tensor], str]) -> None:
-        """Every rank's local shard must be the block of the parameter the plan assumes.
+    def _check_shards_agree_with_plan(run: OwnerRun) -> None:
+        """Find the local shards that are not the block of the parameter the plan assumes.
 
-        The plan reads DTensor's placement rules (``dmuon.plan.layout``); here each rank
-        compares them with DTensor's own answer and with the local tensor's shape, so
-        one built by ``DTensor.from_local`` with custom uneven shards is caught. Shapes
-        and offsets are host facts: the check sums the mismatches over the ranks on the
-        host (``dmuon.exchange.groups.sum_on_host``), once, at planning time, so a mismatch on
-        any rank stops every rank and no device value is read.
+        The plan reads DTensor's placement rules (``dmuon.plan.layout``); here this rank
+        compares them with DTensor's own answer and with its local tensor's shape, so one
+        built by ``DTensor.from_local`` with custom uneven shards is caught. A host check
+        of this rank's own facts: a wrong shard gets a stand-in of the plan's shape, so
+        this rank still runs the plan's collectives, and :meth:`shard_problem` makes the
+        step masked on every rank and raised here (``dmuon.exchange.grad_status``).
         """
-        wrong = []
-        for param, spec in zip(run.params, run.plan.params):
+        for j, (param, spec) in enumerate(zip(run.params, run.plan.params)):
             box = spec.layout.boxes(spec.shape)[run.rank]
             with host_tensor_ops():  # DTensor's answer does tensor work on the mesh
                 shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh,
@@ -183,37 +195,45 @@ class FastPath:
             offsets = [o for o, (_, length) in zip(offset, box) if length]
             sizes = tuple(length for _, length in box)
             if sizes != tuple(shape) or sizes != tuple(param.to_local().shape) or offsets != expected_offsets:
-                wrong.append(param)
-        meshes = [p.device_mesh for p in run.params]
-        (count,) = sum_on_host([len(wrong)], host_group_of(mesh_ranks(meshes[0]), meshes))
-        if count:
-            mine = f" here: {[name_of(p) for p in wrong]}" if wrong else ""
-            raise ValueError(
-                f"DMuon: {count} sharded parameter shard(s) are not the blocks their placements "
-                f"describe{mine}. Shard them with FSDP2 or distribute_tensor, or pass use_muon=False for them."
-            )
+                run.wrong_shards.append(j)
+                run.stand_ins[j] = torch.zeros(sizes, dtype=param.dtype, device=run.device)
 
-    def step(self, grads: Mapping[torch.Tensor, torch.Tensor], groups: Mapping[torch.Tensor, dict[str, Any]],
-             state: Mapping[torch.Tensor, dict[str, Any]], steps: GroupSteps, stats: CommStats,
-             meter: ScratchMeter) -> None:
-        """The fast path's step for the parameters in ``grads``: the momentum EMA of every
-        local shard first (one list op per group), the Nesterov look-ahead packed as
-        blocks travel, Newton-Schulz on the owner, the update on the local rows as
-        results come back (``dmuon.exchange.owner_exchange``), each a list op per batch."""
+    def shard_problem(self, name_of: Callable[[torch.Tensor], str]) -> str | None:
+        """This rank's wrong shards, as the error it raises after each step (None: none)."""
+        if self._run is None or not self._run.wrong_shards:
+            return None
+        names = [name_of(self._run.params[j]) for j in self._run.wrong_shards]
+        return (f"sharded parameter shard(s) {names} are not the blocks their placements describe. Shard them "
+                "with FSDP2 or distribute_tensor, or pass use_muon=False for them.")
+
+    def step(self, grads: Mapping[torch.Tensor, torch.Tensor], oks: Mapping[torch.Tensor, torch.Tensor],
+             groups: Mapping[torch.Tensor, dict[str, Any]], state: Mapping[torch.Tensor, dict[str, Any]],
+             steps: GroupSteps, stats: CommStats, meter: ScratchMeter) -> None:
+        """The fast path's step for every parameter of the plan, whatever its grad: the
+        momentum EMA of every local shard first (one list op per group), the Nesterov
+        look-ahead packed as blocks travel, Newton-Schulz on the owner, the update on the
+        local rows as results come back (``dmuon.exchange.owner_exchange``), each a list op
+        per batch; everything masked by ``oks`` (each parameter's 0-dim bool on the device).
+
+        A parameter without a usable grad here stands in with its momentum buffer (the
+        masked EMA leaves it as it is), or with zeros before its state exists."""
         if self._run is None:
             return
         run, params = self._run, self._run.params
-        present = [j for j, p in enumerate(params) if p in grads]
         param_groups = [groups[p] for p in params]  # by plan parameter
-        local_grads: list[torch.Tensor | None] = [None] * len(params)
-        local_bufs: list[torch.Tensor | None] = [None] * len(params)
-        for j in present:
-            local_grads[j] = local_of(grads[params[j]])
-            local_bufs[j] = local_of(state[params[j]]["momentum_buffer"])
-        for group, members in _by_group(present, param_groups):
-            steps.momentum([local_bufs[j] for j in members], [local_grads[j] for j in members], group)
+        ok = [oks[p] for p in params]
+        local_grads: list[torch.Tensor] = []
+        local_bufs: list[torch.Tensor] = []
+        for j, param in enumerate(params):
+            buf = state.get(param, {}).get("momentum_buffer")  # get: no empty state made
+            local_bufs.append(run.local(j, buf) if buf is not None else torch.zeros_like(run.local(j, param)))
+            local_grads.append(run.local(j, grads[param]) if param in grads else local_bufs[j])
+        for group, members in _by_group(range(len(params)), param_groups):
+            steps.masked_momentum([local_bufs[j] for j in members], [local_grads[j] for j in members], group,
+                                  [ok[j] for j in members])
         bufs = run.blocks.kept("momentum_buffer", local_bufs)
         targets = run.blocks.kept("param", run.locals(), flat=True)
+        moments = {j: self._moment(run, j, state) for j, group in enumerate(param_groups) if group["normuon"]}
         grad_blocks: dict[int, list[torch.Tensor]] = {}  # this step's grads, split on first use
 
         def pack_blocks(units: Sequence[int]) -> list[torch.Tensor]:
@@ -232,20 +252,31 @@ class FastPath:
             return update.to(WIRE_DTYPE, copy=True).view(run.plan.units[i].matrix)
 
         def orthogonalize(unit: Unit, matrix: torch.Tensor) -> torch.Tensor:
-            moment = steps.second_moment(params[unit.param], state)
+            moment = moments.get(unit.param)
             rows = None if moment is None else moment[unit.dim0[0] : unit.dim0[1]]
-            return steps.orthogonalize(matrix, param_groups[unit.param], rows)
+            ortho = steps.orthogonalize(matrix, param_groups[unit.param], rows, ok[unit.param])
+            mask_([ortho], [ok[unit.param]])  # zero where masked, before it travels
+            return ortho
 
         def apply_blocks(units: Sequence[int], orthos: Sequence[torch.Tensor]) -> None:
             steps.apply_many([params[run.plan.units[i].param] for i in units], [targets[i] for i in units], orthos,
-                             [param_groups[run.plan.units[i].param] for i in units])
+                             [param_groups[run.plan.units[i].param] for i in units],
+                             [ok[run.plan.units[i].param] for i in units])
 
         callbacks = Callbacks(pack_blocks, update_of, orthogonalize, apply_blocks, run.layout,
                               run.widen if steps.lists_for(run.device) else _same)
-        run_owner_plan(run.plan, set(present), group=run.group, rank=run.rank, device=run.device,
+        run_owner_plan(run.plan, range(len(params)), group=run.group, rank=run.rank, device=run.device,
                        callbacks=callbacks, stats=stats, meter=meter)
-        moments = {j: m for j in present if (m := steps.second_moment(params[j], state)) is not None}
         share_second_moments(run.plan, run.rank, moments, run.group, run.device)
+
+    @staticmethod
+    def _moment(run: OwnerRun, j: int, state: Mapping[torch.Tensor, dict[str, Any]]) -> torch.Tensor:
+        """Plan parameter ``j``'s NorMuon rows on this rank (zeros before its state exists:
+        the sum that shares them has the same size on every rank)."""
+        moment = GroupSteps.second_moment(run.params[j], state)
+        if moment is not None:
+            return moment
+        return local_of(normuon_state(run.params[j]))
 
 
 def _same(recv: torch.Tensor) -> torch.Tensor:

@@ -27,7 +27,10 @@ from dmuon.numerics.functional import (
     normuon_state,
     update_scale,
 )
-from dmuon.numerics.newton_schulz import resolve_ns_algorithm, resolve_ns_dtype
+from dmuon.exchange.grad_status import distributed
+from dmuon.numerics.masked_updates import mask_, masked_apply_, masked_momentum_
+from dmuon.numerics.newton_schulz import UPDATE_DTYPE, resolve_ns_algorithm, resolve_ns_dtype
+from dmuon.numerics.update_rules import nesterov_lookahead
 from dmuon.numerics.update_lists import apply_muon_updates_, lookahead, momentum_, resolve_foreach
 from dmuon.plan.paths import ALL_TO_ALL, REDISTRIBUTE
 from dmuon.telemetry import Telemetry
@@ -51,10 +54,11 @@ class GroupSteps:
         """The optimizer's ``foreach``: None lets torch choose per device (``dmuon.numerics.update_lists``)."""
 
     def orthogonalize(self, matrix: torch.Tensor, group: dict[str, Any],
-                      second_moment: torch.Tensor | None = None) -> torch.Tensor:
+                      second_moment: torch.Tensor | None = None, ok: torch.Tensor | None = None) -> torch.Tensor:
         """Newton-Schulz with the group's settings, then, in a NorMuon group, the
         normalization with ``second_moment`` (the NorMuon state's rows of ``matrix``,
-        updated in place); counts the flops run on this rank."""
+        updated in place where the 0-dim device bool ``ok`` holds); counts the flops run
+        on this rank."""
         dtype = resolve_ns_dtype(self.ns_dtype, matrix.device.type)
         gram = dict(ns_algorithm=resolve_ns_algorithm(group["ns_algorithm"], dtype, matrix.device.type),
                     ns_gram_restarts=group["ns_gram_restarts"])
@@ -64,7 +68,7 @@ class GroupSteps:
             ortho = newton_schulz(matrix, ns_coefficients=group["ns_coefficients"], ns_steps=group["ns_steps"],
                                   eps=group["eps"], ns_dtype=dtype, split_rows=group["split_rows"], **gram)
             if group["normuon"]:
-                ortho = normuon_normalize_(ortho, second_moment, group["normuon_beta2"], group["split_rows"])
+                ortho = normuon_normalize_(ortho, second_moment, group["normuon_beta2"], group["split_rows"], ok)
             return ortho
 
     def lists_for(self, device: torch.device) -> bool:
@@ -76,6 +80,11 @@ class GroupSteps:
         if bufs:
             momentum_(bufs, grads, group["momentum"], self.lists_for(bufs[0].device))
 
+    def masked_momentum(self, bufs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], group: dict[str, Any],
+                        oks: Sequence[torch.Tensor]) -> None:
+        """The momentum EMA where each 0-dim device bool of ``oks`` holds (``dmuon.numerics.masked_updates``)."""
+        masked_momentum_(bufs, grads, group["momentum"], oks)
+
     def lookahead(self, grads: Sequence[torch.Tensor], bufs: Sequence[torch.Tensor], group: dict[str, Any]
                   ) -> list[torch.Tensor]:
         """What one group's blocks orthogonalize, in their dtype (after :meth:`momentum`)."""
@@ -84,10 +93,12 @@ class GroupSteps:
         return lookahead(grads, bufs, group["momentum"], group["nesterov"], self.lists_for(grads[0].device))
 
     def apply_many(self, params: Sequence[torch.Tensor], targets: Sequence[torch.Tensor],
-                   orthos: Sequence[torch.Tensor], groups: Sequence[dict[str, Any]]) -> None:
+                   orthos: Sequence[torch.Tensor], groups: Sequence[dict[str, Any]],
+                   oks: Sequence[torch.Tensor] | None = None) -> None:
         """The decayed, scaled update of each ``target`` (its ``param``'s local tensor or
         rows of it, flat or shaped) with ``ortho`` (flat, or the matrix), one list op per
-        group, shape scale, device and dtype."""
+        group, shape scale, device and dtype; with ``oks``, only where each target's 0-dim
+        device bool holds (its ``ortho`` already zero elsewhere)."""
         if not targets:
             return
         foreach = self.lists_for(targets[0].device)
@@ -98,8 +109,12 @@ class GroupSteps:
         targets, orthos = map(list, zip(*(_same_shape(t, o) for t, o in zip(targets, orthos))))
         with self.telemetry.muon_updates(targets):
             for group, scale, members in buckets.values():
-                apply_muon_updates_([targets[k] for k in members], [orthos[k] for k in members], group["lr"],
-                                    group["weight_decay"], scale, group["cautious_weight_decay"], foreach)
+                settings = (group["lr"], group["weight_decay"], scale, group["cautious_weight_decay"], foreach)
+                if oks is None:
+                    apply_muon_updates_([targets[k] for k in members], [orthos[k] for k in members], *settings)
+                else:
+                    masked_apply_([targets[k] for k in members], [orthos[k] for k in members],
+                                  [oks[k] for k in members], *settings)
 
     @staticmethod
     def make_muon_state(grads: Mapping[torch.Tensor, torch.Tensor], groups: Mapping[torch.Tensor, dict[str, Any]],
@@ -115,15 +130,16 @@ class GroupSteps:
     @staticmethod
     def second_moment(param: torch.Tensor, state: Mapping[torch.Tensor, dict[str, Any]]) -> torch.Tensor | None:
         """The whole NorMuon state of ``param`` on this rank (None outside NorMuon groups)."""
-        moment = state[param].get(NORMUON_STATE_KEY)
+        moment = state.get(param, {}).get(NORMUON_STATE_KEY)
         return None if moment is None else local_of(moment)
 
     def muon_whole(self, group: dict[str, Any], paths: Mapping[torch.Tensor, str],
                    grads: Mapping[torch.Tensor, torch.Tensor], state: Mapping[torch.Tensor, dict[str, Any]]) -> None:
         """Muon for the group's parameters with a grad that are whole on this rank
         (``local``: orthogonalized in place) or gathered whole on every rank
-        (``redistribute``: ``dmuon.exchange.reference``); the fast path ran the others."""
-        params = [p for p in group["params"] if p in grads and paths[p] != ALL_TO_ALL]
+        (``redistribute``: ``dmuon.exchange.reference``); the fast path ran the others,
+        and :meth:`muon_masked` the distributed ones."""
+        params = [p for p in group["params"] if p in grads and paths[p] != ALL_TO_ALL and not distributed(p)]
 
         def orthogonalize(i: int, update: torch.Tensor) -> torch.Tensor:
             moment = self.second_moment(params[i], state)
@@ -137,6 +153,36 @@ class GroupSteps:
               orthogonalize=orthogonalize, updating=self.telemetry.muon_update,
               foreach=bool(local_params) and self.lists_for(local_params[0].device),
               **{key: group[key] for key in MUON_STEP_KEYS})
+
+    def muon_masked(self, group: dict[str, Any], paths: Mapping[torch.Tensor, str],
+                    grads: Mapping[torch.Tensor, torch.Tensor], oks: Mapping[torch.Tensor, torch.Tensor],
+                    state: Mapping[torch.Tensor, dict[str, Any]]) -> None:
+        """Muon for the group's distributed parameters off the fast path (replicated ones on
+        the ``local`` path, ``redistribute``), every step, grad or not, each masked by its
+        0-dim device bool in ``oks`` (``dmuon.exchange.grad_status``): the reference path's
+        collectives run on every rank alike. One parameter in hand at a time."""
+        params = [p for p in group["params"] if p in oks and paths[p] != ALL_TO_ALL]
+        if not params:
+            return
+        ok = [oks[p] for p in params]
+        bufs = [local_of(state[p]["momentum_buffer"]) if "momentum_buffer" in state.get(p, {})
+                else torch.zeros_like(local_of(p)) for p in params]
+        local_grads = [local_of(grads[p]) if p in grads else buf for p, buf in zip(params, bufs)]
+        self.masked_momentum(bufs, local_grads, group, ok)
+        for i, param in enumerate(params):
+            update = nesterov_lookahead(local_grads[i], bufs[i], group["momentum"], group["nesterov"])
+            update = update.to(UPDATE_DTYPE, copy=True)
+            moment = self.second_moment(param, state)
+            if group["normuon"] and moment is None:
+                moment = local_of(normuon_state(param))
+
+            def orthogonalize(full: torch.Tensor, i: int = i, moment: torch.Tensor | None = moment) -> torch.Tensor:
+                return self.orthogonalize(full, group, moment, ok[i])
+
+            ortho = (orthogonalize_gathered(update, param, orthogonalize) if paths[param] == REDISTRIBUTE
+                     else orthogonalize(update))
+            mask_([ortho], [ok[i]])
+            self.apply_many([param], [local_of(param)], [ortho], [group], [ok[i]])
 
     def adamw(self, group: dict[str, Any], state: Mapping[torch.Tensor, dict[str, Any]]) -> None:
         """AdamW for the group's parameters with a grad (state made at their first step)."""

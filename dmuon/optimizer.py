@@ -2,9 +2,10 @@
 
 One ``step()``:
 
-1. every rank agrees, with one small ``all_reduce`` per mesh, on which distributed
-   Muon parameters have a grad (and whether any rank found an invalid grad):
-   ``dmuon.exchange.grad_agreement``;
+1. every rank sums its grads' status with one small device ``all_reduce`` per rank set
+   (which DTensor Muon parameters have a grad here, whether this rank found an invalid
+   grad): each parameter's mask, on the device; a problem the previous step's sums showed
+   is raised first, on every rank alike (``dmuon.exchange.grad_status``);
 2. each matrix is orthogonalized once, on the path ``dmuon.plan.paths`` chose for it: on
    its owner rank, batch by batch (``all_to_all`` fast path: ``dmuon.fast_path`` over
    ``dmuon.exchange.owner_exchange``), on every rank (``redistribute`` reference
@@ -22,8 +23,8 @@ The math is ``dmuon.numerics.functional`` (run with a group's settings, counted 
 ``dmuon.group_steps``); the groups are ``dmuon.param_groups``'. This class holds the
 state and the configuration, and calls them in that order.
 
-The collectives a rank runs depend only on the parameters and on the agreed grad
-set, never on local values, so ranks cannot fall out of step.
+The collectives a rank runs depend only on the parameters, never on its grads or
+values, so ranks cannot fall out of step; no host collective runs in a step.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from dmuon.attention.clipping import AttentionClip, muon_group_threshold
 from dmuon.attention.max_logits import MaxLogitTracker
 from dmuon.attention.qk_clip import AttentionHeads
 from dmuon.exchange.comm import CommStats, ScratchMeter
-from dmuon.exchange.grad_agreement import agreed_grads
+from dmuon.exchange.grad_status import GradStatus, RankSet, local_problems, rank_sets, usable_grads
 from dmuon.fast_path import FastPath
 from dmuon.group_steps import GroupSteps
 from dmuon.numerics.newton_schulz import (
@@ -180,7 +181,8 @@ class DMuon(PicklesConfiguration, Optimizer):
         self._fast_path = FastPath(self.comm, self.max_batch_numel, self.split_replicas, self.ns_dtype,
                                    self.link_gbps, self.replica_link_gbps)
         self._attention_clip = AttentionClip()
-
+        self._grad_status = GradStatus()
+        self._rank_sets: list[RankSet] | None = None  # made at the first step, with the plan
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group; one without ``use_muon`` is split into a Muon and an AdamW group
         (``dmuon.param_groups.build_param_groups``)."""
@@ -191,6 +193,7 @@ class DMuon(PicklesConfiguration, Optimizer):
             self._names.update(zip(group["params"], names))
             self.param_groups.append(group)
         self._fast_path.forget()  # paths and plan cover every Muon parameter: rebuild them
+        self._rank_sets = None
 
     def clip_attention(self, name: str, q_weight: torch.Tensor, k_weight: torch.Tensor, heads: AttentionHeads) -> None:
         """Watch one attention for QK-clip (``dmuon.attention.clipping``); every rank registers
@@ -237,20 +240,33 @@ class DMuon(PicklesConfiguration, Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._grad_status.raise_pending()  # the previous step's problem, on every rank alike
         muon_groups = self._muon_groups()
         self._fast_path.plan(muon_groups, self.param_name)
+        if self._rank_sets is None:
+            self._rank_sets = rank_sets(list(muon_groups), self.param_name)
         # A DTensor's device is its local shard's.
         self._telemetry.begin_step(self.param_groups[0]["params"][0].device, self.comm_stats.bytes_sent)
-        grads = agreed_grads(self.param_groups, list(muon_groups), self.param_name)
+        invalid = local_problems(self.param_groups)
+        problems = [f"parameter {self.param_name(p)!r}: {why}" for p, why in invalid.items()]
+        if shards := self._fast_path.shard_problem(self.param_name):
+            problems.append(shards)
+        grads = usable_grads(list(muon_groups), invalid)
+        oks = self._grad_status.agree(self._rank_sets, lambda p: p in grads, bool(problems))
         steps = GroupSteps(self.ns_dtype, self.comm_stats, self._telemetry, self.foreach)  # this step's meters
-        steps.make_muon_state(grads, muon_groups, self.state)
+        if not problems:
+            steps.make_muon_state(grads, muon_groups, self.state)
         self.scratch_stats.reset_peak()
-        self._fast_path.step(grads, muon_groups, self.state, steps, self.comm_stats, self.scratch_stats)
+        self._fast_path.step(grads, oks, muon_groups, self.state, steps, self.comm_stats, self.scratch_stats)
         for group in (g for g in self.param_groups if g["use_muon"]):
-            steps.muon_whole(group, self._paths(), grads, self.state)
-        for group in (g for g in self.param_groups if not g["use_muon"]):
+            steps.muon_masked(group, self._paths(), grads, oks, self.state)
+            if not problems:
+                steps.muon_whole(group, self._paths(), grads, self.state)
+        for group in (g for g in self.param_groups if not g["use_muon"] and not problems):
             steps.adamw(group, self.state)
         if clip := self._attention_clip.step(muon_group_threshold(muon_groups, self.param_name)):
             self._telemetry.qk_clip(clip.largest, clip.clipped_heads)
         self._telemetry.end_step(self.comm_stats.bytes_sent)
+        if problems:  # after the collectives every rank runs; the others raise at their next step
+            raise ValueError(f"DMuon: {problems[0]}")
         return loss

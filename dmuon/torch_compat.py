@@ -40,7 +40,8 @@ OLDEST_TESTED_TORCH = "2.13.0"
 NEWEST_TESTED_TORCH = "2.15.0"
 
 __all__ = ["FakeTensor", "FakeTensorMode", "StridedShard", "TorchDispatchMode", "chunk_cat",
-           "compute_local_shape_and_global_offset", "default_foreach", "fake_store", "host_tensor_ops", "local_of",
+           "compute_local_shape_and_global_offset", "default_foreach", "fake_store", "host_tensor_ops", "is_fake",
+           "local_of",
            "mkldnn_bf16_supported", "mkldnn_fp16_supported", "resolve_process_group", "scalar_dtype"]
 
 
@@ -71,6 +72,11 @@ def local_of(tensor: torch.Tensor) -> torch.Tensor:
     """A DTensor's local tensor (the object it holds, no new view), or a plain tensor
     itself: what the step's rules read and write, under ``no_grad``."""
     return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+
+
+def is_fake(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a fake tensor (``python -m dmuon.dry_run``): it has no values to read."""
+    return isinstance(tensor, FakeTensor)
 
 
 def fake_store() -> dist.Store:

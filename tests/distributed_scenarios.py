@@ -203,6 +203,22 @@ def _set_grads(params: dict[str, nn.Parameter], mesh: Any, seed: int) -> None:
         params[name].grad = distribute_tensor(full, mesh, [Shard(0)], src_data_rank=None)
 
 
+def _local_snapshot(params: dict[str, nn.Parameter], optimizer: DMuon, muon_only: bool = False,
+                    names: tuple[str, ...] | None = None) -> dict:
+    """This rank's bytes of every (Muon; named) parameter and its state, read without a collective."""
+    muon = {p for g in optimizer.param_groups if g["use_muon"] for p in g["params"]}
+    snap = {}
+    for name, param in params.items():
+        if (muon_only and param not in muon) or (names is not None and name not in names):
+            continue
+        snap[name] = param.detach().to_local().clone().view(-1).view(torch.uint8).tolist()
+        for key, value in optimizer.state.get(param, {}).items():
+            if isinstance(value, torch.Tensor):
+                snap[name, key] = (value.to_local() if isinstance(value, DTensor) else value).clone().reshape(-1).view(
+                    torch.uint8).tolist()
+    return snap
+
+
 def _error(fn) -> str | None:
     try:
         fn()
@@ -227,22 +243,36 @@ def robustness() -> dict[str, Any]:
     out["none_everywhere_no_state"] = params["wide"] not in optimizer.state
     out["none_everywhere_others_stepped"] = "momentum_buffer" in optimizer.state[params["square"]]
 
-    # Ranks that disagree: every rank raises the same clear error.
+    # Ranks that disagree: the step changes nothing on any rank, and every rank raises
+    # the same clear error at the next step, before it touches anything.
     _set_grads(params, mesh, 2)
     if rank == 0:
         params["uneven"].grad = None
-    out["disagree_error"] = _error(optimizer.step)
-
-    # An invalid grad on one rank only: every rank raises, none waits.
+    before = _local_snapshot(params, optimizer, names=("uneven",))
+    others = _local_snapshot(params, optimizer, muon_only=True)
+    out["disagree_step"] = _error(optimizer.step)
+    out["disagree_unchanged"] = _local_snapshot(params, optimizer, names=("uneven",)) == before
+    out["disagree_others_stepped"] = _local_snapshot(params, optimizer, muon_only=True) != others
     _set_grads(params, mesh, 3)
+    before = _local_snapshot(params, optimizer)
+    out["disagree_error"] = _error(optimizer.step)
+    out["disagree_error_unchanged"] = _local_snapshot(params, optimizer) == before
+
+    # An invalid grad on one rank only: that rank raises its own message at once, after
+    # the collectives; every rank raises at the next step; nothing changed anywhere.
+    _set_grads(params, mesh, 4)
     if rank == world - 1:
         local = params["square"].grad.to_local()
         params["square"].grad_dtype = None  # let autograd's dtype check through
         params["square"].grad = DTensor.from_local(local.to(torch.complex64), mesh, [Shard(0)], run_check=False)
+    before = _local_snapshot(params, optimizer, muon_only=True)
+    out["invalid_step"] = _error(optimizer.step)
+    out["invalid_unchanged"] = _local_snapshot(params, optimizer, muon_only=True) == before
+    _set_grads(params, mesh, 5)
     out["invalid_error"] = _error(optimizer.step)
 
     # The optimizer is still usable afterwards (no collective was left half done).
-    _set_grads(params, mesh, 4)
+    _set_grads(params, mesh, 6)
     out["usable_after_errors"] = _error(optimizer.step) is None
 
     # NaN in one rank's shard: no hang; that matrix becomes NaN everywhere, others stay finite.
@@ -559,21 +589,9 @@ def invalid_grad_with_two_meshes() -> str | None:
     if rank == world - 1:
         a.grad_dtype = None
         a.grad = DTensor.from_local(a.grad.to_local().to(torch.complex64), flat, [Shard(0)], run_check=False)
-    return _error(optimizer.step)
-
-
-def replicated_param_with_a_missing_partial_grad() -> str | None:
-    """A Replicate parameter (local path) whose grad is Partial on one rank and None on
-    the other: turning the grad into Replicate is a collective, so the ranks must agree
-    first."""
-    from torch.distributed.tensor import Partial
-
-    mesh = init_device_mesh(device_type(), (dist.get_world_size(),))
-    param = nn.Parameter(distribute_tensor(torch.randn(6, 4, device=_device()), mesh, [Replicate()]))
-    optimizer = DMuon([{"params": [("replicated", param)], "use_muon": True}])
-    if dist.get_rank() == 1:
-        param.grad = DTensor.from_local(torch.randn(6, 4, device=_device()), mesh, [Partial()])
-    return _error(optimizer.step)
+    first = _error(optimizer.step)
+    a.grad = distribute_tensor(torch.randn(8, 6, device=_device()), flat, [Shard(0)], src_data_rank=None)
+    return [first, _error(optimizer.step)]
 
 
 # Six 8 x 16 matrices row-sharded over 2 ranks, and a batch cap of one matrix per
@@ -759,3 +777,34 @@ def variants_checkpoint_resume(checkpoint_dir: str, done: int, total: int) -> di
     set_optimizer_state_dict(module, optimizer, target["optim"])
     _variant_steps(optimizer, params, range(done, total), shard)
     return {n: torch.equal(params[n].full_tensor(), oracle[n].detach()) for n in oracle}
+
+
+def cuda_graph_replay(steps: int = 3) -> bool:
+    """``DMuon.step`` captured in a CUDA graph after warm-up and replayed: bitwise the
+    eager steps of a twin optimizer on the same grads (static grads, as capture needs)."""
+    world = dist.get_world_size()
+    mesh = init_device_mesh("cuda", (world,))
+    full = _case_tensors(30)
+    twins = []
+    for _ in range(2):
+        params = {name: nn.Parameter(distribute_tensor(t.cuda(), mesh, [Shard(0)], src_data_rank=None))
+                  for name, t in full.items()}
+        for name, param in params.items():
+            param.grad = distribute_tensor(_case_tensors(31)[name].cuda(), mesh, [Shard(0)], src_data_rank=None)
+        twins.append((params, DMuon(_groups(params), lr=0.02, weight_decay=0.1)))
+    (captured, graphed), (eager, stepped) = twins
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):  # warm-up: state, plan and layouts made before capture
+            graphed.step()
+            stepped.step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        graphed.step()
+    for _ in range(steps):
+        graph.replay()
+        stepped.step()
+    torch.cuda.synchronize()
+    return all(torch.equal(captured[n].to_local(), eager[n].to_local()) for n in captured)

@@ -95,6 +95,12 @@ def test_one_rank_nccl_group_runs_every_layout_locally():
     assert result["equal"] == dict.fromkeys(ALL_LAYOUTS, True)
 
 
+def test_a_captured_step_replays_bitwise_like_eager_steps():
+    """Not yet run on a GPU (no session has had one): the step is meant to be capture-ready
+    (no host read, no host collective, the same device program every step)."""
+    assert _nccl(scenarios.cuda_graph_replay, 1) == [True]
+
+
 # ------------------------------------------------------------------ several GPUs
 
 
@@ -134,6 +140,7 @@ def test_awkward_grads_give_the_same_outcome_on_every_gpu():
     ranks = _nccl(scenarios.robustness, 2)
     for rank in ranks:
         assert rank["none_everywhere_unchanged"] and rank["none_everywhere_no_state"]
+        assert rank["disagree_step"] is None and rank["disagree_unchanged"]
         assert rank["disagree_error"].startswith("RuntimeError: DMuon: ranks disagree")
         assert rank["usable_after_errors"]
         assert rank["nan_error"] is None and rank["nan_matrix_all_nan"] and rank["nan_others_finite"]

@@ -25,15 +25,29 @@ def test_grad_none_on_every_rank_skips_the_parameter(ranks):
         assert rank["none_everywhere_others_stepped"]
 
 
-def test_ranks_disagreeing_about_a_grad_all_raise_an_error_naming_it(ranks):
+def test_a_grad_on_some_ranks_only_is_applied_on_no_rank(ranks):
+    for rank in ranks:
+        assert rank["disagree_step"] is None
+        assert rank["disagree_unchanged"]
+        assert rank["disagree_others_stepped"]
+
+
+def test_ranks_disagreeing_about_a_grad_all_raise_an_error_naming_it_at_the_next_step(ranks):
     for rank in ranks:
         assert rank["disagree_error"].startswith("RuntimeError: DMuon: ranks disagree")
         assert "'uneven'" in rank["disagree_error"]
+        assert rank["disagree_error_unchanged"]
 
 
-def test_an_invalid_grad_on_one_rank_makes_every_rank_raise(ranks):
-    assert ranks[1]["invalid_error"] == "ValueError: DMuon: parameter 'square': complex gradients are not supported by Muon"
-    assert ranks[0]["invalid_error"].startswith("ValueError: DMuon: 1 rank(s) found an invalid gradient")
+def test_an_invalid_grad_on_one_rank_raises_there_at_once_and_changes_no_muon_parameter(ranks):
+    assert ranks[1]["invalid_step"] == "ValueError: DMuon: parameter 'square': complex gradients are not supported by Muon"
+    assert ranks[0]["invalid_step"] is None
+    assert [rank["invalid_unchanged"] for rank in ranks] == [True, True]
+
+
+def test_an_invalid_grad_on_one_rank_makes_every_rank_raise_at_the_next_step(ranks):
+    for rank in ranks:
+        assert rank["invalid_error"].startswith("ValueError: DMuon: 1 rank(s) found an invalid gradient or shard")
 
 
 def test_the_optimizer_keeps_working_after_a_consistent_error(ranks):
@@ -84,10 +98,6 @@ def test_comm_paths_on_one_rank_runs_no_collective():
 
 def test_an_invalid_grad_never_leaves_a_rank_waiting_in_another_mesh():
     errors = run_on_ranks(scenarios.invalid_grad_with_two_meshes, 4, timeout=60)
-    assert errors[3] == "ValueError: DMuon: parameter 'a': complex gradients are not supported by Muon"
-    assert all(e.startswith("ValueError: DMuon: 1 rank(s) found an invalid gradient") for e in errors[:3]), errors
-
-
-def test_a_grad_redistributed_for_the_local_path_is_agreed_on_first():
-    errors = run_on_ranks(scenarios.replicated_param_with_a_missing_partial_grad, 2, timeout=60)
-    assert all(e and e.startswith("RuntimeError: DMuon: ranks disagree") and "replicated" in e for e in errors), errors
+    assert errors[3][0] == "ValueError: DMuon: parameter 'a': complex gradients are not supported by Muon"
+    assert [first for first, _ in errors[:3]] == [None, None, None]
+    assert all(then.startswith("ValueError: DMuon: 1 rank(s) found an invalid gradient") for _, then in errors), errors

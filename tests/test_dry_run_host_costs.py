@@ -40,10 +40,31 @@ def test_the_steady_step_repeats_its_program_and_its_plan_heap_is_measured():
 
 @needs_cuda_build
 @pytest.mark.parametrize("nccl_alone", [False, True], ids=["cpu-capable default group", "nccl alone"])
-def test_host_collectives_and_groups_made_are_counted(nccl_alone):
-    # Today: one host sum per step (the grad agreement); under NCCL alone it needs a gloo
-    # group of its own, made once. (The step that scales past 1,000 ranks makes both 0.)
+def test_the_step_runs_no_host_collective_and_makes_no_group(nccl_alone):
     flags = ("--nccl-alone",) if nccl_alone else ()
     for report in dry_run("--model", "debug", "--world-size", "4", "--ranks", "0,3", *flags):
-        assert report.host_collectives_per_step == 1
-        assert report.process_groups_made == (1 if nccl_alone else 0)
+        assert (report.host_collectives_per_step, report.process_groups_made) == (0, 0)
+        assert report.problems() == []
+
+
+def passing_report():
+    from dmuon.dry_run.run import RankReport
+
+    return RankReport(rank=0, host_syncs_per_step=0, host_sync_sites=[], bytes_sent_per_rank=0,
+                      plan_bytes_sent_per_rank=0, collectives=[], device_ops_per_step=0, state_bytes=0,
+                      peak_step_bytes=0, peak_bound_bytes=1, mixed_device_ops=[], precision_hazards=[],
+                      state_layout_problems=[], muon_params=0, adamw_params=0, seconds=0.0)
+
+
+@pytest.mark.parametrize("field, value, problem", [
+    ("host_collectives_per_step", 1, "collective(s) on CPU tensors"),
+    ("process_groups_made", 1, "process group(s) made by DMuon"),
+    ("plan_host_bytes", 1 << 40, "bytes of Python heap"),
+    ("same_program", False, "program"),
+])
+def test_what_a_fake_group_hides_fails_the_dry_run(field, value, problem):
+    import dataclasses
+
+    assert passing_report().problems() == []
+    problems = dataclasses.replace(passing_report(), **{field: value}).problems()
+    assert any(problem in p for p in problems), problems

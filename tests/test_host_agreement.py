@@ -1,7 +1,8 @@
-"""Host agreements (``dmuon.exchange.groups``) as they run under NCCL alone: on gloo groups DMuon
-makes for the rank sets, not on the default group. Here the default group is gloo too,
-and ``takes_cpu_tensors`` is made to answer False, so the groups DMuon would make next
-to an NCCL default group are made and used for real.
+"""Host agreements (``dmuon.exchange.groups``: QK-clip's one-time check of which
+attentions report) as they run under NCCL alone: on gloo groups DMuon makes for the rank
+sets, not on the default group; and the grads' status, which needs neither. Here the
+default group is gloo too, and ``takes_cpu_tensors`` is made to answer False, so the
+groups DMuon would make next to an NCCL default group are made and used for real.
 """
 
 from __future__ import annotations
@@ -37,9 +38,29 @@ def host_sums_on_made_groups() -> dict:
     return {"pair": seen[pair], "world": seen[(0, 1, 2, 3)]}
 
 
-def robustness_with_made_host_groups() -> dict:
+def robustness_counting_host_work() -> dict:
+    """The robustness scenario under NCCL alone, counting the process groups DMuon makes
+    and the host sums it runs (``dmuon.exchange.groups``): the grads' status travels on the
+    device, so both stay 0 whatever the grads."""
+    from dmuon.exchange import groups
+
     _as_under_nccl_alone()
-    return scenarios.robustness()
+    counts = {"groups_made": 0, "host_sums": 0}
+    real_new_group, real_sum = dist.new_group, groups.sum_on_host
+
+    def new_group(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202 - dist.new_group's signature
+        counts["groups_made"] += 1
+        return real_new_group(*args, **kwargs)
+
+    def sum_on_host(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        counts["host_sums"] += 1
+        return real_sum(*args, **kwargs)
+
+    dist.new_group, groups.sum_on_host = new_group, sum_on_host
+    try:
+        return scenarios.robustness() | counts
+    finally:
+        dist.new_group, groups.sum_on_host = real_new_group, real_sum
 
 
 def test_host_sums_run_on_gloo_groups_made_once_per_rank_set():
@@ -52,12 +73,14 @@ def test_host_sums_run_on_gloo_groups_made_once_per_rank_set():
                                    "own_group": True}
 
 
-def test_grad_agreement_on_made_host_groups_keeps_every_outcome():
-    """Missing, disagreeing and invalid grads end alike on every rank with the host groups
-    DMuon makes under NCCL alone, as with the default group."""
-    ranks = run_on_ranks(robustness_with_made_host_groups, 2, timeout=120)
+def test_missing_and_invalid_grads_need_no_host_sum_and_no_group_under_nccl_alone():
+    """Missing, disagreeing and invalid grads end alike on every rank under NCCL alone,
+    with no host collective and no process group made by DMuon, in any step."""
+    ranks = run_on_ranks(robustness_counting_host_work, 2, timeout=120)
     for rank in ranks:
+        assert (rank["groups_made"], rank["host_sums"]) == (0, 0)
         assert rank["disagree_error"].startswith("RuntimeError: DMuon: ranks disagree")
         assert rank["none_everywhere_unchanged"] and rank["nan_error"] is None
-    assert ranks[0]["invalid_error"].startswith("ValueError: DMuon: 1 rank(s) found an invalid gradient")
+    for rank in ranks:
+        assert rank["invalid_error"].startswith("ValueError: DMuon: 1 rank(s) found an invalid gradient")
     assert [rank["usable_after_errors"] for rank in ranks] == [True, True]

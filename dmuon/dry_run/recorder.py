@@ -6,7 +6,7 @@ it records, without trusting any counter of DMuon's own:
 
 - *host syncs*: a device value read on the host (``.item()``, ``.tolist()``,
   ``bool(t)``, ``int(t)``: ``aten._local_scalar_dense``), a copy from the device to the
-  CPU, a copy from pageable (not pinned) CPU memory to the device (CUDA stages it and
+  CPU (unless ``non_blocking`` into pinned memory: the host reads it later), a copy from pageable (not pinned) CPU memory to the device (CUDA stages it and
   the host waits: ``torch.as_tensor(x, device="cuda")`` is one), or an op whose output
   shape depends on device values (``nonzero``). Each is counted with the line of code
   that made it, and a read gets a placeholder value, so a run counts every sync
@@ -123,7 +123,7 @@ class StepRecorder(TorchDispatchMode):
             self.record.host_syncs.append(f"{name} (a copy from pageable host memory) at {_caller()}")
         if on_device:
             self._check_devices(name, tensors)
-            if _reads_to_host(name, args, kwargs) or _data_dependent(func, args):
+            if self._waits_for_device(name, args, kwargs) or _data_dependent(func, args):
                 self.record.host_syncs.append(f"{name} at {_caller()}")
             if hazard := _scalar_precision_hazard(args, kwargs, tensors):
                 self.record.precision_hazards.append(f"{name} {hazard} at {_caller()}")
@@ -149,6 +149,14 @@ class StepRecorder(TorchDispatchMode):
         return (ends is not None and ends[1] != "cpu" and ends[0].device.type == "cpu"
                 and not self._is_pinned(ends[0]))
 
+    def _waits_for_device(self, name: str, args: tuple, kwargs: dict) -> bool:
+        """A copy from the device into CPU memory the host waits for: any but a
+        ``non_blocking`` ``copy_`` into pinned memory (its value is read later, after an event)."""
+        if not _reads_to_host(name, args, kwargs):
+            return False
+        non_blocking = kwargs.get("non_blocking", args[2] if len(args) > 2 else False)
+        return not (name.startswith("aten.copy_") and non_blocking and self._is_pinned(args[0]))
+
     def _is_pinned(self, tensor: torch.Tensor) -> bool:
         return tensor.is_pinned() or _storage(tensor) in self._pinned
 
@@ -161,6 +169,8 @@ class StepRecorder(TorchDispatchMode):
         return PLACEHOLDERS.get(tensor.dtype, PLACEHOLDER)
 
     def _check_devices(self, name: str, tensors: list[torch.Tensor]) -> None:
+        if name.startswith(("aten.copy_", "aten._to_copy")):
+            return  # a transfer between host and device, not compute on both (checked as a sync above)
         if any(t.device.type == "cpu" and t.ndim > 0 for t in tensors):
             self.record.mixed_device_ops.append(f"{name} at {_caller()}")
 

@@ -32,6 +32,9 @@ from dmuon.plan.owner_plan import WIRE_BYTES
 QK_CLIP_SEQ = 16
 # The parameter dtypes a dry run can lay out (``--param-dtype``).
 PARAM_DTYPES = ("float32", "bfloat16", "float16")
+# The most Python heap a rank's plan may keep (docs/dry_run.md: what it holds and the
+# figures per layout): it grows with the units and with P, not with their product.
+PLAN_HOST_BYTES_BOUND = 256 << 20
 
 
 @dataclass(frozen=True)
@@ -98,6 +101,12 @@ class RankReport:
             found.append(f"{self.host_syncs_per_step} host sync(s): {'; '.join(self.host_sync_sites[:5])}")
         if self.mixed_device_ops:
             found.append(f"ops mixing CPU and CUDA tensors: {'; '.join(self.mixed_device_ops[:5])}")
+        if self.host_collectives_per_step:
+            found.append(f"{self.host_collectives_per_step} collective(s) on CPU tensors per step")
+        if self.process_groups_made:
+            found.append(f"{self.process_groups_made} process group(s) made by DMuon")
+        if self.plan_host_bytes > PLAN_HOST_BYTES_BOUND:
+            found.append(f"the plan keeps {self.plan_host_bytes} bytes of Python heap, over {PLAN_HOST_BYTES_BOUND}")
         if not self.same_program:
             found.append("steps 2 and 3 dispatched different device programs")
         if self.precision_hazards:

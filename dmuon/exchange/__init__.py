@@ -12,7 +12,7 @@ or the optimizer's own modules.
 - ``reference``: every rank gathers and orthogonalizes the whole parameter
   (``comm="redistribute"``, and layouts the plan cannot describe);
 - ``groups``: the process group of each rank set, for device collectives and host sums;
-- ``grad_agreement``: every rank agrees which grads a step uses;
+- ``grad_status``: which grads a step applies, summed on the device, its errors raised on every rank;
 - ``reductions``: the small all-reduces of the step (NorMuon's rows, QK-clip's logits,
   telemetry's sums).
 

@@ -12,5 +12,6 @@ May import: no other dmuon layer; only ``dmuon.torch_compat`` (torch's private n
 - ``gram_newton_schulz``: the Gram iteration, its flops, when it pays;
 - ``update_rules``: the elementwise rules on one tensor;
 - ``update_lists``: the same rules over lists (``foreach``);
+- ``masked_updates``: the rules under a device mask per parameter, exact where it holds;
 - ``functional``: whole-tensor Muon, NorMuon and AdamW steps (the single-process reference).
 """

@@ -92,7 +92,8 @@ def normuon_second_moment_shape(shape: Sequence[int]) -> tuple[int, ...]:
 
 
 def normuon_normalize_(
-    ortho: torch.Tensor, second_moment: torch.Tensor, beta2: float, split_rows: int | None = None
+    ortho: torch.Tensor, second_moment: torch.Tensor, beta2: float, split_rows: int | None = None,
+    ok: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """NorMuon's neuron-wise normalization of an orthogonalized update; updates
     ``second_moment`` in place and returns a new bf16 tensor of ``ortho``'s shape.
@@ -107,16 +108,23 @@ def normuon_normalize_(
     ``second_moment`` holds ``v`` for every row of ``ortho`` (``[..., rows, 1]``, any
     float dtype). Each matrix is computed alone, with the same ops on the same shape,
     so an owner holding one unit gets the bits a single process gets for the stack.
+
+    ``ok`` (a 0-dim bool on the device): where False, ``second_moment`` keeps its bits (its
+    EMA weight is 0, an fp32/fp64 tensor of its dtype: the same bits as the number where True).
     """
     shape = matrix_shape(ortho.shape)
     rows = split_rows if split_rows and len(shape) == 2 else shape[-2]
     matrices = ortho.reshape(-1, rows, shape[-1])
     moments = second_moment.view(matrices.shape[0], rows, 1)
     out = torch.empty(matrices.shape, dtype=UPDATE_DTYPE, device=ortho.device)
+    weight: float | torch.Tensor = 1 - beta2
+    if ok is not None:
+        weight = torch.where(ok, torch.full((), 1 - beta2, dtype=moments.dtype, device=ok.device),
+                             torch.zeros((), dtype=moments.dtype, device=ok.device))
     for k in range(matrices.shape[0]):
         o = matrices[k].to(moments.dtype, copy=True)
         norm = torch.linalg.vector_norm(o)
-        moments[k].lerp_((o * o).mean(dim=-1, keepdim=True), 1 - beta2)
+        moments[k].lerp_((o * o).mean(dim=-1, keepdim=True), weight)
         normalized = o.mul_(moments[k].sqrt().add_(NORMUON_EPS).reciprocal_())
         normalized.mul_(norm / torch.linalg.vector_norm(normalized).add_(NORMUON_EPS))
         out[k].copy_(normalized)
@@ -130,18 +138,20 @@ def cautious_mask(update: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     return torch.sign(update) * torch.sign(param) >= 0
 
 
-def cautious_decay_(param: torch.Tensor, update: torch.Tensor, lr: float | torch.Tensor, weight_decay: float) -> None:
+def cautious_decay_(param: torch.Tensor, update: torch.Tensor, lr: float | torch.Tensor, weight_decay: float,
+                    keep: torch.Tensor | None = None) -> None:
     """Decoupled weight decay only where ``update`` and ``param`` agree in sign
     (Chen et al., arXiv 2510.12402, Algorithm 1: ``x -= lr * wd * I(u x >= 0) * x``).
 
     Where the mask holds, ``param`` is multiplied by ``1 - lr * weight_decay`` exactly
     as the plain decay does it, so with every sign agreeing the bits are the plain
-    decay's; elsewhere it is left as it is.
+    decay's; elsewhere it is left as it is. ``keep``: the factor ``1 - lr * weight_decay``
+    already made on the device (0-dim, fp32; fp64 for fp64), e.g. 1 where a step is masked.
     """
     dtype = torch.float64 if param.dtype == torch.float64 else torch.float32  # what mul_ by a number computes in
-    if isinstance(lr, torch.Tensor):  # torch's own arithmetic on the Tensor, moved only if it must
+    if keep is None and isinstance(lr, torch.Tensor):  # torch's own arithmetic on the Tensor, moved only if it must
         keep = (1 - lr.squeeze() * weight_decay).to(device=param.device, dtype=dtype)
-    else:  # filled on the device: a tensor copied from a Python number would wait for the device
+    elif keep is None:  # filled on the device: a tensor copied from a Python number would wait for the device
         keep = torch.full((), 1 - lr * weight_decay, dtype=dtype, device=param.device)
     param.mul_(torch.where(cautious_mask(update, param), keep, torch.ones((), dtype=dtype, device=param.device)))
 
