@@ -266,7 +266,7 @@ class DMuon(PicklesConfiguration, Optimizer):
             steps.adamw(group, self.state)
         if clip := self._attention_clip.step(muon_group_threshold(muon_groups, self.param_name)):
             self._telemetry.qk_clip(clip.largest, clip.clipped_heads)
-        self._telemetry.end_step(self.comm_stats.bytes_sent)
         if problems:  # after the collectives every rank runs; the others raise at their next step
-            raise ValueError(f"DMuon: {problems[0]}")
+            raise ValueError(f"DMuon: {problems[0]}")  # the telemetry keeps the last complete step's figures
+        self._telemetry.end_step(self.comm_stats.bytes_sent)
         return loss
