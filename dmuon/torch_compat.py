@@ -19,6 +19,7 @@ moves one, this module is the one to change, and its tests say which entry broke
 | ``default_foreach`` (``torch.utils._foreach_utils._get_foreach_kernels_supported_devices``) | ``DMuon(foreach=None)``: torch.optim's own per-device choice of the list path (CUDA: yes, CPU: no) | 2.13.0, 2.15.0 |
 | ``chunk_cat`` (``torch._chunk_cat``) | the owner exchange: many blocks (any shapes, one dtype) flattened into a send buffer in one op, as FSDP2 packs its reduce-scatter | 2.13.0, 2.15.0 |
 | ``local_of`` (``DTensor._local_tensor``) | the step's elementwise rules read and write each DTensor's local tensor itself: ``to_local()`` makes a new view (an op) per call, per parameter per step | 2.13.0, 2.15.0 |
+| ``flattened_group`` (``DeviceMesh._flatten``) | a group of an n-D mesh's ranks (a pipeline stage's mesh), made as DeviceMesh makes its own: every rank of the root mesh makes every slice's group together, so no rank waits in a group creation its peers skip | 2.13.0, 2.15.0 |
 | ``host_tensor_ops`` (``torch._subclasses.fake_tensor.unset_fake_temporarily``) | host-side bookkeeping (mesh ranks, shard offsets, agreement counts) on real CPU tensors also while a ``FakeTensorMode`` is active (``python -m dmuon.dry_run``) | 2.13.0, 2.15.0 |
 """
 
@@ -40,7 +41,7 @@ OLDEST_TESTED_TORCH = "2.13.0"
 NEWEST_TESTED_TORCH = "2.15.0"
 
 __all__ = ["FakeTensor", "FakeTensorMode", "StridedShard", "TorchDispatchMode", "chunk_cat",
-           "compute_local_shape_and_global_offset", "default_foreach", "fake_store", "host_tensor_ops", "is_fake",
+           "compute_local_shape_and_global_offset", "default_foreach", "fake_store", "flattened_group", "host_tensor_ops", "is_fake",
            "local_of",
            "mkldnn_bf16_supported", "mkldnn_fp16_supported", "resolve_process_group", "scalar_dtype"]
 
@@ -72,6 +73,12 @@ def local_of(tensor: torch.Tensor) -> torch.Tensor:
     """A DTensor's local tensor (the object it holds, no new view), or a plain tensor
     itself: what the step's rules read and write, under ``no_grad``."""
     return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+
+
+def flattened_group(mesh: "torch.distributed.device_mesh.DeviceMesh", name: str) -> dist.ProcessGroup:
+    """The group of every rank of ``mesh`` (n-D, with dim names), from ``mesh._flatten(name)``:
+    made once per root mesh and name, every rank of the root mesh taking part."""
+    return mesh._flatten(name).get_group()
 
 
 def is_fake(tensor: torch.Tensor) -> bool:

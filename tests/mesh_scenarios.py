@@ -115,13 +115,26 @@ def two_stages_on_their_own_ranks() -> dict[str, Any]:
     oracle = nn.Parameter(full.clone())
     optimizer = DMuon([{"params": [("w", param)], "use_muon": True}], **OPTIONS)
     reference = DMuon([{"params": [("w", oracle)], "use_muon": True}], **OPTIONS)
-    for step in range(STEPS):
-        grad = _tensors(10 + step + rank // 2, stage_cases)["w"]
-        param.grad = as_dtensor(grad, mesh, (Replicate(), Shard(0)))
-        oracle.grad = grad
-        optimizer.step()
-        reference.step()
-    return {"equal": torch.equal(param.full_tensor(), oracle.detach()), "paths": optimizer.comm_paths()}
+    local_groups = []  # groups made by their members only: a hang under eager NCCL
+    real_new_group = dist.new_group
+
+    def new_group(*args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("use_local_synchronization"):
+            local_groups.append(args)
+        return real_new_group(*args, **kwargs)
+
+    dist.new_group = new_group
+    try:
+        for step in range(STEPS):
+            grad = _tensors(10 + step + rank // 2, stage_cases)["w"]
+            param.grad = as_dtensor(grad, mesh, (Replicate(), Shard(0)))
+            oracle.grad = grad
+            optimizer.step()
+            reference.step()
+    finally:
+        dist.new_group = real_new_group
+    return {"equal": torch.equal(param.full_tensor(), oracle.detach()), "paths": optimizer.comm_paths(),
+            "local_groups": len(local_groups)}
 
 
 def titan_llama3_exactness(dp_replicate: int, dp_shard: int, tp: int) -> dict[str, Any]:

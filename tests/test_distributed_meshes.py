@@ -85,3 +85,10 @@ def test_pipeline_stages_plan_over_their_own_ranks_only():
     stages = run_on_ranks(scenarios.two_stages_on_their_own_ranks, 4)
     assert [stage["equal"] for stage in stages] == [True] * 4
     assert [stage["paths"] for stage in stages] == [{"w": "all_to_all"}] * 4
+
+
+def test_a_pipeline_stages_group_is_made_by_every_rank_together():
+    """Under eager NCCL (``init_process_group(device_id=...)``) a group made by its members
+    only can hang; a stage's n-D mesh is flattened instead, every rank taking part."""
+    stages = run_on_ranks(scenarios.two_stages_on_their_own_ranks, 4)
+    assert [stage["local_groups"] for stage in stages] == [0] * 4

@@ -174,3 +174,20 @@ def test_a_schedule_changes_the_result_only_through_its_iterations():
     update = _randn(24, 40)
     first_only = orthogonalize(update, [(3.0, -3.0, 1.0), (2.0, -1.5, 0.5)], steps=1)
     assert torch.equal(first_only, orthogonalize(update, (3.0, -3.0, 1.0), steps=1))
+
+
+def test_a_matrix_at_an_odd_offset_of_a_buffer_is_normalized_from_an_aligned_copy():
+    """The owner's matrices are views of one buffer; CUDA reductions depend on the start's
+    alignment, so such a view is copied before its norm (the CPU shows the copy, not the order)."""
+    from dmuon.numerics import newton_schulz as ns
+
+    def clones(matrix: torch.Tensor) -> int:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            ns._normalized(matrix, torch.bfloat16, 1.0, 1e-7)
+        return sum(e.name == "aten::clone" for e in prof.events())
+
+    buffer = torch.randn(1000, dtype=torch.bfloat16)
+    odd = buffer[3 : 3 + 12 * 20].view(12, 20)
+    aligned = buffer[8 : 8 + 12 * 20].view(12, 20)  # 16 bytes in
+    assert (clones(odd), clones(aligned)) == (1, 0)
+    assert torch.equal(ns.orthogonalize(odd), ns.orthogonalize(odd.clone()))

@@ -28,8 +28,11 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from dmuon.plan.mesh_facts import mesh_ranks
-from dmuon.torch_compat import host_tensor_ops
+from dmuon.torch_compat import flattened_group, host_tensor_ops
 
+# The name of the flattened mesh DMuon asks an n-D mesh for (its own, so it meets no
+# name a training script gave its meshes).
+FLAT_MESH_PREFIX = "dmuon_"
 # The backend DMuon adds for host agreements when the default group takes no CPU tensors.
 HOST_BACKEND = "gloo"
 
@@ -43,12 +46,18 @@ _GROUPS: weakref.WeakKeyDictionary[dist.ProcessGroup, dict[tuple[str, tuple[int,
 
 def group_of(ranks: tuple[int, ...], meshes: Sequence[DeviceMesh]) -> dist.ProcessGroup:
     """A process group of exactly ``ranks`` for device collectives: the default group or
-    a 1-D mesh's group when one has them, else a new group made once per rank set."""
+    a 1-D mesh's group when one has them; for an n-D mesh of these ranks (a pipeline
+    stage's), its flattened mesh's group (every rank of the root mesh makes it together,
+    as under ``init_process_group(device_id=...)``'s eager NCCL every rank must); else, for
+    a mesh without dim names, a group made once per rank set by its members only."""
     if ranks == tuple(range(dist.get_world_size())):
         return dist.group.WORLD
     for mesh in meshes:
         if mesh.ndim == 1 and mesh_ranks(mesh) == ranks:
             return mesh.get_group()
+    for mesh in meshes:
+        if mesh_ranks(mesh) == ranks and mesh.mesh_dim_names:
+            return flattened_group(mesh, FLAT_MESH_PREFIX + "_".join(mesh.mesh_dim_names))
     return _made("device", ranks, backend=None)
 
 

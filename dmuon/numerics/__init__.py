@@ -13,5 +13,6 @@ May import: no other dmuon layer; only ``dmuon.torch_compat`` (torch's private n
 - ``update_rules``: the elementwise rules on one tensor;
 - ``update_lists``: the same rules over lists (``foreach``);
 - ``masked_updates``: the rules under a device mask per parameter, exact where it holds;
+- ``alignment``: a matrix view copied where a reduction would read it from an odd offset;
 - ``functional``: whole-tensor Muon, NorMuon and AdamW steps (the single-process reference).
 """

@@ -33,13 +33,13 @@ from dmuon.numerics.gram_newton_schulz import (  # noqa: F401 (re-exported: the 
     standard_flops,
     uses_gram,
 )
+from dmuon.numerics.alignment import aligned
 from dmuon.torch_compat import mkldnn_bf16_supported
 
 # Keller Jordan's quintic coefficients (also torch.optim.Muon's default): chosen to
 # maximize the slope at zero, so 5 steps push every singular value into ~[0.7, 1.2].
-KELLER_COEFFICIENTS: tuple[float, float, float] = (3.4445, -4.7750, 2.0315)
-
 Triple = tuple[float, float, float]
+KELLER_COEFFICIENTS: Triple = (3.4445, -4.7750, 2.0315)
 
 # Polar Express (Amsel, Persson, Musco and Gower, "The Polar Express: Optimal Matrix
 # Sign Methods and Their Application to the Muon Algorithm", 2025, arXiv 2505.16932,
@@ -255,7 +255,7 @@ def _gram_start(update: torch.Tensor, compute: torch.dtype, safety: float, eps: 
 def _normalized(update: torch.Tensor, dtype: torch.dtype, safety: float, eps: float) -> torch.Tensor:
     """``update`` in ``dtype`` (a new tensor) with every singular value at most 1: the
     Frobenius norm bounds the spectral norm (the same on either orientation)."""
-    x = update.to(dtype)  # no op when it is already in ``dtype``: the division below makes the copy
+    x = aligned(update.to(dtype))  # .to: no op when already in ``dtype``; the division makes the copy
     if safety == 1.0:
         return x.div(x.norm().clamp(min=eps))  # torch.optim.Muon's normalization, bit for bit
     return x.div(x.norm() * safety + eps)
