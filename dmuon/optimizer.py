@@ -6,14 +6,15 @@ One ``step()``:
    (which DTensor Muon parameters have a grad here, whether this rank found an invalid
    grad): each parameter's mask, on the device; a problem the previous step's sums showed
    is raised first, on every rank alike (``dmuon.exchange.grad_status``);
-2. each matrix is orthogonalized once, on the path ``dmuon.plan.paths`` chose for it: on
+2. AdamW groups take a ``torch.optim.AdamW`` step (local work: whatever it raises is
+   raised at the end of the step, after the Muon part ran its collectives, masked);
+3. each matrix is orthogonalized once, on the path ``dmuon.plan.paths`` chose for it: on
    its owner rank, batch by batch (``all_to_all`` fast path: ``dmuon.fast_path`` over
    ``dmuon.exchange.owner_exchange``), on every rank (``redistribute`` reference
    path, ``dmuon.exchange.reference``), or where it lives (``local``: plain tensors,
    replicas); momentum runs on the local shards just before, and weight decay and the
    scaled update land on them just after, so scratch memory is bounded per batch (or
    per parameter);
-3. AdamW groups take a ``torch.optim.AdamW`` step;
 4. QK-clip, for the attentions registered with :meth:`DMuon.clip_attention`: one
    ``all_reduce(MAX)`` of their per-head logits, then the heads over their group's
    ``qk_clip_threshold`` get their rows of ``W_q``/``W_k`` scaled where they lie
@@ -234,6 +235,18 @@ class DMuon(PicklesConfiguration, Optimizer):
     def _paths(self) -> dict[torch.Tensor, str]:
         return self._fast_path.paths(list(self._muon_groups()), self.param_name)
 
+    def _adamw_part(self) -> Exception | None:
+        """The AdamW groups' step (local: no collective), run before the Muon part: what
+        it raises is returned, so the Muon part still runs every rank's collectives, masked
+        on every rank (no Muon parameter moves), and the step raises it at its end."""
+        steps = GroupSteps(self.ns_dtype, self.comm_stats, self._telemetry, self.foreach)
+        try:
+            for group in (g for g in self.param_groups if not g["use_muon"]):
+                steps.adamw(group, self.state)
+        except Exception as error:  # noqa: BLE001 - re-raised by step() after the collectives
+            return error
+        return None
+
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         loss = None
@@ -251,22 +264,26 @@ class DMuon(PicklesConfiguration, Optimizer):
         problems = [f"parameter {self.param_name(p)!r}: {why}" for p, why in invalid.items()]
         if shards := self._fast_path.shard_problem(self.param_name):
             problems.append(shards)
+        failure = None if problems else self._adamw_part()  # local work first: a failure masks the rest
         grads = usable_grads(list(muon_groups), invalid)
-        oks = self._grad_status.agree(self._rank_sets, lambda p: p in grads, bool(problems))
+        oks = self._grad_status.agree(self._rank_sets, lambda p: p in grads, bool(problems) or failure is not None)
         steps = GroupSteps(self.ns_dtype, self.comm_stats, self._telemetry, self.foreach)  # this step's meters
-        if not problems:
+        clean = not problems and failure is None
+        if clean:
             steps.make_muon_state(grads, muon_groups, self.state)
         self.scratch_stats.reset_peak()
         self._fast_path.step(grads, oks, muon_groups, self.state, steps, self.comm_stats, self.scratch_stats)
         for group in (g for g in self.param_groups if g["use_muon"]):
             steps.muon_masked(group, self._paths(), grads, oks, self.state)
-            if not problems:
+            if clean:
                 steps.muon_whole(group, self._paths(), grads, self.state)
-        for group in (g for g in self.param_groups if not g["use_muon"] and not problems):
-            steps.adamw(group, self.state)
         if clip := self._attention_clip.step(muon_group_threshold(muon_groups, self.param_name)):
             self._telemetry.qk_clip(clip.largest, clip.clipped_heads)
-        if problems:  # after the collectives every rank runs; the others raise at their next step
-            raise ValueError(f"DMuon: {problems[0]}")  # the telemetry keeps the last complete step's figures
+        # After the collectives every rank runs (the others raise at their next step); the
+        # telemetry keeps the last complete step's figures.
+        if failure is not None:
+            raise failure
+        if problems:
+            raise ValueError(f"DMuon: {problems[0]}")
         self._telemetry.end_step(self.comm_stats.bytes_sent)
         return loss
