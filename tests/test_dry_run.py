@@ -53,10 +53,11 @@ def test_normuon_cautious_decay_and_qk_clip_add_no_host_sync(layout):
     reports = dry_run("--model", "debug", "--world-size", "4", "--layout", layout, "--ranks", "0,3", "--normuon",
                       "--cautious-weight-decay", "--qk-clip", "30")
     assert_clean(reports)
-    # NorMuon's rows and QK-clip's logits: one float32 all_reduce each, on the device.
+    # The grads' status (int32), NorMuon's rows and QK-clip's logits (float32): each one
+    # all_reduce on the device.
     device_reduces = [c for c in reports[0].collectives if c["op"].startswith("c10d.allreduce_")
                       and c["device"] == "cuda"]
-    assert [(c["dtype"], c["count"]) for c in device_reduces] == [("float32", 2)]
+    assert [(c["dtype"], c["count"]) for c in device_reduces] == [("int32", 1), ("float32", 2)]
 
 
 @needs_cuda_build
@@ -67,7 +68,7 @@ def test_llama3_8b_on_64_ranks_sends_exactly_the_planned_bytes():
     assert report.bytes_sent_per_rank == 413138944
     assert report.muon_params == 224 and report.adamw_params == 67
     collectives = {(c["op"], c["dtype"], c["device"]): c["count"] for c in report.collectives}
-    assert collectives == {("c10d.allreduce_.default", "int64", "cpu"): 1,
+    assert collectives == {("c10d.allreduce_.default", "int32", "cuda"): 1,
                            ("c10d.alltoall_base_.default", "bfloat16", "cuda"): 4}
 
 
@@ -78,11 +79,11 @@ def test_a_host_read_injected_into_the_step_fails_the_dry_run(tmp_path):
         import json, dmuon.group_steps as group_steps
         from dmuon.dry_run.__main__ import make_config, parse_args
         from dmuon.dry_run.run import run_rank
-        momentum = group_steps.momentum_
+        momentum = group_steps.masked_momentum_
         def reading_momentum(bufs, *args, **kwargs):
             momentum(bufs, *args, **kwargs)
             float(bufs[0].norm())  # a device value read on the host
-        group_steps.momentum_ = reading_momentum
+        group_steps.masked_momentum_ = reading_momentum
         config, _ = make_config(parse_args(["--model", "debug", "--world-size", "2"]))
         report = run_rank(config, 1)
         print(json.dumps({"syncs": report.host_syncs_per_step, "sites": report.host_sync_sites,

@@ -28,7 +28,8 @@ from torch.distributed.tensor import DTensor, Partial
 from dmuon.attention.max_logits import MaxLogitTracker
 from dmuon.attention.qk_clip import FUSED_GROUPED, AttentionHeads, clip_factors, row_scales, scale_rows_
 from dmuon.exchange.comm import mesh_device
-from dmuon.exchange.groups import group_of, host_group_of, sum_on_host
+from dmuon.exchange.groups import group_of
+from dmuon.exchange.host_copy import HostCopy
 from dmuon.exchange.reductions import max_in_place
 from dmuon.plan.layout import Range, local_indices
 from dmuon.plan.mesh_facts import mesh_ranks
@@ -66,6 +67,7 @@ class AttentionClip:
         self.targets: list[ClipTarget] = []
         self._checked_reports = False
         self._warned_silent = False
+        self._reports: HostCopy | None = None  # the last step's "reported on some rank", per attention
         self.last: ClipResult | None = None
         """The last step's result (None before the first step)."""
 
@@ -102,11 +104,13 @@ class AttentionClip:
         if not self.targets:
             return None
         device = self._device()
-        self._check_reported([self.tracker.has_seen(t.name) for t in self.targets])
+        self._check_reported()
         seen = [self.tracker.take(t.name, t.heads.n_heads, device) for t in self.targets]
         flat = torch.cat(seen)
         max_in_place(flat, self._group())
         max_logits = dict(zip((t.name for t in self.targets), flat.split([t.heads.n_heads for t in self.targets])))
+        if not self._checked_reports:  # a head no rank saw keeps -inf: read at the next step
+            self._reports = HostCopy(torch.stack([(m > -math.inf).any() for m in max_logits.values()]))
         clipped = torch.zeros((), dtype=torch.int64, device=device)
         for target in self.targets:
             threshold = self._threshold(target, threshold_of)
@@ -140,30 +144,34 @@ class AttentionClip:
                              f"different qk_clip_threshold ({q_threshold} and {k_threshold}); give both the same")
         return q_threshold
 
-    def _check_reported(self, seen_here: list[bool]) -> None:
+    def _check_reported(self) -> None:
         """Until the first step in which some attention reported logits: then every
         registered attention must have reported on some rank, or the model does not call
         the tracker for it and its clip would silently do nothing. A step in which none
         reported (TorchTitan 0.3's state-making step, run before any forward) is let
-        through with one warning. Whether an attention reported is a host fact
-        (``MaxLogitTracker.has_seen``), summed over the ranks on the host, so the check
-        reads no device value; every rank sees the same sums and decides alike."""
-        if self._checked_reports:
+        through with one warning. Whether an attention reported on some rank is read from
+        the previous step's reduced logits (a head no rank saw stays ``-inf``), copied to
+        the host without waiting: every rank reads the same values and decides alike,
+        with no host collective, one step after the fact."""
+        if self._checked_reports or self._reports is None:
             return
-        reported = [n > 0 for n in sum_on_host([int(s) for s in seen_here], self._host_group())]
+        reported = self._reports.read()
+        self._reports = None
+        if reported is None:  # a fake run: no values to check
+            return
         if not any(reported):
             if not self._warned_silent:
-                logger.warning("DMuon: QK-clip got no attention logits in this step (nothing to clip); expected "
-                               "only before the first forward")
+                logger.warning("DMuon: QK-clip got no attention logits in the previous step (nothing to clip); "
+                               "expected only before the first forward")
                 self._warned_silent = True
             return
         self._checked_reports = True
         silent = [t.name for t, ok in zip(self.targets, reported) if not ok]
         if silent:
             raise ValueError(
-                f"DMuon: QK-clip got no attention logits for {silent} while others reported theirs: call "
-                "optimizer.max_logits.observe(name, q, k, n_heads=...) in each registered attention's forward "
-                "(torchtitan_ext does it for TorchTitan's models)")
+                f"DMuon: QK-clip got no attention logits for {silent} in the previous step while others reported "
+                "theirs: call optimizer.max_logits.observe(name, q, k, n_heads=...) in each registered attention's "
+                "forward (torchtitan_ext does it for TorchTitan's models)")
 
     def _device(self) -> torch.device:
         weight = self.targets[0].q_weight
@@ -174,15 +182,6 @@ class AttentionClip:
         if isinstance(weight, DTensor):
             return group_of(_ranks(weight), [weight.device_mesh])
         return dist.group.WORLD  # plain weights: replicated over every rank (DDP)
-
-    def _host_group(self) -> dist.ProcessGroup | None:
-        """The group :meth:`_check_reported` sums over (None: a single process)."""
-        if not (dist.is_available() and dist.is_initialized()):
-            return None
-        weight = self.targets[0].q_weight
-        if isinstance(weight, DTensor):
-            return host_group_of(_ranks(weight), [weight.device_mesh])
-        return host_group_of(tuple(range(dist.get_world_size())))
 
 
 def _ranks(weight: torch.Tensor) -> tuple[int, ...] | None:

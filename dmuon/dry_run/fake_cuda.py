@@ -53,7 +53,7 @@ def pretend_one_gpu() -> None:
 
 
 @contextlib.contextmanager
-def fake_cuda_rank(rank: int, world_size: int) -> Iterator[FakeTensorMode]:
+def fake_cuda_rank(rank: int, world_size: int, nccl_alone: bool = False) -> Iterator[FakeTensorMode]:
     """Be ``rank`` of ``world_size`` on a fake process group, inside a ``FakeTensorMode``
     that lets real CPU tensors in (meshes are CPU tensors). Tears the group down after."""
     check_cuda_build()
@@ -62,7 +62,9 @@ def fake_cuda_rank(rank: int, world_size: int) -> Iterator[FakeTensorMode]:
     pretend_one_gpu()
     if dist.is_initialized():
         dist.destroy_process_group()
-    dist.init_process_group("fake", store=fake_store(), rank=rank, world_size=world_size)
+    # "cuda:fake": a default group for CUDA tensors only, as NCCL alone (TorchTitan's GPU default).
+    backend = "cuda:fake" if nccl_alone else "fake"
+    dist.init_process_group(backend, store=fake_store(), rank=rank, world_size=world_size)
     try:
         with FakeTensorMode(allow_non_fake_inputs=True) as mode:
             yield mode

@@ -3,11 +3,8 @@ process groups DMuon makes, the Python heap its plan keeps, and (with the record
 collectives on CPU tensors and whether every step dispatches the same program.
 
 Under the fake group every collective is free and every group is made at once, so these
-are counted, not timed. ``counting_groups(nccl_alone=True)`` makes the default group look
-like NCCL alone (TorchTitan's default on GPUs unless ``training.enable_cpu_offload``): it
-takes no CPU tensors, so every host agreement needs a group of its own, as on a real
-cluster; the groups are then made with the fake backend instead of gloo, which would wait
-for peers.
+are counted, not timed (``dmuon.dry_run.fake_cuda.fake_cuda_rank(nccl_alone=True)`` makes the
+default group take CUDA tensors only, as NCCL alone, TorchTitan's GPU default).
 """
 
 from __future__ import annotations
@@ -20,7 +17,6 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from dmuon.exchange import groups as dmuon_groups
 from dmuon.optimizer import DMuon
 
 
@@ -32,25 +28,20 @@ class GroupCount:
 
 
 @contextlib.contextmanager
-def counting_groups(nccl_alone: bool = False) -> Iterator[GroupCount]:
-    """Count ``dist.new_group`` calls; with ``nccl_alone``, DMuon sees a default group that
-    takes no CPU tensors, and a group asked for with gloo is made with the fake backend."""
+def counting_groups() -> Iterator[GroupCount]:
+    """Count ``dist.new_group`` calls while inside."""
     count = GroupCount()
-    real_new_group, real_takes = dist.new_group, dmuon_groups.takes_cpu_tensors
+    real_new_group = dist.new_group
 
     def new_group(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202 - dist.new_group's signature
         count.made += 1
-        if nccl_alone and kwargs.get("backend") == dmuon_groups.HOST_BACKEND:
-            kwargs["backend"] = "fake"
         return real_new_group(*args, **kwargs)
 
     dist.new_group = new_group
-    if nccl_alone:
-        dmuon_groups.takes_cpu_tensors = lambda group: group is not dist.group.WORLD and real_takes(group)
     try:
         yield count
     finally:
-        dist.new_group, dmuon_groups.takes_cpu_tensors = real_new_group, real_takes
+        dist.new_group = real_new_group
 
 
 def plan_host_bytes(optimizer: DMuon) -> int:

@@ -135,13 +135,13 @@ def _host_agreement(row: dict) -> bool:
 def run_rank(config: DryRunConfig, rank: int) -> RankReport:
     """Be ``rank`` of ``config.world_size``; build, lay out, step three times, report."""
     start = time.perf_counter()
-    with fake_cuda_rank(rank, config.world_size):
+    with fake_cuda_rank(rank, config.world_size, config.nccl_alone):
         with HostTensorsStayReal():
             mesh = make_mesh(config.layout)
             with torch.device("cuda"):
                 model = build(config.preset, getattr(torch, config.param_dtype))
             lay_out(model, config.layout, mesh)
-        with counting_groups(config.nccl_alone) as groups:
+        with counting_groups() as groups:
             optimizer = DMuon(model.named_parameters(), lr=0.02, weight_decay=0.1, **config.options)
             if config.options.get("qk_clip_threshold") is not None:
                 _register_attentions(optimizer, model, config.preset)

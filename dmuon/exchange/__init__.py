@@ -13,6 +13,7 @@ or the optimizer's own modules.
   (``comm="redistribute"``, and layouts the plan cannot describe);
 - ``groups``: the process group of each rank set, for device collectives and host sums;
 - ``grad_status``: which grads a step applies, summed on the device, its errors raised on every rank;
+- ``host_copy``: small host facts up and device sums down through pinned memory, without a sync;
 - ``reductions``: the small all-reduces of the step (NorMuon's rows, QK-clip's logits,
   telemetry's sums).
 

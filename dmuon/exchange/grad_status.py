@@ -34,8 +34,8 @@ from torch.distributed.tensor import DTensor
 
 from dmuon.exchange.comm import mesh_device
 from dmuon.exchange.groups import group_of
+from dmuon.exchange.host_copy import HostCopy, to_device
 from dmuon.plan.mesh_facts import mesh_ranks
-from dmuon.torch_compat import is_fake
 
 STATUS_DTYPE = torch.int32
 
@@ -92,41 +92,6 @@ def rank_sets(muon_params: Sequence[torch.Tensor], name_of: Callable[[torch.Tens
             for ranks, params in found.items()]
 
 
-class HostCopy:
-    """A small device tensor on its way to the host, read later without a sync of its own:
-    copied into pinned memory with ``non_blocking``, an event recorded behind it; reading
-    waits for that event (the copy was queued a step earlier). A fake tensor (the dry
-    run) has no values: it is copied, never read."""
-
-    def __init__(self, tensor: torch.Tensor) -> None:
-        self._event = None
-        if tensor.device.type == "cpu":
-            self._host = tensor
-            return
-        self._host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-        self._host.copy_(tensor, non_blocking=True)
-        if not is_fake(tensor):
-            self._event = torch.get_device_module(tensor.device).Event()
-            self._event.record()
-
-    def read(self) -> list[int] | None:
-        if is_fake(self._host):
-            return None
-        if self._event is not None:
-            self._event.synchronize()
-        return self._host.tolist()
-
-
-def to_device(values: Sequence[int], device: torch.device) -> torch.Tensor:
-    """Host integers on ``device`` without a host sync: through pinned memory, non-blocking."""
-    host = torch.tensor(list(values), dtype=STATUS_DTYPE)
-    if device.type == "cpu":
-        return host
-    pinned = torch.empty(host.shape, dtype=STATUS_DTYPE, pin_memory=True)
-    pinned.copy_(host)
-    return pinned.to(device, non_blocking=True)
-
-
 class GradStatus:
     """One optimizer's status channel: :meth:`agree` each step, :meth:`raise_pending` at
     the start of the next."""
@@ -142,7 +107,7 @@ class GradStatus:
         oks: dict[torch.Tensor, torch.Tensor] = {}
         for rank_set in sets:
             has = [int(has_grad(p)) for p in rank_set.params]
-            status = to_device([*has, *(1 - h for h in has), int(problem_here)], rank_set.device)
+            status = to_device([*has, *(1 - h for h in has), int(problem_here)], rank_set.device, STATUS_DTYPE)
             if dist.get_world_size(rank_set.group) > 1:
                 dist.all_reduce(status, group=rank_set.group)
             n = len(rank_set.params)

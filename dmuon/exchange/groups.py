@@ -1,21 +1,13 @@
-"""The process groups DMuon runs its collectives on, one per rank set, and the one
-agreement it makes on the host.
+"""The process group of each rank set DMuon runs device collectives on (the owner
+exchange, the grads' status, QK-clip's logits, NorMuon's rows). No collective of DMuon's
+runs on the host, so it needs no group that takes CPU tensors.
 
-Two kinds of collective, two kinds of group:
-
-- *device* collectives (the owner exchange, QK-clip's logits, NorMuon's rows) move
-  tensors on the mesh's device: :func:`group_of` gives a group of exactly the ranks;
-- *host* agreements (which grads exist, whether a shard is the block the plan
-  assumes, which attentions reported logits) are decided from Python facts every rank
-  already has. :func:`sum_on_host` sums a few integers over a group that takes CPU
-  tensors (:func:`host_group_of`), so no device value is read on the host: a step
-  never waits for the GPU to finish its backward before it can queue its own kernels.
-
-A default group that takes CPU tensors (``gloo``, ``"cpu:gloo,cuda:nccl"``, the fake
-group of ``dmuon.dry_run``) serves both; under NCCL alone, DMuon makes one ``gloo``
-group per rank set, once. Groups are made only by their member ranks
-(``use_local_synchronization``), so pipeline stages, each with its own optimizer and
-ranks, need not make theirs together.
+A group is the default group or a mesh's own whenever one has exactly the ranks; an n-D
+mesh of a subset (a pipeline stage's) is flattened as DeviceMesh flattens its own dims,
+every rank of the root mesh taking part, so no rank waits in a group creation its peers
+skip (a hang under eager NCCL, ``init_process_group(device_id=...)``). Only a mesh
+without dim names, which cannot be flattened, gets a group made by its members alone,
+once per rank set, at planning.
 """
 
 from __future__ import annotations
@@ -23,23 +15,20 @@ from __future__ import annotations
 import weakref
 from collections.abc import Sequence
 
-import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from dmuon.plan.mesh_facts import mesh_ranks
-from dmuon.torch_compat import flattened_group, host_tensor_ops
+from dmuon.torch_compat import flattened_group
 
 # The name of the flattened mesh DMuon asks an n-D mesh for (its own, so it meets no
 # name a training script gave its meshes).
 FLAT_MESH_PREFIX = "dmuon_"
-# The backend DMuon adds for host agreements when the default group takes no CPU tensors.
-HOST_BACKEND = "gloo"
 
 # Groups made for rank sets, per default group: a group dies with the default group
 # (``dist.destroy_process_group()``), so a new default group starts a new cache and the
-# old one goes with the old default group (weak key). Keys: (kind, ranks).
-_GROUPS: weakref.WeakKeyDictionary[dist.ProcessGroup, dict[tuple[str, tuple[int, ...]], dist.ProcessGroup]] = (
+# old one goes with the old default group (weak key). Keys: ranks.
+_GROUPS: weakref.WeakKeyDictionary[dist.ProcessGroup, dict[tuple[int, ...], dist.ProcessGroup]] = (
     weakref.WeakKeyDictionary()
 )
 
@@ -58,37 +47,11 @@ def group_of(ranks: tuple[int, ...], meshes: Sequence[DeviceMesh]) -> dist.Proce
     for mesh in meshes:
         if mesh_ranks(mesh) == ranks and mesh.mesh_dim_names:
             return flattened_group(mesh, FLAT_MESH_PREFIX + "_".join(mesh.mesh_dim_names))
-    return _made("device", ranks, backend=None)
+    return _made(ranks)
 
 
-def takes_cpu_tensors(group: dist.ProcessGroup) -> bool:
-    """Whether ``group``'s backend runs collectives on CPU tensors (gloo, fake, or a
-    ``"cpu:gloo,cuda:nccl"`` pair; not NCCL alone)."""
-    config = dist.get_backend_config(group)
-    return "cpu:" in config or config in ("gloo", "fake")
-
-
-def host_group_of(ranks: tuple[int, ...], meshes: Sequence[DeviceMesh] = ()) -> dist.ProcessGroup:
-    """A process group of exactly ``ranks`` that takes CPU tensors: the device group when
-    its backend does (gloo, fake), else a ``gloo`` group made once per rank set."""
-    if takes_cpu_tensors(dist.group.WORLD):
-        return group_of(ranks, meshes)
-    return _made("host", ranks, backend=HOST_BACKEND)
-
-
-def sum_on_host(values: Sequence[int], group: dist.ProcessGroup | None) -> list[int]:
-    """``values`` summed elementwise over ``group`` (a :func:`host_group_of` group; None:
-    this rank alone). A CPU tensor, real also under a ``FakeTensorMode``: the sums are
-    read on the host without any device work."""
-    with host_tensor_ops():
-        summed = torch.tensor(list(values), dtype=torch.int64)
-        if group is not None and dist.get_world_size(group) > 1:
-            dist.all_reduce(summed, group=group)
-        return summed.tolist()
-
-
-def _made(kind: str, ranks: tuple[int, ...], backend: str | None) -> dist.ProcessGroup:
+def _made(ranks: tuple[int, ...]) -> dist.ProcessGroup:
     made = _GROUPS.setdefault(dist.group.WORLD, {})
-    if (kind, ranks) not in made:
-        made[kind, ranks] = dist.new_group(list(ranks), backend=backend, use_local_synchronization=True)
-    return made[kind, ranks]
+    if ranks not in made:
+        made[ranks] = dist.new_group(list(ranks), use_local_synchronization=True)
+    return made[ranks]
