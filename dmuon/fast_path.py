@@ -95,6 +95,18 @@ class OwnerRun:
         parameters were reassigned); a wrong shard's stand-in."""
         return [self.stand_ins.get(j, local_of(p)) for j, p in enumerate(self.params)]
 
+    def grads_and_bufs(self, grads: Mapping[torch.Tensor, torch.Tensor],
+                       state: Mapping[torch.Tensor, dict[str, Any]]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Each parameter's local grad and momentum buffer for this step. Without a usable
+        grad here, the buffer stands in for it (the masked EMA then leaves the buffer as it
+        is); before its state exists, zeros stand in for the buffer (no state is made)."""
+        local_grads, local_bufs = [], []
+        for j, param in enumerate(self.params):
+            buf = state.get(param, {}).get("momentum_buffer")  # get: no empty state made
+            local_bufs.append(self.local(j, buf) if buf is not None else torch.zeros_like(self.local(j, param)))
+            local_grads.append(self.local(j, grads[param]) if param in grads else local_bufs[j])
+        return local_grads, local_bufs
+
     def local(self, j: int, tensor: torch.Tensor) -> torch.Tensor:
         """The local tensor of ``tensor`` (a grad or state of plan parameter ``j``), or the stand-in."""
         return self.stand_ins.get(j, local_of(tensor))
@@ -213,21 +225,13 @@ class FastPath:
         momentum EMA of every local shard first (one list op per group), the Nesterov
         look-ahead packed as blocks travel, Newton-Schulz on the owner, the update on the
         local rows as results come back (``dmuon.exchange.owner_exchange``), each a list op
-        per batch; everything masked by ``oks`` (each parameter's 0-dim bool on the device).
-
-        A parameter without a usable grad here stands in with its momentum buffer (the
-        masked EMA leaves it as it is), or with zeros before its state exists."""
+        per batch; everything masked by ``oks`` (each parameter's 0-dim bool on the device)."""
         if self._run is None:
             return
         run, params = self._run, self._run.params
         param_groups = [groups[p] for p in params]  # by plan parameter
         ok = [oks[p] for p in params]
-        local_grads: list[torch.Tensor] = []
-        local_bufs: list[torch.Tensor] = []
-        for j, param in enumerate(params):
-            buf = state.get(param, {}).get("momentum_buffer")  # get: no empty state made
-            local_bufs.append(run.local(j, buf) if buf is not None else torch.zeros_like(run.local(j, param)))
-            local_grads.append(run.local(j, grads[param]) if param in grads else local_bufs[j])
+        local_grads, local_bufs = run.grads_and_bufs(grads, state)
         for group, members in _by_group(range(len(params)), param_groups):
             steps.masked_momentum([local_bufs[j] for j in members], [local_grads[j] for j in members], group,
                                   [ok[j] for j in members])

@@ -40,7 +40,7 @@ from dmuon.attention.clipping import AttentionClip, muon_group_threshold
 from dmuon.attention.max_logits import MaxLogitTracker
 from dmuon.attention.qk_clip import AttentionHeads
 from dmuon.exchange.comm import CommStats, ScratchMeter
-from dmuon.exchange.grad_status import GradStatus, RankSet, local_problems, rank_sets, usable_grads
+from dmuon.exchange.grad_status import GradStatus, local_problems, usable_grads
 from dmuon.fast_path import FastPath
 from dmuon.group_steps import GroupSteps
 from dmuon.numerics.newton_schulz import (
@@ -183,7 +183,7 @@ class DMuon(PicklesConfiguration, Optimizer):
                                    self.link_gbps, self.replica_link_gbps)
         self._attention_clip = AttentionClip()
         self._grad_status = GradStatus()
-        self._rank_sets: list[RankSet] | None = None  # made at the first step, with the plan
+
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group; one without ``use_muon`` is split into a Muon and an AdamW group
         (``dmuon.param_groups.build_param_groups``)."""
@@ -193,8 +193,8 @@ class DMuon(PicklesConfiguration, Optimizer):
         for names, group in built:
             self._names.update(zip(group["params"], names))
             self.param_groups.append(group)
-        self._fast_path.forget()  # paths and plan cover every Muon parameter: rebuild them
-        self._rank_sets = None
+        self._fast_path.forget()  # paths, plan and rank sets cover every Muon parameter: rebuild them
+        self._grad_status.forget()
 
     def clip_attention(self, name: str, q_weight: torch.Tensor, k_weight: torch.Tensor, heads: AttentionHeads) -> None:
         """Watch one attention for QK-clip (``dmuon.attention.clipping``); every rank registers
@@ -235,18 +235,6 @@ class DMuon(PicklesConfiguration, Optimizer):
     def _paths(self) -> dict[torch.Tensor, str]:
         return self._fast_path.paths(list(self._muon_groups()), self.param_name)
 
-    def _adamw_part(self) -> Exception | None:
-        """The AdamW groups' step (local: no collective), run before the Muon part: what
-        it raises is returned, so the Muon part still runs every rank's collectives, masked
-        on every rank (no Muon parameter moves), and the step raises it at its end."""
-        steps = GroupSteps(self.ns_dtype, self.comm_stats, self._telemetry, self.foreach)
-        try:
-            for group in (g for g in self.param_groups if not g["use_muon"]):
-                steps.adamw(group, self.state)
-        except Exception as error:  # noqa: BLE001 - re-raised by step() after the collectives
-            return error
-        return None
-
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         loss = None
@@ -256,19 +244,14 @@ class DMuon(PicklesConfiguration, Optimizer):
         self._grad_status.raise_pending()  # the previous step's problem, on every rank alike
         muon_groups = self._muon_groups()
         self._fast_path.plan(muon_groups, self.param_name)
-        if self._rank_sets is None:
-            self._rank_sets = rank_sets(list(muon_groups), self.param_name)
         # A DTensor's device is its local shard's.
         self._telemetry.begin_step(self.param_groups[0]["params"][0].device, self.comm_stats.bytes_sent)
-        invalid = local_problems(self.param_groups)
-        problems = [f"parameter {self.param_name(p)!r}: {why}" for p, why in invalid.items()]
-        if shards := self._fast_path.shard_problem(self.param_name):
-            problems.append(shards)
-        failure = None if problems else self._adamw_part()  # local work first: a failure masks the rest
-        grads = usable_grads(list(muon_groups), invalid)
-        oks = self._grad_status.agree(self._rank_sets, lambda p: p in grads, bool(problems) or failure is not None)
         steps = GroupSteps(self.ns_dtype, self.comm_stats, self._telemetry, self.foreach)  # this step's meters
+        invalid, problems = step_problems(self.param_groups, self._fast_path, self.param_name)
+        failure = None if problems else adamw_part(self.param_groups, self.state, steps)  # local work first
+        grads = usable_grads(list(muon_groups), invalid)
         clean = not problems and failure is None
+        oks = self._grad_status.agree(list(muon_groups), self.param_name, lambda p: p in grads, not clean)
         if clean:
             steps.make_muon_state(grads, muon_groups, self.state)
         self.scratch_stats.reset_peak()
@@ -287,3 +270,27 @@ class DMuon(PicklesConfiguration, Optimizer):
             raise ValueError(f"DMuon: {problems[0]}")
         self._telemetry.end_step(self.comm_stats.bytes_sent)
         return loss
+
+
+def adamw_part(param_groups: list[dict[str, Any]], state: dict[torch.Tensor, dict[str, Any]], steps: GroupSteps
+               ) -> Exception | None:
+    """The AdamW groups' step (local: no collective), run before the Muon part: what it
+    raises is returned, so the Muon part still runs every rank's collectives, masked on
+    every rank (no Muon parameter moves), and the step raises it at its end."""
+    try:
+        for group in (g for g in param_groups if not g["use_muon"]):
+            steps.adamw(group, state)
+    except Exception as error:  # noqa: BLE001 - re-raised by DMuon.step() after the collectives
+        return error
+    return None
+
+
+def step_problems(param_groups: list[dict[str, Any]], fast_path: FastPath, name_of: Callable[[torch.Tensor], str]
+                  ) -> tuple[dict[torch.Tensor, str], list[str]]:
+    """This rank's own problems with the step: its invalid grads (by parameter) and every
+    problem as the message it raises (a wrong shard included)."""
+    invalid = local_problems(param_groups)
+    problems = [f"parameter {name_of(p)!r}: {why}" for p, why in invalid.items()]
+    if shards := fast_path.shard_problem(name_of):
+        problems.append(shards)
+    return invalid, problems

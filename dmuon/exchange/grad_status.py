@@ -98,14 +98,17 @@ class GradStatus:
 
     def __init__(self) -> None:
         self._pending: list[tuple[list[str], HostCopy]] = []
+        self._sets: list[RankSet] | None = None  # made at the first step (its groups with them)
 
-    def agree(self, sets: Sequence[RankSet], has_grad: Callable[[torch.Tensor], bool], problem_here: bool
-              ) -> dict[torch.Tensor, torch.Tensor]:
+    def agree(self, muon_params: Sequence[torch.Tensor], name_of: Callable[[torch.Tensor], str],
+              has_grad: Callable[[torch.Tensor], bool], problem_here: bool) -> dict[torch.Tensor, torch.Tensor]:
         """Sum every rank's status per rank set (one device ``all_reduce`` each) and return
         each distributed Muon parameter's mask, a 0-dim bool on its mesh's device. The
         sums go to the host for :meth:`raise_pending`, without waiting."""
+        if self._sets is None:
+            self._sets = rank_sets(muon_params, name_of)
         oks: dict[torch.Tensor, torch.Tensor] = {}
-        for rank_set in sets:
+        for rank_set in self._sets:
             has = [int(has_grad(p)) for p in rank_set.params]
             status = to_device([*has, *(1 - h for h in has), int(problem_here)], rank_set.device, STATUS_DTYPE)
             if dist.get_world_size(rank_set.group) > 1:
@@ -141,8 +144,8 @@ class GradStatus:
                 "the same set of grads (set unused grads to zeros, or to None on every rank).")
 
     def forget(self) -> None:
-        """Drop what is pending (a fresh start: pickling, new groups)."""
-        self._pending = []
+        """Drop the rank sets (the Muon parameters changed); made again at the next step."""
+        self._sets = None
 
 
 def usable_grads(muon_params: Sequence[torch.Tensor], problems: Mapping[torch.Tensor, str]
