@@ -8,7 +8,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from dmuon.plan.layout import Layout, chunk_ranges, local_indices
+from dmuon.plan.layout import Layout, as_box, chunk_ranges, local_indices
 
 pytestmark = pytest.mark.unit
 
@@ -109,6 +109,35 @@ def test_replicas_are_the_coordinates_on_replicate_mesh_dims():
 def test_plan_ranks_follow_the_mesh_positions_they_are_given():
     layout = Layout((2,), (Shard(0),), ranks=(5, 3))
     assert layout.boxes((4, 4)) == {5: ((0, 2), (0, 4)), 3: ((2, 2), (0, 4))}
+
+
+@pytest.mark.parametrize("layout", [
+    Layout.sharded(4), Layout.hsdp(2, 3), Layout((2, 2, 2), (Shard(0), Replicate(), Replicate())),
+    Layout((2, 2), (Replicate(), Shard(1)), ranks=(3, 1, 2, 0)), Layout((2,), (Shard(0),), ranks=(5, 3)),
+], ids=["fsdp", "hsdp", "two-replicate-dims", "shuffled", "other-ranks"])
+def test_one_rank_s_facts_are_the_mesh_s_facts_of_that_rank(layout):
+    """A plan asks about one rank at a time (its position, replica, box, elements of a
+    range of rows) without keeping a per-rank map: the answers are the whole mesh's."""
+    shape = (7, 6)
+    boxes = layout.boxes(shape)
+    replicas = layout.replica()
+    assert list(boxes) == list(layout.mesh_ranks) == list(replicas)
+    for position, rank in enumerate(layout.mesh_ranks):
+        box = as_box(local_indices(shape, layout.mesh_shape, layout.placements, layout.coordinates()[position]))
+        assert layout.position(rank) == position
+        assert layout.box(shape, rank) == boxes[rank] == box
+        assert layout.replica_of(rank) == replicas[rank]
+        (start, rows), (_, cols) = box
+        assert boxes.numel_at(position, (2, 5)) == max(0, min(start + rows, 5) - max(start, 2)) * cols
+    assert layout.sorted_ranks == tuple(sorted(layout.mesh_ranks))
+    assert sorted(layout.replica_keys()) == layout.replica_keys() == sorted(set(replicas.values()))
+    for key in layout.replica_keys():
+        assert layout.members(key) == tuple(sorted(r for r, k in replicas.items() if k == key))
+        assert layout.members(key) is layout.members(key)  # one tuple per replica, shared
+    outside = max(layout.mesh_ranks) + 1
+    assert layout.replica_of(outside) is None and outside not in boxes and boxes.get(-1) is None
+    with pytest.raises(KeyError):
+        layout.position(outside)
 
 
 def test_a_partial_placement_has_no_layout():

@@ -8,7 +8,8 @@ May import: ``dmuon.numerics`` (the flop counts of Newton-Schulz) and
 
 - ``layout``: which box of a parameter each rank holds, from its mesh and placements;
 - ``mesh_facts``: a mesh's ranks, read on the host once;
-- ``units``: parameters cut into units (matrices) and each rank's block of them;
+- ``units``: units (matrices) and each rank's block of them;
+- ``cutting``: parameters cut into units (``make_units``), and what the exchange cannot move;
 - ``owners``: one owner per unit, balanced by Newton-Schulz flops (LPT);
 - ``batches``: units grouped into batches under the memory cap;
 - ``schedule``: the exchange's events per batch and the scratch each holds;
@@ -23,6 +24,7 @@ The names below are the plan's vocabulary, importable as ``dmuon.plan.<name>``.
 """
 
 from dmuon.plan.batches import DEFAULT_BATCH_NUMEL, OVERLAP_BATCHES
+from dmuon.plan.cutting import layout_problem, make_units
 from dmuon.plan.owner_plan import WIRE_BYTES, OwnerPlan, make_owner_plan
 from dmuon.plan.owners import assign_owners, lpt_bound_flops
 from dmuon.plan.paths import ALL_TO_ALL, COMM_CHOICES, LOCAL, PATHS, REDISTRIBUTE, choose_paths, comm_path, layout_of
@@ -36,7 +38,7 @@ from dmuon.plan.schedule import (
     batch_schedule,
     scratch_events,
 )
-from dmuon.plan.units import Block, ParamSpec, Unit, layout_problem, make_units
+from dmuon.plan.units import Block, ParamSpec, Unit
 
 __all__ = [
     "ALL_TO_ALL", "Block", "COLLECTIVE_EVENTS", "COMM_CHOICES", "DEFAULT_BATCH_NUMEL", "FINISH_GATHER",

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from dmuon.plan.units import Unit, owned_cost
+from dmuon.plan.units import Unit, owned_costs
 
 # Each rank owns at most this many elements of travelling matrices in one batch, or
 # as many as the batch's tallest matrix when that one is larger (its owner needs that
@@ -26,7 +26,7 @@ def make_batches(units: Sequence[Unit], world_size: int, max_batch_numel: int) -
     shelves = _shelves(units, world_size, max_batch_numel)
     if not shelves:
         return ()
-    heights = [max(owned_cost(units, shelf, r) for r in range(world_size)) for shelf in shelves]
+    heights = [max(owned_costs(units, shelf, world_size)) for shelf in shelves]
     target = sum(heights) / OVERLAP_BATCHES
     batches: list[list[int]] = []
     height = 0

@@ -32,7 +32,7 @@ from dmuon.plan.schedule import (
     START_SCATTER,
     batch_schedule,
 )
-from dmuon.plan.units import ParamSpec
+from dmuon.plan.units import ParamSpec, Unit, owned_costs
 
 H100_BF16_DENSE_TFLOPS = 989.0
 # fp32 without TF32 (torch's default for fp32 matmuls), H100 SXM.
@@ -78,27 +78,78 @@ def replica_of(plan: OwnerPlan) -> list[object]:
 
 
 def exchange_ms(plan: OwnerPlan, cost: CostModel) -> tuple[list[float], list[float]]:
-    """Per batch: the slowest rank's gather and scatter time."""
+    """Per batch: the slowest rank's gather and scatter time.
+
+    Every rank's bytes, without any rank's splits: per batch, each rank's bytes inside
+    its replica and across replicas are summed in four flat arrays (O(P) memory), from
+    the units grouped by who holds which block (units of one layout, shape and rows hold
+    alike): O(P) per group and O(1) per unit, not O(P) per unit and rank."""
     keys = replica_of(plan)
     near = cost.link_gbps * 1e9 / 8 / 1e3  # bytes per ms
     far = cost.replica_link_gbps * 1e9 / 8 / 1e3
 
-    def ms(send: list[int], rank: int) -> float:
-        inside = sum(n for peer, n in enumerate(send) if peer != rank and keys[peer] == keys[rank])
-        across = sum(n for peer, n in enumerate(send) if keys[peer] != keys[rank])
-        return WIRE_BYTES * (inside / near + across / far)
+    def slowest(inside: list[int], across: list[int]) -> float:
+        return max(WIRE_BYTES * (i / near + a / far) for i, a in zip(inside, across))
 
     gather, scatter = [], []
     for batch in plan.batches:
-        gather.append(max(ms(plan.gather_splits(batch, r)[0], r) for r in range(plan.world_size)))
-        scatter.append(max(ms(plan.scatter_splits(batch, r)[0], r) for r in range(plan.world_size)))
+        sent = [[0] * plan.world_size for _ in range(4)]  # gather inside, across; scatter inside, across
+        for units in _alike(plan, batch):
+            holders = list(units[0].holder_numels())
+            _gather_bytes(units, holders, keys, sent[0], sent[1])
+            _scatter_bytes(units, holders, keys, sent[2], sent[3])
+        gather.append(slowest(sent[0], sent[1]))
+        scatter.append(slowest(sent[2], sent[3]))
     return gather, scatter
+
+
+def _alike(plan: OwnerPlan, batch: Sequence[int]) -> list[list[Unit]]:
+    """The travelling units of ``batch``, by kind (``Unit.kind``: held alike)."""
+    groups: dict[tuple, list[Unit]] = {}
+    for i in plan.travelling(batch):
+        unit = plan.units[i]
+        groups.setdefault(unit.kind, []).append(unit)
+    return list(groups.values())
+
+
+def _gather_bytes(units: list[Unit], holders: list[tuple[int, int]], keys: list[object],
+                  inside: list[int], across: list[int]) -> None:
+    """Add what every source sends to the owners of ``units`` (they hold alike): source
+    ``s`` sends its block to each owner in its own replica of the parameter (that
+    owner's sources), but not to itself."""
+    layout = units[0].boxes.layout
+    owners: dict[tuple, int] = {}  # (owner's replica of the parameter, owner's key) -> units
+    replicas: dict[object, int] = {}  # owner's replica of the parameter -> units
+    own: dict[int, int] = {}  # rank -> units it owns
+    for unit in units:
+        replica = layout.replica_of(unit.owner)
+        owners[(replica, keys[unit.owner])] = owners.get((replica, keys[unit.owner]), 0) + 1
+        replicas[replica] = replicas.get(replica, 0) + 1
+        own[unit.owner] = own.get(unit.owner, 0) + 1
+    for source, numel in holders:
+        replica = layout.replica_of(source)
+        same = owners.get((replica, keys[source]), 0)
+        inside[source] += numel * (same - own.get(source, 0))
+        across[source] += numel * (replicas.get(replica, 0) - same)
+
+
+def _scatter_bytes(units: list[Unit], holders: list[tuple[int, int]], keys: list[object],
+                   inside: list[int], across: list[int]) -> None:
+    """Add what the owners of ``units`` send back: every holder's block, but their own."""
+    by_key: dict[object, int] = {}
+    for holder, numel in holders:
+        by_key[keys[holder]] = by_key.get(keys[holder], 0) + numel
+    total = sum(by_key.values())
+    for unit in units:
+        near = by_key.get(keys[unit.owner], 0)
+        inside[unit.owner] += near - unit.block_numel(unit.owner)
+        across[unit.owner] += total - near
 
 
 def newton_schulz_ms(plan: OwnerPlan, cost: CostModel) -> list[float]:
     """Per batch: the slowest rank's Newton-Schulz time."""
     flops_per_ms = cost.ns_peak_tflops * 1e9 * cost.ns_mfu
-    return [max(plan.ns_flops(r, b) for r in range(plan.world_size)) / flops_per_ms for b in plan.batches]
+    return [max(owned_costs(plan.units, b, plan.world_size)) / flops_per_ms for b in plan.batches]
 
 
 def overlapped_ms(ns: list[float], gather: list[float], scatter: list[float]) -> float:

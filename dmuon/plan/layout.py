@@ -20,6 +20,12 @@ A rank's part is a *box* when, along every dim, its indices form one contiguous
 range: then its local tensor is ``global[box]``. Every layout TorchTitan builds
 gives boxes; the owner exchange moves boxes, and anything else takes the reference
 path.
+
+Memory: a plan rank's optimizer keeps its plan, so what is kept per rank of the mesh
+must stay small at P = 1024. Every rank's box of one shape is one :class:`BoxTable`
+(a few integer arrays, shared by every parameter of that layout and shape), and a
+rank's replica and mesh position are computed from its coordinates, not stored per
+rank and parameter.
 """
 
 from __future__ import annotations
@@ -27,7 +33,9 @@ from __future__ import annotations
 import functools
 import itertools
 import math
-from collections.abc import Sequence
+import operator
+from array import array
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -109,6 +117,11 @@ def as_box(indices: list[list[Range]]) -> Box | None:
     return tuple(box)
 
 
+# Distinct (layout, shape) box tables kept for reuse: a model repeats a few shapes many
+# times. Each holds O(P) integers, so this bounds what the cache keeps.
+BOX_TABLES_KEPT = 64
+
+
 @dataclass(frozen=True)
 class Layout:
     """A parameter's mesh and placements, with the plan rank at each mesh position."""
@@ -128,7 +141,7 @@ class Layout:
         """``(dp_replicate, dp_shard)`` with ``(Replicate(), Shard(dim))``."""
         return Layout((replicas, shards), (Replicate(), Shard(dim)))
 
-    @property
+    @cached_property
     def size(self) -> int:
         return math.prod(self.mesh_shape)
 
@@ -140,12 +153,16 @@ class Layout:
         """Mesh coordinates in row-major order (the order of ``mesh_ranks``)."""
         return list(itertools.product(*(range(n) for n in self.mesh_shape)))
 
-    def boxes(self, shape: Sequence[int]) -> dict[int, Box | None]:
-        """Plan rank -> the box it holds of a tensor of ``shape`` (None: not a box).
-        Cached: a model repeats a few shapes many times."""
+    def boxes(self, shape: Sequence[int]) -> BoxTable:
+        """Plan rank -> the box it holds of a tensor of ``shape`` (None: not a box), in
+        mesh order. Cached: a model repeats a few shapes many times."""
         return _boxes(self, tuple(shape))
 
-    @property
+    def box(self, shape: Sequence[int], rank: int) -> Box | None:
+        """The box ``rank`` holds of a tensor of ``shape`` (None: not a box)."""
+        return self.boxes(shape)[rank]
+
+    @cached_property
     def has_replicas(self) -> bool:
         """Whether some mesh dim replicates the parameter (HSDP's ``dp_replicate``)."""
         return any(isinstance(p, Replicate) for p in self.placements)
@@ -153,16 +170,123 @@ class Layout:
     def replica(self) -> dict[int, tuple[int, ...]]:
         """Plan rank -> its coordinates on the ``Replicate`` mesh dims: ranks that
         differ only there hold the same box (one *replica* of the parameter each)."""
-        replicated = [i for i, p in enumerate(self.placements) if isinstance(p, Replicate)]
-        return {
-            rank: tuple(coordinate[i] for i in replicated)
-            for rank, coordinate in zip(self.mesh_ranks, self.coordinates())
-        }
+        return {rank: self.replica_at(position) for position, rank in enumerate(self.mesh_ranks)}
+
+    def position(self, rank: int) -> int:
+        """Where ``rank`` sits in the mesh (row-major); ``KeyError`` when it is not in it."""
+        positions = self._positions
+        if positions is not None:
+            return positions[rank]
+        try:
+            position = operator.index(rank)
+        except TypeError:
+            raise KeyError(rank) from None
+        if not 0 <= position < self.size:
+            raise KeyError(rank)
+        return position
+
+    def replica_of(self, rank: int) -> tuple[int, ...] | None:
+        """``rank``'s replica (its coordinates on the ``Replicate`` mesh dims), None
+        when it is not in the mesh: :meth:`replica` for one rank, in O(mesh dims)."""
+        try:
+            return self.replica_at(self.position(rank))
+        except KeyError:
+            return None
+
+    def replica_at(self, position: int) -> tuple[int, ...]:
+        """The replica of the rank at mesh ``position``."""
+        return tuple(position // stride % size for stride, size in self._replicated_strides)
+
+    @cached_property
+    def sorted_ranks(self) -> tuple[int, ...]:
+        """The mesh's plan ranks, sorted (shared by every unit that any of them may own)."""
+        ranks = self.mesh_ranks
+        return ranks if self._positions is None else tuple(sorted(ranks))
+
+    def replica_keys(self) -> list[tuple[int, ...]]:
+        """Every replica, sorted."""
+        return list(itertools.product(*(range(self.mesh_shape[i]) for i in self._replicated_dims)))
+
+    def members(self, replica: tuple[int, ...]) -> tuple[int, ...]:
+        """The sorted plan ranks of one replica: one tuple per replica, made once and shared."""
+        members = self._members.get(replica)
+        if members is None:
+            members = self._members[replica] = tuple(r for r in self.sorted_ranks if self.replica_of(r) == replica)
+        return members
+
+    @cached_property
+    def _members(self) -> dict[tuple[int, ...], tuple[int, ...]]:
+        return {}
+
+    @cached_property
+    def _replicated_dims(self) -> tuple[int, ...]:
+        return tuple(i for i, p in enumerate(self.placements) if isinstance(p, Replicate))
+
+    @cached_property
+    def _replicated_strides(self) -> tuple[tuple[int, int], ...]:
+        """``(stride, size)`` of each ``Replicate`` mesh dim in row-major positions."""
+        return tuple((math.prod(self.mesh_shape[i + 1:]), self.mesh_shape[i]) for i in self._replicated_dims)
+
+    @cached_property
+    def _positions(self) -> dict[int, int] | None:
+        """Plan rank -> mesh position; None where they are equal (no map kept: the usual
+        case, ranks ``0 .. P - 1`` in mesh order)."""
+        if self.ranks is None or self.ranks == tuple(range(self.size)):
+            return None
+        return {rank: position for position, rank in enumerate(self.ranks)}
 
 
-@functools.lru_cache(maxsize=256)
-def _boxes(layout: Layout, shape: tuple[int, ...]) -> dict[int, Box | None]:
-    return {
-        rank: as_box(local_indices(shape, layout.mesh_shape, layout.placements, coordinate))
-        for rank, coordinate in zip(layout.mesh_ranks, layout.coordinates())
-    }
+class BoxTable(Mapping):
+    """Every plan rank's box of one tensor shape on one layout (a ``Mapping`` rank ->
+    box, in mesh order), kept as one start and one length array per tensor dim: about
+    ``16 * ndim`` bytes per rank, not a tuple of tuples per rank."""
+
+    def __init__(self, layout: Layout, shape: tuple[int, ...]) -> None:
+        self.layout, self.shape = layout, shape
+        self._starts = [array("q") for _ in shape]
+        self._lengths = [array("q") for _ in shape]
+        self._not_boxes: set[int] = set()  # positions whose indices are not one range per dim
+        for position, coordinate in enumerate(layout.coordinates()):
+            box = as_box(local_indices(shape, layout.mesh_shape, layout.placements, coordinate))
+            if box is None:
+                self._not_boxes.add(position)
+                box = tuple((0, 0) for _ in shape)
+            for d, (start, length) in enumerate(box):
+                self._starts[d].append(start)
+                self._lengths[d].append(length)
+
+    def __getitem__(self, rank: int) -> Box | None:
+        return self.at(self.layout.position(rank))
+
+    def at(self, position: int) -> Box | None:
+        """The box of the rank at mesh ``position``."""
+        if position in self._not_boxes:
+            return None
+        return tuple((starts[position], lengths[position]) for starts, lengths in zip(self._starts, self._lengths))
+
+    def numel_at(self, position: int, rows: tuple[int, int]) -> int:
+        """Elements of the rank at mesh ``position`` within rows ``[start, stop)`` of dim 0
+        (0 for a part that is not a box): its block's size, without making the block."""
+        start = self._starts[0][position]
+        count = min(start + self._lengths[0][position], rows[1]) - max(start, rows[0])
+        if count <= 0:
+            return 0
+        for lengths in self._lengths[1:]:
+            count *= lengths[position]
+        return count
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.layout.mesh_ranks)
+
+    def __len__(self) -> int:
+        return self.layout.size
+
+    @property
+    def all_boxes(self) -> bool:
+        """Whether every rank's part is a box."""
+        return not self._not_boxes
+
+
+@functools.lru_cache(maxsize=BOX_TABLES_KEPT)
+def _boxes(layout: Layout, shape: tuple[int, ...]) -> BoxTable:
+    return BoxTable(layout, shape)

@@ -16,17 +16,26 @@ without processes.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from array import array
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field, replace
 from functools import cached_property
+from typing import TypeVar
 
 from dmuon.plan.batches import DEFAULT_BATCH_NUMEL, make_batches
+from dmuon.plan.cutting import make_units
+from dmuon.plan.layout import Layout
 from dmuon.plan.owners import whole_step_owners
 from dmuon.plan.schedule import scratch_events
-from dmuon.plan.units import ParamSpec, Unit, make_units, owned_cost
+from dmuon.plan.units import ParamSpec, Unit, owned_cost, owned_costs
 
 # Wire dtype size: blocks travel in bf16.
 WIRE_BYTES = 2
+# How the splits memo keeps element counts: signed 64-bit, 8 bytes each (a list of
+# Python ints costs about 36).
+SPLIT_TYPECODE = "q"
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -60,14 +69,16 @@ class OwnerPlan:
     def _gather_splits(self, batch: Sequence[int], rank: int) -> tuple[list[int], list[int]]:
         send = [0] * self.world_size
         recv = [0] * self.world_size
+        mine = _ByKind(lambda unit: unit.block_numel(rank))
+        # The units this rank owns are all in its replica: their sources depend on their kind alone.
+        sources = _ByKind(lambda unit: list(unit.source_numels()))
         for index in self.travelling(batch):
             unit = self.units[index]
-            if unit.is_source(rank):
-                send[unit.owner] += unit.block_numel(rank)
+            if mine(unit) and unit.in_owner_replica(rank):
+                send[unit.owner] += mine(unit)
             if unit.owner == rank:
-                for source, block in unit.blocks:
-                    if unit.is_source(source):
-                        recv[source] += block.numel
+                for source, numel in sources(unit):
+                    recv[source] += numel
         return send, recv
 
     def scatter_splits(self, batch: Sequence[int], rank: int) -> tuple[list[int], list[int]]:
@@ -83,27 +94,36 @@ class OwnerPlan:
     def _scatter_splits(self, batch: Sequence[int], rank: int) -> tuple[list[int], list[int]]:
         send = [0] * self.world_size
         recv = [0] * self.world_size
+        mine = _ByKind(lambda unit: unit.block_numel(rank))
+        holders = _ByKind(lambda unit: list(unit.holder_numels()))
         for index in self.travelling(batch):
             unit = self.units[index]
-            recv[unit.owner] += unit.block_numel(rank)
+            recv[unit.owner] += mine(unit)
             if unit.owner == rank:
-                for holder, block in unit.blocks:
-                    send[holder] += block.numel
+                for holder, numel in holders(unit):
+                    send[holder] += numel
         return send, recv
 
     def _memo(self, splits, batch: Sequence[int], rank: int) -> tuple[list[int], list[int]]:
-        """``splits(batch, rank)``, computed once per plan: the step, the byte count, the
-        scratch prediction and the cost model all ask for the same splits, and at
-        P ranks each costs O(P * units). Copies, so a caller may modify what it gets."""
-        key = (splits.__name__, tuple(batch), rank)
-        if key not in self._splits:
-            self._splits[key] = splits(batch, rank)
-        send, recv = self._splits[key]
+        """``splits(batch, rank)``, computed once per plan and rank: the step, the byte
+        count, the scratch prediction and the memory bound all ask for this rank's same
+        splits. Memory: only the last rank asked about is kept (a rank's plan asks about
+        itself; a tool asking about every rank recomputes), each split as an integer
+        array, so a plan keeps O(batches x P) integers, not O(batches x P^2). Copies, so a
+        caller may modify what it gets."""
+        memo = self._splits
+        if memo.rank != rank:
+            memo.rank, memo.splits = rank, {}
+        key = (splits.__name__, tuple(batch))
+        if key not in memo.splits:
+            send, recv = splits(batch, rank)
+            memo.splits[key] = (array(SPLIT_TYPECODE, send), array(SPLIT_TYPECODE, recv))
+        send, recv = memo.splits[key]
         return list(send), list(recv)
 
     @cached_property
-    def _splits(self) -> dict[tuple[str, tuple[int, ...], int], tuple[list[int], list[int]]]:
-        return {}
+    def _splits(self) -> _SplitsMemo:
+        return _SplitsMemo()
 
     # ------------------------------------------------------------ what it costs
 
@@ -122,7 +142,7 @@ class OwnerPlan:
     @cached_property
     def ns_critical_path_flops(self) -> int:
         """Sum over batches of the largest per-rank Newton-Schulz flops in that batch."""
-        return sum(max(self.ns_flops(r, b) for r in range(self.world_size)) for b in self.batches)
+        return sum(max(owned_costs(self.units, b, self.world_size)) for b in self.batches)
 
     def peak_scratch_bytes(self, rank: int) -> int:
         """The most bytes of step scratch ``rank`` holds at once: bf16 send, receive,
@@ -145,12 +165,41 @@ def make_owner_plan(
     """Plan owners and batches for ``params`` (specs, or plain shapes row-sharded with
     ``Shard(0)`` over all ranks) on ``world_size`` plan ranks (see :func:`make_units`
     for ``split_replicas``)."""
-    specs = tuple(p if isinstance(p, ParamSpec) else ParamSpec(tuple(p)) for p in params)
+    specs = shared_layouts(p if isinstance(p, ParamSpec) else ParamSpec(tuple(p)) for p in params)
     units = make_units(specs, world_size, split_replicas)
     owners = whole_step_owners(units, world_size)
-    replicas = [spec.layout_on(world_size).replica() for spec in specs]
-    units = [
-        replace(u, owner=o, sources=tuple(r for r in u.holders if replicas[u.param][r] == replicas[u.param][o]))
-        for u, o in zip(units, owners)
-    ]
+    units = [replace(u, owner=o) for u, o in zip(units, owners)]
     return OwnerPlan(world_size, specs, tuple(units), make_batches(units, world_size, max_batch_numel))
+
+
+def shared_layouts(specs: Iterable[ParamSpec]) -> tuple[ParamSpec, ...]:
+    """``specs`` with equal layouts made one object: the optimizer makes one layout per
+    parameter, each with its mesh's P plan ranks, and the plan keeps its specs, so
+    without this it would keep parameters x P integers."""
+    shared: dict[Layout, Layout] = {}
+    return tuple(spec if spec.layout is None else replace(spec, layout=shared.setdefault(spec.layout, spec.layout))
+                 for spec in specs)
+
+
+@dataclass
+class _SplitsMemo:
+    """One rank's splits, by (direction, batch)."""
+
+    rank: int | None = None
+    splits: dict[tuple[str, tuple[int, ...]], tuple[array, array]] = field(default_factory=dict)
+
+
+class _ByKind:
+    """``answer(unit)``, computed once per kind of unit (``Unit.kind``) for one split: a
+    batch repeats a few kinds many times, so a rank's splits cost O(batch) lookups and
+    O(P) per kind it owns, not O(P) per unit."""
+
+    def __init__(self, answer: Callable[[Unit], T]) -> None:
+        self._answer = answer
+        self._answers: dict[tuple, T] = {}
+
+    def __call__(self, unit: Unit) -> T:
+        kind = unit.kind
+        if kind not in self._answers:
+            self._answers[kind] = self._answer(unit)
+        return self._answers[kind]

@@ -7,7 +7,7 @@ import heapq
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from dmuon.plan.units import Unit
+from dmuon.plan.units import Unit, owned_costs
 
 if TYPE_CHECKING:
     from dmuon.plan.owner_plan import OwnerPlan
@@ -67,4 +67,4 @@ def whole_step_owners(units: Sequence[Unit], world_size: int) -> tuple[int, ...]
 def lpt_bound_flops(plan: OwnerPlan) -> int:
     """The largest per-rank Newton-Schulz load of a whole-step LPT assignment with no
     batching: the best any whole-matrix ownership can do (rank loads are the plan's)."""
-    return max(plan.ns_flops(r) for r in range(plan.world_size)) if plan.units else 0
+    return max(owned_costs(plan.units, range(len(plan.units)), plan.world_size)) if plan.units else 0

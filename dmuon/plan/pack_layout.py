@@ -104,16 +104,25 @@ def make_batch_layout(plan: OwnerPlan, batch: Sequence[int], rank: int,
         gather_recv_sizes=tuple(units[i].block_numel(s) for i, s in recv),
         gather_recv_to_whole=tuple(position[key] for key in recv),
         scatter_send_sizes=tuple(units[i].block_numel(d) for i, d in scatter_send),
-        scatter_send_from_whole=tuple(position[(i, _source_of(units[i], d))] for i, d in scatter_send)
-        if rows_only else (),
+        scatter_send_from_whole=_from_whole(units, scatter_send, position) if rows_only else (),
         scatter_recv_units=tuple(receive),
         scatter_recv_sizes=tuple(units[i].block_numel(rank) for i in receive),
     )
 
 
-def _source_of(unit: Unit, holder: int) -> int:
-    """The source whose block is ``holder``'s (itself, or its twin in the owner's replica)."""
-    return next(s for s in unit.sources if unit.place(s) == unit.place(holder))
+def _from_whole(units: Sequence[Unit], scatter_send: list[tuple[int, int]], position: dict[tuple[int, int], int]
+                ) -> tuple[int, ...]:
+    """For each ``(unit, holder)`` block of the scatter's send buffer, the whole-buffer
+    block it copies: the source whose block is the holder's (itself, or its twin in the
+    owner's replica; the lowest such source). One map of places per unit: looking the
+    source up holder by holder would be O(P^2) per unit."""
+    sources: dict[int, dict[tuple[tuple[int, int], tuple[int, int]], int]] = {}
+    for i in dict.fromkeys(i for i, _ in scatter_send):
+        places: dict[tuple[tuple[int, int], tuple[int, int]], int] = {}
+        for source, block in units[i].source_blocks():
+            places.setdefault((block.offset, block.shape), source)
+        sources[i] = places
+    return tuple(position[(i, sources[i][units[i].place(d)])] for i, d in scatter_send)
 
 
 def _column_groups(matrices: Sequence[tuple[int, int]]) -> tuple[tuple[int, int, tuple[int, ...]], ...]:

@@ -21,9 +21,9 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
+from dmuon.plan.cutting import layout_problem
 from dmuon.plan.layout import Layout
 from dmuon.plan.mesh_facts import mesh_ranks, mesh_ranks_in_order
-from dmuon.plan.units import layout_problem
 
 # How a Muon parameter reaches Newton-Schulz.
 LOCAL = "local"  # the rank already holds the whole matrix: plain tensor or Replicate

@@ -15,18 +15,16 @@ Pure: shapes and placements in, dataclasses out.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
 from functools import cached_property
 
 from dmuon.numerics.newton_schulz import (
     DEFAULT_GRAM_RESTARTS,
     DEFAULT_NS_ALGORITHM,
     DEFAULT_NS_STEPS,
-    matrix_shape,
-    newton_schulz_flops,
 )
-from dmuon.plan.layout import Box, Layout
+from dmuon.plan.layout import Box, BoxTable, Layout
 
 
 @dataclass(frozen=True)
@@ -77,14 +75,21 @@ class Block:
     offset: tuple[int, int]
     """Where the block sits in the unit's matrix (row, column)."""
 
-    @cached_property
+    @property
     def numel(self) -> int:
         return self.shape[0] * self.shape[1]
 
 
 @dataclass(frozen=True)
 class Unit:
-    """One matrix of the plan, who holds which block of it, and who orthogonalizes it."""
+    """One matrix of the plan, who holds which block of it, and who orthogonalizes it.
+
+    Memory: a unit keeps its parameter's box table (shared by every parameter of that
+    layout and shape) and which of the mesh's ranks it spans, not a block per holder:
+    under FSDP every rank holds a block of every unit, so per-holder blocks would cost
+    units x P on every rank. A rank's block is computed when asked (O(tensor dims));
+    every holder's (:attr:`blocks`, :attr:`sources`) only where needed: the units a rank
+    owns, and tools that report every rank."""
 
     param: int
     """Index of its parameter in ``OwnerPlan.params``."""
@@ -94,95 +99,166 @@ class Unit:
     """The 2-D shape Newton-Schulz sees."""
     cost: int
     """Newton-Schulz flops."""
-    blocks: tuple[tuple[int, Block], ...]
-    """``(rank, block)`` of every rank holding part of it (its *holders*), by rank. They
-    all get their block of the result back."""
-    candidates: tuple[int, ...]
-    """Ranks that may own it (its parameter's mesh, or one replica of it)."""
+    boxes: BoxTable = field(repr=False, compare=False)
+    """Every rank's box of its parameter."""
+    travels: bool = True
+    """False when one rank holds the whole matrix (it owns it, and nothing moves)."""
+    replica: tuple[int, ...] | None = None
+    """Replicas kept apart: the replica whose ranks hold it (None: every replica)."""
+    whole_at: int | None = None
+    """Held whole, one unit per holder: the one rank holding this one."""
     owner: int = 0
-    sources: tuple[int, ...] = ()
-    """Holders that send their block to the owner: exactly one copy of every element
-    (the owner's replica when the parameter is replicated)."""
 
     @property
     def numel(self) -> int:
         return self.matrix[0] * self.matrix[1]
 
     @property
-    def holders(self) -> tuple[int, ...]:
-        return tuple(rank for rank, _ in self.blocks)
+    def blocks(self) -> tuple[tuple[int, Block], ...]:
+        """``(rank, block)`` of every rank holding part of it (its *holders*), by rank. They
+        all get their block of the result back. O(P): computed, not kept."""
+        return tuple(self.holder_blocks())
 
-    @cached_property
-    def travels(self) -> bool:
-        """False when one rank holds the whole matrix (it owns it, and nothing moves)."""
-        return len(self.blocks) > 1
+    @property
+    def holders(self) -> tuple[int, ...]:
+        return tuple(rank for rank, _ in self.holder_blocks())
+
+    @property
+    def candidates(self) -> tuple[int, ...]:
+        """Ranks that may own it (its parameter's mesh, or one replica of it): tuples
+        shared by every unit of the layout."""
+        layout = self.boxes.layout
+        if self.whole_at is not None:
+            return (self.whole_at,)
+        return layout.sorted_ranks if self.replica is None else layout.members(self.replica)
+
+    @property
+    def sources(self) -> tuple[int, ...]:
+        """Holders that send their block to the owner: exactly one copy of every element
+        (the owner's replica when the parameter is replicated)."""
+        return tuple(rank for rank, _ in self.source_blocks())
+
+    @property
+    def kind(self) -> tuple:
+        """Units of one kind are held alike (every rank's block of them is the same): one
+        parameter layout and shape, one range of rows, one scope. Who holds what is worked
+        out once per kind, not once per unit."""
+        return id(self.boxes), self.dim0, self.replica, self.whole_at
+
+    def holder_blocks(self) -> Iterator[tuple[int, Block]]:
+        """``(rank, block)`` of every holder, by rank."""
+        shape, boxes, dim0 = self.boxes.shape, self.boxes, self.dim0
+        for rank, position in self._scope():
+            block = block_of(shape, boxes.at(position), dim0)
+            if block is not None:
+                yield rank, block
+
+    def holder_numels(self) -> Iterator[tuple[int, int]]:
+        """``(rank, elements of its block)`` of every holder, by rank: what the splits
+        need, without making the blocks."""
+        boxes, dim0 = self.boxes, self.dim0
+        for rank, position in self._scope():
+            numel = boxes.numel_at(position, dim0)
+            if numel:
+                yield rank, numel
+
+    def source_blocks(self) -> Iterator[tuple[int, Block]]:
+        """``(rank, block)`` of every source, by rank."""
+        return ((r, b) for r, b in self.holder_blocks() if self.in_owner_replica(r))
+
+    def source_numels(self) -> Iterator[tuple[int, int]]:
+        """``(rank, elements of its block)`` of every source, by rank."""
+        return ((r, n) for r, n in self.holder_numels() if self.in_owner_replica(r))
+
+    def in_owner_replica(self, rank: int) -> bool:
+        """Whether ``rank`` is in its owner's replica of the parameter (every rank is, without replicas)."""
+        layout = self.boxes.layout
+        return not layout.has_replicas or layout.replica_of(rank) == layout.replica_of(self.owner)
 
     def block(self, rank: int) -> Block | None:
-        return self._by_rank.get(rank)
+        position = self._position(rank)
+        return None if position is None else block_of(self.boxes.shape, self.boxes.at(position), self.dim0)
 
     def block_numel(self, rank: int) -> int:
-        block = self._by_rank.get(rank)
-        return block.numel if block else 0
+        position = self._position(rank)
+        return 0 if position is None else self.boxes.numel_at(position, self.dim0)
 
     def is_source(self, rank: int) -> bool:
-        return rank in self._sources
+        return self.block_numel(rank) > 0 and self.in_owner_replica(rank)
+
+    def _scope(self) -> Iterator[tuple[int, int]]:
+        """``(rank, mesh position)`` of every rank that may hold part of it, by rank."""
+        position = self.boxes.layout.position
+        return ((rank, position(rank)) for rank in self.candidates)
+
+    def _position(self, rank: int) -> int | None:
+        """``rank``'s mesh position, or None when it cannot hold part of it (not in its
+        mesh, or out of its scope)."""
+        if self.whole_at is not None and rank != self.whole_at:
+            return None
+        layout = self.boxes.layout
+        try:
+            position = layout.position(rank)
+        except KeyError:
+            return None
+        if self.replica is not None and layout.replica_at(position) != self.replica:
+            return None
+        return position
 
     def place(self, rank: int) -> tuple[tuple[int, int], tuple[int, int]]:
         """Where ``rank``'s block sits in the matrix: ``(offset, shape)`` (replicas share it)."""
-        block = self._by_rank[rank]
+        block = self.block(rank)
+        if block is None:
+            raise KeyError(rank)
         return block.offset, block.shape
 
-    @cached_property
+    @property
     def sources_by_offset(self) -> tuple[int, ...]:
         """The sources, in the order their blocks lie in the matrix."""
-        return tuple(sorted((s for s in self.sources if self.block(s)), key=lambda s: self._by_rank[s].offset))
+        return tuple(rank for rank, _ in self._sources_by_offset())
+
+    def _sources_by_offset(self) -> list[tuple[int, Block]]:
+        return sorted(self.source_blocks(), key=lambda source: source[1].offset)
 
     @cached_property
     def rows_only(self) -> bool:
         """Its sources' blocks are consecutive runs of whole rows covering the matrix,
         and every holder's block is one of them: each block is one contiguous range of
-        the matrix, so the owner exchange packs it with splits (``dmuon.exchange.packing``)."""
+        the matrix, so the owner exchange packs it with splits (``dmuon.exchange.packing``).
+        Kept: one flag, asked for every owned unit in every batch."""
         start = 0
-        for source in self.sources_by_offset:
-            (row, col), (rows, cols) = self.place(source)
+        places = set()
+        for _, block in self._sources_by_offset():
+            (row, col), (rows, cols) = block.offset, block.shape
             if (row, col) != (start, 0) or cols != self.matrix[1]:
                 return False
             start += rows
-        places = {self.place(s) for s in self.sources}
-        return start == self.matrix[0] and all(self.place(holder) in places for holder in self.holders)
+            places.add((block.offset, block.shape))
+        return start == self.matrix[0] and all((b.offset, b.shape) in places for _, b in self.holder_blocks())
 
     def even_rows(self, world_size: int) -> bool:
         """Rank ``h`` of ``world_size`` holds rows ``[h m/P, (h+1) m/P)`` of every column
         (FSDP's ``Shard(0)`` of a matrix whose rows P divides, no replicas): the layout
         FSDP2 packs its reduce-scatter with, so the owner exchange packs results by chunks."""
+        return self._even_holders == world_size
+
+    @cached_property
+    def _even_holders(self) -> int | None:
+        """``n`` when its holders are ranks ``0 .. n - 1`` holding equal runs of whole rows
+        in rank order, else None. Kept: one number, asked for every owned unit in every batch."""
         rows, cols = self.matrix
-        if rows % world_size or self.holders != tuple(range(world_size)):
-            return False
-        chunk = rows // world_size
-        return all(self.place(h) == ((h * chunk, 0), (chunk, cols)) for h in self.holders)
-
-    @cached_property
-    def _by_rank(self) -> dict[int, Block]:
-        return dict(self.blocks)
-
-    @cached_property
-    def _sources(self) -> frozenset[int]:
-        return frozenset(self.sources)
+        blocks = list(self.holder_blocks())
+        if not blocks or rows % len(blocks):
+            return None
+        chunk = rows // len(blocks)
+        even = all(holder == h and (block.offset, block.shape) == ((h * chunk, 0), (chunk, cols))
+                   for h, (holder, block) in enumerate(blocks))
+        return len(blocks) if even else None
 
 
-
-def layout_problem(shape: Sequence[int], layout: Layout) -> str | None:
-    """Why the owner exchange cannot move this parameter's blocks (None: it can)."""
-    boxes = layout.boxes(shape)
-    if any(box is None for box in boxes.values()):
-        return "some rank's shard is not one contiguous block"
-    if len(shape) >= 4 and any(box[d] != (0, shape[d]) for box in boxes.values() for d in range(1, len(shape)) if box[0][1]):
-        return "a 4-D+ weight sharded past dim 0 (its flattened columns interleave)"
-    return None
-
-
-def _block(shape: Sequence[int], box: Box | None, dim0: tuple[int, int]) -> Block | None:
-    """The block of the unit covering ``dim0`` that a rank holding ``box`` has."""
+def block_of(shape: Sequence[int], box: Box | None, dim0: tuple[int, int]) -> Block | None:
+    """The block of the unit covering ``dim0`` of a parameter of ``shape`` that a rank
+    holding ``box`` has (None: no part of it)."""
     if box is None or any(length == 0 for _, length in box):
         return None
     start, length = box[0]
@@ -196,46 +272,15 @@ def _block(shape: Sequence[int], box: Box | None, dim0: tuple[int, int]) -> Bloc
     return Block(lo - start, hi - start, (hi - lo, cols), (lo - dim0[0], box[1][0] if len(shape) == 2 else 0))
 
 
-def make_units(params: Sequence[ParamSpec], world_size: int, split_replicas: bool = True) -> list[Unit]:
-    """Every parameter cut into units, each with its holders' blocks and the ranks
-    that may own it.
-
-    A unit every holder has whole (an expert held whole by its EP rank, on every
-    replica) becomes one unit per holder, owned there: no communication. Otherwise, on
-    a replicated parameter, ``split_replicas`` makes one unit that any rank of the
-    mesh may own (Newton-Schulz split over all replicas; the result goes back to every
-    replica); without it, each replica gets its own copy of the unit, owned inside
-    the replica (every replica runs Newton-Schulz on every matrix, as FSDP2 Muon does).
-    """
-    units = []
-    for index, spec in enumerate(params):
-        layout = spec.layout_on(world_size)
-        problem = layout_problem(spec.shape, layout)
-        if problem:
-            raise ValueError(f"parameter {index} of shape {spec.shape}: {problem}")
-        boxes = layout.boxes(spec.shape)
-        replica = layout.replica()
-        mesh_ranks = tuple(sorted(layout.mesh_ranks))
-        replicas = sorted(set(replica.values()))
-        for u in range(spec.num_units):
-            dim0 = (u * spec.unit_rows, (u + 1) * spec.unit_rows)
-            matrix = matrix_shape((dim0[1] - dim0[0],) + spec.shape[1:])[-2:]
-            matrix = (matrix[0], matrix[1])
-            cost = newton_schulz_flops(matrix, spec.ns_steps, spec.ns_algorithm, spec.ns_gram_restarts)
-            blocks = [(r, b) for r in mesh_ranks if (b := _block(spec.shape, boxes[r], dim0))]
-            if not blocks:
-                continue
-            if all(b.numel == matrix[0] * matrix[1] for _, b in blocks):
-                units += [Unit(index, dim0, matrix, cost, ((r, b),), (r,)) for r, b in blocks]
-            elif split_replicas or len(replicas) == 1:
-                units.append(Unit(index, dim0, matrix, cost, tuple(blocks), mesh_ranks))
-            else:
-                for key in replicas:
-                    members = tuple(r for r in mesh_ranks if replica[r] == key)
-                    units.append(Unit(index, dim0, matrix, cost, tuple((r, b) for r, b in blocks if replica[r] == key), members))
-    return units
-
-
 def owned_cost(units: Sequence[Unit], batch: Sequence[int], rank: int) -> int:
     """Newton-Schulz flops of the units of ``batch`` that ``rank`` owns."""
     return sum(units[i].cost for i in batch if units[i].owner == rank)
+
+
+def owned_costs(units: Sequence[Unit], batch: Iterable[int], world_size: int) -> list[int]:
+    """Newton-Schulz flops of the units of ``batch`` each rank owns, for every rank at
+    once: O(batch + P), where asking :func:`owned_cost` rank by rank is O(batch x P)."""
+    loads = [0] * world_size
+    for i in batch:
+        loads[units[i].owner] += units[i].cost
+    return loads
