@@ -59,7 +59,7 @@ def passing_report():
 @pytest.mark.parametrize("field, value, problem", [
     ("host_collectives_per_step", 1, "collective(s) on CPU tensors"),
     ("process_groups_made", 1, "process group(s) made by DMuon"),
-    ("plan_host_bytes", 1 << 40, "bytes of Python heap"),
+    ("plan_host_bytes", 1 << 40, "bytes of Python heap, over its bound"),
     ("same_program", False, "program"),
 ])
 def test_what_a_fake_group_hides_fails_the_dry_run(field, value, problem):

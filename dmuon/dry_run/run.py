@@ -33,8 +33,16 @@ QK_CLIP_SEQ = 16
 # The parameter dtypes a dry run can lay out (``--param-dtype``).
 PARAM_DTYPES = ("float32", "bfloat16", "float16")
 # The most Python heap a rank's plan may keep (docs/dry_run.md: what it holds and the
-# figures per layout): it grows with the units and with P, not with their product.
-PLAN_HOST_BYTES_BOUND = 256 << 20
+# figures per layout): a base, plus so much per unit and per rank, never per unit x rank.
+# (llama3 70B, 560 units: 0.9 MiB at P = 64, 1.2 MiB at P = 1024.)
+PLAN_HEAP_BASE_BYTES = 1 << 20
+PLAN_HEAP_BYTES_PER_UNIT = 4 << 10
+PLAN_HEAP_BYTES_PER_RANK = 256
+
+
+def plan_heap_bound(units: int, world_size: int) -> int:
+    """The bound ``plan_host_bytes`` is checked against, for a plan of ``units`` on ``world_size`` ranks."""
+    return PLAN_HEAP_BASE_BYTES + PLAN_HEAP_BYTES_PER_UNIT * units + PLAN_HEAP_BYTES_PER_RANK * world_size
 
 
 @dataclass(frozen=True)
@@ -82,6 +90,8 @@ class RankReport:
     """Process groups made from DMuon's construction to the end of the third step."""
     plan_host_bytes: int = 0
     """Python heap the plan keeps (``tracemalloc``): paths, owner plan, blocks, layouts."""
+    plan_heap_bound_bytes: int = PLAN_HEAP_BASE_BYTES
+    """What it may keep: :func:`plan_heap_bound` of the plan's units and ranks."""
     same_program: bool = True
     """Steps 2 and 3 dispatched the same device ops and collectives, in order, with the
     same shapes."""
@@ -105,8 +115,9 @@ class RankReport:
             found.append(f"{self.host_collectives_per_step} collective(s) on CPU tensors per step")
         if self.process_groups_made:
             found.append(f"{self.process_groups_made} process group(s) made by DMuon")
-        if self.plan_host_bytes > PLAN_HOST_BYTES_BOUND:
-            found.append(f"the plan keeps {self.plan_host_bytes} bytes of Python heap, over {PLAN_HOST_BYTES_BOUND}")
+        if self.plan_host_bytes > self.plan_heap_bound_bytes:
+            found.append(f"the plan keeps {self.plan_host_bytes} bytes of Python heap, over its bound "
+                         f"{self.plan_heap_bound_bytes} (dmuon.dry_run.run.plan_heap_bound)")
         if not self.same_program:
             found.append("steps 2 and 3 dispatched different device programs")
         if self.precision_hazards:
@@ -169,6 +180,8 @@ def run_rank(config: DryRunConfig, rank: int) -> RankReport:
         report.precision_hazards = first.record.precision_hazards + report.precision_hazards
         report.process_groups_made = groups.made
         report.plan_host_bytes = plan_bytes
+        plans = optimizer.owner_plans()
+        report.plan_heap_bound_bytes = plan_heap_bound(sum(len(p.units) for p in plans), config.world_size)
         report.same_program = steady.record.program == again.record.program
         return report
 
