@@ -1,9 +1,11 @@
-"""DMuon next to TorchTitan 0.3.0's DistMuon, and a training step's bytes with DMuon
-against AdamW, from shapes alone (no processes, no GPU). Every figure of
-docs/vs_distmuon.md comes from this module::
+"""DMuon next to TorchTitan 0.3.0's DistMuon: computed from shapes alone (no processes,
+no GPU), bytes and balance, and a training step's bytes with DMuon against AdamW; or,
+with ``--time``, measured on CPU ranks. Every figure of docs/vs_distmuon.md comes from
+this module::
 
-    python -m benchmarks.vs_distmuon            # the two tables, in Markdown
+    python -m benchmarks.vs_distmuon            # the two computed tables, in Markdown
     python -m benchmarks.vs_distmuon --json     # the same rows as JSON
+    python -m benchmarks.vs_distmuon --time     # measured (TorchTitan 0.3 environment)
 
 The setting is TorchTitan's llama3 8B and 70B with FSDP2 ``Shard(0)`` over P ranks
 (``data_parallel_shard_degree`` P, no TP/PP/HSDP), fp32 parameters (TorchTitan's
@@ -17,6 +19,9 @@ optimizer runs, as ``dmuon.plan_report`` does); DistMuon's come from the model o
 planner in ``benchmarks.distmuon_model``. Byte counts are per rank per step, bytes
 sent plus bytes received; under FSDP ``Shard(0)`` every rank receives exactly what it
 sends in both exchanges, so sent = received = half of each figure.
+
+``--time`` measures instead (``benchmarks.vs_distmuon_time``): DMuon and DistMuon
+stepping the same FSDP2 stack on CPU ranks.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 from dataclasses import dataclass
 
 from benchmarks.distmuon_model import (
@@ -35,6 +41,7 @@ from benchmarks.distmuon_model import (
     ns_loads,
     whole_matrix_exchange_bytes,
 )
+from benchmarks import vs_distmuon_time
 from benchmarks.vs_distmuon_tables import compare_table, step_table
 from dmuon.numerics.newton_schulz import AUTO, DEFAULT_NS_ALGORITHM, newton_schulz_flops
 from dmuon.plan import WIRE_BYTES, OwnerPlan, ParamSpec, make_owner_plan
@@ -184,11 +191,16 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--compare-world-size", type=int, nargs="+", default=list(COMPARE_WORLD_SIZES))
     parser.add_argument("--step-world-size", type=int, nargs="+", default=list(STEP_WORLD_SIZES))
     parser.add_argument("--json", action="store_true", help="print the rows as JSON")
+    vs_distmuon_time.add_arguments(parser)
     return parser
 
 
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
     args = _parser().parse_args(argv)
+    if args.time:
+        vs_distmuon_time.main_timed(args, argv)
+        return
     plans: dict[tuple[str, int], OwnerPlan] = {}
     compared = []
     for name in args.models:
