@@ -8,8 +8,10 @@ built with the same hyperparameters, and the CPU shims TorchTitan's DistMuon nee
   ``ComputeLayout({"dp_shard": Owned()})`` per FQN (an owner per matrix) and a
   ``BucketConfig`` per transformer block, its patterns that block's FQNs;
 - ``dion``: Microsoft Dion's ``Muon`` (GitHub only: a user's checkout on the path);
-  its own conventions, which no option turns into ``torch.optim.Muon``'s: momentum
-  ``M = mu M + G`` (not an average), lr scaled by ``sqrt(rows / cols)``;
+  Newton-Schulz at Keller's coefficients (:func:`keller_newton_schulz`, its
+  ``newton_schulz_func``); its own conventions, which no option turns into
+  ``torch.optim.Muon``'s: momentum ``M = mu M + G`` (not an average), lr scaled by
+  ``sqrt(rows / cols)``;
 - ``dtensor_muon``: the ``dtensor-muon`` package's ``Muon`` (per parameter, on DTensors),
   plain weight decay and Newton-Schulz at Keller's coefficients; its conventions:
   momentum ``M = mu M + G``, decay inside the scaled step (``p -= lr' (U + wd p)``).
@@ -114,13 +116,27 @@ def build_distmuon(params: Sequence[torch.Tensor], fqns: Sequence[str]) -> torch
                                adjust_lr_fn=ADJUST_LR)
 
 
+def keller_newton_schulz(x: torch.Tensor, epsilon: float = NS_EPS) -> torch.Tensor:
+    """``NS_STEPS`` iterations at ``NS_COEFFICIENTS`` in bf16 on a matrix or a batch of
+    them (Dion's ``newton_schulz_func`` signature): ``torch.optim.Muon``'s iteration,
+    since Dion's own non-Polar-Express one uses other coefficients, one triple a step."""
+    a, b, c = NS_COEFFICIENTS
+    y = x.to(torch.bfloat16)
+    tall = y.size(-2) > y.size(-1)
+    y = y.mT if tall else y
+    y = y / y.norm(dim=(-2, -1), keepdim=True).clamp(min=epsilon)
+    for _ in range(NS_STEPS):
+        gram = y @ y.mT
+        y = a * y + (b * gram + c * (gram @ gram)) @ y
+    return y.mT if tall else y
+
+
 def build_dion(params: Sequence[torch.Tensor], fqns: Sequence[str]) -> torch.optim.Optimizer:
     from dion import Muon
 
     mesh = params[0].device_mesh
-    # Dion's own Newton-Schulz at Keller's coefficients (its default is Polar Express).
     return Muon(list(params), distributed_mesh=mesh, lr=LR, mu=MOMENTUM, weight_decay=WEIGHT_DECAY,
-                nesterov=NESTEROV, epsilon=NS_EPS, adjust_lr="spectral_norm", use_polar_express=False)
+                nesterov=NESTEROV, epsilon=NS_EPS, adjust_lr="spectral_norm", newton_schulz_func=keller_newton_schulz)
 
 
 def build_dtensor_muon(params: Sequence[torch.Tensor], fqns: Sequence[str]) -> torch.optim.Optimizer:

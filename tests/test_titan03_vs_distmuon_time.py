@@ -74,7 +74,8 @@ def test_bytes_sent_are_each_plans_own(report):
     matrices = _matrices()
     elements = sum(math.prod(shape) for _, shape in matrices)
     # DMuon: the owner-exchange minimum in bf16, 4 N (P - 1) / P^2, on every rank.
-    assert [c["all_to_all_single"] for c in rows[2, "dmuon"]["bytes_by_collective"]] == [4 * elements * (2 - 1) // 2**2] * 2
+    minimum = 4 * elements * (2 - 1) // 2**2
+    assert [c["all_to_all_single"] for c in rows[2, "dmuon"]["bytes_by_collective"]] == [minimum] * 2
     # DistMuon: fp32, whole matrices to the owners its planner picks (benchmarks.distmuon_model).
     owners = distmuon_owners(matrices, 2, "per_layer")
     sent, _received = whole_matrix_exchange_bytes([shape for _, shape in matrices], owners, 2, element_size=4)
