@@ -9,7 +9,9 @@
 #                    packages (scripts/setup_titan03.sh): the 0.3.x adapter's
 #                    tests, its CPU end-to-end runs and layouts included, the import check,
 #                    and tests/test_vs_distmuon.py (its model of DistMuon's balancing is
-#                    checked against TorchTitan 0.3's own function, skipped beside 0.2.x).
+#                    checked against TorchTitan 0.3's own function, skipped beside 0.2.x);
+#                    tests/test_titan03_vs_distmuon_time.py runs `benchmarks.vs_distmuon
+#                    --time` at a tiny width (DMuon and DistMuon bitwise torch.optim.Muon).
 #
 # The second environment borrows the first one's torch rather than installing its own: one
 # ~6 GB copy instead of two (a CI machine ran out of disk with two, plus pip's cache).

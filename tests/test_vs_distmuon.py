@@ -11,18 +11,14 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.vs_distmuon import (
-    PRESETS,
+from benchmarks.distmuon_model import (
     bucket_pipeline_flops,
     buckets_for,
-    compare,
     distmuon_cost,
     distmuon_owners,
-    fsdp_step_bytes,
-    muon_matrices,
-    step_bytes,
     whole_matrix_exchange_bytes,
 )
+from benchmarks.vs_distmuon import PRESETS, compare, fsdp_step_bytes, muon_matrices, step_bytes
 from dmuon.numerics.newton_schulz import newton_schulz_flops
 from dmuon.plan_report import min_bytes_per_rank
 
