@@ -18,6 +18,7 @@ Use it for a model of your own::
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Iterator
 
 import torch
@@ -65,6 +66,9 @@ def fake_cuda_rank(rank: int, world_size: int, nccl_alone: bool = False) -> Iter
     # "cuda:fake": a default group for CUDA tensors only, as NCCL alone (TorchTitan's GPU default).
     backend = "cuda:fake" if nccl_alone else "fake"
     dist.init_process_group(backend, store=fake_store(), rank=rank, world_size=world_size)
+    # A real launcher selects each rank's GPU first; one process impersonating a rank has
+    # one pretended GPU, which DeviceMesh's warning about it cannot know.
+    warnings.filterwarnings("ignore", message="It seems like you did not set/select the default device")
     try:
         with FakeTensorMode(allow_non_fake_inputs=True) as mode:
             yield mode
