@@ -572,6 +572,35 @@ def comm_paths_on_one_rank() -> dict[str, str]:
     return paths
 
 
+def sparse_grad_on_one_rank() -> dict[str, Any]:
+    """A sparse grad (an embedding's, a plain tensor: a DTensor cannot hold one) on rank 0
+    only: rank 0 raises at once, after the collectives; the step moves no Muon parameter on
+    any rank; every rank raises at the next step; then the optimizer works again."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    mesh = init_device_mesh(device_type(), (world,))
+    w = nn.Parameter(distribute_tensor(torch.randn(8, 6, device=_device()), mesh, [Shard(0)], src_data_rank=None))
+    emb = nn.Parameter(torch.randn(10, 4, device=_device()))
+    optimizer = DMuon([{"params": [("w", w)], "use_muon": True}, {"params": [("emb", emb)], "use_muon": False}])
+
+    def grads(seed: int, sparse: bool) -> None:
+        w.grad = distribute_tensor(torch.randn(8, 6, device=_device()), mesh, [Shard(0)], src_data_rank=None)
+        dense = torch.randn(10, 4, device=_device(), generator=torch.Generator(_device()).manual_seed(seed))
+        emb.grad = dense.to_sparse() if sparse else dense
+
+    grads(0, False)
+    optimizer.step()
+    before = (w.to_local().clone(), optimizer.state[w]["momentum_buffer"].to_local().clone())
+    grads(1, sparse=rank == 0)
+    out = {"step": _error(optimizer.step)}
+    out["unchanged"] = all(torch.equal(a, b) for a, b in
+                           zip(before, (w.to_local(), optimizer.state[w]["momentum_buffer"].to_local())))
+    grads(2, False)
+    out["next"] = _error(optimizer.step)
+    grads(3, False)
+    out["after"] = _error(optimizer.step)
+    return out
+
+
 def invalid_grad_with_two_meshes() -> str | None:
     """4 ranks as a 2 x 2 grid: parameter ``a`` lives on this rank's row (a 1-D
     sub-mesh: ranks {0, 1} or {2, 3}), ``b`` on the whole grid. Rank 3 finds an invalid

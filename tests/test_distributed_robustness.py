@@ -50,6 +50,16 @@ def test_an_invalid_grad_on_one_rank_makes_every_rank_raise_at_the_next_step(ran
         assert rank["invalid_error"].startswith("ValueError: DMuon: 1 rank(s) found an invalid gradient or shard")
 
 
+def test_a_sparse_grad_on_one_rank_raises_there_then_everywhere_and_changes_no_muon_parameter():
+    ranks = run_on_ranks(scenarios.sparse_grad_on_one_rank, 2, timeout=120)
+    assert ranks[0]["step"] == "ValueError: DMuon: parameter 'emb': sparse gradients are not supported"
+    assert ranks[1]["step"] is None
+    for rank in ranks:
+        assert rank["unchanged"]
+        assert rank["next"].startswith("ValueError: DMuon: 1 rank(s) found an invalid gradient")
+        assert rank["after"] is None
+
+
 def test_the_optimizer_keeps_working_after_a_consistent_error(ranks):
     assert [rank["usable_after_errors"] for rank in ranks] == [True, True]
 

@@ -36,6 +36,7 @@ from dmuon.exchange.comm import mesh_device
 from dmuon.exchange.groups import group_of
 from dmuon.exchange.host_copy import HostCopy, to_device
 from dmuon.plan.mesh_facts import mesh_ranks
+from dmuon.torch_compat import local_of
 
 STATUS_DTYPE = torch.int32
 
@@ -43,7 +44,7 @@ STATUS_DTYPE = torch.int32
 def grad_problem(param: torch.Tensor, use_muon: bool) -> str | None:
     """Why ``param.grad`` cannot be used, or None."""
     grad = param.grad
-    if grad.is_sparse:
+    if grad.is_sparse or local_of(grad).is_sparse:  # a DTensor says strided whatever its local tensor
         return "sparse gradients are not supported"
     if not use_muon:
         return None
