@@ -231,6 +231,12 @@ class FastPath:
         run, params = self._run, self._run.params
         param_groups = [groups[p] for p in params]  # by plan parameter
         ok = [oks[p] for p in params]
+        ok_as: dict[torch.dtype, tuple[torch.Tensor, ...]] = {}  # the masks in a results' dtype, cast once
+
+        def masks(units: Sequence[int], dtype: torch.dtype) -> list[torch.Tensor]:
+            if dtype not in ok_as:
+                ok_as[dtype] = torch.stack(ok).to(dtype).unbind()
+            return [ok_as[dtype][run.plan.units[i].param] for i in units]
         local_grads, local_bufs = run.grads_and_bufs(grads, state)
         for group, members in _by_group(range(len(params)), param_groups):
             steps.masked_momentum([local_bufs[j] for j in members], [local_grads[j] for j in members], group,
@@ -258,11 +264,11 @@ class FastPath:
         def orthogonalize(unit: Unit, matrix: torch.Tensor) -> torch.Tensor:
             moment = moments.get(unit.param)
             rows = None if moment is None else moment[unit.dim0[0] : unit.dim0[1]]
-            ortho = steps.orthogonalize(matrix, param_groups[unit.param], rows, ok[unit.param])
-            mask_([ortho], [ok[unit.param]])  # zero where masked, before it travels
-            return ortho
+            return steps.orthogonalize(matrix, param_groups[unit.param], rows, ok[unit.param])
 
         def apply_blocks(units: Sequence[int], orthos: Sequence[torch.Tensor]) -> None:
+            if orthos:  # zero where masked: one list op per batch, on the holder
+                mask_(orthos, masks(units, orthos[0].dtype))
             steps.apply_many([params[run.plan.units[i].param] for i in units], [targets[i] for i in units], orthos,
                              [param_groups[run.plan.units[i].param] for i in units],
                              [ok[run.plan.units[i].param] for i in units])

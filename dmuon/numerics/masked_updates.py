@@ -14,9 +14,10 @@ How each rule stays exact:
   weight of its own dtype computes what ``lerp_`` by the number computes); a narrower
   buffer would round a tensor weight to its dtype, so there the grad is replaced by the
   buffer itself where masked (``lerp(buf, buf, w)`` is ``buf``) and the number is kept;
-- decay ``p = p * keep``: the factor is ``keep`` or 1, an fp32 (fp64) tensor expanded to
-  ``p``'s shape, which every device multiplies in fp32 as ``mul_`` by a number does (a
-  0-dim device tensor of another dtype would be rounded to ``p``'s dtype on CUDA);
+- decay ``p = p * keep``: the factor is ``keep`` or 1 in the dtype ``mul_`` by a number
+  computes in: a 0-dim tensor for fp32 and fp64 ``p`` (its own dtype), expanded to ``p``'s
+  shape for narrower ones, which every device then multiplies in fp32 (a 0-dim device
+  tensor of another dtype would be rounded to ``p``'s dtype on CUDA);
 - the step ``p = p - lr * scale * O``: ``O`` is zeroed where masked (:func:`mask_`, on the
   owner, before it travels), and ``p - lr * scale * 0`` is ``p``.
 
@@ -68,15 +69,18 @@ def masked_momentum_(bufs: Tensors, grads: Tensors, momentum: float, oks: Tensor
 
 
 def mask_(tensors: Tensors, oks: Tensors) -> None:
-    """Zero each tensor where its ``ok`` is False (results before they travel back)."""
+    """Zero each tensor where its ``ok`` is False (results before they travel back); an
+    ``ok`` already in the tensor's dtype costs no cast."""
     if tensors:
-        torch._foreach_mul_(list(tensors), [ok.to(t.dtype) for ok, t in zip(oks, tensors)])
+        torch._foreach_mul_(list(tensors), [ok if ok.dtype == t.dtype else ok.to(t.dtype) for ok, t in zip(oks, tensors)])
 
 
 def decay_factors(keep: float | torch.Tensor, oks: Tensors, like: Tensors) -> list[torch.Tensor]:
     """Each tensor's decay factor: ``keep`` where ``ok`` else 1, in the dtype ``mul_`` by
     a number computes in for that tensor, expanded to its shape (see the module docstring)."""
-    return [factor.expand(t.shape) for factor, t in zip(scalar_decay_factors(keep, oks, like), like)]
+    # A 0-dim factor of the tensor's own dtype is read exactly (fp32, fp64): no view needed.
+    return [factor if factor.dtype == t.dtype else factor.expand(t.shape)
+            for factor, t in zip(scalar_decay_factors(keep, oks, like), like)]
 
 
 def scalar_decay_factors(keep: float | torch.Tensor, oks: Tensors, like: Tensors) -> list[torch.Tensor]:
