@@ -55,6 +55,7 @@ from dmuon.numerics.update_rules import DEFAULT_MATCHED_ADAMW_RMS, DEFAULT_NORMU
 from dmuon.options import (
     check_adamw_hyperparameters,
     check_foreach,
+    check_fused,
     check_link_gbps,
     check_muon_hyperparameters,
     check_ns_dtype,
@@ -109,6 +110,8 @@ class DMuon(PicklesConfiguration, Optimizer):
             choice is exact across world sizes.
         telemetry: record each step's figures, read with :meth:`telemetry`.
         foreach: elementwise rules and AdamW as list ops; None: torch's default per device.
+        fused: the AdamW part steps with torch's fused AdamW (``torch.optim.AdamW(fused=True)``'s bits).
+            A group may set ``foreach`` and ``fused`` for itself, as torch's groups do.
 
     Non-finite gradients are not filtered (as in ``torch.optim.Muon``): a NaN makes its whole
     matrix non-finite on every rank, and ranks stay in step. Clip or skip such steps upstream.
@@ -146,6 +149,7 @@ class DMuon(PicklesConfiguration, Optimizer):
         replica_link_gbps: float = CostModel.replica_link_gbps,
         telemetry: bool = False,
         foreach: bool | None = None,
+        fused: bool | None = None,
     ) -> None:
         if isinstance(params, (set, frozenset)):
             # A set's order differs between processes: ranks would plan differently.
@@ -162,7 +166,7 @@ class DMuon(PicklesConfiguration, Optimizer):
         check_adamw_hyperparameters(dict(adamw_defaults), "DMuon (AdamW part)")
         self._muon_defaults, self._adamw_defaults = muon_defaults, adamw_defaults
         self.comm, self.max_batch_numel, self.split_replicas = comm, max_batch_numel, split_replicas
-        self.ns_dtype, self.foreach = check_ns_dtype(ns_dtype), check_foreach(foreach)
+        self.ns_dtype, self.foreach, self.fused = check_ns_dtype(ns_dtype), check_foreach(foreach), check_fused(fused)
         self.link_gbps = check_link_gbps(link_gbps, "link_gbps", "DMuon")
         self.replica_link_gbps = check_link_gbps(replica_link_gbps, "replica_link_gbps", "DMuon")
         self._names: dict[torch.Tensor, str] = {}
@@ -188,7 +192,7 @@ class DMuon(PicklesConfiguration, Optimizer):
         """Add a group; one without ``use_muon`` is split into a Muon and an AdamW group
         (``dmuon.param_groups.build_param_groups``)."""
         built = build_param_groups(param_group, self._groups_added, self.param_groups, self._muon_defaults,
-                                   self._adamw_defaults)
+                                   self._adamw_defaults, {"foreach": self.foreach, "fused": self.fused})
         self._groups_added += 1
         for names, group in built:
             self._names.update(zip(group["params"], names))
@@ -239,7 +243,7 @@ class DMuon(PicklesConfiguration, Optimizer):
         """The AdamW groups' step (local: no collective), run before the Muon part: what
         it raises is returned, so the Muon part still runs every rank's collectives, masked
         on every rank (no Muon parameter moves), and the step raises it at its end."""
-        steps = GroupSteps(self.ns_dtype, self.comm_stats, self._telemetry, self.foreach)
+        steps = GroupSteps(self.ns_dtype, self.comm_stats, self._telemetry, self.foreach, self.fused)
         try:
             for group in (g for g in self.param_groups if not g["use_muon"]):
                 steps.adamw(group, self.state)
@@ -267,7 +271,7 @@ class DMuon(PicklesConfiguration, Optimizer):
         failure = None if problems else self._adamw_part()  # local work first: a failure masks the rest
         grads = usable_grads(list(muon_groups), invalid)
         oks = self._grad_status.agree(self._rank_sets, lambda p: p in grads, bool(problems) or failure is not None)
-        steps = GroupSteps(self.ns_dtype, self.comm_stats, self._telemetry, self.foreach)  # this step's meters
+        steps = GroupSteps(self.ns_dtype, self.comm_stats, self._telemetry, self.foreach, self.fused)  # step's meters
         clean = not problems and failure is None
         if clean:
             steps.make_muon_state(grads, muon_groups, self.state)
