@@ -60,6 +60,7 @@ from dmuon.options import (
     check_muon_hyperparameters,
     check_ns_dtype,
     check_optimizer_options,
+    check_tensor_lr_path,
 )
 from dmuon.param_groups import build_param_groups, split_options
 from dmuon.pickling import PicklesConfiguration
@@ -167,6 +168,7 @@ class DMuon(PicklesConfiguration, Optimizer):
         self._muon_defaults, self._adamw_defaults = muon_defaults, adamw_defaults
         self.comm, self.max_batch_numel, self.split_replicas = comm, max_batch_numel, split_replicas
         self.ns_dtype, self.foreach, self.fused = check_ns_dtype(ns_dtype), check_foreach(foreach), check_fused(fused)
+        check_tensor_lr_path(adamw_defaults["lr"], self.foreach, self.fused, "DMuon (AdamW part)")
         self.link_gbps = check_link_gbps(link_gbps, "link_gbps", "DMuon")
         self.replica_link_gbps = check_link_gbps(replica_link_gbps, "replica_link_gbps", "DMuon")
         self._names: dict[torch.Tensor, str] = {}

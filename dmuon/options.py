@@ -239,6 +239,16 @@ def check_fused(value: Any, where: str = "DMuon") -> bool | None:
     return value
 
 
+def check_tensor_lr_path(lr: Any, foreach: bool | None, fused: bool | None, where: str) -> None:
+    """torch.optim.AdamW refuses a Tensor ``lr`` with ``foreach=True`` when it is built (its
+    list path takes a Tensor lr only with ``capturable``, which DMuon's AdamW part does
+    not have); DMuon refuses the same, with torch's words, before any step can half-run."""
+    if isinstance(lr, torch.Tensor) and foreach and not fused:
+        raise ValueError(f"{where}: lr as a Tensor is not supported for capturable=False and foreach=True "
+                         "(torch.optim.AdamW's rule; DMuon's AdamW part has no capturable path): give the AdamW "
+                         "part a float lr (adamw_lr), or set foreach=False or None, or fused=True")
+
+
 def takes_fused_adamw(param: torch.Tensor) -> bool:
     """Whether torch's fused AdamW steps ``param``: floating point, on a device it has the
     kernel for (``dmuon.torch_compat.fused_adamw_devices``: CUDA and CPU among them)."""

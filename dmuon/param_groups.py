@@ -24,6 +24,7 @@ from dmuon.options import (
     check_fused_params,
     check_muon_hyperparameters,
     check_muon_param,
+    check_tensor_lr_path,
 )
 
 # By default, a parameter with ndim >= 2 gets Muon unless its name marks it as an
@@ -219,7 +220,7 @@ def make_group(
     if has_names:
         group["param_names"] = [n for n, _ in members]
     group.update(use_muon=use_muon, **values)
-    group.update(_own_flags(members, use_muon, options, implementation or {}, where))
+    group.update(_own_flags(members, use_muon, options, values["lr"], implementation or {}, where))
     if "initial_lr" in options:
         group["initial_lr"] = options["initial_lr"]
     return group
@@ -233,11 +234,11 @@ def check_no_fused_muon(options: dict[str, Any], use_muon: bool | None, where: s
                          "group without use_muon (its AdamW part)")
 
 
-def _own_flags(members: list[tuple[str, torch.Tensor]], use_muon: bool, options: dict[str, Any],
+def _own_flags(members: list[tuple[str, torch.Tensor]], use_muon: bool, options: dict[str, Any], lr: Any,
                implementation: Mapping[str, Any], where: str) -> dict[str, Any]:
     """The group's own ``foreach`` / ``fused``, checked. An AdamW group is checked with the
-    flags it will step with, as torch.optim.AdamW checks them (fused for a device or dtype
-    torch has no fused kernel for), but here, at construction.
+    flags it will step with, as torch.optim.AdamW checks them (a Tensor lr with foreach;
+    fused for a device or dtype torch has no fused kernel for), but here, at construction.
     A Muon group keeps no ``fused``: a split group's Muon part leaves it to the AdamW part
     (``check_no_fused_muon`` refuses it in a Muon group)."""
     own = {key: options[key] for key in IMPLEMENTATION_KEYS if key in options}
@@ -246,7 +247,9 @@ def _own_flags(members: list[tuple[str, torch.Tensor]], use_muon: bool, options:
     if use_muon:
         own.pop("fused", None)
         return own
-    if {**implementation, **own}.get("fused"):
+    flags = {**implementation, **own}
+    check_tensor_lr_path(lr, flags.get("foreach"), flags.get("fused"), where)
+    if flags.get("fused"):
         check_fused_params(members, where)
     return own
 

@@ -1,6 +1,7 @@
 """DMuon's implementation flags, ``foreach`` and ``fused``, as torch.optim keeps them: the
-AdamW part steps with ``torch.optim.AdamW``'s bits for the same flag, and a param group may
-set either for itself.
+AdamW part steps with ``torch.optim.AdamW``'s bits for the same flag, a param group may set
+either for itself, and a combination torch.optim.AdamW refuses when it is built (a Tensor
+lr with ``foreach=True``) is refused when DMuon is built, before any step.
 """
 
 from __future__ import annotations
@@ -15,6 +16,10 @@ from dmuon import DMuon
 from tests.test_torch_optim_contract import ADAMW_LR, HYPER, MUON_LR, _assert_bitwise_equal, _run, _tiny_lm, _torch_pair
 
 pytestmark = [pytest.mark.unit, pytest.mark.usefixtures("one_thread")]
+
+# torch's own words for the combination it refuses (torch.optim.AdamW.__init__).
+TORCH_TENSOR_LR_FOREACH = "lr as a Tensor is not supported for capturable=False and foreach=True"
+
 
 def _matrix_and_vector() -> tuple[nn.Parameter, nn.Parameter]:
     torch.manual_seed(0)
@@ -163,3 +168,47 @@ def test_fused_true_in_a_muon_group_is_refused_naming_it():
 def test_a_group_foreach_that_is_not_a_bool_or_none_is_rejected_naming_the_group():
     with pytest.raises(ValueError, match=r"^DMuon param group 0: foreach must be True, False or None"):
         DMuon([{"params": list(_matrix_and_vector()), "foreach": "yes"}])
+
+
+# ------------------------------------------------------------------ Tensor lr with foreach
+
+
+def test_a_tensor_lr_with_foreach_is_refused_at_construction_as_torch_adamw_refuses_it():
+    matrix, vector = _matrix_and_vector()
+    with pytest.raises(ValueError, match=TORCH_TENSOR_LR_FOREACH):
+        torch.optim.AdamW([vector], lr=torch.tensor(0.01), foreach=True)
+    with pytest.raises(ValueError, match=rf"^DMuon \(AdamW part\): {TORCH_TENSOR_LR_FOREACH} .*adamw_lr"):
+        DMuon([matrix, vector], lr=torch.tensor(0.01), foreach=True)
+
+
+def test_a_tensor_lr_refused_with_foreach_leaves_no_parameter_changed():
+    """Refused when built, so no step can half-apply (Muon moved, AdamW raised)."""
+    matrix, vector = _matrix_and_vector()
+    before = [matrix.detach().clone(), vector.detach().clone()]
+    with pytest.raises(ValueError):
+        DMuon([matrix, vector], lr=torch.tensor(0.01), foreach=True)
+    assert torch.equal(matrix, before[0]) and torch.equal(vector, before[1])
+
+
+def test_an_adamw_group_with_a_tensor_lr_and_foreach_is_refused_when_added():
+    matrix, vector = _matrix_and_vector()
+    dmuon = DMuon([matrix], foreach=True)
+    with pytest.raises(ValueError, match=rf"^DMuon param group 1: {TORCH_TENSOR_LR_FOREACH}"):
+        dmuon.add_param_group({"params": [vector], "use_muon": False, "lr": torch.tensor(0.01)})
+
+
+@pytest.mark.parametrize("escape", [dict(adamw_lr=1e-3), dict(foreach=None), dict(fused=True)],
+                         ids=["float adamw_lr", "foreach None", "fused"])
+def test_a_tensor_lr_with_foreach_is_taken_where_the_adamw_part_has_a_path(escape):
+    matrix, vector = _matrix_and_vector()
+    options = dict(dict(lr=torch.tensor(0.01), foreach=True), **escape)
+    dmuon = DMuon([matrix, vector], **options)
+    matrix.grad, vector.grad = torch.randn(4, 4), torch.randn(4)
+    dmuon.step()
+
+
+def test_a_muon_group_takes_a_tensor_lr_with_foreach():
+    """Muon's list ops take a Tensor lr; only the AdamW part follows torch.optim.AdamW."""
+    matrix, _ = _matrix_and_vector()
+    dmuon = DMuon([matrix], adamw_lr=1e-3, foreach=True)
+    dmuon.add_param_group({"params": [nn.Parameter(torch.randn(4, 4))], "use_muon": True, "lr": torch.tensor(0.01)})
