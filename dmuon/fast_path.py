@@ -243,7 +243,9 @@ class FastPath:
                                   [ok[j] for j in members])
         bufs = run.blocks.kept("momentum_buffer", local_bufs)
         targets = run.blocks.kept("param", run.locals(), flat=True)
-        moments = {j: self._moment(run, j, state) for j, group in enumerate(param_groups) if group["normuon"]}
+        # NorMuon rows (zeros before the state exists: the sum sharing them has one size everywhere).
+        moments = {j: m if (m := GroupSteps.second_moment(p, state)) is not None else local_of(normuon_state(p))
+                   for j, (p, group) in enumerate(zip(params, param_groups)) if group["normuon"]}
         grad_blocks: dict[int, list[torch.Tensor]] = {}  # this step's grads, split on first use
 
         def pack_blocks(units: Sequence[int]) -> list[torch.Tensor]:
@@ -278,15 +280,6 @@ class FastPath:
         run_owner_plan(run.plan, range(len(params)), group=run.group, rank=run.rank, device=run.device,
                        callbacks=callbacks, stats=stats, meter=meter)
         share_second_moments(run.plan, run.rank, moments, run.group, run.device)
-
-    @staticmethod
-    def _moment(run: OwnerRun, j: int, state: Mapping[torch.Tensor, dict[str, Any]]) -> torch.Tensor:
-        """Plan parameter ``j``'s NorMuon rows on this rank (zeros before its state exists:
-        the sum that shares them has the same size on every rank)."""
-        moment = GroupSteps.second_moment(run.params[j], state)
-        if moment is not None:
-            return moment
-        return local_of(normuon_state(run.params[j]))
 
 
 def _same(recv: torch.Tensor) -> torch.Tensor:

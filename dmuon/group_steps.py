@@ -20,6 +20,7 @@ from dmuon.exchange.reference import orthogonalize_gathered
 from dmuon.numerics.functional import (
     adamw_,
     adamw_state,
+    adamw_steps,
     muon_,
     newton_schulz,
     newton_schulz_work,
@@ -46,12 +47,15 @@ NORMUON_STATE_KEY = "normuon_second_moment"
 class GroupSteps:
     """Muon's and AdamW's steps with a group's settings, counted and timed."""
 
-    def __init__(self, ns_dtype: str, stats: CommStats, telemetry: Telemetry, foreach: bool | None = None) -> None:
+    def __init__(self, ns_dtype: str, stats: CommStats, telemetry: Telemetry, foreach: bool | None = None,
+                 fused: bool | None = None) -> None:
         self.ns_dtype = ns_dtype
         self.stats = stats
         self.telemetry = telemetry
         self.foreach = foreach
         """The optimizer's ``foreach``: None lets torch choose per device (``dmuon.numerics.update_lists``)."""
+        self.fused = fused
+        """The optimizer's ``fused``: the AdamW part steps with torch's fused AdamW."""
 
     def orthogonalize(self, matrix: torch.Tensor, group: dict[str, Any],
                       second_moment: torch.Tensor | None = None, ok: torch.Tensor | None = None) -> torch.Tensor:
@@ -71,14 +75,15 @@ class GroupSteps:
                 ortho = normuon_normalize_(ortho, second_moment, group["normuon_beta2"], group["split_rows"], ok)
             return ortho
 
-    def lists_for(self, device: torch.device) -> bool:
-        """Whether the elementwise rules run as list ops on ``device``."""
-        return resolve_foreach(self.foreach, device)
+    def lists_for(self, device: torch.device, group: dict[str, Any] | None = None) -> bool:
+        """Whether the elementwise rules (of ``group``) run as list ops on ``device``: the
+        group's ``foreach`` where it sets one (torch keeps it per group), else the optimizer's."""
+        return resolve_foreach(self.foreach if group is None else group.get("foreach", self.foreach), device)
 
     def momentum(self, bufs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], group: dict[str, Any]) -> None:
         """The momentum EMA of one group's local tensors, in place."""
         if bufs:
-            momentum_(bufs, grads, group["momentum"], self.lists_for(bufs[0].device))
+            momentum_(bufs, grads, group["momentum"], self.lists_for(bufs[0].device, group))
 
     def masked_momentum(self, bufs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], group: dict[str, Any],
                         oks: Sequence[torch.Tensor]) -> None:
@@ -90,7 +95,7 @@ class GroupSteps:
         """What one group's blocks orthogonalize, in their dtype (after :meth:`momentum`)."""
         if not grads:
             return []
-        return lookahead(grads, bufs, group["momentum"], group["nesterov"], self.lists_for(grads[0].device))
+        return lookahead(grads, bufs, group["momentum"], group["nesterov"], self.lists_for(grads[0].device, group))
 
     def apply_many(self, params: Sequence[torch.Tensor], targets: Sequence[torch.Tensor],
                    orthos: Sequence[torch.Tensor], groups: Sequence[dict[str, Any]],
@@ -101,7 +106,6 @@ class GroupSteps:
         device bool holds (its ``ortho`` already zero elsewhere)."""
         if not targets:
             return
-        foreach = self.lists_for(targets[0].device)
         buckets: dict[tuple[int, float], tuple[dict[str, Any], float, list[int]]] = {}
         for k, (param, group) in enumerate(zip(params, groups)):
             scale = _scale(param.shape, group["split_rows"], group["adjust_lr"], group["matched_adamw_rms"])
@@ -109,7 +113,8 @@ class GroupSteps:
         targets, orthos = map(list, zip(*(_same_shape(t, o) for t, o in zip(targets, orthos))))
         with self.telemetry.muon_updates(targets):
             for group, scale, members in buckets.values():
-                settings = (group["lr"], group["weight_decay"], scale, group["cautious_weight_decay"], foreach)
+                settings = (group["lr"], group["weight_decay"], scale, group["cautious_weight_decay"],
+                            self.lists_for(targets[0].device, group))
                 if oks is None:
                     apply_muon_updates_([targets[k] for k in members], [orthos[k] for k in members], *settings)
                 else:
@@ -151,8 +156,31 @@ class GroupSteps:
         muon_(local_params, [local_of(grads[p]) for p in params],
               [local_of(state[p]["momentum_buffer"]) for p in params], shapes=[p.shape for p in params],
               orthogonalize=orthogonalize, updating=self.telemetry.muon_update,
-              foreach=bool(local_params) and self.lists_for(local_params[0].device),
+              foreach=bool(local_params) and self.lists_for(local_params[0].device, group),
               **{key: group[key] for key in MUON_STEP_KEYS})
+
+    def adamw_part(self, param_groups: Sequence[dict[str, Any]], state: Mapping[torch.Tensor, dict[str, Any]]
+                   ) -> Exception | None:
+        """Every AdamW group's step (local: no collective), run before the Muon part: what
+        it raises is returned, so the Muon part still runs every rank's collectives, masked
+        on every rank (no Muon parameter moves), and ``DMuon.step`` raises it at its end."""
+        try:
+            for group in (g for g in param_groups if not g["use_muon"]):
+                self.adamw(group, state)
+        except Exception as error:  # noqa: BLE001 - re-raised by DMuon.step() after the collectives
+            return error
+        return None
+
+    def muon_off_the_fast_path(self, param_groups: Sequence[dict[str, Any]], paths: Mapping[torch.Tensor, str],
+                               grads: Mapping[torch.Tensor, torch.Tensor], oks: Mapping[torch.Tensor, torch.Tensor],
+                               state: Mapping[torch.Tensor, dict[str, Any]], clean: bool) -> None:
+        """Every Muon group's parameters the fast path did not run: the distributed ones
+        masked (:meth:`muon_masked`), every step; the plain ones (:meth:`muon_whole`) only
+        in a ``clean`` step (no problem on this rank)."""
+        for group in (g for g in param_groups if g["use_muon"]):
+            self.muon_masked(group, paths, grads, oks, state)
+            if clean:
+                self.muon_whole(group, paths, grads, state)
 
     def muon_masked(self, group: dict[str, Any], paths: Mapping[torch.Tensor, str],
                     grads: Mapping[torch.Tensor, torch.Tensor], oks: Mapping[torch.Tensor, torch.Tensor],
@@ -185,18 +213,21 @@ class GroupSteps:
             self.apply_many([param], [local_of(param)], [ortho], [group], [ok[i]])
 
     def adamw(self, group: dict[str, Any], state: Mapping[torch.Tensor, dict[str, Any]]) -> None:
-        """AdamW for the group's parameters with a grad (state made at their first step)."""
+        """AdamW for the group's parameters with a grad (state made at their first step),
+        with the group's ``foreach`` / ``fused`` where it sets them, else the optimizer's."""
         params = [p for p in group["params"] if p.grad is not None]
+        fused = group.get("fused", self.fused)
         for param in params:
             if not state[param]:
-                state[param].update(adamw_state(param))
+                state[param].update(adamw_state(param, fused))
         if params:
             states = [state[p] for p in params]
             with self.telemetry.adamw_update([local_of(p) for p in params]):
                 adamw_(params, [p.grad for p in params], [s["exp_avg"] for s in states],
-                       [s["exp_avg_sq"] for s in states], [s["step"] for s in states], lr=group["lr"],
+                       [s["exp_avg_sq"] for s in states], adamw_steps(states, params, fused), lr=group["lr"],
                        betas=group["betas"], eps=group["eps"], weight_decay=group["weight_decay"],
-                       cautious_weight_decay=group["cautious_weight_decay"], foreach=self.foreach)
+                       cautious_weight_decay=group["cautious_weight_decay"],
+                       foreach=group.get("foreach", self.foreach), fused=fused)
 
 
 def _same_shape(target: torch.Tensor, ortho: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

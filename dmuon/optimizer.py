@@ -40,7 +40,7 @@ from dmuon.attention.clipping import AttentionClip, muon_group_threshold
 from dmuon.attention.max_logits import MaxLogitTracker
 from dmuon.attention.qk_clip import AttentionHeads
 from dmuon.exchange.comm import CommStats, ScratchMeter
-from dmuon.exchange.grad_status import GradStatus, local_problems, usable_grads
+from dmuon.exchange.grad_status import GradStatus, step_problems, usable_grads
 from dmuon.fast_path import FastPath
 from dmuon.group_steps import GroupSteps
 from dmuon.numerics.newton_schulz import (
@@ -55,10 +55,12 @@ from dmuon.numerics.update_rules import DEFAULT_MATCHED_ADAMW_RMS, DEFAULT_NORMU
 from dmuon.options import (
     check_adamw_hyperparameters,
     check_foreach,
+    check_fused,
     check_link_gbps,
     check_muon_hyperparameters,
     check_ns_dtype,
     check_optimizer_options,
+    check_tensor_lr_path,
 )
 from dmuon.param_groups import build_param_groups, split_options
 from dmuon.pickling import PicklesConfiguration
@@ -109,6 +111,8 @@ class DMuon(PicklesConfiguration, Optimizer):
             choice is exact across world sizes.
         telemetry: record each step's figures, read with :meth:`telemetry`.
         foreach: elementwise rules and AdamW as list ops; None: torch's default per device.
+        fused: the AdamW part steps with torch's fused AdamW (``torch.optim.AdamW(fused=True)``'s bits).
+            A group may set ``foreach`` and ``fused`` for itself, as torch's groups do.
 
     Non-finite gradients are not filtered (as in ``torch.optim.Muon``): a NaN makes its whole
     matrix non-finite on every rank, and ranks stay in step. Clip or skip such steps upstream.
@@ -146,6 +150,7 @@ class DMuon(PicklesConfiguration, Optimizer):
         replica_link_gbps: float = CostModel.replica_link_gbps,
         telemetry: bool = False,
         foreach: bool | None = None,
+        fused: bool | None = None,
     ) -> None:
         if isinstance(params, (set, frozenset)):
             # A set's order differs between processes: ranks would plan differently.
@@ -162,7 +167,8 @@ class DMuon(PicklesConfiguration, Optimizer):
         check_adamw_hyperparameters(dict(adamw_defaults), "DMuon (AdamW part)")
         self._muon_defaults, self._adamw_defaults = muon_defaults, adamw_defaults
         self.comm, self.max_batch_numel, self.split_replicas = comm, max_batch_numel, split_replicas
-        self.ns_dtype, self.foreach = check_ns_dtype(ns_dtype), check_foreach(foreach)
+        self.ns_dtype, self.foreach, self.fused = check_ns_dtype(ns_dtype), check_foreach(foreach), check_fused(fused)
+        check_tensor_lr_path(adamw_defaults["lr"], self.foreach, self.fused, "DMuon (AdamW part)")
         self.link_gbps = check_link_gbps(link_gbps, "link_gbps", "DMuon")
         self.replica_link_gbps = check_link_gbps(replica_link_gbps, "replica_link_gbps", "DMuon")
         self._names: dict[torch.Tensor, str] = {}
@@ -188,7 +194,7 @@ class DMuon(PicklesConfiguration, Optimizer):
         """Add a group; one without ``use_muon`` is split into a Muon and an AdamW group
         (``dmuon.param_groups.build_param_groups``)."""
         built = build_param_groups(param_group, self._groups_added, self.param_groups, self._muon_defaults,
-                                   self._adamw_defaults)
+                                   self._adamw_defaults, {"foreach": self.foreach, "fused": self.fused})
         self._groups_added += 1
         for names, group in built:
             self._names.update(zip(group["params"], names))
@@ -246,9 +252,9 @@ class DMuon(PicklesConfiguration, Optimizer):
         self._fast_path.plan(muon_groups, self.param_name)
         # A DTensor's device is its local shard's.
         self._telemetry.begin_step(self.param_groups[0]["params"][0].device, self.comm_stats.bytes_sent)
-        steps = GroupSteps(self.ns_dtype, self.comm_stats, self._telemetry, self.foreach)  # this step's meters
-        invalid, problems = step_problems(self.param_groups, self._fast_path, self.param_name)
-        failure = None if problems else adamw_part(self.param_groups, self.state, steps)  # local work first
+        steps = GroupSteps(self.ns_dtype, self.comm_stats, self._telemetry, self.foreach, self.fused)  # this step's meters
+        invalid, problems = step_problems(self.param_groups, self.param_name, self._fast_path.shard_problem)
+        failure = None if problems else steps.adamw_part(self.param_groups, self.state)  # local work first
         grads = usable_grads(list(muon_groups), invalid)
         clean = not problems and failure is None
         oks = self._grad_status.agree(list(muon_groups), self.param_name, lambda p: p in grads, not clean)
@@ -256,41 +262,13 @@ class DMuon(PicklesConfiguration, Optimizer):
             steps.make_muon_state(grads, muon_groups, self.state)
         self.scratch_stats.reset_peak()
         self._fast_path.step(grads, oks, muon_groups, self.state, steps, self.comm_stats, self.scratch_stats)
-        for group in (g for g in self.param_groups if g["use_muon"]):
-            steps.muon_masked(group, self._paths(), grads, oks, self.state)
-            if clean:
-                steps.muon_whole(group, self._paths(), grads, self.state)
+        steps.muon_off_the_fast_path(self.param_groups, self._paths(), grads, oks, self.state, clean)
         if clip := self._attention_clip.step(muon_group_threshold(muon_groups, self.param_name)):
             self._telemetry.qk_clip(clip.largest, clip.clipped_heads)
-        # After the collectives every rank runs (the others raise at their next step); the
-        # telemetry keeps the last complete step's figures.
-        if failure is not None:
+        if failure is not None:  # after every rank's collectives; the telemetry keeps the last whole step
             raise failure
         if problems:
             raise ValueError(f"DMuon: {problems[0]}")
         self._telemetry.end_step(self.comm_stats.bytes_sent)
         return loss
 
-
-def adamw_part(param_groups: list[dict[str, Any]], state: dict[torch.Tensor, dict[str, Any]], steps: GroupSteps
-               ) -> Exception | None:
-    """The AdamW groups' step (local: no collective), run before the Muon part: what it
-    raises is returned, so the Muon part still runs every rank's collectives, masked on
-    every rank (no Muon parameter moves), and the step raises it at its end."""
-    try:
-        for group in (g for g in param_groups if not g["use_muon"]):
-            steps.adamw(group, state)
-    except Exception as error:  # noqa: BLE001 - re-raised by DMuon.step() after the collectives
-        return error
-    return None
-
-
-def step_problems(param_groups: list[dict[str, Any]], fast_path: FastPath, name_of: Callable[[torch.Tensor], str]
-                  ) -> tuple[dict[torch.Tensor, str], list[str]]:
-    """This rank's own problems with the step: its invalid grads (by parameter) and every
-    problem as the message it raises (a wrong shard included)."""
-    invalid = local_problems(param_groups)
-    problems = [f"parameter {name_of(p)!r}: {why}" for p, why in invalid.items()]
-    if shards := fast_path.shard_problem(name_of):
-        problems.append(shards)
-    return invalid, problems

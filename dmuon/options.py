@@ -10,6 +10,7 @@ prefix.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -25,6 +26,7 @@ from dmuon.numerics.newton_schulz import (
 )
 from dmuon.numerics.update_rules import ADJUST_LR_CHOICES
 from dmuon.plan.paths import COMM_CHOICES
+from dmuon.torch_compat import fused_adamw_devices
 
 
 def resolve_ns_coefficients(value: Any) -> str | tuple[float, float, float] | tuple[tuple[float, float, float], ...]:
@@ -226,6 +228,41 @@ def check_foreach(value: Any, where: str = "DMuon") -> bool | None:
         raise ValueError(f"{where}: foreach must be True, False or None (torch's default for the device), "
                          f"got {value!r}")
     return value
+
+
+def check_fused(value: Any, where: str = "DMuon") -> bool | None:
+    """``fused``: True (the AdamW part steps with torch's fused AdamW kernel), False, or
+    None (not fused: torch.optim.AdamW's default)."""
+    if not (value is None or isinstance(value, bool)):
+        raise ValueError(f"{where}: fused must be True, False or None (not fused, torch.optim.AdamW's default), "
+                         f"got {value!r}; fused=True steps the AdamW part with torch's fused AdamW")
+    return value
+
+
+def check_tensor_lr_path(lr: Any, foreach: bool | None, fused: bool | None, where: str) -> None:
+    """torch.optim.AdamW refuses a Tensor ``lr`` with ``foreach=True`` when it is built (its
+    list path takes a Tensor lr only with ``capturable``, which DMuon's AdamW part does
+    not have); DMuon refuses the same, with torch's words, before any step can half-run."""
+    if isinstance(lr, torch.Tensor) and foreach and not fused:
+        raise ValueError(f"{where}: lr as a Tensor is not supported for capturable=False and foreach=True "
+                         "(torch.optim.AdamW's rule; DMuon's AdamW part has no capturable path): give the AdamW "
+                         "part a float lr (adamw_lr), or set foreach=False or None, or fused=True")
+
+
+def takes_fused_adamw(param: torch.Tensor) -> bool:
+    """Whether torch's fused AdamW steps ``param``: floating point, on a device it has the
+    kernel for (``dmuon.torch_compat.fused_adamw_devices``: CUDA and CPU among them)."""
+    return param.is_floating_point() and param.device.type in fused_adamw_devices()
+
+
+def check_fused_params(named: Iterable[tuple[str, torch.Tensor]], where: str) -> None:
+    """``fused=True`` for these parameters: torch.optim.AdamW finds an unsupported one at its
+    first step, DMuon when the group is made."""
+    for name, param in named:
+        if not takes_fused_adamw(param):
+            raise ValueError(f"{where}: fused=True needs floating-point parameters on one of "
+                             f"{fused_adamw_devices()} (torch's fused AdamW), but {name!r} is {param.dtype} on "
+                             f"{param.device.type}; set fused=False or None for its group (or the optimizer)")
 
 
 def check_link_gbps(value: Any, name: str, where: str = "DMuon") -> float:

@@ -7,6 +7,7 @@ which algorithm, which values are legal) read in one place.
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -16,7 +17,15 @@ from dmuon.numerics.newton_schulz import (
     DEFAULT_NS_ALGORITHM,
 )
 from dmuon.numerics.update_rules import DEFAULT_NORMUON_BETA2
-from dmuon.options import check_adamw_hyperparameters, check_muon_hyperparameters, check_muon_param
+from dmuon.options import (
+    check_adamw_hyperparameters,
+    check_foreach,
+    check_fused,
+    check_fused_params,
+    check_muon_hyperparameters,
+    check_muon_param,
+    check_tensor_lr_path,
+)
 
 # By default, a parameter with ndim >= 2 gets Muon unless its name marks it as an
 # embedding or an output head: those are lookup tables / classifiers, not linear maps
@@ -59,13 +68,17 @@ VARIANT_DEFAULTS = {"normuon": False, "normuon_beta2": DEFAULT_NORMUON_BETA2, "c
 ADAMW_ALIASES = {"adamw_lr": "lr", "adamw_betas": "betas", "adamw_eps": "eps", "adamw_weight_decay": "weight_decay"}
 # The LR schedulers' key: it goes to every group made from the user's group.
 SCHEDULER_KEYS = ("initial_lr",)
+# torch.optim's implementation flags, which torch keeps per group: a group that sets one
+# steps with it (None: torch's default for the device), a group without it with the
+# optimizer's. ``fused`` is the AdamW part's alone: Muon has no fused kernel.
+IMPLEMENTATION_KEYS = ("foreach", "fused")
 # The options a user's group may set (besides ``params``, ``param_names`` and
 # ``use_muon``), by what it becomes: a Muon group (``use_muon=True``), an AdamW group
 # (``use_muon=False``), or both (no ``use_muon``: split by the default routing).
 GROUP_OPTIONS = {
-    True: frozenset(MUON_KEYS + SCHEDULER_KEYS),
-    False: frozenset(ADAMW_KEYS + tuple(ADAMW_ALIASES) + SCHEDULER_KEYS),
-    None: frozenset(MUON_KEYS + ADAMW_KEYS + tuple(ADAMW_ALIASES) + SCHEDULER_KEYS),
+    True: frozenset(MUON_KEYS + SCHEDULER_KEYS + IMPLEMENTATION_KEYS),
+    False: frozenset(ADAMW_KEYS + tuple(ADAMW_ALIASES) + SCHEDULER_KEYS + IMPLEMENTATION_KEYS),
+    None: frozenset(MUON_KEYS + ADAMW_KEYS + tuple(ADAMW_ALIASES) + SCHEDULER_KEYS + IMPLEMENTATION_KEYS),
 }
 GROUP_KIND = {True: "a Muon group", False: "an AdamW group", None: "a group without use_muon (split)"}
 
@@ -94,9 +107,11 @@ def build_param_groups(
     existing: list[dict[str, Any]],
     muon_defaults: dict[str, Any],
     adamw_defaults: dict[str, Any],
+    implementation: Mapping[str, Any] | None = None,
 ) -> list[tuple[list[str], dict[str, Any]]]:
     """DMuon's groups for the user's ``index``-th group, each with its parameters'
-    display names; ``existing`` (the groups made so far) is only read.
+    display names; ``existing`` (the groups made so far) is only read; ``implementation``:
+    the optimizer's ``foreach`` and ``fused``, for a group that sets neither.
 
     A group without ``use_muon`` is split by :func:`default_use_muon` into a Muon and
     an AdamW group (each keeps the options it knows). A group of ``(name, tensor)``
@@ -117,12 +132,14 @@ def build_param_groups(
     if unknown:
         raise ValueError(f"{where}: unknown option(s) {sorted(unknown)} for {GROUP_KIND[use_muon]}; "
                          f"known: {sorted(GROUP_OPTIONS[use_muon])}")
+    check_no_fused_muon(options, use_muon, where)
     groups = []
     for kind in (True, False) if use_muon is None else (use_muon,):
         members = [(n, p) for n, p in named if use_muon is not None or default_use_muon(n, p) == kind]
         if members:
             defaults = muon_defaults if kind else adamw_defaults
-            groups.append(([n for n, _ in members], make_group(members, kind, has_names, options, defaults, where)))
+            group = make_group(members, kind, has_names, options, defaults, where, implementation)
+            groups.append(([n for n, _ in members], group))
     return groups
 
 
@@ -185,8 +202,11 @@ def make_group(
     options: dict[str, Any],
     defaults: dict[str, Any],
     where: str,
+    implementation: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """One checked Muon or AdamW group: the group's options over the optimizer's defaults."""
+    """One checked Muon or AdamW group: the group's options over the optimizer's defaults,
+    and its own ``foreach`` / ``fused`` where it sets them (``implementation``: the
+    optimizer's, which a group without them steps with)."""
     if use_muon:
         values = {key: options.get(key, defaults[key]) for key in MUON_KEYS}
         check_muon_hyperparameters(values, where)
@@ -200,9 +220,38 @@ def make_group(
     if has_names:
         group["param_names"] = [n for n, _ in members]
     group.update(use_muon=use_muon, **values)
+    group.update(_own_flags(members, use_muon, options, values["lr"], implementation or {}, where))
     if "initial_lr" in options:
         group["initial_lr"] = options["initial_lr"]
     return group
+
+
+def check_no_fused_muon(options: dict[str, Any], use_muon: bool | None, where: str) -> None:
+    """``fused=True`` where it has no path: a Muon group (torch's fused kernel is AdamW's)."""
+    if use_muon and options.get("fused"):
+        raise ValueError(f"{where}: fused=True has no path in a Muon group (torch's fused kernel is AdamW's; Muon's "
+                         "elementwise rules run as list ops with foreach=True): set fused on an AdamW group or on a "
+                         "group without use_muon (its AdamW part)")
+
+
+def _own_flags(members: list[tuple[str, torch.Tensor]], use_muon: bool, options: dict[str, Any], lr: Any,
+               implementation: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """The group's own ``foreach`` / ``fused``, checked. An AdamW group is checked with the
+    flags it will step with, as torch.optim.AdamW checks them (a Tensor lr with foreach;
+    fused for a device or dtype torch has no fused kernel for), but here, at construction.
+    A Muon group keeps no ``fused``: a split group's Muon part leaves it to the AdamW part
+    (``check_no_fused_muon`` refuses it in a Muon group)."""
+    own = {key: options[key] for key in IMPLEMENTATION_KEYS if key in options}
+    check_foreach(own.get("foreach"), where)
+    check_fused(own.get("fused"), where)
+    if use_muon:
+        own.pop("fused", None)
+        return own
+    flags = {**implementation, **own}
+    check_tensor_lr_path(lr, flags.get("foreach"), flags.get("fused"), where)
+    if flags.get("fused"):
+        check_fused_params(members, where)
+    return own
 
 
 def fill_in_variant_defaults(groups: list[dict[str, Any]]) -> None:

@@ -49,6 +49,47 @@ def test_dmuon_on_one_gpu_is_bitwise_equal_to_torch_muon():
     assert all(torch.equal(a, b) for a, b in zip(ours, theirs))
 
 
+def _adamw_on_cuda(make, steps: range, params=None) -> tuple[torch.optim.Optimizer, list[nn.Parameter]]:
+    """An optimizer over two CUDA vectors (sizes the fused kernel and the loop round apart),
+    stepped with the same grads whatever it is."""
+    if params is None:
+        generator = torch.Generator().manual_seed(2)
+        params = [nn.Parameter(torch.randn(n, generator=generator).cuda()) for n in (1037, 231)]
+    optimizer = make(params)
+    for step in steps:
+        for index, param in enumerate(params):
+            generator = torch.Generator().manual_seed(100 * step + index)
+            param.grad = torch.randn(param.shape, generator=generator).cuda()
+        optimizer.step()
+    return optimizer, params
+
+
+def test_a_fused_adamw_part_on_cuda_steps_with_torchs_fused_adamw_bits():
+    from dmuon import DMuon
+
+    adamw = dict(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
+    ours, mine = _adamw_on_cuda(lambda ps: DMuon([{"params": ps, "use_muon": False}], fused=True, **adamw), range(3))
+    theirs, reference = _adamw_on_cuda(lambda ps: torch.optim.AdamW(ps, fused=True, **adamw), range(3))
+    assert all(torch.equal(a, b) for a, b in zip(mine, reference))
+    assert all(ours.state[p]["step"].is_cuda for p in mine)
+
+
+def test_a_host_step_counter_loaded_into_a_fused_dmuon_moves_to_the_gpu_exactly():
+    """A checkpoint of a run without fused keeps its step counters on the host; the fused
+    kernel reads them on the GPU."""
+    from dmuon import DMuon
+
+    adamw = dict(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
+    unfused, params = _adamw_on_cuda(lambda ps: DMuon([{"params": ps, "use_muon": False}], **adamw), range(2))
+    twins = [nn.Parameter(p.detach().clone()) for p in params]
+    fused, _ = _adamw_on_cuda(lambda ps: DMuon([{"params": ps, "use_muon": False}], fused=True, **adamw), range(0),
+                              twins)
+    fused.load_state_dict(unfused.state_dict())
+    _adamw_on_cuda(lambda ps: fused, range(2, 3), twins)
+    assert [fused.state[p]["step"].item() for p in twins] == [3.0, 3.0]
+    assert all(fused.state[p]["step"].is_cuda for p in twins)
+
+
 def _bf16_step(foreach: bool, cautious: bool) -> list[torch.Tensor]:
     from dmuon import DMuon
 

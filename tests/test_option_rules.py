@@ -121,10 +121,11 @@ def test_a_link_speed_that_is_not_a_positive_finite_number_is_rejected_naming_it
 
 def test_the_toml_defaults_are_dmuons_defaults():
     """Every ``[optimizer]`` field mapped onto a DMuon keyword defaults to what DMuon
-    defaults to (lr, betas and eps are TorchTitan's own fields, with its defaults)."""
+    defaults to (lr, betas and eps are TorchTitan's own fields, with its defaults, and so is
+    implementation, which makes foreach and fused)."""
     signature = inspect.signature(DMuon).parameters
     kwargs = dmuon_kwargs(ConfigManager().parse_args(EXT).optimizer)
-    torchtitan_owned = {"lr", "adamw_betas", "adamw_eps", "weight_decay", "adamw_lr"}
+    torchtitan_owned = {"lr", "adamw_betas", "adamw_eps", "weight_decay", "adamw_lr", "foreach", "fused"}
     compared = set()
     for keyword, value in kwargs.items():
         if keyword in torchtitan_owned or keyword not in signature:

@@ -9,6 +9,7 @@ Skipped unless TorchTitan 0.3.x is installed.
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 
@@ -80,9 +81,11 @@ def test_a_whole_optimizer_option_in_a_group_is_refused_pointing_to_the_factory_
         dmuon_optimizer(telemetry=True)
 
 
-def test_fused_in_a_dmuon_group_is_refused():
-    with pytest.raises(ValueError, match=r"'fused' does not apply to DMuon"):
-        dmuon_optimizer(fused=True)
+def test_fused_true_in_a_muon_only_dmuon_group_is_refused_naming_the_field():
+    with pytest.raises(ValueError, match=r"param_groups\[0\]\.optimizer_kwargs: fused=True has no path in a Muon group"):
+        DMuonOptimizersContainer.Config(param_groups=[
+            ParamGroupConfig(pattern=".*", optimizer_name="DMuon", optimizer_kwargs={"use_muon": True, "fused": True}),
+        ])
 
 
 def test_a_hand_written_config_is_checked_too():
@@ -274,3 +277,44 @@ def test_torchtitans_lr_schedulers_scale_both_parts():
     assert sorted(g["initial_lr"] for g in groups) == [1e-3, 0.02]
     factors = {round(g["lr"] / g["initial_lr"], 12) for g in groups}  # in warmup: one factor below 1
     assert len(factors) == 1 and factors.pop() < 1
+
+
+# ---------------------------------------------------------------- implementation
+def with_implementation(config, implementation: str):
+    return dataclasses.replace(config, implementation=implementation)
+
+
+@pytest.mark.parametrize("implementation, flags", [
+    ("for-loop", (False, False)), ("foreach", (True, False)), ("fused", (True, True)),
+    ("fused_opt_states_bf16", (True, True)),
+])
+def test_implementation_maps_onto_dmuons_foreach_and_fused(implementation, flags):
+    container = build(with_implementation(dmuon_optimizer(), implementation), [ToyLlama3(), ToyLlama3()])
+    assert [(optimizer.foreach, optimizer.fused) for optimizer in container] == [flags, flags]
+
+
+def test_a_dmuon_groups_own_foreach_overrides_implementation_for_that_group():
+    (optimizer,) = build(dmuon_optimizer(foreach=False))  # implementation="fused": foreach=True for DMuon
+    assert optimizer.foreach is True
+    assert [group["foreach"] for group in optimizer.param_groups] == [False, False]
+
+
+def test_a_dmuon_groups_own_fused_goes_to_its_adamw_part_only():
+    (optimizer,) = build(with_implementation(dmuon_optimizer(fused=True), "foreach"))
+    assert [(g["use_muon"], g.get("fused")) for g in optimizer.param_groups] == [(True, None), (False, True)]
+
+
+def test_a_tensor_lr_with_implementation_foreach_is_refused_when_the_config_is_made():
+    with pytest.raises(ValueError, match=r"^optimizer\.param_groups\[0\]\.optimizer_kwargs \(AdamW part\): lr as a "
+                                         r"Tensor is not supported for capturable=False and foreach=True"):
+        with_implementation(dmuon_optimizer(lr=torch.tensor(0.02)), "foreach")
+
+
+def test_a_tensor_lr_with_the_default_fused_implementation_builds():
+    (optimizer,) = build(dmuon_optimizer(lr=torch.tensor(0.02)))
+    assert optimizer.fused is True
+
+
+def test_an_unknown_implementation_is_refused_naming_the_field():
+    with pytest.raises(ValueError, match=r"optimizer\.implementation must be one of .*got 'fastest'"):
+        with_implementation(dmuon_optimizer(), "fastest")

@@ -28,6 +28,10 @@ def test_the_fp16_gemm_check_answers_a_bool():
     assert isinstance(torch_compat.mkldnn_fp16_supported(), bool)
 
 
+def test_torchs_fused_adamw_takes_cpu_and_cuda_parameters():
+    assert {"cpu", "cuda"} <= set(torch_compat.fused_adamw_devices())
+
+
 def test_local_shape_and_offset_of_a_row_shard_on_a_one_rank_mesh():
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh

@@ -98,7 +98,7 @@ def test_copied_optimizer_steps_bitwise_like_the_original_as_torch_optimizers_do
 # not pickle; the QK-clip registrations) and no measurement.
 TORCH_PICKLED = {"defaults", "state", "param_groups"}
 DMUON_CONFIGURATION = {"_muon_defaults", "_adamw_defaults", "_names", "_groups_added", "comm", "max_batch_numel",
-                       "split_replicas", "ns_dtype", "link_gbps", "replica_link_gbps", "foreach"}
+                       "split_replicas", "ns_dtype", "link_gbps", "replica_link_gbps", "foreach", "fused"}
 
 
 def test_a_pickle_holds_torchs_state_and_dmuons_configuration_and_nothing_derived():
@@ -119,6 +119,16 @@ def test_a_dmuon_pickled_before_foreach_existed_unpickles_with_torchs_default():
     assert old.foreach is None
     old.load_state_dict(dmuon.state_dict())  # load_state_dict leaves the option alone
     assert old.foreach is None and dmuon.foreach is True
+
+
+def test_a_dmuon_pickled_before_fused_existed_unpickles_not_fused():
+    dmuon = DMuon(_tiny_lm().named_parameters(), **HYPER, fused=True)
+    state = dmuon.__getstate__()
+    del state["fused"]  # what a pickle from before the option holds
+    old = DMuon.__new__(DMuon)
+    old.__setstate__(state)
+    assert old.fused is None
+    _assert_bitwise_equal(_run([old], range(1)), _run([DMuon(_tiny_lm().named_parameters(), **HYPER)], range(1)))
 
 
 def test_a_state_dict_from_before_the_update_variants_loads_and_steps_as_before():

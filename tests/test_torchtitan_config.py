@@ -209,3 +209,38 @@ def test_an_unknown_ns_algorithm_in_toml_is_rejected_naming_the_section(tmp_path
     bad = toml_with(tmp_path, 'ns_algorithm = "standard"', 'ns_algorithm = "fast"')
     with pytest.raises(ValueError, match=r"^\[optimizer\]: ns_algorithm must be one of"):
         parse("--job.config_file", str(bad))
+
+
+# ----------------------------------------------------------------- implementation
+@pytest.mark.parametrize("implementation, flags", [
+    ("for-loop", {"foreach": False, "fused": False}),
+    ("foreach", {"foreach": True, "fused": False}),
+    ("fused", {"foreach": True, "fused": True}),
+])
+def test_implementation_maps_onto_dmuons_foreach_and_fused(implementation, flags):
+    from torchtitan_ext.titan02.kwargs import dmuon_kwargs
+
+    cfg = parse(*EXT, "--optimizer.name", "DMuon", "--optimizer.implementation", implementation).optimizer
+    assert {key: dmuon_kwargs(cfg)[key] for key in flags} == flags
+
+
+def test_fused_implementation_leaves_the_adamw_part_as_list_ops_where_torch_cannot_fuse():
+    import torch
+    from torchtitan_ext.titan02.kwargs import dmuon_kwargs
+
+    cfg = parse(*EXT, "--optimizer.name", "DMuon").optimizer  # implementation = "fused", TorchTitan's default
+    kwargs = dmuon_kwargs(cfg, [torch.nn.Parameter(torch.zeros(4, dtype=torch.complex64))])
+    assert (kwargs["foreach"], kwargs["fused"]) == (True, False)
+
+
+def test_an_unknown_implementation_in_a_toml_file_is_rejected_naming_the_field(tmp_path):
+    path = toml_with(tmp_path, 'implementation = "fused"', 'implementation = "fastest"')
+    with pytest.raises(ValueError, match=r"optimizer\.implementation must be one of \('for-loop', 'foreach', "
+                                         r"'fused'\), got 'fastest'"):
+        parse("--job.config_file", str(path))
+
+
+@pytest.mark.parametrize("name", ["llama3_debug_dmuon.toml", "llama3_8b_dmuon.toml"])
+def test_shipped_dmuon_configs_spell_out_torchtitans_default_implementation(name):
+    default = parse(*EXT).optimizer.implementation
+    assert parse("--job.config_file", str(CONFIGS / name)).optimizer.implementation == default == "fused"

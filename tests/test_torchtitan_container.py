@@ -180,6 +180,13 @@ def test_ns_dtype_reaches_every_dmuon_of_the_container():
     assert optimizer.ns_dtype == "float32"
 
 
+@pytest.mark.parametrize("implementation, flags", [("for-loop", (False, False)), ("foreach", (True, False)),
+                                                    ("fused", (True, True))])
+def test_implementation_reaches_every_dmuon_of_the_container(implementation, flags):
+    container = build([tiny_llama(1), tiny_llama(1)], "--optimizer.implementation", implementation)
+    assert [(optimizer.foreach, optimizer.fused) for optimizer in container] == [flags, flags]
+
+
 def test_split_replicas_maps_auto_always_never_onto_none_true_false():
     for value, expected in (("auto", None), ("always", True), ("never", False)):
         assert dmuon_kwargs(optimizer_config("--optimizer.split_replicas", value))["split_replicas"] is expected

@@ -63,6 +63,18 @@ def local_problems(param_groups: Sequence[dict[str, Any]]) -> dict[torch.Tensor,
             if p.grad is not None and (problem := grad_problem(p, g["use_muon"]))}
 
 
+def step_problems(param_groups: Sequence[dict[str, Any]], name_of: Callable[[torch.Tensor], str],
+                  shard_problem: Callable[[Callable[[torch.Tensor], str]], str | None]
+                  ) -> tuple[dict[torch.Tensor, str], list[str]]:
+    """This rank's own problems with a step: its invalid grads (by parameter) and every
+    problem as the message it raises (``shard_problem``: a wrong shard's, or None)."""
+    invalid = local_problems(param_groups)
+    problems = [f"parameter {name_of(p)!r}: {why}" for p, why in invalid.items()]
+    if shards := shard_problem(name_of):
+        problems.append(shards)
+    return invalid, problems
+
+
 def distributed(param: torch.Tensor) -> bool:
     """Whether a Muon parameter's step may involve other ranks: a DTensor (on a mesh of one
     rank too, so that every DTensor takes the one masked step)."""

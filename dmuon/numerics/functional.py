@@ -44,7 +44,7 @@ Orthogonalize = Callable[[int, torch.Tensor], torch.Tensor]
 # Wraps the in-place update of one tensor (telemetry measures it there).
 Updating = Callable[[torch.Tensor], ContextManager[Any]]
 
-__all__ = ["adamw_", "adamw_state", "apply_muon_update_", "muon_", "muon_momentum_", "newton_schulz", "newton_schulz_work",
+__all__ = ["adamw_", "adamw_state", "adamw_steps", "apply_muon_update_", "muon_", "muon_momentum_", "newton_schulz", "newton_schulz_work",
            "normuon_normalize_", "normuon_state", "update_scale"]
 
 
@@ -141,10 +141,27 @@ def normuon_state(param: torch.Tensor) -> torch.Tensor:
     return DTensor.from_local(local, mesh, [Replicate()] * mesh.ndim, run_check=False)
 
 
-def adamw_state(param: torch.Tensor) -> dict[str, torch.Tensor]:
-    """A parameter's AdamW state before its first step, as torch.optim.AdamW makes it."""
+def adamw_state(param: torch.Tensor, fused: bool | None = None) -> dict[str, torch.Tensor]:
+    """A parameter's AdamW state before its first step, as torch.optim.AdamW makes it
+    (with ``fused``, the step counter in fp32 on the parameter's device, where the fused
+    kernel reads it; else on the host)."""
+    on_device = torch.zeros((), dtype=torch.float32, device=param.device) if fused else None
+    step = torch.tensor(0.0, dtype=scalar_dtype()) if on_device is None else on_device
     return {
-        "step": torch.tensor(0.0, dtype=scalar_dtype()),
+        "step": step,
         "exp_avg": torch.zeros_like(param, memory_format=torch.preserve_format),
         "exp_avg_sq": torch.zeros_like(param, memory_format=torch.preserve_format),
     }
+
+
+def adamw_steps(states: Sequence[dict[str, torch.Tensor]], params: Sequence[torch.Tensor],
+                fused: bool | None) -> list[torch.Tensor]:
+    """Each parameter's AdamW ``step`` counter, for a step with ``fused`` or not. The fused
+    kernel reads it in fp32 on the parameter's device, where torch.optim.AdamW(fused=True)
+    keeps it (and moves a loaded one): a counter made without fused (a checkpoint of
+    another implementation, an optimizer switched to fused) is moved there once, exactly."""
+    if fused:
+        for state, param in zip(states, params):
+            if state["step"].device != param.device or state["step"].dtype != torch.float32:
+                state["step"] = state["step"].to(device=param.device, dtype=torch.float32)
+    return [state["step"] for state in states]

@@ -196,11 +196,13 @@ def adamw_step_(
     weight_decay: float,
     cautious_weight_decay: bool = False,
     foreach: bool | None = None,
+    fused: bool | None = None,
 ) -> None:
     """One AdamW step, delegated to torch's functional AdamW so the bits match
     ``torch.optim.AdamW`` with the same hyperparameters, a one-element Tensor ``lr``
-    included (it also handles DTensors and complex tensors). ``foreach``: torch's
-    option (None: torch's default for the device).
+    included (it also handles DTensors and complex tensors). ``foreach`` and ``fused``:
+    torch's options (None: torch's default for the device; ``fused`` wins over
+    ``foreach``, and needs each ``steps`` entry an fp32 tensor on its parameter's device).
 
     With ``cautious_weight_decay`` the decay is :func:`cautious_decay_` with AdamW's
     direction ``u = m_hat / (sqrt(v_hat) + eps)`` (its sign: :func:`adamw_direction_sign`),
@@ -224,6 +226,7 @@ def adamw_step_(
         [],
         steps,
         foreach=foreach,
+        fused=fused,
         has_complex=any(p.is_complex() for p in params),
         amsgrad=False,
         beta1=betas[0],

@@ -12,7 +12,10 @@ stock keys keep their TorchTitan meaning:
 * ``beta1``, ``beta2``, ``eps``: AdamW's betas and epsilon, used for the
   parameters routed to AdamW (embeddings, output head, norms, biases).
 * ``weight_decay``: decoupled weight decay for both parts.
-* ``implementation``: applies to Adam/AdamW only.
+* ``implementation``: ``"for-loop"`` is DMuon's ``foreach=False``, ``"foreach"`` its
+  ``foreach=True``; ``"fused"`` (the default) list ops for Muon and torch's fused AdamW
+  for the AdamW part where torch has it for the parameters' device (CUDA, CPU), else
+  list ops (``torchtitan_ext.implementation``).
 
 What the fields make, DMuon's keyword arguments, is ``kwargs.dmuon_kwargs``; their
 parse-time checks are in ``validation``.

@@ -121,8 +121,9 @@ def build_dmuon_optimizers(
         raise NotImplementedError(
             '[optimizer] name = "DMuon" does not support TorchFT ([fault_tolerance] enable).'
         )
+    params = [p for model in model_parts for p in model.parameters() if p.requires_grad]
     container = DMuonOptimizersContainer(
-        model_parts, dmuon_kwargs(optimizer_config), optimizer_config.adamw_param_regex,
+        model_parts, dmuon_kwargs(optimizer_config, params), optimizer_config.adamw_param_regex,
         optimizer_config.split_attention_heads,
     )
     if qk_clip_wanted(optimizer_config):

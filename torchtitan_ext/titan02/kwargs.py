@@ -8,9 +8,13 @@ themselves are in ``config``, their checks in ``validation``.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
+import torch
 from dmuon.numerics.update_rules import ADJUST_LR_CHOICES as DMUON_ADJUST_LR_CHOICES
+
+from ..implementation import dmuon_implementation, IMPLEMENTATIONS_0_2
 
 # TOML has no null, so "none" stands for DMuon's adjust_lr=None (no scaling).
 ADJUST_LR_NONE = "none"
@@ -21,8 +25,10 @@ SPLIT_REPLICAS = {"auto": None, "always": True, "never": False}
 LINK_SPEEDS = ("link_gbps", "replica_link_gbps")
 
 
-def dmuon_kwargs(optimizer_config: Any) -> dict[str, Any]:
-    """Map ``[optimizer]`` fields onto ``dmuon.DMuon`` keyword arguments.
+def dmuon_kwargs(optimizer_config: Any, params: Iterable[torch.Tensor] = ()) -> dict[str, Any]:
+    """Map ``[optimizer]`` fields onto ``dmuon.DMuon`` keyword arguments; ``implementation``
+    becomes ``foreach`` and ``fused`` (``torchtitan_ext.implementation``), ``fused`` as
+    torch can fuse ``params``, the parameters the optimizer will hold.
 
     A spelling the TOML tables do not know is passed on as written, so that dmuon's
     validator rejects it with its own message.
@@ -56,6 +62,7 @@ def dmuon_kwargs(optimizer_config: Any) -> dict[str, Any]:
         "telemetry": cfg.telemetry,
     }
     kwargs.update({name: getattr(cfg, name) for name in LINK_SPEEDS})
+    kwargs.update(dmuon_implementation(cfg.implementation, params, IMPLEMENTATIONS_0_2))
     return kwargs
 
 

@@ -15,15 +15,15 @@ DTensors (``check_whole_or_dtensor``).
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Any
 
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from dmuon.param_groups import GROUP_OPTIONS
+from dmuon.param_groups import GROUP_OPTIONS, IMPLEMENTATION_KEYS
 
 from ..routing import ADAMW, DEFAULT_ADAMW_PARAM_REGEX, MUON, MUON_HEADS, attention_head_dims, route_parameters
-from .options import IMPLEMENTATION_KEYS
 
 
 def kinds_of(model: nn.Module, regex: str, split_heads: bool) -> dict[int, tuple[str, int | None]]:
@@ -36,14 +36,17 @@ def kinds_of(model: nn.Module, regex: str, split_heads: bool) -> dict[int, tuple
     return kinds
 
 
-def split_dmuon_group(model: nn.Module, group: dict[str, Any]) -> list[dict[str, Any]]:
+def split_dmuon_group(model: nn.Module, group: dict[str, Any], own: Collection[str] = ()) -> list[dict[str, Any]]:
     """One of TorchTitan's group dicts for DMuon -> DMuon's groups, each with ``use_muon``.
 
-    Drops the ``fused``/``foreach`` keys TorchTitan adds. A group that sets
-    ``use_muon`` is kept whole; otherwise it is split into per-head Muon (one group
-    per head size), Muon and AdamW groups, each with the options that apply to it.
+    Drops the ``fused``/``foreach`` keys TorchTitan adds from ``implementation`` (DMuon
+    gets that as its whole-optimizer flags), but not those among ``own``, the keys of the
+    group's own ``optimizer_kwargs``. A group that sets ``use_muon`` is kept whole;
+    otherwise it is split into per-head Muon (one group per head size), Muon and AdamW
+    groups, each with the options that apply to it (``fused`` to the AdamW group only).
     """
-    options = {k: v for k, v in group.items() if k not in ("params", "param_names", *IMPLEMENTATION_KEYS)}
+    dropped = {"params", "param_names", *(set(IMPLEMENTATION_KEYS) - set(own))}
+    options = {k: v for k, v in group.items() if k not in dropped}
     if "use_muon" in options:
         return [{"params": group["params"], "param_names": group["param_names"], **options}]
     regex = options.pop("adamw_param_regex", DEFAULT_ADAMW_PARAM_REGEX)
@@ -59,7 +62,7 @@ def _group_of(kind: tuple[str, int | None], members: list[tuple[str, nn.Paramete
               options: dict[str, Any]) -> dict[str, Any]:
     use_muon = kind[0] != ADAMW
     group = {"params": [p for _, p in members], "param_names": [n for n, _ in members], "use_muon": use_muon}
-    group.update({k: v for k, v in options.items() if k in GROUP_OPTIONS[use_muon]})
+    group.update({k: v for k, v in options.items() if k in GROUP_OPTIONS[use_muon] and not (use_muon and k == "fused")})
     if kind[0] == MUON_HEADS:
         group["split_rows"] = kind[1]
     return group

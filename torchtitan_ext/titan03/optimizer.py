@@ -17,6 +17,7 @@ changes nothing in TorchTitan.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -30,6 +31,7 @@ from dmuon.numerics.newton_schulz import DEFAULT_NS_COEFFICIENTS_NAME
 from dmuon.param_groups import MUON_KEYS
 from dmuon.telemetry import StepFigures
 
+from ..implementation import dmuon_implementation
 from ..routing import DEFAULT_ADAMW_PARAM_REGEX
 from ..step_figures import combined_figures
 from .groups import check_whole_or_dtensor, split_dmuon_group
@@ -50,6 +52,7 @@ class DMuonOptimizersContainer(OptimizersContainer):
             validate_dmuon_config(self)
 
     def __init__(self, config: OptimizersContainer.Config, *, model_parts: list[nn.Module]) -> None:
+        self.implementation = config.implementation  # DMuon's foreach / fused (_resolve_optimizer_factory)
         super().__init__(config, model_parts=model_parts)
         # QK-clip: each part's DMuon watches that part's attentions (``max_logits.py``).
         self.qk_clip_hooks = []
@@ -67,10 +70,11 @@ class DMuonOptimizersContainer(OptimizersContainer):
                 return optimizer
         return None
 
-    @staticmethod
-    def _resolve_optimizer_factory(name: str) -> Callable[..., Optimizer]:
+    def _resolve_optimizer_factory(self, name: str) -> Callable[..., Optimizer]:  # type: ignore[override]
+        """TorchTitan's factory, or for ``"DMuon"`` one that gives DMuon ``implementation``
+        as its ``foreach`` / ``fused`` (TorchTitan calls this on the instance)."""
         if name == DMUON_NAME:
-            return DMuon
+            return functools.partial(build_dmuon, implementation=self.implementation)
         return OptimizersContainer._resolve_optimizer_factory(name)
 
     @staticmethod
@@ -82,7 +86,10 @@ class DMuonOptimizersContainer(OptimizersContainer):
         Muon parameters checked by ``check_whole_or_dtensor``."""
         groups, patterns = OptimizersContainer._build_param_groups(model, param_group_configs, impl_kwargs)
         if DMUON_NAME in groups:
-            split = [split_dmuon_group(model, group) for group in groups[DMUON_NAME]]
+            # One group per DMuon config, in order (TorchTitan refuses a pattern matching nothing).
+            configs = [config for config in param_group_configs if config.optimizer_name == DMUON_NAME]
+            split = [split_dmuon_group(model, group, config.optimizer_kwargs)
+                     for group, config in zip(groups[DMUON_NAME], configs)]
             patterns[DMUON_NAME] = [p for p, parts in zip(patterns[DMUON_NAME], split) for _ in parts]
             groups[DMUON_NAME] = [part for parts in split for part in parts]
             for group in groups[DMUON_NAME]:
@@ -94,6 +101,14 @@ class DMuonOptimizersContainer(OptimizersContainer):
         """The last step's figures of this rank's DMuon optimizers together, or ``None``
         when telemetry is off, no step ran, or no optimizer is a DMuon."""
         return combined_figures([o.telemetry() for o in self.optimizers if isinstance(o, DMuon)])
+
+
+def build_dmuon(param_groups: list[dict[str, Any]], *, implementation: str, **factory_options: Any) -> DMuon:
+    """DMuon for one model part, with ``optimizer.implementation`` as its ``foreach`` /
+    ``fused`` (``torchtitan_ext.implementation``: ``"fused"`` fuses the AdamW part where
+    torch has the kernel for every parameter of the part)."""
+    params = [p for group in param_groups for p in group["params"]]
+    return DMuon(param_groups, **dmuon_implementation(implementation, params), **factory_options)
 
 
 # ------------------------------------------------------------------- convenience
@@ -108,7 +123,8 @@ def dmuon_optimizer(
     """A config with one ``".*"`` DMuon group, like TorchTitan's ``default_adamw``.
 
     ``group_options``: any DMuon group option (``momentum=0.9``, ``adamw_lr=3e-4``,
-    ``normuon=True``; ``cautious_weight_decay`` applies to the AdamW part too);
+    ``normuon=True``; ``cautious_weight_decay`` applies to the AdamW part too; ``foreach`` /
+    ``fused`` override ``optimizer.implementation`` for the group);
     ``factory_options``: the whole-optimizer ones (``{"telemetry": True}``). Every
     option is written into the config with its value (DMuon's default unless given),
     so each can be overridden from the command line, e.g.

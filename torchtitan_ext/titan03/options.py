@@ -10,9 +10,12 @@
   ``optimizer_factory_kwargs_by_name["DMuon"]``.
 
 TorchTitan adds ``fused`` / ``foreach`` (from ``implementation``) to every group
-dict; DMuon has one implementation (its AdamW part is its own loop), so the
-container drops them from DMuon's groups, and a DMuon group that sets them itself is
-refused while the config is built. Every value is checked by
+dict; the container drops those from DMuon's groups and gives ``implementation`` to
+DMuon as its whole-optimizer ``foreach`` / ``fused`` instead
+(``torchtitan_ext.implementation``), so a checkpoint's group keys stay as they were.
+A DMuon group's own ``foreach`` / ``fused`` in its ``optimizer_kwargs`` override that
+for the group, as TorchTitan's per-group ``optimizer_kwargs`` do for Adam/AdamW
+(``fused`` goes to the group's AdamW part). Every value is checked by
 ``validate_dmuon_config``, which ``DMuonOptimizersContainer.Config.__post_init__``
 calls (so also after command-line overrides), with dmuon's own validators and the
 config field in the message.
@@ -28,13 +31,12 @@ from torchtitan.components.optimizer import OptimizersContainer
 
 from dmuon import DMuon
 from dmuon.options import check_link_gbps, check_ns_dtype, check_optimizer_options
-from dmuon.param_groups import GROUP_OPTIONS, make_group, split_options
+from dmuon.param_groups import check_no_fused_muon, GROUP_OPTIONS, make_group, split_options
 
+from ..implementation import dmuon_implementation
 from ..routing import DEFAULT_ADAMW_PARAM_REGEX
 
 DMUON_NAME = "DMuon"
-# Keys TorchTitan's ``implementation`` adds to every group dict; DMuon takes neither.
-IMPLEMENTATION_KEYS = ("fused", "foreach")
 # Group keys the container reads to split a DMuon group (DMuon never sees them).
 ROUTING_KEYS = ("adamw_param_regex", "split_attention_heads")
 # DMuon's options that are the whole optimizer's (its constructor's, not a group's).
@@ -47,19 +49,16 @@ DMUON_DEFAULTS = {
 }
 
 
-def check_group_options(options: dict[str, Any], where: str) -> None:
+def check_group_options(options: dict[str, Any], where: str, implementation: dict[str, Any] | None = None) -> None:
     """Raise ``ValueError`` naming ``where`` for a DMuon group's bad key or value.
 
     The values are checked by the validator ``DMuon(...)`` runs on each group it
-    builds (``dmuon.param_groups``), with this group's options over DMuon's defaults.
+    builds (``dmuon.param_groups``), with this group's options over DMuon's defaults
+    and ``implementation`` (DMuon's ``foreach`` / ``fused`` from the config's).
     """
     use_muon = options.get("use_muon")
     if use_muon is not None and not isinstance(use_muon, bool):
         raise ValueError(f"{where}: use_muon must be a bool, got {use_muon!r}")
-    for key in IMPLEMENTATION_KEYS:
-        if key in options:
-            raise ValueError(f"{where}: {key!r} does not apply to DMuon (it has one implementation); "
-                             "remove it (optimizer.implementation applies to Adam/AdamW groups only)")
     routing = ROUTING_KEYS if use_muon is None else ()
     known = GROUP_OPTIONS[use_muon] | set(routing) | {"use_muon"}
     unknown = set(options) - known
@@ -69,11 +68,12 @@ def check_group_options(options: dict[str, Any], where: str) -> None:
                          f"(whole-optimizer options go in optimizer.optimizer_factory_kwargs_by_name"
                          f"[{DMUON_NAME!r}])")
     _check_routing(options, where)
+    check_no_fused_muon(options, use_muon, where)
     muon_defaults, adamw_defaults = split_options(DMUON_DEFAULTS)
     for kind in (True, False) if use_muon is None else (use_muon,):
         mine = {k: v for k, v in options.items() if k in GROUP_OPTIONS[kind]}
         defaults = muon_defaults if kind else adamw_defaults
-        make_group([], kind, False, mine, defaults, where if kind else f"{where} (AdamW part)")
+        make_group([], kind, False, mine, defaults, where if kind else f"{where} (AdamW part)", implementation)
 
 
 def _check_routing(options: dict[str, Any], where: str) -> None:
@@ -106,9 +106,12 @@ def check_factory_options(options: dict[str, Any], where: str) -> None:
 
 def validate_dmuon_config(config: OptimizersContainer.Config) -> None:
     """Check every DMuon setting of an optimizer config; the message names the field."""
-    for index, group in enumerate(config.param_groups):
-        if group.optimizer_name == DMUON_NAME:
-            check_group_options(group.optimizer_kwargs, f"optimizer.param_groups[{index}].optimizer_kwargs")
+    groups = [(index, group) for index, group in enumerate(config.param_groups) if group.optimizer_name == DMUON_NAME]
+    # No model yet: "fused" is taken as fusing the AdamW part, which is what refuses least.
+    implementation = dmuon_implementation(config.implementation) if groups else None
+    for index, group in groups:
+        check_group_options(group.optimizer_kwargs, f"optimizer.param_groups[{index}].optimizer_kwargs",
+                            implementation)
     factory = config.optimizer_factory_kwargs_by_name.get(DMUON_NAME)
     if factory is not None:
         check_factory_options(factory, f"optimizer.optimizer_factory_kwargs_by_name[{DMUON_NAME!r}]")
