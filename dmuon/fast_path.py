@@ -31,7 +31,7 @@ from dmuon.exchange.owner_exchange import Callbacks, run_owner_plan
 from dmuon.exchange.reductions import share_second_moments
 from dmuon.group_steps import GroupSteps
 from dmuon.numerics.functional import normuon_state
-from dmuon.numerics.masked_updates import mask_
+from dmuon.numerics.masked_updates import MasksByDtype, mask_
 from dmuon.numerics.newton_schulz import resolve_ns_algorithm, resolve_ns_dtype
 from dmuon.plan.cost_model import CostModel, plan_with_best_split
 from dmuon.plan.local_blocks import LocalBlocks
@@ -231,12 +231,7 @@ class FastPath:
         run, params = self._run, self._run.params
         param_groups = [groups[p] for p in params]  # by plan parameter
         ok = [oks[p] for p in params]
-        ok_as: dict[torch.dtype, tuple[torch.Tensor, ...]] = {}  # the masks in a results' dtype, cast once
-
-        def masks(units: Sequence[int], dtype: torch.dtype) -> list[torch.Tensor]:
-            if dtype not in ok_as:
-                ok_as[dtype] = torch.stack(ok).to(dtype).unbind()
-            return [ok_as[dtype][run.plan.units[i].param] for i in units]
+        masks = MasksByDtype(ok, [u.param for u in run.plan.units])
         local_grads, local_bufs = run.grads_and_bufs(grads, state)
         for group, members in _by_group(range(len(params)), param_groups):
             steps.masked_momentum([local_bufs[j] for j in members], [local_grads[j] for j in members], group,
@@ -270,7 +265,7 @@ class FastPath:
 
         def apply_blocks(units: Sequence[int], orthos: Sequence[torch.Tensor]) -> None:
             if orthos:  # zero where masked: one list op per batch, on the holder
-                mask_(orthos, masks(units, orthos[0].dtype))
+                mask_(orthos, masks.of(units, orthos[0].dtype))
             steps.apply_many([params[run.plan.units[i].param] for i in units], [targets[i] for i in units], orthos,
                              [param_groups[run.plan.units[i].param] for i in units],
                              [ok[run.plan.units[i].param] for i in units])

@@ -113,3 +113,17 @@ def masked_apply_(params: Tensors, orthos: Tensors, oks: Tensors, lr: float | to
         return
     for param, ortho in zip(params, orthos):
         param.add_(ortho, alpha=-lr * scale)
+
+
+class MasksByDtype:
+    """One step's parameter masks cast to a results' dtype once (one op), read per unit
+    (``param_of_unit``: each unit's parameter)."""
+
+    def __init__(self, ok: Sequence[torch.Tensor], param_of_unit: Sequence[int]) -> None:
+        self.ok, self.param_of_unit = ok, param_of_unit
+        self.cast: dict[torch.dtype, tuple[torch.Tensor, ...]] = {}
+
+    def of(self, units: Sequence[int], dtype: torch.dtype) -> list[torch.Tensor]:
+        if dtype not in self.cast:
+            self.cast[dtype] = torch.stack(list(self.ok)).to(dtype).unbind()
+        return [self.cast[dtype][self.param_of_unit[i]] for i in units]
