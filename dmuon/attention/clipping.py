@@ -153,7 +153,7 @@ class AttentionClip:
         the previous step's reduced logits (a head no rank saw stays ``-inf``), copied to
         the host without waiting: every rank reads the same values and decides alike,
         with no host collective, one step after the fact."""
-        if self._checked_reports or self._reports is None:
+        if self._checked_reports or self._reports is None or self._reports.deferred():
             return
         reported = self._reports.read()
         self._reports = None

@@ -140,8 +140,11 @@ class GradStatus:
         problems = 0
         uneven: list[str] = []
         for names, copy in pending:
+            if copy.deferred():  # a CUDA graph is being captured: read it at a later step
+                self._pending.append((names, copy))
+                continue
             sums = copy.read()
-            if sums is None:
+            if sums is None:  # a fake run's: no values
                 continue
             n = len(names)
             problems = max(problems, sums[2 * n])

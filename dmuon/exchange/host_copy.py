@@ -33,7 +33,13 @@ class HostCopy:
             self._event = torch.get_device_module(tensor.device).Event()
             self._event.record()
 
+    def deferred(self) -> bool:
+        """Whether it must be read later: a CUDA graph is being captured, and waiting on an
+        event is not allowed then."""
+        return self._event is not None and torch.cuda.is_current_stream_capturing()
+
     def read(self) -> list[int] | None:
+        """The values (None for a fake tensor, which has none)."""
         if is_fake(self._host):
             return None
         if self._event is not None:
