@@ -1,25 +1,36 @@
-"""Run a function on P gloo ranks of spawned processes, one torch thread each, with a
-timeout, and leave no process behind.
+"""Run a function on P real ranks: spawned processes, one torch thread each, a timeout on
+every launch, no process left behind. The one launcher of the project's multi-rank work:
+``python -m benchmarks.vs_distmuon --time`` measures P = 1, 2 and 4 from one command (which
+torchrun, one world size a launch, cannot), and the multi-rank tests run their scenarios
+with it (``tests/multiprocess.py``).
 
-``python -m benchmarks.vs_distmuon --time`` measures P = 1, 2 and 4 from one command,
-which torchrun (one world size a launch) cannot do. It follows ``tests/multiprocess.py``
-(not imported: the benchmarks do not depend on the tests) in what matters for a
-measurement that must not hang or linger:
+``run_on_ranks(fn, world_size, *args)`` starts ``world_size`` processes on a free
+localhost port, runs ``fn(*args)`` in each after ``init_process_group("gloo")`` (or
+``backend="nccl"``: one GPU per rank) and returns the per-rank results. A worker's
+exception is re-raised in the caller with its traceback; a run that outlives ``timeout``
+is killed, every process of it, and raises ``TimeoutError``, so a hang fails instead of
+stalling. A rank that reported but then exits other than 0 (a crash, an abort, an exit
+code at teardown), or does not exit within ``EXIT_TIMEOUT_S``, fails the run too.
 
-- a run that outlives its timeout, or a rank that fails or dies, kills every process
-  of the run before the error is raised;
-- a rank that reported waits until every rank has (rank 0 holds the store), destroys
-  its group, then ends with ``os._exit(0)``: gloo's worker threads can abort a process
-  during interpreter finalization (docs/reliability.md), which would turn a good run
-  into a failed one;
-- a rank that does not exit within ``EXIT_GRACE_S`` after reporting fails the run.
+A rank that reported waits until every rank has (rank 0 holds the store that ranks
+still setting up groups need), then destroys its process group. One that finished
+cleanly (reported, group destroyed, no exception) ends with ``os._exit(0)`` from an
+``atexit`` handler, after every handler ``fn`` registered and before interpreter
+finalization. That keeps it clear of the gloo abort at exit that
+docs/reliability.md describes (a gloo worker thread that frees a tensor during
+finalization takes the process down with SIGABRT, ``terminate called without an active
+exception``: pytorch/pytorch#190489, #130345; ``torchtitan_ext/clean_exit.py`` does the
+same for TorchTitan jobs). So no exit status is excused: every rank must exit 0.
 """
 
 from __future__ import annotations
 
+import atexit
+import logging
 import multiprocessing as mp
 import os
 import queue
+import signal
 import socket
 import sys
 import time
@@ -27,87 +38,106 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-EXIT_GRACE_S = 30.0
-# How often the parent looks at its ranks while it waits for their results.
-POLL_S = 1.0
+DEFAULT_TIMEOUT_S = 180.0
+# How long a rank that reported may take to exit.
+EXIT_TIMEOUT_S = 30.0
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
 
 
-def _rank_main(rank: int, world_size: int, port: int, fn: Callable[..., Any], args: tuple,
-               results: Any, all_reported: Any) -> None:
-    """One rank: a gloo group, ``fn(*args)``, its result (or traceback) to the parent."""
+def _worker(rank: int, world_size: int, port: int, backend: str, fn: Callable[..., Any], args: tuple,
+            results: Any, all_reported: Any) -> None:
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    finished = []
+    # Registered before fn runs, so it runs after every atexit handler fn registers.
+    atexit.register(_exit_before_finalization, finished)
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
-        results.put((rank, "ok", fn(*args)))
-        all_reported.wait()
-        dist.destroy_process_group()
-    except BaseException:  # every failure goes to the parent, which then kills the run
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, rank=rank, world_size=world_size)
+        value = fn(*args)
+        results.put((rank, "ok", value))
+        all_reported.wait()  # set by the parent; it kills the ranks instead if one fails
+    except BaseException:  # report everything, including KeyboardInterrupt, to the parent
         results.put((rank, "error", traceback.format_exc()))
-        results.close()
-        results.join_thread()  # the queue's feeder thread sends it: wait for that before exiting
-        sys.stderr.flush()
-        os._exit(1)
+        return
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    finished.append(True)  # reported, group destroyed: nothing raised
+
+
+def _exit_before_finalization(finished: list) -> None:
+    """End a rank that finished cleanly with status 0 before interpreter finalization,
+    where gloo's worker threads can abort it (module docstring); any other exit is left
+    to Python."""
+    if not finished:
+        return
+    logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
 
 
-def _collect(procs: list, results: Any, name: str, timeout_s: float) -> dict[int, Any]:
-    """Every rank's result; raises on a timeout, a rank's error or a rank that died silently."""
-    collected: dict[int, Any] = {}
-    deadline = time.monotonic() + timeout_s
-    while len(collected) < len(procs):
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise TimeoutError(f"{name} on {len(procs)} rank(s) did not finish in {timeout_s:.0f} s "
-                               f"(ranks done: {sorted(collected)})")
-        try:
-            rank, status, value = results.get(timeout=min(left, POLL_S))
-        except queue.Empty:
-            dead = [r for r, p in enumerate(procs) if p.exitcode not in (0, None)]
-            if dead and results.empty():
-                raise RuntimeError(f"{name}: rank(s) {dead} died without reporting") from None
-            continue
-        if status == "error":
-            raise RuntimeError(f"{name} failed on rank {rank}:\n{value}")
-        collected[rank] = value
-    return collected
+def _exit_status(code: int | None) -> str:
+    if code is None:
+        return f"did not exit within {EXIT_TIMEOUT_S:.0f} s"
+    if code < 0:
+        return f"was killed by {signal.Signals(-code).name}"
+    return f"exited with {code}"
 
 
-def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float) -> list[Any]:
-    """``[fn(*args) on rank 0, ..., rank world_size - 1]``, each rank a spawned process in
-    one gloo group; ``fn`` must be importable (a module-level function)."""
+def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = DEFAULT_TIMEOUT_S,
+                 backend: str = "gloo") -> list[Any]:
+    """``[fn(*args) on rank 0, ..., on rank world_size - 1]``."""
     ctx = mp.get_context("spawn")
-    results, all_reported = ctx.Queue(), ctx.Event()
-    port = _free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, world_size, port, fn, args, results, all_reported), daemon=True)
+    results = ctx.Queue()
+    all_reported = ctx.Event()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, backend, fn, args, results, all_reported),
+                         daemon=True)
              for r in range(world_size)]
     for proc in procs:
         proc.start()
+    collected: dict[int, tuple[str, Any]] = {}
     try:
-        collected = _collect(procs, results, fn.__name__, timeout_s)
+        start = time.monotonic()
+        while len(collected) < world_size:
+            deadline_left = timeout - (time.monotonic() - start)
+            if deadline_left <= 0:
+                raise TimeoutError(f"{fn.__name__} on {world_size} ranks did not finish in {timeout:.0f} s "
+                                   f"(ranks done: {sorted(collected)})")
+            try:
+                rank, status, value = results.get(timeout=min(deadline_left, 1.0))
+            except queue.Empty:
+                if any(not p.is_alive() and p.exitcode not in (0, None) for p in procs) and results.empty():
+                    dead = [r for r, p in enumerate(procs) if p.exitcode not in (0, None)]
+                    raise RuntimeError(f"{fn.__name__}: rank(s) {dead} died without reporting") from None
+                continue
+            collected[rank] = (status, value)
+            if status == "error":
+                raise RuntimeError(f"{fn.__name__} failed on rank {rank}:\n{value}")
         all_reported.set()
-        exit_by = time.monotonic() + EXIT_GRACE_S
+        exit_by = time.monotonic() + EXIT_TIMEOUT_S
         for proc in procs:
             proc.join(timeout=max(0.0, exit_by - time.monotonic()))
-        failed = [r for r, p in enumerate(procs) if p.exitcode != 0]
+        failed = {r: _exit_status(p.exitcode) for r, p in enumerate(procs) if p.exitcode != 0}
         if failed:
-            raise RuntimeError(f"{fn.__name__}: rank(s) {failed} reported, then did not exit cleanly")
+            raise RuntimeError(f"{fn.__name__}: every rank reported, then "
+                               + "; ".join(f"rank {r} {how}" for r, how in failed.items()))
     finally:
         for proc in procs:
             if proc.is_alive():
                 proc.kill()
                 proc.join(timeout=10)
         results.close()
-    return [collected[r] for r in range(world_size)]
+    return [collected[r][1] for r in range(world_size)]

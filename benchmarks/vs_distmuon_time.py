@@ -39,7 +39,7 @@ from benchmarks.bench_timing import time_steps
 from benchmarks.bench_workload import BenchConfig, build_model
 from benchmarks.layouts import like
 from benchmarks.sent_bytes import count_sent
-from benchmarks.spawned_ranks import run_ranks
+from benchmarks.spawned_ranks import run_on_ranks
 from benchmarks.vs_distmuon_peers import BUILDERS, HYPERPARAMETERS, skip_reason, titan_fqn, torch_muon
 from benchmarks.vs_distmuon_tables import timed_header, timed_table
 from dmuon.numerics.newton_schulz import native_bf16_matmul
@@ -192,7 +192,7 @@ def run_timed(settings: Settings, argv: Sequence[str]) -> dict:
               "skipped": skipped, "worlds": []}
     for world in settings.world_sizes:
         print(f"vs_distmuon --time: P = {world}: {', '.join(present)}", file=sys.stderr, flush=True)
-        report["worlds"].append(run_ranks(measure_world, world, settings, present, timeout_s=settings.timeout_s)[0])
+        report["worlds"].append(run_on_ranks(measure_world, world, settings, present, timeout=settings.timeout_s)[0])
     return report
 
 
