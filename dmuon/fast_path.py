@@ -263,16 +263,18 @@ class FastPath:
             rows = None if moment is None else moment[unit.dim0[0] : unit.dim0[1]]
             return steps.orthogonalize(matrix, param_groups[unit.param], rows, ok[unit.param])
 
+        def mask_results(units: Sequence[int], results: Sequence[torch.Tensor]) -> None:
+            if results:  # zero where masked, on the owner: one list op per batch
+                mask_(results, masks.of(units, results[0].dtype))
+
         def apply_blocks(units: Sequence[int], orthos: Sequence[torch.Tensor]) -> None:
-            if orthos:  # zero where masked: one list op per batch, on the holder
-                mask_(orthos, masks.of(units, orthos[0].dtype))
             steps.apply_many([params[run.plan.units[i].param] for i in units], [targets[i] for i in units], orthos,
                              [param_groups[run.plan.units[i].param] for i in units],
                              [ok[run.plan.units[i].param] for i in units])
 
         callbacks = Callbacks(pack_blocks, update_of, orthogonalize, apply_blocks, run.layout,
-                              run.widen if steps.lists_for(run.device) else _same)
-        run_owner_plan(run.plan, range(len(params)), group=run.group, rank=run.rank, device=run.device,
+                              run.widen if steps.lists_for(run.device) else _same, mask_results)
+        run_owner_plan(run.plan, group=run.group, rank=run.rank, device=run.device,
                        callbacks=callbacks, stats=stats, meter=meter)
         share_second_moments(run.plan, run.rank, moments, run.group, run.device)
 

@@ -29,12 +29,15 @@ whatever its number of blocks (``dmuon.exchange.packing``, ``dmuon.numerics.upda
 - ``layout_of(batch)``: the batch's :class:`~dmuon.plan.pack_layout.BatchLayout` on this
   rank, made once per plan;
 - ``widen(recv)``: the scatter's receive buffer in the dtype the update adds it in
-  (itself, or one cast of the whole buffer where a list op needs one dtype).
+  (itself, or one cast of the whole buffer where a list op needs one dtype);
+- ``mask_results(units, results)``: zero, in place, the results of units no rank may
+  apply (``dmuon.exchange.grad_status``), on their owner before they travel: one list
+  op for the batch's owned units.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -53,6 +56,7 @@ Orthogonalize = Callable[[Unit, torch.Tensor], torch.Tensor]
 ApplyBlocks = Callable[[Sequence[int], Sequence[torch.Tensor]], None]
 LayoutOf = Callable[[tuple[int, ...]], BatchLayout]
 Widen = Callable[[torch.Tensor], torch.Tensor]
+MaskResults = Callable[[Sequence[int], Sequence[torch.Tensor]], None]
 
 
 @dataclass
@@ -65,11 +69,11 @@ class Callbacks:
     apply_blocks: ApplyBlocks
     layout_of: LayoutOf
     widen: Widen = lambda recv: recv
+    mask_results: MaskResults = lambda units, results: None
 
 
 def run_owner_plan(
     plan: OwnerPlan,
-    present: Collection[int],
     *,
     group: dist.ProcessGroup,
     rank: int,
@@ -78,10 +82,9 @@ def run_owner_plan(
     stats: CommStats,
     meter: ScratchMeter,
 ) -> None:
-    """Orthogonalize and apply every unit of ``plan`` whose parameter is in ``present``
-    (the parameters with a grad, the same set on every rank)."""
-    batches = [tuple(i for i in batch if plan.units[i].param in present) for batch in plan.batches]
-    batches = [batch for batch in batches if batch]
+    """Orthogonalize and apply every unit of ``plan``, every step, whatever the grads: the
+    collectives are the plan's on every rank (what a rank may apply is the callbacks' mask)."""
+    batches = plan.batches
     if not batches:
         return
     step = _OwnerStep(plan, group, rank, device, callbacks, stats, meter)
@@ -137,6 +140,7 @@ class _OwnerStep:
         for i in self.plan.kept_local(batch, self.rank):
             update = self.meter.track(self.math.update_of(i))
             ortho = self.meter.track(self.math.orthogonalize(self.plan.units[i], update))
+            self.math.mask_results([i], [ortho])
             self.meter.free(update)
             del update
             self.math.apply_blocks([i], [ortho])
@@ -147,6 +151,7 @@ class _OwnerStep:
         """Newton-Schulz of the gathered matrices; their buffer is freed after the last."""
         results = {i: self.meter.track(self.math.orthogonalize(self.plan.units[i], matrices.pop(i)))
                    for i in list(matrices)}
+        self.math.mask_results(list(results), list(results.values()))
         self.meter.free(whole)
         return results
 
