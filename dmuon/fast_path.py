@@ -230,17 +230,17 @@ class FastPath:
             return
         run, params = self._run, self._run.params
         param_groups = [groups[p] for p in params]  # by plan parameter
-        ok = [oks[p] for p in params]
-        masks = MasksByDtype(ok, [u.param for u in run.plan.units])
         local_grads, local_bufs = run.grads_and_bufs(grads, state)
-        for group, members in _by_group(range(len(params)), param_groups):
-            steps.masked_momentum([local_bufs[j] for j in members], [local_grads[j] for j in members], group,
-                                  [ok[j] for j in members])
         bufs = run.blocks.kept("momentum_buffer", local_bufs)
         targets = run.blocks.kept("param", run.locals(), flat=True)
         # NorMuon rows (zeros before the state exists: the sum sharing them has one size everywhere).
         moments = {j: m if (m := GroupSteps.second_moment(p, state)) is not None else local_of(normuon_state(p))
                    for j, (p, group) in enumerate(zip(params, param_groups)) if group["normuon"]}
+        ok = [oks[p] for p in params]  # the first read waits for the status sums: host work above overlaps them
+        masks = MasksByDtype(ok, [u.param for u in run.plan.units])
+        for group, members in _by_group(range(len(params)), param_groups):
+            steps.masked_momentum([local_bufs[j] for j in members], [local_grads[j] for j in members], group,
+                                  [ok[j] for j in members])
         grad_blocks: dict[int, list[torch.Tensor]] = {}  # this step's grads, split on first use
 
         def pack_blocks(units: Sequence[int]) -> list[torch.Tensor]:

@@ -263,6 +263,7 @@ class DMuon(PicklesConfiguration, Optimizer):
         self.scratch_stats.reset_peak()
         self._fast_path.step(grads, oks, muon_groups, self.state, steps, self.comm_stats, self.scratch_stats)
         steps.muon_off_the_fast_path(self.param_groups, self._paths(), grads, oks, self.state, clean)
+        oks.finish()  # the sums go to the host for the next step even where no mask was read
         if clip := self._attention_clip.step(muon_group_threshold(muon_groups, self.param_name)):
             self._telemetry.qk_clip(clip.largest, clip.clipped_heads)
         if failure is not None:  # after every rank's collectives; the telemetry keeps the last whole step

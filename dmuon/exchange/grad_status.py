@@ -24,7 +24,7 @@ waits in a collective the others skipped.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -105,6 +105,48 @@ def rank_sets(muon_params: Sequence[torch.Tensor], name_of: Callable[[torch.Tens
             for ranks, params in found.items()]
 
 
+class StatusMasks(Mapping[torch.Tensor, torch.Tensor]):
+    """Each distributed Muon parameter's mask, a 0-dim bool on its mesh's device, once the
+    step's status sums arrive. The sums are started by :meth:`GradStatus.agree` and waited
+    for at the first mask read (or :meth:`finish`), so the host work in between (the
+    Muon part's bookkeeping) overlaps the collective's latency; membership needs no wait."""
+
+    def __init__(self, sets: Sequence[tuple[RankSet, torch.Tensor, Any]], pending: list[tuple[list[str], HostCopy]]
+                 ) -> None:
+        self._sets = sets  # (rank set, status tensor, its all_reduce in flight or None)
+        self._pending = pending
+        self._keys = {p: None for rank_set, _, _ in sets for p in rank_set.params}
+        self._oks: dict[torch.Tensor, torch.Tensor] | None = None
+
+    def finish(self) -> dict[torch.Tensor, torch.Tensor]:
+        """Wait for the sums (on the device: no host read), make the masks, and send the sums
+        to the host for the next step's :meth:`GradStatus.raise_pending`; once."""
+        if self._oks is None:
+            self._oks = {}
+            for rank_set, status, work in self._sets:
+                if work is not None:
+                    work.wait()
+                n = len(rank_set.params)
+                # Counting the ranks with and without a grad (rather than comparing one count with
+                # the group's size) gives the right answer on a group whose sums are local too.
+                ok = (status[:n] > 0) & (status[n : 2 * n] == 0) & (status[2 * n] == 0)
+                self._oks.update(zip(rank_set.params, ok.unbind()))
+                self._pending.append((rank_set.names, HostCopy(status)))
+        return self._oks
+
+    def __getitem__(self, param: torch.Tensor) -> torch.Tensor:
+        return self.finish()[param]
+
+    def __contains__(self, param: object) -> bool:
+        return param in self._keys
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        return iter(self._keys)
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+
 class GradStatus:
     """One optimizer's status channel: :meth:`agree` each step, :meth:`raise_pending` at
     the start of the next."""
@@ -114,25 +156,20 @@ class GradStatus:
         self._sets: list[RankSet] | None = None  # made at the first step (its groups with them)
 
     def agree(self, muon_params: Sequence[torch.Tensor], name_of: Callable[[torch.Tensor], str],
-              has_grad: Callable[[torch.Tensor], bool], problem_here: bool) -> dict[torch.Tensor, torch.Tensor]:
-        """Sum every rank's status per rank set (one device ``all_reduce`` each) and return
-        each distributed Muon parameter's mask, a 0-dim bool on its mesh's device. The
-        sums go to the host for :meth:`raise_pending`, without waiting."""
+              has_grad: Callable[[torch.Tensor], bool], problem_here: bool) -> StatusMasks:
+        """Start summing every rank's status per rank set (one device ``all_reduce`` each,
+        asynchronous) and return the masks that read the sums (:class:`StatusMasks`)."""
         if self._sets is None:
             self._sets = rank_sets(muon_params, name_of)
-        oks: dict[torch.Tensor, torch.Tensor] = {}
+        started = []
         for rank_set in self._sets:
             has = [int(has_grad(p)) for p in rank_set.params]
             status = to_device([*has, *(1 - h for h in has), int(problem_here)], rank_set.device, STATUS_DTYPE)
+            work = None
             if dist.get_world_size(rank_set.group) > 1:
-                dist.all_reduce(status, group=rank_set.group)
-            n = len(rank_set.params)
-            # Counting the ranks with and without a grad (rather than comparing one count with
-            # the group's size) gives the right answer on a group whose sums are local too.
-            ok = (status[:n] > 0) & (status[n : 2 * n] == 0) & (status[2 * n] == 0)
-            oks.update(zip(rank_set.params, ok.unbind()))
-            self._pending.append((rank_set.names, HostCopy(status)))
-        return oks
+                work = dist.all_reduce(status, group=rank_set.group, async_op=True)
+            started.append((rank_set, status, work))
+        return StatusMasks(started, self._pending)
 
     def raise_pending(self) -> None:
         """Raise the previous step's problem, if its status showed one (on every rank alike)."""
