@@ -58,6 +58,7 @@ from dmuon.options import (
     check_fused,
     check_link_gbps,
     check_muon_hyperparameters,
+    check_no_path_flags,
     check_ns_dtype,
     check_optimizer_options,
     check_tensor_lr_path,
@@ -113,6 +114,7 @@ class DMuon(PicklesConfiguration, Optimizer):
         foreach: elementwise rules and AdamW as list ops; None: torch's default per device.
         fused: the AdamW part steps with torch's fused AdamW (``torch.optim.AdamW(fused=True)``'s bits).
             A group may set ``foreach`` and ``fused`` for itself, as torch's groups do.
+        maximize, capturable, differentiable (also group keys): no such path in DMuon: False or None only.
 
     Non-finite gradients are not filtered (as in ``torch.optim.Muon``): a NaN makes its whole
     matrix non-finite on every rank, and ranks stay in step. Clip or skip such steps upstream.
@@ -146,16 +148,16 @@ class DMuon(PicklesConfiguration, Optimizer):
         max_batch_numel: int = DEFAULT_BATCH_NUMEL,
         split_replicas: bool | None = None,
         ns_dtype: str | torch.dtype = DEFAULT_NS_DTYPE,
-        link_gbps: float = CostModel.link_gbps,
-        replica_link_gbps: float = CostModel.replica_link_gbps,
+        link_gbps: float = CostModel.link_gbps, replica_link_gbps: float = CostModel.replica_link_gbps,
         telemetry: bool = False,
-        foreach: bool | None = None,
-        fused: bool | None = None,
+        foreach: bool | None = None, fused: bool | None = None,
+        maximize: bool | None = False, capturable: bool | None = False, differentiable: bool | None = False,
     ) -> None:
         if isinstance(params, (set, frozenset)):
             # A set's order differs between processes: ranks would plan differently.
             raise TypeError("DMuon: params must be an ordered collection (list), not a set")
         check_optimizer_options(comm, max_batch_numel, split_replicas)
+        check_no_path_flags(dict(maximize=maximize, capturable=capturable, differentiable=differentiable))
         muon_defaults, adamw_defaults = split_options(dict(
             lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay, ns_steps=ns_steps,
             ns_coefficients=ns_coefficients, ns_algorithm=ns_algorithm, ns_gram_restarts=ns_gram_restarts, eps=eps,

@@ -10,7 +10,7 @@ prefix.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -237,6 +237,26 @@ def check_fused(value: Any, where: str = "DMuon") -> bool | None:
         raise ValueError(f"{where}: fused must be True, False or None (not fused, torch.optim.AdamW's default), "
                          f"got {value!r}; fused=True steps the AdamW part with torch's fused AdamW")
     return value
+
+
+# torch.optim's flags for paths DMuon does not have, with the reason: each is taken as
+# False or None (off) and refused when on, naming it and saying what to do instead.
+NO_PATH_FLAGS = {
+    "maximize": "it only minimizes, as torch.optim.Muon does: minimize the negated objective instead",
+    "capturable": "its AdamW part runs torch's AdamW with capturable=False; fused=True keeps its step counts "
+                  "on the device",
+    "differentiable": "its step runs under torch.no_grad, as torch.optim.Muon's does: no gradient flows through it",
+}
+
+
+def check_no_path_flags(flags: Mapping[str, Any], where: str = "DMuon") -> None:
+    """``maximize``, ``capturable``, ``differentiable`` (those in ``flags``): False or None."""
+    for name, value in flags.items():
+        if value is True:
+            raise ValueError(f"{where}: {name}=True has no path in DMuon ({NO_PATH_FLAGS[name]}); leave {name} "
+                             "unset, False or None")
+        if value is not None and value is not False:
+            raise ValueError(f"{where}: {name} must be False or None (DMuon has no {name} path), got {value!r}")
 
 
 def check_tensor_lr_path(lr: Any, foreach: bool | None, fused: bool | None, where: str) -> None:

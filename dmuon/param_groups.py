@@ -24,6 +24,7 @@ from dmuon.options import (
     check_fused_params,
     check_muon_hyperparameters,
     check_muon_param,
+    check_no_path_flags,
     check_tensor_lr_path,
 )
 
@@ -70,8 +71,11 @@ ADAMW_ALIASES = {"adamw_lr": "lr", "adamw_betas": "betas", "adamw_eps": "eps", "
 SCHEDULER_KEYS = ("initial_lr",)
 # torch.optim's implementation flags, which torch keeps per group: a group that sets one
 # steps with it (None: torch's default for the device), a group without it with the
-# optimizer's. ``fused`` is the AdamW part's alone: Muon has no fused kernel.
-IMPLEMENTATION_KEYS = ("foreach", "fused")
+# optimizer's. ``fused`` is the AdamW part's alone: Muon has no fused kernel. torch's
+# other per-group flags name paths DMuon has none for: off (False, None) is taken and kept
+# on the group that sets it, on is refused (``dmuon.options.check_no_path_flags``).
+NO_PATH_KEYS = ("maximize", "capturable", "differentiable")
+IMPLEMENTATION_KEYS = ("foreach", "fused", *NO_PATH_KEYS)
 # The options a user's group may set (besides ``params``, ``param_names`` and
 # ``use_muon``), by what it becomes: a Muon group (``use_muon=True``), an AdamW group
 # (``use_muon=False``), or both (no ``use_muon``: split by the default routing).
@@ -133,6 +137,7 @@ def build_param_groups(
         raise ValueError(f"{where}: unknown option(s) {sorted(unknown)} for {GROUP_KIND[use_muon]}; "
                          f"known: {sorted(GROUP_OPTIONS[use_muon])}")
     check_no_fused_muon(options, use_muon, where)
+    check_no_path_flags({key: options[key] for key in NO_PATH_KEYS if key in options}, where)
     groups = []
     for kind in (True, False) if use_muon is None else (use_muon,):
         members = [(n, p) for n, p in named if use_muon is not None or default_use_muon(n, p) == kind]
@@ -162,9 +167,10 @@ def _named_params(param_group: dict[str, Any], index: int, where: str) -> tuple[
                              "or pass (name, tensor) pairs without param_names")
         raw, pairs = list(zip(names, raw)), [True] * len(raw)  # as if given as pairs
     if any(pairs) and not all(pairs):
-        raise ValueError(
-            f"{where}: all parameters should be with or without names, but {sum(pairs)} of {len(raw)} are "
-            "(name, tensor) pairs; pass every parameter with its name (model.named_parameters()) or none"
+        raise ValueError(  # holds torch's words, for code that matches on them
+            f"{where}: all optimizer params should be with/without names. Some param names are missing: "
+            f"{sum(pairs)} of {len(raw)} are (name, tensor) pairs; pass every parameter with its name "
+            "(model.named_parameters()) or none"
         )
     named = raw if all(pairs) else [(f"param_groups[{index}][{i}]", item) for i, item in enumerate(raw)]
     for name, param in named:
@@ -188,10 +194,10 @@ def _check_membership(
             raise ValueError(f"DMuon: parameter {name!r} appears twice in param group {index}")
         seen.add(id(param))
     if existing and ("param_names" in existing[0]) != has_names:
-        this, others = ("has", "have none") if has_names else ("has none", "have")
-        raise ValueError(
-            f"{where}: all param groups should be with or without names, but this one {this} and the groups "
-            f"before it {others}; pass (name, tensor) pairs in every group or in none"
+        this, others = ("with names", "have none") if has_names else ("without names", "have names")
+        raise ValueError(  # holds torch's words, for code that matches on them
+            f"{where}: all optimizer param groups should be with/without names. cannot add param group {this} to "
+            f"the optimizer: the groups before it {others}; pass (name, tensor) pairs in every group or in none"
         )
 
 

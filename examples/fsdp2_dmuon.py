@@ -11,21 +11,32 @@ from torch.distributed.fsdp import fully_shard
 from dmuon import DMuon
 
 
+class Block(nn.Module):
+    """A residual MLP block, the unit fully_shard wraps. The residual add is inside it:
+    the block returns a new tensor, not a view (a Linear's output on 3-D input is one),
+    so no in-place op on its output can skip FSDP2's pre-backward hook (FSDP2 warns on a
+    view). Add residuals out of place (x = x + f(x)), as here."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.mlp = nn.Sequential(nn.LayerNorm(dim), nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.mlp(x)
+
+
 class TinyLM(nn.Module):
     def __init__(self, vocab: int = 256, dim: int = 128, n_blocks: int = 2):
         super().__init__()
         self.embed = nn.Embedding(vocab, dim)
-        self.blocks = nn.ModuleList(
-            nn.Sequential(nn.LayerNorm(dim), nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
-            for _ in range(n_blocks)
-        )
+        self.blocks = nn.ModuleList(Block(dim) for _ in range(n_blocks))
         self.norm = nn.LayerNorm(dim)
         self.head = nn.Linear(dim, vocab, bias=False)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.embed(tokens)
         for block in self.blocks:
-            x = x + block(x)
+            x = block(x)
         return self.head(self.norm(x))
 
 

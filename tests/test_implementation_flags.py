@@ -6,6 +6,7 @@ lr with ``foreach=True``) is refused when DMuon is built, before any step.
 
 from __future__ import annotations
 
+import copy
 from unittest import mock
 
 import pytest
@@ -168,6 +169,61 @@ def test_fused_true_in_a_muon_group_is_refused_naming_it():
 def test_a_group_foreach_that_is_not_a_bool_or_none_is_rejected_naming_the_group():
     with pytest.raises(ValueError, match=r"^DMuon param group 0: foreach must be True, False or None"):
         DMuon([{"params": list(_matrix_and_vector()), "foreach": "yes"}])
+
+
+# ------------------------------------------------------------------ flags DMuon has no path for
+
+NO_PATH_FLAGS = ["maximize", "capturable", "differentiable"]
+
+
+@pytest.mark.parametrize("value", [False, None])
+@pytest.mark.parametrize("flag", NO_PATH_FLAGS)
+def test_torchs_flags_off_are_accepted_as_group_keys_and_kept_on_each_part(flag, value):
+    dmuon = DMuon([{"params": list(_matrix_and_vector()), flag: value}])  # split: a Muon and an AdamW part
+    assert [(g["use_muon"], g[flag]) for g in dmuon.param_groups] == [(True, value), (False, value)]
+
+
+@pytest.mark.parametrize("flag", NO_PATH_FLAGS)
+def test_torchs_flags_off_are_accepted_by_the_constructor_and_add_no_group_key(flag):
+    dmuon = DMuon(list(_matrix_and_vector()), **{flag: False})
+    assert not any(flag in group for group in dmuon.param_groups)
+
+
+@pytest.mark.parametrize("flag", NO_PATH_FLAGS)
+def test_a_torch_flag_set_true_in_a_group_is_refused_naming_it(flag):
+    with pytest.raises(ValueError, match=rf"^DMuon param group 0: {flag}=True has no path in DMuon \(.+\); "
+                                         rf"leave {flag} unset, False or None$"):
+        DMuon([{"params": list(_matrix_and_vector()), flag: True}])
+
+
+@pytest.mark.parametrize("flag", NO_PATH_FLAGS)
+def test_a_torch_flag_set_true_in_the_constructor_is_refused_naming_it(flag):
+    with pytest.raises(ValueError, match=rf"^DMuon: {flag}=True has no path in DMuon"):
+        DMuon(list(_matrix_and_vector()), **{flag: True})
+
+
+@pytest.mark.parametrize("flag", NO_PATH_FLAGS)
+def test_a_torch_flag_that_is_not_a_bool_or_none_is_refused_naming_it(flag):
+    with pytest.raises(ValueError, match=rf"^DMuon param group 0: {flag} must be False or None .* got 0$"):
+        DMuon([{"params": list(_matrix_and_vector()), flag: 0}])
+
+
+def test_groups_keeping_torchs_flags_round_trip_through_state_dict_and_step_alike():
+    def build(params):
+        return DMuon([{"params": params, "maximize": False, "capturable": None, "differentiable": False}])
+
+    first = list(_matrix_and_vector())
+    original = build(first)
+    _adamw_run(original, first)
+    again = list(_matrix_and_vector())
+    with torch.no_grad():
+        for param, value in zip(again, first):
+            param.copy_(value)
+    loaded = build(again)
+    loaded.load_state_dict(copy.deepcopy(original.state_dict()))  # torch's load shares the tensors
+    assert [{k: v for k, v in g.items() if k != "params"} for g in loaded.param_groups] == [
+        {k: v for k, v in g.items() if k != "params"} for g in original.param_groups]
+    _assert_bitwise_equal(_adamw_run(loaded, again), _adamw_run(original, first))
 
 
 # ------------------------------------------------------------------ Tensor lr with foreach

@@ -71,6 +71,22 @@ def test_resuming_from_a_checkpoint_reproduces_the_uninterrupted_run_bit_for_bit
     assert_same_checkpoints(checkpoint_dir(run, 10), checkpoint_dir(full_folder, 10), tmp_path / "loaded")
 
 
+def test_an_async_checkpoint_resumes_to_the_uninterrupted_runs_losses(dmuon_run, short_run_args, tmp_path):
+    """``checkpoint.async_mode = "async"``: DCP stages the step-5 state and writes it while
+    step 6 trains (the last step's checkpoint is written synchronously, as TorchTitan
+    does). ``"async_with_pinned_mem"`` needs an accelerator (docs/torchtitan.md)."""
+    full, _ = dmuon_run
+    async_args = (*short_run_args, "--checkpoint.enable", "--checkpoint.interval", "5",
+                  "--checkpoint.async_mode", "async")
+    saved, _ = torchrun(DMUON_TOML, tmp_path / "saved", *async_args)
+    run = tmp_path / "resumed"
+    copy_checkpoint(tmp_path / "saved", 5, run)
+    resumed, out = torchrun(DMUON_TOML, run, *async_args)
+    assert "Loading the checkpoint" in out and "step-5" in out
+    assert saved.train_loss == full.train_loss
+    assert {s: resumed.train_loss[s] for s in range(6, 11)} == {s: full.train_loss[s] for s in range(6, 11)}
+
+
 @pytest.fixture(scope="module")
 def one_rank_resume(dmuon_run, short_run_args, tmp_path_factory):
     """The 2-rank step-5 checkpoint resumed on 1 rank for steps 6-7, dumping what it loaded.
