@@ -252,8 +252,7 @@ class DMuon(PicklesConfiguration, Optimizer):
         self._grad_status.raise_pending()  # the previous step's problem, on every rank alike
         muon_groups = self._muon_groups()
         self._fast_path.plan(muon_groups, self.param_name)
-        # A DTensor's device is its local shard's.
-        self._telemetry.begin_step(self.param_groups[0]["params"][0].device, self.comm_stats.bytes_sent)
+        self._telemetry.begin_step(self.param_groups[0]["params"][0].device, self.comm_stats.bytes_sent)  # a DTensor's: its shard's
         steps = GroupSteps(self.ns_dtype, self.comm_stats, self._telemetry, self.foreach, self.fused)  # this step's meters
         invalid, problems = step_problems(self.param_groups, self.param_name, self._fast_path.shard_problem)
         failure = None if problems else steps.adamw_part(self.param_groups, self.state)  # local work first
