@@ -8,6 +8,9 @@ ranks must agree on travels in one small device ``all_reduce`` per rank set, the
 - per distributed Muon parameter: how many ranks have a usable grad, how many have none;
 - how many ranks found a problem of their own (an invalid grad, a shard unlike the plan).
 
+The ``all_reduce`` is asynchronous: :class:`StatusMasks` waits for it at the first mask
+read, so the host work before that overlaps its latency.
+
 From the sums every rank computes the same mask on the device: a parameter is applied
 where every rank has its grad and no rank found a problem
 (``dmuon.numerics.masked_updates``). A parameter without a grad anywhere is skipped as
