@@ -30,6 +30,7 @@ import math
 from collections.abc import Sequence
 
 import torch
+from torch.distributed.tensor import DTensor
 from torch.optim.adamw import adamw as _torch_adamw
 
 from dmuon.numerics.newton_schulz import UPDATE_DTYPE, matrix_shape
@@ -177,6 +178,21 @@ def apply_muon_update_(
     param.add_(ortho, alpha=-lr * scale)
 
 
+def _local_lists(*lists: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """The lists as their local tensors when every DTensor among a parameter's tensors has
+    the parameter's mesh and placements (FSDP2's case): AdamW is elementwise, so each shard's
+    update is the bits DTensor would compute, without DTensor's dispatch per op (a few
+    microseconds a tensor). Otherwise (a ``Partial`` grad, say, which DTensor redistributes
+    inside the op) the lists as given: a foreach op cannot mix DTensors and local tensors."""
+    for tensors in zip(*lists):
+        param = tensors[0]
+        if any(isinstance(t, DTensor) for t in tensors) and not (
+                isinstance(param, DTensor) and all(isinstance(t, DTensor) and t.device_mesh == param.device_mesh
+                                                   and t.placements == param.placements for t in tensors)):
+            return list(lists)
+    return [[local_of(t) for t in tensors] for tensors in lists]
+
+
 def adamw_direction_sign(exp_avg: torch.Tensor, grad: torch.Tensor, beta1: float) -> torch.Tensor:
     """The sign of the AdamW step's direction ``m_hat / (sqrt(v_hat) + eps)`` about to be
     taken: that of the first moment after this grad (the other factors are positive)."""
@@ -218,11 +234,9 @@ def adamw_step_(
             direction = adamw_direction_sign(local_of(exp_avg), local_of(grad), betas[0])
             cautious_decay_(local_of(param), direction, lr, weight_decay)
         weight_decay = 0.0
+    tensors = _local_lists(params, grads, exp_avgs, exp_avg_sqs)
     _torch_adamw(
-        params,
-        grads,
-        exp_avgs,
-        exp_avg_sqs,
+        *tensors,
         [],
         steps,
         foreach=foreach,
