@@ -63,11 +63,11 @@ class GroupSteps:
         normalization with ``second_moment`` (the NorMuon state's rows of ``matrix``,
         updated in place where the 0-dim device bool ``ok`` holds); counts the flops run
         on this rank."""
-        dtype = resolve_ns_dtype(self.ns_dtype, matrix.device.type)
-        gram = dict(ns_algorithm=resolve_ns_algorithm(group["ns_algorithm"], dtype, matrix.device.type),
-                    ns_gram_restarts=group["ns_gram_restarts"])
-        self.stats.ns_flops += newton_schulz_work(matrix.shape, ns_steps=group["ns_steps"],
-                                                  split_rows=group["split_rows"], **gram)
+        dtype, algorithm, flops = _ns_setup(tuple(matrix.shape), matrix.device.type, self.ns_dtype,
+                                            group["ns_algorithm"], tuple(group["ns_gram_restarts"]),
+                                            group["ns_steps"], group["split_rows"])
+        gram = dict(ns_algorithm=algorithm, ns_gram_restarts=group["ns_gram_restarts"])
+        self.stats.ns_flops += flops
         with self.telemetry.newton_schulz():
             ortho = newton_schulz(matrix, ns_coefficients=group["ns_coefficients"], ns_steps=group["ns_steps"],
                                   eps=group["eps"], ns_dtype=dtype, split_rows=group["split_rows"], **gram)
@@ -228,6 +228,19 @@ class GroupSteps:
                        betas=group["betas"], eps=group["eps"], weight_decay=group["weight_decay"],
                        cautious_weight_decay=group["cautious_weight_decay"],
                        foreach=group.get("foreach", self.foreach), fused=fused)
+
+
+@functools.lru_cache(maxsize=1024)
+def _ns_setup(shape: tuple[int, ...], device_type: str, ns_dtype: str, ns_algorithm: str,
+              restarts: tuple[int, ...], ns_steps: int, split_rows: int | None) -> tuple[torch.dtype, str, int]:
+    """Newton-Schulz's dtype, its algorithm as resolved for the device, and its flops, for
+    one matrix shape and group settings: the same answers every step, so worked out once
+    (a step orthogonalizes hundreds of matrices of a few shapes)."""
+    dtype = resolve_ns_dtype(ns_dtype, device_type)
+    algorithm = resolve_ns_algorithm(ns_algorithm, dtype, device_type)
+    flops = newton_schulz_work(shape, ns_steps=ns_steps, split_rows=split_rows, ns_algorithm=algorithm,
+                               ns_gram_restarts=restarts)
+    return dtype, algorithm, flops
 
 
 def _same_shape(target: torch.Tensor, ortho: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -53,6 +53,8 @@ from dmuon.exchange.reductions import start_sum
 
 # Positions in the vector of sums reduced across ranks.
 _MUON_DELTA_SQ, _MUON_WEIGHT_SQ, _MUON_NUMEL, _ADAMW_DELTA_SQ, _ADAMW_WEIGHT_SQ, _ADAMW_NUMEL = range(6)
+# What an untimed Newton-Schulz call runs in: a shared no-op context (a generator-based one costs microseconds).
+_UNTIMED = contextlib.nullcontext()
 
 
 @dataclass(frozen=True)
@@ -196,12 +198,13 @@ class Telemetry:
         if self._current is not None:
             self._current.qk_clip = (largest_logit, clipped_heads)
 
+    def newton_schulz(self) -> contextlib.AbstractContextManager[None]:
+        """Around one Newton-Schulz call (nothing to time while telemetry is off)."""
+        return _UNTIMED if self._current is None else self._timed_newton_schulz(self._current)
+
+    @staticmethod
     @contextlib.contextmanager
-    def newton_schulz(self) -> Iterator[None]:
-        record = self._current
-        if record is None:
-            yield
-            return
+    def _timed_newton_schulz(record: _StepRecord) -> Iterator[None]:
         start = record.clock.mark()
         yield
         record.ns_marks.append((start, record.clock.mark()))
