@@ -27,6 +27,7 @@ from torch.distributed.tensor import DTensor
 
 from dmuon.exchange.comm import WIRE_DTYPE, CommStats, ScratchMeter, mesh_device
 from dmuon.exchange.groups import group_of
+from dmuon.exchange.host_staging import HostStaging, staging_for
 from dmuon.exchange.owner_exchange import Callbacks, run_owner_plan
 from dmuon.exchange.reductions import share_second_moments
 from dmuon.group_steps import GroupSteps
@@ -68,6 +69,7 @@ class OwnerRun:
     stand_ins: dict[int, torch.Tensor] = field(default_factory=dict)
     """For each wrong shard: zeros of the plan's shape that take its place in the step
     (which is then masked on every rank), so the collectives stay the plan's."""
+    staging: HostStaging | None = None  # FSDP2's CPU offload: dmuon.exchange.host_staging
 
     def __post_init__(self) -> None:
         self.blocks = LocalBlocks(self.plan, self.rank)
@@ -106,6 +108,14 @@ class OwnerRun:
             local_bufs.append(self.local(j, buf) if buf is not None else torch.zeros_like(self.local(j, param)))
             local_grads.append(self.local(j, grads[param]) if param in grads else local_bufs[j])
         return local_grads, local_bufs
+
+    def second_moments(self, groups: Sequence[dict[str, Any]], state: Mapping[torch.Tensor, dict[str, Any]]
+                       ) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]:
+        """The NorMuon rows of this rank's state (zeros before it exists: the sum sharing them
+        has one size everywhere), and where Newton-Schulz reads and writes them (staged up)."""
+        moments = {j: m if (m := GroupSteps.second_moment(p, state)) is not None else local_of(normuon_state(p))
+                   for j, (p, group) in enumerate(zip(self.params, groups)) if group["normuon"]}
+        return moments, moments if self.staging is None else self.staging.moments_up(moments)
 
     def local(self, j: int, tensor: torch.Tensor) -> torch.Tensor:
         """The local tensor of ``tensor`` (a grad or state of plan parameter ``j``), or the stand-in."""
@@ -185,7 +195,8 @@ class FastPath:
                             "splits" if split else "does not split")
         else:
             plan = make_owner_plan(specs, len(ranks), self.max_batch_numel, self.split_replicas)
-        return OwnerRun(group, plan_rank[dist.get_rank()], params, plan, device)
+        return OwnerRun(group, plan_rank[dist.get_rank()], params, plan, device,
+                        staging=staging_for(local_of(params[0]).device, device))
 
     @staticmethod
     def _check_shards_agree_with_plan(run: OwnerRun) -> None:
@@ -208,7 +219,7 @@ class FastPath:
             sizes = tuple(length for _, length in box)
             if sizes != tuple(shape) or sizes != tuple(param.to_local().shape) or offsets != expected_offsets:
                 run.wrong_shards.append(j)
-                run.stand_ins[j] = torch.zeros(sizes, dtype=param.dtype, device=run.device)
+                run.stand_ins[j] = torch.zeros(sizes, dtype=param.dtype, device=param.to_local().device)
 
     def shard_problem(self, name_of: Callable[[torch.Tensor], str]) -> str | None:
         """This rank's wrong shards, as the error it raises after each step (None: none)."""
@@ -233,14 +244,13 @@ class FastPath:
         local_grads, local_bufs = run.grads_and_bufs(grads, state)
         bufs = run.blocks.kept("momentum_buffer", local_bufs)
         targets = run.blocks.kept("param", run.locals(), flat=True)
-        # NorMuon rows (zeros before the state exists: the sum sharing them has one size everywhere).
-        moments = {j: m if (m := GroupSteps.second_moment(p, state)) is not None else local_of(normuon_state(p))
-                   for j, (p, group) in enumerate(zip(params, param_groups)) if group["normuon"]}
         ok = [oks[p] for p in params]  # the first read waits for the status sums: host work above overlaps them
+        here = ok if run.staging is None else run.staging.masks(ok)  # where the elementwise rules run
+        moments, rows = run.second_moments(param_groups, state)  # staged after the masks' wait (host_staging)
         masks = MasksByDtype(ok, [u.param for u in run.plan.units])
         for group, members in _by_group(range(len(params)), param_groups):
             steps.masked_momentum([local_bufs[j] for j in members], [local_grads[j] for j in members], group,
-                                  [ok[j] for j in members])
+                                  [here[j] for j in members])
         grad_blocks: dict[int, list[torch.Tensor]] = {}  # this step's grads, split on first use
 
         def pack_blocks(units: Sequence[int]) -> list[torch.Tensor]:
@@ -259,9 +269,9 @@ class FastPath:
             return update.to(WIRE_DTYPE, copy=True).view(run.plan.units[i].matrix)
 
         def orthogonalize(unit: Unit, matrix: torch.Tensor) -> torch.Tensor:
-            moment = moments.get(unit.param)
-            rows = None if moment is None else moment[unit.dim0[0] : unit.dim0[1]]
-            return steps.orthogonalize(matrix, param_groups[unit.param], rows, ok[unit.param])
+            moment = rows.get(unit.param)
+            return steps.orthogonalize(matrix, param_groups[unit.param],
+                                       None if moment is None else moment[unit.dim0[0] : unit.dim0[1]], ok[unit.param])
 
         def mask_results(units: Sequence[int], results: Sequence[torch.Tensor]) -> None:
             if results:  # zero where masked, on the owner: one list op per batch
@@ -270,17 +280,15 @@ class FastPath:
         def apply_blocks(units: Sequence[int], orthos: Sequence[torch.Tensor]) -> None:
             steps.apply_many([params[run.plan.units[i].param] for i in units], [targets[i] for i in units], orthos,
                              [param_groups[run.plan.units[i].param] for i in units],
-                             [ok[run.plan.units[i].param] for i in units])
+                             [here[run.plan.units[i].param] for i in units])
 
         callbacks = Callbacks(pack_blocks, update_of, orthogonalize, apply_blocks, run.layout,
-                              run.widen if steps.lists_for(run.device) else _same, mask_results)
+                              run.widen if steps.lists_for(run.device) else Callbacks.widen, mask_results)
         run_owner_plan(run.plan, group=run.group, rank=run.rank, device=run.device,
-                       callbacks=callbacks, stats=stats, meter=meter)
-        share_second_moments(run.plan, run.rank, moments, run.group, run.device)
-
-
-def _same(recv: torch.Tensor) -> torch.Tensor:
-    return recv
+                       callbacks=callbacks, stats=stats, meter=meter, staging=run.staging)
+        share_second_moments(run.plan, run.rank, rows, run.group, run.device)
+        if run.staging is not None:
+            run.staging.moments_down(rows, moments)
 
 
 def _by_group(indices: Iterable[int], group_at: Sequence[dict[str, Any]]) -> list[tuple[dict[str, Any], list[int]]]:

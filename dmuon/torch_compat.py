@@ -21,6 +21,7 @@ moves one, this module is the one to change, and its tests say which entry broke
 | ``chunk_cat`` (``torch._chunk_cat``) | the owner exchange: many blocks (any shapes, one dtype) flattened into a send buffer in one op, as FSDP2 packs its reduce-scatter | 2.13.0, 2.15.0 |
 | ``local_of`` (``DTensor._local_tensor``) | the step's elementwise rules read and write each DTensor's local tensor itself: ``to_local()`` makes a new view (an op) per call, per parameter per step | 2.13.0, 2.15.0 |
 | ``flattened_group`` (``DeviceMesh._flatten``) | a group of an n-D mesh's ranks (a pipeline stage's mesh), made as DeviceMesh makes its own: every rank of the root mesh makes every slice's group together, so no rank waits in a group creation its peers skip | 2.13.0, 2.15.0 |
+| ``dtensor_where_it_is`` (``DTensor(local, DTensorSpec(...))``, as FSDP2's ``_from_local_no_grad``) | NorMuon's state under FSDP2's CPU offload: a DTensor on the device mesh whose local tensor stays on the host (``DTensor.from_local`` moves it to the mesh's device) | 2.13.0, 2.15.0 |
 | ``host_tensor_ops`` (``torch._subclasses.fake_tensor.unset_fake_temporarily``) | host-side bookkeeping (mesh ranks, shard offsets, agreement counts) on real CPU tensors also while a ``FakeTensorMode`` is active (``python -m dmuon.dry_run``) | 2.13.0, 2.15.0 |
 """
 
@@ -31,6 +32,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch._subclasses.fake_tensor import unset_fake_temporarily as host_tensor_ops
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import _StridedShard as StridedShard
 from torch.optim.optimizer import _get_scalar_dtype as scalar_dtype
@@ -42,7 +44,7 @@ OLDEST_TESTED_TORCH = "2.13.0"
 NEWEST_TESTED_TORCH = "2.15.0"
 
 __all__ = ["FakeTensor", "FakeTensorMode", "StridedShard", "TorchDispatchMode", "chunk_cat",
-           "compute_local_shape_and_global_offset", "default_foreach", "fake_store", "flattened_group", "fused_adamw_devices", "host_tensor_ops", "is_fake",
+           "compute_local_shape_and_global_offset", "default_foreach", "dtensor_where_it_is", "fake_store", "flattened_group", "fused_adamw_devices", "host_tensor_ops", "is_fake",
            "local_of",
            "mkldnn_bf16_supported", "mkldnn_fp16_supported", "resolve_process_group", "scalar_dtype"]
 
@@ -79,6 +81,14 @@ def local_of(tensor: torch.Tensor) -> torch.Tensor:
     """A DTensor's local tensor (the object it holds, no new view), or a plain tensor
     itself: what the step's rules read and write, under ``no_grad``."""
     return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+
+
+def dtensor_where_it_is(local: torch.Tensor, mesh: "torch.distributed.device_mesh.DeviceMesh",
+                        placements: tuple) -> DTensor:
+    """``DTensor.from_local(local, mesh, placements, run_check=False)`` without moving
+    ``local`` to the mesh's device: FSDP2's CPU offload keeps host shards on a device mesh."""
+    meta = TensorMeta(local.shape, local.stride(), local.dtype)
+    return DTensor(local, DTensorSpec(mesh, tuple(placements), tensor_meta=meta), requires_grad=False)
 
 
 def flattened_group(mesh: "torch.distributed.device_mesh.DeviceMesh", name: str) -> dist.ProcessGroup:

@@ -65,3 +65,20 @@ def test_host_tensor_ops_make_real_cpu_tensors_inside_a_fake_tensor_mode():
 def test_host_tensor_ops_do_nothing_outside_a_fake_tensor_mode():
     with torch_compat.host_tensor_ops():
         assert torch.tensor([3]).tolist() == [3]
+
+
+
+def test_a_dtensor_where_it_is_wraps_the_local_tensor_itself_on_the_mesh():
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        local = torch.zeros(3)
+        built = torch_compat.dtensor_where_it_is(local, mesh, (Replicate(),))
+        assert isinstance(built, DTensor) and built.to_local().data_ptr() == local.data_ptr()
+        assert built.device_mesh is mesh and tuple(built.placements) == (Replicate(),) and built.shape == (3,)
+    finally:
+        dist.destroy_process_group()

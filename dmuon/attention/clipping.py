@@ -30,6 +30,7 @@ from dmuon.attention.qk_clip import FUSED_GROUPED, AttentionHeads, clip_factors,
 from dmuon.exchange.comm import mesh_device
 from dmuon.exchange.groups import group_of
 from dmuon.exchange.host_copy import HostCopy
+from dmuon.exchange.host_staging import QK_CLIP_FACTORS, HostStaging, staging_for
 from dmuon.exchange.reductions import max_in_place
 from dmuon.plan.layout import Range, local_indices
 from dmuon.plan.mesh_facts import mesh_ranks
@@ -68,6 +69,7 @@ class AttentionClip:
         self._checked_reports = False
         self._warned_silent = False
         self._reports: HostCopy | None = None  # the last step's "reported on some rank", per attention
+        self._staging: HostStaging | bool | None = None  # FSDP2's CPU offload: factors come down in one copy
         self.last: ClipResult | None = None
         """The last step's result (None before the first step)."""
 
@@ -112,6 +114,7 @@ class AttentionClip:
         if not self._checked_reports:  # a head no rank saw keeps -inf: read at the next step
             self._reports = HostCopy(torch.stack([(m > -math.inf).any() for m in max_logits.values()]))
         clipped = torch.zeros((), dtype=torch.int64, device=device)
+        scalings: list[tuple[torch.Tensor, torch.Tensor]] = []  # (weight, its rows' factors)
         for target in self.targets:
             threshold = self._threshold(target, threshold_of)
             if threshold is None:
@@ -120,12 +123,13 @@ class AttentionClip:
             clipped += (gamma != 1).sum()
             q_factors, k_factors = row_scales(target.heads, gamma)
             if target.q_weight is target.k_weight:  # fused: the q and k rows of one weight
-                _scale_local_rows(target.q_weight, q_factors * k_factors)
+                scalings.append((target.q_weight, q_factors * k_factors))
             else:
-                _scale_local_rows(target.q_weight, q_factors)
-                if target.heads.shares_keys:
-                    continue  # GQA / MQA: shared keys stay as they are (dmuon.attention.qk_clip)
-                _scale_local_rows(target.k_weight, k_factors)
+                scalings.append((target.q_weight, q_factors))
+                if not target.heads.shares_keys:  # GQA / MQA: shared keys stay (dmuon.attention.qk_clip)
+                    scalings.append((target.k_weight, k_factors))
+        for weight, factors in self._where_weights_are(scalings, device):
+            _scale_local_rows(weight, factors)
         largest = flat.max() if flat.numel() else torch.full((), -math.inf, device=device)
         self.last = ClipResult(max_logits, largest, clipped)
         return self.last
@@ -173,6 +177,20 @@ class AttentionClip:
                 "theirs: call optimizer.max_logits.observe(name, q, k, n_heads=...) in each registered attention's "
                 "forward (torchtitan_ext does it for TorchTitan's models)")
 
+    def _where_weights_are(self, scalings: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device
+                           ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The factors where the weights' local rows are: under FSDP2's CPU offload, every
+        factor down to the host in one copy and one wait (``dmuon.exchange.host_staging``)."""
+        if not scalings:
+            return scalings
+        if self._staging is None:  # decided at the first clip: whether the weights' rows are off the device
+            self._staging = staging_for(_local(scalings[0][0]).device, device) or False
+        if not self._staging:
+            return scalings
+        weights, factors = zip(*scalings)
+        host = self._staging.down(QK_CLIP_FACTORS, torch.cat(factors), QK_CLIP_FACTORS)
+        return list(zip(weights, host.split([f.numel() for f in factors])))
+
     def _device(self) -> torch.device:
         weight = self.targets[0].q_weight
         return mesh_device(weight.device_mesh) if isinstance(weight, DTensor) else weight.device
@@ -197,8 +215,12 @@ def local_rows(weight: torch.Tensor) -> list[Range]:
     return local_indices(weight.shape, tuple(mesh.shape), weight.placements, mesh.get_coordinate())[0]
 
 
+def _local(weight: torch.Tensor) -> torch.Tensor:
+    return weight.to_local() if isinstance(weight, DTensor) else weight
+
+
 def _scale_local_rows(weight: torch.Tensor, factors: torch.Tensor) -> None:
-    local = weight.to_local() if isinstance(weight, DTensor) else weight
+    local = _local(weight)
     scale_rows_(local.data if isinstance(local, torch.nn.Parameter) else local, local_rows(weight), factors)
 
 

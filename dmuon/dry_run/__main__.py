@@ -5,6 +5,7 @@ Examples::
     python -m dmuon.dry_run --model llama3-8b --world-size 64 --layout fsdp
     python -m dmuon.dry_run --model llama3-70b --world-size 256 --layout hsdp:4x64 --json
     python -m dmuon.dry_run --model moe-16b --world-size 32 --layout ep --ranks all --normuon
+    python -m dmuon.dry_run --model llama3-8b --world-size 64 --layout fsdp --cpu-offload
 
 Each impersonated rank runs in a process of its own (a fresh fake process group and
 fake CUDA device), builds the preset's parameters as fake CUDA tensors, lays them out
@@ -26,7 +27,7 @@ import sys
 from concurrent.futures import ProcessPoolExecutor
 
 from dmuon.dry_run.fake_cuda import DryRunError, check_cuda_build
-from dmuon.dry_run.layouts import parse_layout
+from dmuon.dry_run.layouts import OFFLOAD_LAYOUTS, parse_layout
 from dmuon.dry_run.models import PRESETS
 from dmuon.dry_run.run import PARAM_DTYPES, DryRunConfig, RankReport, run_rank, sample_ranks
 
@@ -52,6 +53,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="a default group that takes no CPU tensors, as NCCL alone (TorchTitan's GPU default)")
     parser.add_argument("--param-dtype", default="float32", choices=PARAM_DTYPES,
                         help="the parameters' dtype (default %(default)s, as TorchTitan keeps them)")
+    parser.add_argument("--cpu-offload", action="store_true",
+                        help="FSDP2's CPUOffloadPolicy (parameters, grads and state on the host): "
+                             f"{', '.join(OFFLOAD_LAYOUTS)}")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     return parser.parse_args(argv)
 
@@ -64,11 +68,14 @@ def make_config(args: argparse.Namespace) -> tuple[DryRunConfig, list[int]]:
         moe = [name for name, preset in PRESETS.items() if preset.experts]
         raise DryRunError(f"--layout ep splits experts among ranks, and {args.model} has none; use a MoE preset "
                           f"({', '.join(moe)})")
+    if args.cpu_offload and layout.name not in OFFLOAD_LAYOUTS:
+        raise DryRunError(f"--cpu-offload is FSDP2's offload policy; the layout {layout.name} does not shard every "
+                          f"Muon matrix with FSDP2: use {', '.join(OFFLOAD_LAYOUTS)}")
     options = {key: value for key, value in (
         ("normuon", args.normuon or None), ("cautious_weight_decay", args.cautious_weight_decay or None),
         ("qk_clip_threshold", args.qk_clip), ("max_batch_numel", args.max_batch_numel)) if value is not None}
     return (DryRunConfig(args.model, PRESETS[args.model], layout, args.world_size, options, args.nccl_alone,
-                         args.param_dtype), _ranks(args))
+                         args.param_dtype, args.cpu_offload), _ranks(args))
 
 
 def _ranks(args: argparse.Namespace) -> list[int]:
@@ -98,6 +105,7 @@ def summary(config: DryRunConfig, reports: list[RankReport]) -> dict:
         "layout": str(config.layout),
         "world_size": config.world_size,
         "options": config.options,
+        "cpu_offload": config.cpu_offload,
         "ok": not any(r.problems() for r in reports),
         "problems": {r.rank: r.problems() for r in reports if r.problems()},
         "ranks": [r.as_dict() for r in reports],
@@ -106,7 +114,7 @@ def summary(config: DryRunConfig, reports: list[RankReport]) -> dict:
 
 def format_table(config: DryRunConfig, reports: list[RankReport]) -> str:
     head = (f"{config.model}, {config.layout}, P = {config.world_size}"
-            + (f", {config.options}" if config.options else ""))
+            + (f", {config.options}" if config.options else "") + (", CPU offload" if config.cpu_offload else ""))
     lines = [head, f"{'rank':>5} {'syncs':>5} {'sent MiB':>9} {'plan MiB':>9} {'ops':>6} {'state MiB':>10} "
                    f"{'peak MiB':>9} {'bound MiB':>10} {'collectives':<40} {'s':>5}"]
     for r in reports:
@@ -120,10 +128,14 @@ def format_table(config: DryRunConfig, reports: list[RankReport]) -> str:
     for r in reports:
         lines.append(f"{r.rank:>5} {r.host_collectives_per_step:>16} {r.process_groups_made:>11} "
                      f"{r.plan_host_bytes / MiB:>13.2f} {str(r.same_program):>12}")
+    for r in reports if config.cpu_offload else []:
+        lines.append(f"rank {r.rank:>4} offload waits per step: {r.offload_waits} (documented: "
+                     f"{r.documented_offload_waits})")
     for r in reports:
         for problem in r.problems():
             lines.append(f"rank {r.rank}: {problem}")
-    lines.append("ok: no host sync, bytes as planned, memory within the bound" if not any(r.problems() for r in reports)
+    ok = "ok: no host sync" + (" but the documented offload waits" if config.cpu_offload else "")
+    lines.append(f"{ok}, bytes as planned, memory within the bound" if not any(r.problems() for r in reports)
                  else "FAILED")
     return "\n".join(lines)
 

@@ -11,6 +11,10 @@ placements DMuon sees are the real ones):
 - ``tp``: the same tensor-parallel plan over every rank; norms stay replicated;
 - ``ep``: MoE presets only: each expert stack ``distribute_tensor(..., [Shard(0)])`` over
   every rank (experts split among ranks), every other parameter ``fully_shard``.
+
+With ``offload`` (``--cpu-offload``), every ``fully_shard`` takes FSDP2's
+``CPUOffloadPolicy(pin_memory=False)`` (fake tensors cannot be pinned; a real run pins):
+the sharded parameters' local tensors are host tensors on the CUDA mesh.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from dataclasses import dataclass
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
@@ -27,6 +31,9 @@ from dmuon.dry_run.fake_cuda import DryRunError
 from dmuon.dry_run.models import Transformer
 
 LAYOUTS = ("fsdp", "hsdp", "fsdp_tp", "tp", "ep")
+# The layouts whose FSDP2 holds every Muon matrix, so its offload policy moves them all to
+# the host (``tp`` runs no fully_shard; ``ep`` keeps the experts out of it).
+OFFLOAD_LAYOUTS = ("fsdp", "hsdp", "fsdp_tp")
 COLWISE = ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1", "feed_forward.w3")
 ROWWISE = ("attention.wo", "feed_forward.w2")
 DEVICE_TYPE = "cuda"
@@ -84,8 +91,9 @@ def make_mesh(spec: LayoutSpec) -> DeviceMesh:
     return init_device_mesh(DEVICE_TYPE, spec.mesh_shape, mesh_dim_names=spec.dim_names)
 
 
-def lay_out(model: Transformer, spec: LayoutSpec, mesh: DeviceMesh) -> None:
-    """Shard ``model`` in place as ``spec`` says."""
+def lay_out(model: Transformer, spec: LayoutSpec, mesh: DeviceMesh, offload: bool = False) -> None:
+    """Shard ``model`` in place as ``spec`` says (its FSDP2 offloading to the host with ``offload``)."""
+    policy = {"offload_policy": CPUOffloadPolicy(pin_memory=False)} if offload else {}
     if spec.name in ("fsdp_tp", "tp"):
         plan = {name: ColwiseParallel() for name in COLWISE} | {name: RowwiseParallel() for name in ROWWISE}
         tp_mesh = mesh["tp"]
@@ -102,12 +110,12 @@ def lay_out(model: Transformer, spec: LayoutSpec, mesh: DeviceMesh) -> None:
                 setattr(block.moe.experts, name, nn.Parameter(distribute_tensor(param.data, mesh, [Shard(0)])))
         ignored = {p for block in model.layers for p in _experts(block).values()}
         for block in model.layers:
-            fully_shard(block, mesh=mesh, ignored_params=ignored)
-        fully_shard(model, mesh=mesh, ignored_params=ignored)
+            fully_shard(block, mesh=mesh, ignored_params=ignored, **policy)
+        fully_shard(model, mesh=mesh, ignored_params=ignored, **policy)
         return
     for block in model.layers:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(block, mesh=mesh, **policy)
+    fully_shard(model, mesh=mesh, **policy)
 
 
 def _experts(block: nn.Module) -> dict[str, nn.Parameter]:

@@ -27,7 +27,11 @@ it records, without trusting any counter of DMuon's own:
   until its last tensor dies; the peak is what the step holds above what existed
   before it (parameters, grads, state);
 - *mixed devices*: an op given a CPU tensor (other than a 0-dim scalar, which torch
-  accepts) next to a CUDA one: what gloo forgives and NCCL does not.
+  accepts) next to a CUDA one: what gloo forgives and NCCL does not;
+- *offload waits*: under FSDP2's CPU offload, each wait ``dmuon.exchange.host_staging``
+  announces (the host computes with what the device made: docs/dry_run.md, "CPU
+  offload"), by kind. Its copies are non-blocking, into pinned memory, so a wait it
+  did not announce would show up above as a host sync.
 
 :class:`HostTensorsStayReal` is the other mode of the dry run: while a model is laid
 out, ops on real CPU tensors (``DeviceMesh`` bookkeeping) run as real host work
@@ -47,6 +51,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from dmuon.exchange.host_staging import listening
 from dmuon.torch_compat import FakeTensor, TorchDispatchMode, host_tensor_ops, resolve_process_group
 
 # Ops that allocate or describe but launch no kernel.
@@ -66,6 +71,9 @@ PLACEHOLDERS = {torch.bool: False}
 PLACEHOLDER = 1
 # Frames of these files are skipped when naming the line that made a host sync.
 _OWN_FILES = (str(Path(__file__).resolve()), "torch/")
+# Storages made pinned in this process (a fake tensor always says is_pinned() False): a
+# host buffer pinned in one step is read by the copies of the next.
+_PINNED: weakref.WeakSet[torch.UntypedStorage] = weakref.WeakSet()
 
 
 @dataclass
@@ -95,6 +103,8 @@ class StepRecord:
     device_ops: Counter = field(default_factory=Counter)
     peak_bytes: int = 0
     """The most device bytes the step's own allocations held at once."""
+    offload_waits: list[str] = field(default_factory=list)
+    """The waits ``dmuon.exchange.host_staging`` announced, by kind, in order."""
     program: list[tuple] = field(default_factory=list)
     """Every op that launches a kernel or talks to other ranks, in order, with its
     tensors' shapes, dtypes and devices: two steps with equal programs dispatch the same
@@ -109,8 +119,18 @@ class StepRecorder(TorchDispatchMode):
         self.record = StepRecord()
         self._live: dict[int, int] = {}  # storage id -> bytes, for storages made during the step
         self._live_bytes = 0
-        # Storages made pinned during the step (a fake tensor always says is_pinned() False).
-        self._pinned: weakref.WeakSet[torch.UntypedStorage] = weakref.WeakSet()
+        self._listening: list[Any] = []  # one per entry (a recorder may be entered again)
+
+    def __enter__(self) -> StepRecorder:
+        self._listening.append(listening(self.record.offload_waits.append))
+        self._listening[-1].__enter__()
+        return super().__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            super().__exit__(*exc)
+        finally:
+            self._listening.pop().__exit__(None, None, None)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
         kwargs = kwargs or {}
@@ -139,7 +159,7 @@ class StepRecorder(TorchDispatchMode):
         for tensor in outputs:
             self._track(tensor, before)
         if kwargs.get("pin_memory") or name.startswith("aten._pin_memory"):
-            self._pinned.update(_storage(t) for t in _tensors(out))
+            _PINNED.update(_storage(t) for t in _tensors(out))
         return out
 
     def _writes_from_pageable_memory(self, name: str, args: tuple, kwargs: dict) -> bool:
@@ -158,7 +178,7 @@ class StepRecorder(TorchDispatchMode):
         return not (name.startswith("aten.copy_") and non_blocking and self._is_pinned(args[0]))
 
     def _is_pinned(self, tensor: torch.Tensor) -> bool:
-        return tensor.is_pinned() or _storage(tensor) in self._pinned
+        return tensor.is_pinned() or _storage(tensor) in _PINNED
 
     def _host_read(self, func, args, on_device: list[torch.Tensor]):  # noqa: ANN001, ANN202
         tensor = args[0]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -22,6 +23,7 @@ from dmuon.dry_run.host_costs import counting_groups, plan_host_bytes
 from dmuon.dry_run.layouts import LayoutSpec, lay_out, make_mesh
 from dmuon.dry_run.memory_bound import peak_bound_bytes
 from dmuon.dry_run.models import Preset, Transformer, build
+from dmuon.dry_run.offload import documented_waits
 from dmuon.dry_run.recorder import HostTensorsStayReal, StepRecord, StepRecorder
 from dmuon.group_steps import NORMUON_STATE_KEY
 from dmuon.optimizer import DMuon
@@ -60,6 +62,8 @@ class DryRunConfig:
     param_dtype: str = "float32"
     """The parameters' dtype (and so their grads' and state's): ``float32`` as TorchTitan
     keeps sharded parameters, or ``bfloat16``/``float16`` as a user of the FSDP2 API may."""
+    cpu_offload: bool = False
+    """FSDP2's ``CPUOffloadPolicy``: parameters, grads and state on the host (``dmuon.dry_run.offload``)."""
 
 
 @dataclass
@@ -95,6 +99,9 @@ class RankReport:
     same_program: bool = True
     """Steps 2 and 3 dispatched the same device ops and collectives, in order, with the
     same shapes."""
+    offload_waits: dict = field(default_factory=dict)
+    """Under ``cpu_offload``: the steady step's waits by kind, and the documented ones."""
+    documented_offload_waits: dict = field(default_factory=dict)
     host_syncs_first_step: int = 0
     """Host syncs of the first step (state and plan made, the plan checked): 0 too.
     (Every other figure is the steady step's; mixed-device ops are both steps'.)"""
@@ -109,6 +116,8 @@ class RankReport:
             found.append(f"{self.host_syncs_first_step} host sync(s) in the first step")
         if self.host_syncs_per_step:
             found.append(f"{self.host_syncs_per_step} host sync(s): {'; '.join(self.host_sync_sites[:5])}")
+        if self.offload_waits != self.documented_offload_waits:
+            found.append(f"offload waits {self.offload_waits}, documented {self.documented_offload_waits}")
         if self.mixed_device_ops:
             found.append(f"ops mixing CPU and CUDA tensors: {'; '.join(self.mixed_device_ops[:5])}")
         if self.host_collectives_per_step:
@@ -151,7 +160,7 @@ def run_rank(config: DryRunConfig, rank: int) -> RankReport:
             mesh = make_mesh(config.layout)
             with torch.device("cuda"):
                 model = build(config.preset, getattr(torch, config.param_dtype))
-            lay_out(model, config.layout, mesh)
+            lay_out(model, config.layout, mesh, config.cpu_offload)
         with counting_groups() as groups:
             optimizer = DMuon(model.named_parameters(), lr=0.02, weight_decay=0.1, **config.options)
             if config.options.get("qk_clip_threshold") is not None:
@@ -183,6 +192,8 @@ def run_rank(config: DryRunConfig, rank: int) -> RankReport:
         plans = optimizer.owner_plans()
         report.plan_heap_bound_bytes = plan_heap_bound(sum(len(p.units) for p in plans), config.world_size)
         report.same_program = steady.record.program == again.record.program
+        report.offload_waits = dict(Counter(steady.record.offload_waits))
+        report.documented_offload_waits = documented_waits(optimizer, config.options) if config.cpu_offload else {}
         return report
 
 

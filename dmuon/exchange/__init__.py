@@ -14,6 +14,8 @@ or the optimizer's own modules.
 - ``groups``: the process group of each rank set, for device collectives and host sums;
 - ``grad_status``: which grads a step applies, summed on the device, its errors raised on every rank;
 - ``host_copy``: small host facts up and device sums down through pinned memory, without a sync;
+- ``host_staging``: under FSDP2's CPU offload, the fast path's blocks up to the device and its
+  results down to the host, through pinned buffers reused step to step, and the waits that takes;
 - ``reductions``: the small all-reduces of the step (NorMuon's rows, QK-clip's logits,
   telemetry's sums).
 

@@ -43,7 +43,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from dmuon.exchange.comm import CommStats, Exchange, ScratchMeter
+from dmuon.exchange.comm import WIRE_DTYPE, CommStats, Exchange, ScratchMeter
+from dmuon.exchange.host_staging import KEPT, RESULTS, HostStaging
 from dmuon.exchange.packing import gather_whole, pack_gather, pack_scatter, scatter_blocks
 from dmuon.plan.owner_plan import OwnerPlan
 from dmuon.plan.pack_layout import BatchLayout
@@ -81,13 +82,16 @@ def run_owner_plan(
     callbacks: Callbacks,
     stats: CommStats,
     meter: ScratchMeter,
+    staging: HostStaging | None = None,
 ) -> None:
     """Orthogonalize and apply every unit of ``plan``, every step, whatever the grads: the
-    collectives are the plan's on every rank (what a rank may apply is the callbacks' mask)."""
+    collectives are the plan's on every rank (what a rank may apply is the callbacks' mask).
+    With ``staging`` (FSDP2's CPU offload), blocks are packed and results applied on the
+    host, and cross through its buffers (``dmuon.exchange.host_staging``)."""
     batches = plan.batches
     if not batches:
         return
-    step = _OwnerStep(plan, group, rank, device, callbacks, stats, meter)
+    step = _OwnerStep(plan, group, rank, device, callbacks, stats, meter, staging)
     # What is in flight, by batch: each entry lives from one event of the schedule to the next.
     gathers: dict[int, Exchange] = {}
     owned: dict[int, tuple[torch.Tensor, dict[int, torch.Tensor]]] = {}
@@ -120,10 +124,16 @@ class _OwnerStep:
     math: Callbacks
     stats: CommStats
     meter: ScratchMeter
+    staging: HostStaging | None = None
 
     def start_gather(self, batch: tuple[int, ...]) -> Exchange:
         layout = self.math.layout_of(batch)
-        send = pack_gather(self.plan, batch, self.rank, self.math.pack_blocks, self.device, self.meter, layout)
+        if self.staging is None:
+            send = pack_gather(self.plan, batch, self.rank, self.math.pack_blocks, self.device, self.meter, layout)
+        else:  # packed on the host, into the batch's buffer, then up
+            host = self.staging.buffer(("gather", batch), layout.send_numel, WIRE_DTYPE)
+            pack_gather(self.plan, batch, self.rank, self.math.pack_blocks, host.device, None, layout, host)
+            send = self.staging.up(host, self.meter)
         return Exchange(send, *self.plan.gather_splits(batch, self.rank), self.group, self.rank, self.stats,
                         self.device, self.meter)
 
@@ -138,12 +148,13 @@ class _OwnerStep:
     def orthogonalize_kept(self, batch: tuple[int, ...]) -> None:
         """The units this rank holds whole and keeps: orthogonalized and applied at once."""
         for i in self.plan.kept_local(batch, self.rank):
-            update = self.meter.track(self.math.update_of(i))
+            update = self.math.update_of(i)
+            update = self.meter.track(update if self.staging is None else self.staging.put(("kept up", i), update))
             ortho = self.meter.track(self.math.orthogonalize(self.plan.units[i], update))
             self.math.mask_results([i], [ortho])
             self.meter.free(update)
             del update
-            self.math.apply_blocks([i], [ortho])
+            self.math.apply_blocks([i], [ortho if self.staging is None else self.staging.down(("kept", i), ortho, KEPT)])
             self.meter.free(ortho)
             del ortho
 
@@ -163,5 +174,7 @@ class _OwnerStep:
     def finish_scatter(self, batch: tuple[int, ...], scatter: Exchange) -> None:
         recv = scatter.wait()
         layout = self.math.layout_of(batch)
-        self.math.apply_blocks(layout.scatter_recv_units, scatter_blocks(layout, self.math.widen(recv)))
+        received = recv if self.staging is None or not layout.scatter_recv_units else \
+            self.staging.down(("results", batch), recv, RESULTS)
+        self.math.apply_blocks(layout.scatter_recv_units, scatter_blocks(layout, self.math.widen(received)))
         self.meter.free(recv)

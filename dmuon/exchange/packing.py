@@ -31,13 +31,14 @@ BlocksOf = Callable[[Sequence[int]], list[torch.Tensor]]
 
 
 def pack_gather(plan: OwnerPlan, batch: Sequence[int], rank: int, blocks_of: BlocksOf, device: torch.device,
-                meter: ScratchMeter | None = None, layout: BatchLayout | None = None) -> torch.Tensor:
+                meter: ScratchMeter | None = None, layout: BatchLayout | None = None,
+                out: torch.Tensor | None = None) -> torch.Tensor:
     """The gather's send buffer: this rank's block of each unit it sources, by owner,
     then batch order, made chunk by chunk (``PACK_CHUNK_NUMEL``) so only one chunk's
-    blocks are in hand at once."""
+    blocks are in hand at once. With ``out`` (on ``device``), packed into it."""
     layout = layout or make_batch_layout(plan, batch, rank)
-    total = layout.send_chunks[-1][3] if layout.send_chunks else 0
-    send = track(meter, torch.empty(total, dtype=WIRE_DTYPE, device=device))
+    total = layout.send_numel
+    send = out if out is not None else track(meter, torch.empty(total, dtype=WIRE_DTYPE, device=device))
     for first, stop, start, end in layout.send_chunks:
         blocks = blocks_of(layout.send_units[first:stop])
         target = send if end - start == total else send[start:end]

@@ -37,7 +37,7 @@ from dmuon.numerics.update_rules import (
     normuon_second_moment_shape,
     shape_scale,
 )
-from dmuon.torch_compat import scalar_dtype
+from dmuon.torch_compat import dtensor_where_it_is, scalar_dtype
 
 # Orthogonalizes the update of the ``i``-th tensor of a :func:`muon_` call.
 Orthogonalize = Callable[[int, torch.Tensor], torch.Tensor]
@@ -138,6 +138,8 @@ def normuon_state(param: torch.Tensor) -> torch.Tensor:
         return torch.zeros(shape, dtype=dtype, device=param.device)
     mesh = param.device_mesh
     local = torch.zeros(shape, dtype=dtype, device=param.to_local().device)
+    if local.device.type != mesh.device_type:  # FSDP2's CPU offload: on the host, like the parameter
+        return dtensor_where_it_is(local, mesh, (Replicate(),) * mesh.ndim)
     return DTensor.from_local(local, mesh, [Replicate()] * mesh.ndim, run_check=False)
 
 

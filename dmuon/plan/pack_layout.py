@@ -69,6 +69,11 @@ class BatchLayout:
     """Units whose result block this rank receives, in scatter receive order."""
     scatter_recv_sizes: tuple[int, ...]
 
+    @property
+    def send_numel(self) -> int:
+        """Elements of the gather's send buffer."""
+        return self.send_chunks[-1][3] if self.send_chunks else 0
+
 
 def by_owner(plan: OwnerPlan, units: Sequence[int]) -> list[int]:
     """``units`` by owner rank, batch order within an owner (the buffers' order)."""

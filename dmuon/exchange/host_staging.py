@@ -1,0 +1,125 @@
+"""FSDP2's CPU offload: the step's tensors stay on the host, the exchange runs on the device.
+
+Under ``fully_shard(..., offload_policy=CPUOffloadPolicy())`` (TorchTitan's
+``training.enable_cpu_offload``) a parameter's local shard, its grad and DMuon's state
+are host tensors while its mesh is a device mesh. The step keeps every elementwise rule
+where those tensors are (momentum, look-ahead, decay and update run on the host, as
+torch's AdamW does under the offload) and runs the owner exchange, Newton-Schulz and
+the small all-reduces on the mesh's device. What crosses, crosses through a pinned host
+buffer kept per key (a batch, a unit, a NorMuon state) and reused step to step:
+
+- up: packed into its host buffer, then one non-blocking copy to a device tensor;
+- down: one non-blocking copy into its host buffer, then a wait, as the host is about
+  to compute with it.
+
+The waits are the offload's by nature (the host computes with what the device made),
+one each (docs/dry_run.md, "CPU offload"):
+
+1. the step's masks (``dmuon.exchange.grad_status``), before the masked momentum;
+2. each batch's results this rank receives, before they are applied;
+3. each unit this rank holds whole and keeps, its result before it is applied;
+4. NorMuon's rows, after the owners wrote them and they were shared (a NorMuon step);
+5. QK-clip's row factors, before the host scales its rows (a step that clips,
+   ``dmuon.attention.clipping``).
+
+A wait waits for the device's current stream, so the first of a step (the masks) also
+finishes every upload of the previous step: a host buffer is written again only after
+the copy that read it. Each wait is announced to the listeners of :func:`listening`
+(the dry run's recorder counts them; a fake tensor has nothing to wait for).
+
+:data:`FORCE` (internal, for tests) stages a run whose tensors are all on the CPU, so a
+gloo test runs this same code with host buffers on both sides.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+
+import torch
+
+from dmuon.exchange.comm import ScratchMeter, track
+from dmuon.torch_compat import is_fake
+
+FORCE = False
+"""Stage every fast path, also one whose tensors are on the mesh's device (tests)."""
+MASKS, RESULTS, KEPT, NORMUON_ROWS = "masks", "batch results", "kept unit result", "NorMuon rows"
+QK_CLIP_FACTORS = "QK-clip factors"
+"""The kinds of wait, as :func:`listening` reports them."""
+_listeners: list[Callable[[str], None]] = []
+
+
+@contextmanager
+def listening(listener: Callable[[str], None]) -> Iterator[None]:
+    """Call ``listener(kind)`` at every wait of the offload while in the block."""
+    _listeners.append(listener)
+    try:
+        yield
+    finally:
+        _listeners.remove(listener)
+
+
+def staging_for(host: torch.device, device: torch.device) -> HostStaging | None:
+    """The staging of a fast path whose local tensors are on ``host`` and whose mesh is on
+    ``device``: None where they are on the same device (unless :data:`FORCE`)."""
+    return HostStaging(device) if host.type != device.type or FORCE else None
+
+
+class HostStaging:
+    """One fast path's host buffers, and its copies up and down (module docstring)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._pin = device.type != "cpu"  # pinned memory needs an accelerator
+        self._buffers: dict[object, torch.Tensor] = {}
+
+    def buffer(self, key: object, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """The host buffer of ``key``: ``numel`` elements of ``dtype``, made once, pinned
+        where the device is an accelerator."""
+        host = self._buffers.get(key)
+        if host is None or host.numel() != numel or host.dtype != dtype:
+            host = self._buffers[key] = torch.empty(numel, dtype=dtype, pin_memory=self._pin)
+        return host
+
+    def up(self, host: torch.Tensor, meter: ScratchMeter | None = None) -> torch.Tensor:
+        """A device copy of ``host`` (one of :meth:`buffer`'s), non-blocking, tracked by ``meter``."""
+        device = track(meter, torch.empty(host.shape, dtype=host.dtype, device=self.device))
+        return device.copy_(host, non_blocking=True)
+
+    def put(self, key: object, tensor: torch.Tensor, meter: ScratchMeter | None = None) -> torch.Tensor:
+        """A host tensor on the device, through ``key``'s buffer, in its shape."""
+        host = self.buffer(key, tensor.numel(), tensor.dtype)
+        host.view(tensor.shape).copy_(tensor)
+        return self.up(host, meter).view(tensor.shape)
+
+    def down(self, key: object, tensor: torch.Tensor, kind: str) -> torch.Tensor:
+        """A device tensor on the host (a view of ``key``'s buffer, in its shape), waited for."""
+        host = self.buffer(key, tensor.numel(), tensor.dtype).view(tensor.shape)
+        host.copy_(tensor, non_blocking=True)
+        self.wait(kind, tensor)
+        return host
+
+    def masks(self, oks: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """The step's 0-dim device masks as 0-dim host bools: one copy, one wait."""
+        return list(self.down(MASKS, torch.stack(list(oks)), MASKS).unbind()) if oks else []
+
+    def moments_up(self, moments: Mapping[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+        """NorMuon's host rows on the device, for the owners to read and write."""
+        return {j: self.put((NORMUON_ROWS, j), moment) for j, moment in moments.items()}
+
+    def moments_down(self, staged: Mapping[int, torch.Tensor], moments: Mapping[int, torch.Tensor]) -> None:
+        """The shared rows back into the host state: one copy each, one wait."""
+        hosts = {j: self.buffer((NORMUON_ROWS, j), m.numel(), m.dtype).view(m.shape) for j, m in staged.items()}
+        for j, moment in staged.items():
+            hosts[j].copy_(moment, non_blocking=True)
+        if staged:
+            self.wait(NORMUON_ROWS, next(iter(staged.values())))
+        for j, moment in moments.items():
+            moment.copy_(hosts[j])
+
+    def wait(self, kind: str, tensor: torch.Tensor) -> None:
+        """Wait for the device (its current stream), and tell the listeners."""
+        for listener in _listeners:
+            listener(kind)
+        if tensor.device.type != "cpu" and not is_fake(tensor):
+            torch.get_device_module(tensor.device).current_stream(tensor.device).synchronize()
