@@ -1,5 +1,4 @@
-"""The fast path of one ``DMuon``: its one owner plan, the process group that runs it,
-and the step that runs it (``dmuon.exchange.owner_exchange``).
+"""One ``DMuon``'s fast path: its owner plan, its process group, its step (``dmuon.exchange.owner_exchange``).
 
 A NorMuon group's normalization runs with Newton-Schulz, where the matrix is whole:
 on its owner. Its per-row state is replicated (``dmuon.numerics.functional.normuon_state``):
@@ -27,7 +26,7 @@ from torch.distributed.tensor import DTensor
 
 from dmuon.exchange.comm import WIRE_DTYPE, CommStats, ScratchMeter, mesh_device
 from dmuon.exchange.groups import group_of
-from dmuon.exchange.host_staging import HostStaging, staging_for
+from dmuon.exchange.host_staging import HostStaging, check_offload, staging_for
 from dmuon.exchange.owner_exchange import Callbacks, run_owner_plan
 from dmuon.exchange.reductions import share_second_moments
 from dmuon.group_steps import GroupSteps
@@ -161,6 +160,7 @@ class FastPath:
         if self._planned:
             return
         paths = self.paths(list(groups_of), name_of)
+        check_offload(paths, ALL_TO_ALL, name_of)
         fast = [p for p, path in paths.items() if path == ALL_TO_ALL]
         if fast:
             run = self._make_run(fast, [groups_of[p] for p in fast])

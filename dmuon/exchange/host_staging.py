@@ -37,9 +37,10 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from dmuon.exchange.comm import ScratchMeter, track
-from dmuon.torch_compat import is_fake
+from dmuon.torch_compat import is_fake, local_of
 
 FORCE = False
 """Stage every fast path, also one whose tensors are on the mesh's device (tests)."""
@@ -63,6 +64,21 @@ def staging_for(host: torch.device, device: torch.device) -> HostStaging | None:
     """The staging of a fast path whose local tensors are on ``host`` and whose mesh is on
     ``device``: None where they are on the same device (unless :data:`FORCE`)."""
     return HostStaging(device) if host.type != device.type or FORCE else None
+
+
+def check_offload(paths: Mapping[torch.Tensor, str], fast: str, name_of: Callable[[torch.Tensor], str]) -> None:
+    """Refuse, naming the parameters, an offload the staging does not cover: the fast path
+    (``paths[p] == fast``) stages all of its parameters or none, and no other path stages."""
+    offloaded = {p: isinstance(p, DTensor) and local_of(p).device.type != p.device_mesh.device_type for p in paths}
+    fast_ones = [p for p, path in paths.items() if path == fast]
+    if len({offloaded[p] for p in fast_ones}) > 1:
+        host = [name_of(p) for p in fast_ones if offloaded[p]]
+        raise ValueError(f"DMuon: Muon parameters {host} are offloaded to the host (FSDP2's CPUOffloadPolicy) and "
+                         f"{[name_of(p) for p in fast_ones if not offloaded[p]]} are not; offload every sharded "
+                         "module's parameters or none (TorchTitan's training.enable_cpu_offload does all)")
+    if elsewhere := [f"{name_of(p)} ({paths[p]})" for p in paths if offloaded[p] and paths[p] != fast]:
+        raise ValueError(f"DMuon: offloaded Muon parameters {elsewhere} take a path that does not stage through the "
+                         "host; shard them with FSDP2's fully_shard (Shard(0)), or pass use_muon=False for them")
 
 
 class HostStaging:
