@@ -55,9 +55,10 @@ from dmuon.torch_compat import TorchDispatchMode
 OPTIMIZERS = ("dmuon", "dmuon_foreach", "adamw", "muon")
 RANKS = (1, 2, 4)
 # Issue 25's acceptance: the most aten ops DMuon(foreach=True) may take per step on the
-# busiest rank, by (model, P); and its step time over AdamW(foreach=True)'s at P = 2.
+# busiest rank, by (model, P). Issue 31's: its step time over AdamW(foreach=True)'s at
+# P = 2, to be read with ``--ns-dtype float32`` (issue 25 asked for 3.5x).
 ACCEPTANCE_OPS = {("llama3_8b", 2): 3000, ("llama3_8b", 4): 1500}
-ACCEPTANCE_TIME_RATIO = 3.5
+ACCEPTANCE_TIME_RATIO = 2.4
 LR = 0.02
 # Tiny widths: llama3's proportions (GQA with a quarter of the heads' width for keys and
 # values, an FFN 3.5x wide) at width 32, so Newton-Schulz of one matrix is microseconds.
