@@ -216,7 +216,8 @@ def adamw_step_(
 ) -> None:
     """One AdamW step, delegated to torch's functional AdamW so the bits match
     ``torch.optim.AdamW`` with the same hyperparameters, a one-element Tensor ``lr``
-    included (it also handles DTensors and complex tensors). ``foreach`` and ``fused``:
+    included (it also handles complex tensors; DTensors step as their local tensors where
+    :func:`_local_lists` allows). ``foreach`` and ``fused``:
     torch's options (None: torch's default for the device; ``fused`` wins over
     ``foreach``, and needs each ``steps`` entry an fp32 tensor on its parameter's device).
 
