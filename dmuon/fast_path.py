@@ -219,7 +219,7 @@ class FastPath:
             sizes = tuple(length for _, length in box)
             if sizes != tuple(shape) or sizes != tuple(param.to_local().shape) or offsets != expected_offsets:
                 run.wrong_shards.append(j)
-                run.stand_ins[j] = torch.zeros(sizes, dtype=param.dtype, device=param.to_local().device)
+                run.stand_ins[j] = torch.zeros(sizes, dtype=param.dtype, device=local_of(param).device)
 
     def shard_problem(self, name_of: Callable[[torch.Tensor], str]) -> str | None:
         """This rank's wrong shards, as the error it raises after each step (None: none)."""

@@ -34,6 +34,7 @@ from dmuon.exchange.host_staging import QK_CLIP_FACTORS, HostStaging, staging_fo
 from dmuon.exchange.reductions import max_in_place
 from dmuon.plan.layout import Range, local_indices
 from dmuon.plan.mesh_facts import mesh_ranks
+from dmuon.torch_compat import local_of
 
 logger = logging.getLogger("dmuon")
 
@@ -184,7 +185,7 @@ class AttentionClip:
         if not scalings:
             return scalings
         if self._staging is None:  # decided at the first clip: whether the weights' rows are off the device
-            self._staging = staging_for(_local(scalings[0][0]).device, device) or False
+            self._staging = staging_for(local_of(scalings[0][0]).device, device) or False
         if not self._staging:
             return scalings
         weights, factors = zip(*scalings)
@@ -215,12 +216,8 @@ def local_rows(weight: torch.Tensor) -> list[Range]:
     return local_indices(weight.shape, tuple(mesh.shape), weight.placements, mesh.get_coordinate())[0]
 
 
-def _local(weight: torch.Tensor) -> torch.Tensor:
-    return weight.to_local() if isinstance(weight, DTensor) else weight
-
-
 def _scale_local_rows(weight: torch.Tensor, factors: torch.Tensor) -> None:
-    local = _local(weight)
+    local = local_of(weight)
     scale_rows_(local.data if isinstance(local, torch.nn.Parameter) else local, local_rows(weight), factors)
 
 
