@@ -17,6 +17,7 @@ moves one, this module is the one to change, and its tests say which entry broke
 | ``TorchDispatchMode`` (``torch.utils._python_dispatch``) | ``dmuon.dry_run``: sees every op of a step (syncs, launches, collectives, memory) | 2.13.0, 2.15.0 |
 | ``resolve_process_group`` (``torch.distributed.distributed_c10d._resolve_process_group``) | ``dmuon.dry_run``: the group of a functional collective (DTensor's), named by a string | 2.15.0 |
 | ``default_foreach`` (``torch.utils._foreach_utils._get_foreach_kernels_supported_devices``) | ``DMuon(foreach=None)``: torch.optim's own per-device choice of the list path (CUDA: yes, CPU: no) | 2.13.0, 2.15.0 |
+| ``default_foreach_for`` (``torch.optim.optimizer._default_to_fused_or_foreach``) | the AdamW part: torch's list-path choice made on the parameters as given (DTensors, or fake tensors in the dry run), then applied to their local shards | 2.13.0, 2.15.0 |
 | ``fused_adamw_devices`` (``torch.utils._foreach_utils._get_fused_kernels_supported_devices``) | ``DMuon(fused=True)``: the device types torch.optim.AdamW(fused=True) takes, checked at construction (CUDA and CPU among them) | 2.13.0, 2.15.0 |
 | ``chunk_cat`` (``torch._chunk_cat``) | the owner exchange: many blocks (any shapes, one dtype) flattened into a send buffer in one op, as FSDP2 packs its reduce-scatter | 2.13.0, 2.15.0 |
 | ``local_of`` (``DTensor._local_tensor``) | the step's elementwise rules read and write each DTensor's local tensor itself: ``to_local()`` makes a new view (an op) per call, per parameter per step | 2.13.0, 2.15.0 |
@@ -35,6 +36,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily as host_tensor_
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import _StridedShard as StridedShard
+from torch.optim.optimizer import _default_to_fused_or_foreach
 from torch.optim.optimizer import _get_scalar_dtype as scalar_dtype
 from torch.utils._foreach_utils import _get_foreach_kernels_supported_devices, _get_fused_kernels_supported_devices
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -44,7 +46,7 @@ OLDEST_TESTED_TORCH = "2.13.0"
 NEWEST_TESTED_TORCH = "2.15.0"
 
 __all__ = ["FakeTensor", "FakeTensorMode", "StridedShard", "TorchDispatchMode", "chunk_cat",
-           "compute_local_shape_and_global_offset", "default_foreach", "dtensor_where_it_is", "fake_store", "flattened_group", "fused_adamw_devices", "host_tensor_ops", "is_fake",
+           "compute_local_shape_and_global_offset", "default_foreach", "default_foreach_for", "dtensor_where_it_is", "fake_store", "flattened_group", "fused_adamw_devices", "host_tensor_ops", "is_fake",
            "local_of",
            "mkldnn_bf16_supported", "mkldnn_fp16_supported", "resolve_process_group", "scalar_dtype"]
 
@@ -62,6 +64,12 @@ def mkldnn_fp16_supported() -> bool:
 def default_foreach(device: torch.device) -> bool:
     """Whether torch.optim takes its foreach path by default for plain tensors on ``device``."""
     return device.type in _get_foreach_kernels_supported_devices()
+
+
+def default_foreach_for(params: list[torch.Tensor]) -> bool:
+    """Whether torch.optim's functional optimizers take the list path for ``params`` when
+    given neither ``foreach`` nor ``fused``: their types and devices decide."""
+    return _default_to_fused_or_foreach(params, False, use_fused=False)[1]
 
 
 def fused_adamw_devices() -> list[str]:

@@ -34,7 +34,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim.adamw import adamw as _torch_adamw
 
 from dmuon.numerics.newton_schulz import UPDATE_DTYPE, matrix_shape
-from dmuon.torch_compat import local_of
+from dmuon.torch_compat import default_foreach_for, local_of
 
 # Shape-aware learning-rate scales (``DMuon(adjust_lr=...)``).
 ADJUST_LR_CHOICES = ("original", "match_rms_adamw", "spectral", None)
@@ -235,6 +235,8 @@ def adamw_step_(
             direction = adamw_direction_sign(local_of(exp_avg), local_of(grad), betas[0])
             cautious_decay_(local_of(param), direction, lr, weight_decay)
         weight_decay = 0.0
+    if foreach is None and fused is None:  # torch's own default, decided on the tensors as given, not their shards
+        foreach = default_foreach_for(params) and not isinstance(lr, torch.Tensor)
     tensors = _local_lists(params, grads, exp_avgs, exp_avg_sqs)
     _torch_adamw(
         *tensors,
