@@ -5,7 +5,7 @@ what remains is host work (Python, dispatch, one kernel launch per op on a GPU).
 Run from the repository root::
 
     python -m benchmarks.host_overhead [--models llama3_8b,llama3_70b,moe] [--ranks 1,2,4]
-        [--optimizers dmuon,dmuon_foreach,adamw,muon] [--steps 5 --warmup 2] [--json PATH] [--plot PNG]
+        [--optimizers dmuon,dmuon_foreach,adamw,muon] [--steps 20 --warmup 2] [--json PATH] [--plot PNG]
 
 Each ``P`` starts ``P`` gloo ranks on this machine (one thread each); the model is
 ``fully_shard``-ed block by block (FSDP2, ``Shard(0)`` DTensors), every optimizer steps
@@ -59,6 +59,8 @@ RANKS = (1, 2, 4)
 # P = 2, to be read with ``--ns-dtype float32`` (issue 25 asked for 3.5x).
 ACCEPTANCE_OPS = {("llama3_8b", 2): 3000, ("llama3_8b", 4): 1500}
 ACCEPTANCE_TIME_RATIO = 2.4
+# Timed rounds by default: enough that the median steps over the bursts of a shared VM.
+STEPS = 20
 LR = 0.02
 # Tiny widths: llama3's proportions (GQA with a quarter of the heads' width for keys and
 # values, an FFN 3.5x wide) at width 32, so Newton-Schulz of one matrix is microseconds.
@@ -204,46 +206,58 @@ class Row:
     top_ops: dict[str, int] = field(default_factory=dict)
 
 
-def measure(step: Callable[[], None], steps: int, warmup: int) -> tuple[float, collections.Counter[str]]:
-    """The median over ``steps`` timed steps of the slowest rank's step time (ms), and
-    this rank's op counts of one more step."""
-    times = []
+def measure(steps_by_name: dict[str, Callable[[], None]], steps: int, warmup: int
+            ) -> dict[str, tuple[float, collections.Counter[str]]]:
+    """Each optimizer's median over ``steps`` timed steps of the slowest rank's step time
+    (ms), and this rank's op counts of one more step. The optimizers take turns, one
+    step each per round, so a slow spell of the machine (a shared 2-core VM has them)
+    falls on all of them alike instead of on whichever ran then: their ratio is what
+    one run can quote."""
+    times: dict[str, list[float]] = {name: [] for name in steps_by_name}
     for i in range(warmup + steps):
-        dist.barrier()
-        start = time.perf_counter()
-        step()
-        elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
-        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-        if i >= warmup:
-            times.append(elapsed.item() * 1e3)
-    counter = OpCounter()
-    with counter:
-        step()
-    return statistics.median(times), counter.counts
+        for name, step in steps_by_name.items():
+            dist.barrier()
+            start = time.perf_counter()
+            step()
+            elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+            if i >= warmup:
+                times[name].append(elapsed.item() * 1e3)
+    results = {}
+    for name, step in steps_by_name.items():
+        counter = OpCounter()
+        with counter:
+            step()
+        results[name] = (statistics.median(times[name]), counter.counts)
+    return results
 
 
 def run_rows(shape: ModelShape, optimizers: Sequence[str], steps: int, warmup: int, ns_dtype: str) -> list[Row]:
-    """Every optimizer on ``shape`` on this group's ranks (the same rows on every rank)."""
-    rows = []
+    """Every optimizer on ``shape`` on this group's ranks (the same rows on every rank),
+    each with its own copy of the model, timed in turns (:func:`measure`)."""
+    steps_by_name = {}
     for name in optimizers:
         model = build_model(shape)
         params = list(model.parameters())
-        grads = make_grads(model)
-        optimizers_ = make_optimizers(name, model, ns_dtype)
-
-        def step() -> None:
-            for param, grad in zip(params, grads):
-                param.grad = grad
-            for optimizer in optimizers_:
-                optimizer.step()
-
-        host_ms, counts = measure(step, steps, warmup)
+        steps_by_name[name] = _stepper(params, make_grads(model), make_optimizers(name, model, ns_dtype))
+    rows = []
+    for name, (host_ms, counts) in measure(steps_by_name, steps, warmup).items():
         totals = [None] * dist.get_world_size()
         dist.all_gather_object(totals, (sum(counts.values()), dict(counts.most_common(12))))
         ops, top = max(totals, key=lambda t: t[0])
         rows.append(Row(shape.name, dist.get_world_size(), name, host_ms, ops, top))
-        del optimizers_, model, params, grads
     return rows
+
+
+def _stepper(params: list[torch.Tensor], grads: list[torch.Tensor], optimizers: list[torch.optim.Optimizer]
+             ) -> Callable[[], None]:
+    """One training step's optimizer work: the grads set, then every optimizer stepped."""
+    def step() -> None:
+        for param, grad in zip(params, grads):
+            param.grad = grad
+        for optimizer in optimizers:
+            optimizer.step()
+    return step
 
 
 def measure_rows(models: Sequence[str], optimizers: Sequence[str], steps: int, warmup: int,
@@ -350,7 +364,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--models", default=",".join(MODELS), help="comma-separated subset of %(default)s")
     parser.add_argument("--ranks", default=",".join(map(str, RANKS)), help="world sizes (default %(default)s)")
     parser.add_argument("--optimizers", default=",".join(OPTIMIZERS), help="comma-separated subset of %(default)s")
-    parser.add_argument("--steps", type=int, default=5, help="timed steps (default %(default)s)")
+    parser.add_argument("--steps", type=int, default=STEPS, help="timed steps (default %(default)s)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (default %(default)s)")
     parser.add_argument("--ns-dtype", default="auto", choices=("auto", "bfloat16", "float32"),
                         help="the DMuon rows' ns_dtype (default auto: bf16 on a CPU with a bf16 matmul, whose "

@@ -16,7 +16,7 @@ grad on this rank sends its momentum (unchanged), and the device mask of
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,10 +29,11 @@ from dmuon.exchange.groups import group_of
 from dmuon.exchange.host_staging import HostStaging, check_offload, staging_for
 from dmuon.exchange.owner_exchange import Callbacks, run_owner_plan
 from dmuon.exchange.reductions import share_second_moments
-from dmuon.group_steps import GroupSteps
+from dmuon.group_steps import GroupSteps, by_group
 from dmuon.numerics.functional import normuon_state
 from dmuon.numerics.masked_updates import MasksByDtype, mask_
 from dmuon.numerics.newton_schulz import resolve_ns_algorithm, resolve_ns_dtype
+from dmuon.numerics.standard_iteration import NewtonSchulzBuffers
 from dmuon.plan.cost_model import CostModel, plan_with_best_split
 from dmuon.plan.local_blocks import LocalBlocks
 from dmuon.plan.mesh_facts import mesh_ranks
@@ -83,10 +84,9 @@ class OwnerRun:
         return self.layouts[batch]
 
     def widen(self, recv: torch.Tensor) -> torch.Tensor:
-        """Results in the parameters' dtype, one cast of the whole receive buffer, where
-        a foreach op needs one dtype for its multi-tensor kernel (an accelerator; on the
-        CPU every foreach op loops over its tensors anyway). The bits are the same: a
-        bf16 value widens exactly, and ``add_`` computes in the parameter's dtype."""
+        """Results in the parameters' dtype (one cast of the receive buffer) where a foreach op
+        needs one dtype for its multi-tensor kernel: an accelerator (a CPU foreach op loops
+        anyway). The same bits: a bf16 value widens exactly, ``add_`` computes in the parameter's."""
         if recv.device.type == "cpu" or self.shared_dtype in (None, recv.dtype):
             return recv
         return recv.to(self.shared_dtype)
@@ -248,7 +248,7 @@ class FastPath:
         here = ok if run.staging is None else run.staging.masks(ok)  # where the elementwise rules run
         moments, rows = run.second_moments(param_groups, state)  # staged after the masks' wait (host_staging)
         masks = MasksByDtype(ok, [u.param for u in run.plan.units])
-        for group, members in _by_group(range(len(params)), param_groups):
+        for group, members in by_group(range(len(params)), param_groups):
             steps.masked_momentum([local_bufs[j] for j in members], [local_grads[j] for j in members], group,
                                   [here[j] for j in members])
         grad_blocks: dict[int, list[torch.Tensor]] = {}  # this step's grads, split on first use
@@ -256,7 +256,7 @@ class FastPath:
         def pack_blocks(units: Sequence[int]) -> list[torch.Tensor]:
             unit_groups = [param_groups[run.plan.units[i].param] for i in units]
             out: list[torch.Tensor] = [None] * len(units)  # type: ignore[list-item]
-            for group, positions in _by_group(range(len(units)), unit_groups):
+            for group, positions in by_group(range(len(units)), unit_groups):
                 unit_ids = [units[k] for k in positions]
                 looks = steps.lookahead([run.blocks.block(i, grad_blocks, local_grads) for i in unit_ids],
                                         [bufs[i] for i in unit_ids], group)
@@ -268,10 +268,13 @@ class FastPath:
             (update,) = pack_blocks([i])
             return update.to(WIRE_DTYPE, copy=True).view(run.plan.units[i].matrix)
 
+        buffers = NewtonSchulzBuffers()  # this step's, freed with it
+
         def orthogonalize(unit: Unit, matrix: torch.Tensor) -> torch.Tensor:
             moment = rows.get(unit.param)
             return steps.orthogonalize(matrix, param_groups[unit.param],
-                                       None if moment is None else moment[unit.dim0[0] : unit.dim0[1]], ok[unit.param])
+                                       None if moment is None else moment[unit.dim0[0] : unit.dim0[1]], ok[unit.param],
+                                       buffers)
 
         def mask_results(units: Sequence[int], results: Sequence[torch.Tensor]) -> None:
             if results:  # zero where masked, on the owner: one list op per batch
@@ -290,11 +293,3 @@ class FastPath:
         if run.staging is not None:
             run.staging.moments_down(rows, moments)
 
-
-def _by_group(indices: Iterable[int], group_at: Sequence[dict[str, Any]]) -> list[tuple[dict[str, Any], list[int]]]:
-    """``indices`` bucketed by their param group (by identity), in first-seen order."""
-    buckets: dict[int, tuple[dict[str, Any], list[int]]] = {}
-    for k in indices:
-        group = group_at[k]
-        buckets.setdefault(id(group), (group, []))[1].append(k)
-    return list(buckets.values())

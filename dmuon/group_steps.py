@@ -10,7 +10,7 @@ wherever Newton-Schulz runs, on the whole matrix, with the rows of the state it 
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -31,6 +31,7 @@ from dmuon.numerics.functional import (
 from dmuon.exchange.grad_status import distributed
 from dmuon.numerics.masked_updates import mask_, masked_apply_, masked_momentum_
 from dmuon.numerics.newton_schulz import UPDATE_DTYPE, resolve_ns_algorithm, resolve_ns_dtype
+from dmuon.numerics.standard_iteration import NewtonSchulzBuffers
 from dmuon.numerics.update_rules import nesterov_lookahead
 from dmuon.numerics.update_lists import apply_muon_updates_, lookahead, momentum_, resolve_foreach
 from dmuon.plan.paths import ALL_TO_ALL, REDISTRIBUTE
@@ -58,8 +59,10 @@ class GroupSteps:
         """The optimizer's ``fused``: the AdamW part steps with torch's fused AdamW."""
 
     def orthogonalize(self, matrix: torch.Tensor, group: dict[str, Any],
-                      second_moment: torch.Tensor | None = None, ok: torch.Tensor | None = None) -> torch.Tensor:
-        """Newton-Schulz with the group's settings, then, in a NorMuon group, the
+                      second_moment: torch.Tensor | None = None, ok: torch.Tensor | None = None,
+                      buffers: NewtonSchulzBuffers | None = None) -> torch.Tensor:
+        """Newton-Schulz with the group's settings (``buffers``: kept between matrices of one
+        shape, ``dmuon.numerics.standard_iteration``), then, in a NorMuon group, the
         normalization with ``second_moment`` (the NorMuon state's rows of ``matrix``,
         updated in place where the 0-dim device bool ``ok`` holds); counts the flops run
         on this rank."""
@@ -70,7 +73,8 @@ class GroupSteps:
         self.stats.ns_flops += flops
         with self.telemetry.newton_schulz():
             ortho = newton_schulz(matrix, ns_coefficients=group["ns_coefficients"], ns_steps=group["ns_steps"],
-                                  eps=group["eps"], ns_dtype=dtype, split_rows=group["split_rows"], **gram)
+                                  eps=group["eps"], ns_dtype=dtype, split_rows=group["split_rows"], buffers=buffers,
+                                  **gram)
             if group["normuon"]:
                 ortho = normuon_normalize_(ortho, second_moment, group["normuon_beta2"], group["split_rows"], ok)
             return ortho
@@ -258,3 +262,11 @@ def _scale(shape: tuple[int, ...], split_rows: int | None, adjust_lr: str | None
     """``update_scale``, computed once per shape and setting."""
     return update_scale(shape, split_rows=split_rows, adjust_lr=adjust_lr, matched_adamw_rms=matched_adamw_rms)
 
+
+def by_group(indices: Iterable[int], group_at: Sequence[dict[str, Any]]) -> list[tuple[dict[str, Any], list[int]]]:
+    """``indices`` bucketed by their param group (by identity), in first-seen order."""
+    buckets: dict[int, tuple[dict[str, Any], list[int]]] = {}
+    for k in indices:
+        group = group_at[k]
+        buckets.setdefault(id(group), (group, []))[1].append(k)
+    return list(buckets.values())

@@ -30,6 +30,7 @@ from dmuon.plan import (
     make_units,
     scratch_events,
 )
+from dmuon.plan.batches import OVERLAP_BATCHES
 from dmuon.plan.layout import Layout, chunk_ranges
 
 pytestmark = pytest.mark.unit
@@ -262,6 +263,17 @@ def test_a_matrix_larger_than_the_cap_forms_a_batch_of_its_own_on_its_owner():
     big = next(b for b, batch in enumerate(plan.batches) if 1 in batch)
     owner = plan.units[1].owner
     assert [i for i in plan.batches[big] if plan.units[i].owner == owner] == [1]
+
+
+def test_a_last_batch_far_shorter_than_the_others_joins_the_one_before_it():
+    # llama3's proportions with GQA (keys and values a quarter wide): the key and value
+    # matrices are a sliver of the work, and left alone they would make a fifth batch.
+    kv = 8
+    per_layer = [(32, 32), (kv, 32), (kv, 32), (32, 32), (112, 32), (32, 112), (112, 32)]
+    plan = make_owner_plan(per_layer * 32, 2)
+    heights = [max(plan.ns_flops(rank, batch) for rank in range(2)) for batch in plan.batches]
+    assert len(plan.batches) == OVERLAP_BATCHES
+    assert min(heights) > max(heights) / OVERLAP_BATCHES
 
 
 def test_critical_path_stays_at_the_lpt_bound_when_batches_follow_shelves():

@@ -3,7 +3,10 @@ units, blocks, owners, sources, batches, splits, buffer layouts, local blocks, b
 scratch and predicted times, for every rank of nine small layouts (FSDP rows and columns,
 uneven and empty shards, experts, 4-D weights, heads, HSDP split and apart, FSDP over TP,
 meshes whose positions hold the plan ranks out of order), compared with
-``tests/data/plan_answers.json`` (``tests/data/make_plan_answers.py``, commit 264f828)."""
+``tests/data/plan_answers.json`` (``tests/data/make_plan_answers.py``, commit 264f828). One
+deliberate change since: a last batch far shorter than the others joins the one before it
+(``dmuon.plan.batches``), so ``mixed-P4``'s batches and what follows from them (per-batch
+layouts, per-rank bytes and scratch, predicted times) were rewritten with that rule."""
 
 from __future__ import annotations
 

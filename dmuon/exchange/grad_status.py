@@ -138,7 +138,7 @@ class StatusMasks(Mapping[torch.Tensor, torch.Tensor]):
         return self._oks
 
     def __getitem__(self, param: torch.Tensor) -> torch.Tensor:
-        return self.finish()[param]
+        return (self._oks if self._oks is not None else self.finish())[param]  # read per parameter: no call once made
 
     def __contains__(self, param: object) -> bool:
         return param in self._keys

@@ -159,9 +159,10 @@ class _OwnerStep:
             del ortho
 
     def orthogonalize_owned(self, whole: torch.Tensor, matrices: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
-        """Newton-Schulz of the gathered matrices; their buffer is freed after the last."""
+        """Newton-Schulz of the gathered matrices, those of one shape back to back (they
+        share Newton-Schulz's buffers); their buffer is freed after the last."""
         results = {i: self.meter.track(self.math.orthogonalize(self.plan.units[i], matrices.pop(i)))
-                   for i in list(matrices)}
+                   for i in sorted(matrices, key=lambda i: self.plan.units[i].matrix)}
         self.math.mask_results(list(results), list(results.values()))
         self.meter.free(whole)
         return results

@@ -27,6 +27,7 @@ from dmuon.numerics.newton_schulz import (
     orthogonalize,
     orthogonalize_row_blocks,
 )
+from dmuon.numerics.standard_iteration import NewtonSchulzBuffers
 from dmuon.numerics.update_lists import momentum_ as momentum_lists_
 from dmuon.numerics.update_rules import adamw_step_ as adamw_
 from dmuon.numerics.update_rules import (
@@ -58,13 +59,15 @@ def newton_schulz(
     split_rows: int | None,
     ns_algorithm: str = DEFAULT_NS_ALGORITHM,
     ns_gram_restarts: Sequence[int] = DEFAULT_GRAM_RESTARTS,
+    buffers: NewtonSchulzBuffers | None = None,
 ) -> torch.Tensor:
     """Newton-Schulz of a parameter-shaped update, or of one unit of it: its matrix, each
     expert of a stack, or (``split_rows``) each block of that many rows on its own.
-    Returns a new bf16 tensor of ``update``'s shape."""
+    Returns a new bf16 tensor of ``update``'s shape (``buffers``: see
+    :mod:`dmuon.numerics.standard_iteration`)."""
     shape = matrix_shape(update.shape)
     matrix = update if update.shape == shape else update.view(shape)  # a view is an op: only when needed
-    gram = dict(algorithm=ns_algorithm, restarts=ns_gram_restarts)
+    gram = dict(algorithm=ns_algorithm, restarts=ns_gram_restarts, buffers=buffers)
     if split_rows:
         ortho = orthogonalize_row_blocks(matrix, split_rows, ns_coefficients, ns_steps, eps, ns_dtype, **gram)
     else:

@@ -33,7 +33,7 @@ from dmuon.numerics.gram_newton_schulz import (  # noqa: F401 (re-exported: the 
     standard_flops,
     uses_gram,
 )
-from dmuon.numerics.alignment import aligned
+from dmuon.numerics.standard_iteration import IterationBuffers, NewtonSchulzBuffers, normalized, standard_iterate
 from dmuon.torch_compat import mkldnn_bf16_supported
 
 # Keller Jordan's quintic coefficients (also torch.optim.Muon's default): chosen to
@@ -172,6 +172,7 @@ def orthogonalize(
     algorithm: str = DEFAULT_NS_ALGORITHM,
     restarts: Sequence[int] = DEFAULT_GRAM_RESTARTS,
     gram_dtype_override: torch.dtype | None = None,
+    buffers: NewtonSchulzBuffers | None = None,
 ) -> torch.Tensor:
     """Approximate the polar factor ``U V^T`` of ``update`` with quintic Newton-Schulz.
 
@@ -180,7 +181,9 @@ def orthogonalize(
     ``algorithm``: one of :data:`NS_ALGORITHMS`; a unit that runs Gram Newton-Schulz
     (:func:`uses_gram`) multiplies in :func:`gram_dtype` and restarts after the
     iterations in ``restarts`` (:mod:`dmuon.numerics.gram_newton_schulz`);
-    ``gram_dtype_override`` replaces that dtype (accuracy studies).
+    ``gram_dtype_override`` replaces that dtype (accuracy studies). ``buffers``: where the
+    standard iteration keeps its buffers between matrices of one shape (the same bits;
+    :mod:`dmuon.numerics.standard_iteration`).
 
     ``update`` is 2-D ``[A, B]`` or a 3-D stack ``[E, A, B]`` (see :func:`matrix_shape`).
     Returns a new contiguous bf16 tensor of the same shape (rounded from ``dtype``);
@@ -198,7 +201,8 @@ def orthogonalize(
     """
     if update.ndim == 3:
         return torch.stack([orthogonalize(matrix, coefficients, steps, eps, dtype, algorithm=algorithm,
-                                          restarts=restarts, gram_dtype_override=gram_dtype_override)
+                                          restarts=restarts, gram_dtype_override=gram_dtype_override,
+                                          buffers=buffers)
                             for matrix in update])
     if update.ndim != 2:
         raise ValueError(f"orthogonalize expects a 2-D or 3-D tensor, got shape {tuple(update.shape)}")
@@ -209,56 +213,27 @@ def orthogonalize(
     tall = update.size(0) > update.size(1)
     if uses_gram(algorithm, update.shape, steps, restarts):
         compute = gram_dtype_override or gram_dtype(dtype, update.device.type)
-        return _result(gram_iterate(_gram_start(update, compute, safety, eps, tall), schedule, restarts), tall)
-    return _result(_standard_iterate(update, dtype, safety, eps, schedule, tall), tall)
+        return _result(gram_iterate(_gram_start(update, compute, safety, eps, tall), schedule, restarts), tall=tall)
+    return _result(*standard_iterate(update, dtype, safety, eps, schedule, tall, buffers), tall=tall)
 
 
-def _result(x: torch.Tensor, tall: bool) -> torch.Tensor:
+def _result(x: torch.Tensor, held: IterationBuffers | None = None, *, tall: bool) -> torch.Tensor:
     """The last iterate in ``update``'s orientation, contiguous bf16: CUDA's ``_chunk_cat``
-    would copy a tall matrix's transposed view again when the scatter flattens results."""
-    x = x.T if tall else x
-    return x.contiguous() if x.dtype == UPDATE_DTYPE else x.to(UPDATE_DTYPE, memory_format=torch.contiguous_format)
-
-
-def _standard_iterate(update: torch.Tensor, dtype: torch.dtype, safety: float, eps: float,
-                      schedule: Sequence[Triple], tall: bool) -> torch.Tensor:
-    """torch.optim.Muon's quintic iteration, ``X <- a X + (b S + c S S) X`` with
-    ``S = X X^T``, from the normalized ``update`` in ``dtype``, seen wide; returns the
-    last iterate. The normalized copy is made here, not by the caller, so that it is
-    freed after the first step (a caller's argument lives until the call returns)."""
-    x = _normalized(update, dtype, safety, eps)
-    x, x_t = (x.T, x) if tall else (x, x.T)
-    # Each step writes the next iterate into a buffer it does not read (``out=``: the
-    # same product as a new tensor, bit for bit), and the two buffers alternate, so the
-    # transposes the Gram matrix reads are made once, not once per step.
-    spare, spare_t = None, None
-    for a, b, c in schedule:
-        gram = torch.mm(x, x_t)
-        poly = torch.addmm(gram, gram, gram, beta=b, alpha=c)
-        if spare is None:
-            spare = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-            spare_t = spare.T
-        torch.addmm(x, poly, x, beta=a, out=spare)
-        reusable = x.is_contiguous()  # the first iterate may be a transposed view: never an ``out``
-        x, x_t, spare, spare_t = spare, spare_t, x if reusable else None, x_t if reusable else None
-    return x
+    would copy a tall matrix's transposed view again when the scatter flattens results.
+    An iterate returned as it is leaves the buffers it was one of (``held``)."""
+    seen = x.T if tall else x
+    out = seen.contiguous() if seen.dtype == UPDATE_DTYPE else seen.to(UPDATE_DTYPE, memory_format=torch.contiguous_format)
+    if held is not None and out is x:
+        held.hand_over(x)
+    return out
 
 
 def _gram_start(update: torch.Tensor, compute: torch.dtype, safety: float, eps: float, tall: bool) -> torch.Tensor:
     """Gram Newton-Schulz's first iterate: ``update`` normalized, seen wide, in ``compute``.
     fp16 holds values below 65504 only, so an fp16 start is normalized in fp32 first
     (that fp32 copy is freed on return)."""
-    x = _normalized(update, torch.float32 if compute == torch.float16 else compute, safety, eps)
+    x = normalized(update, torch.float32 if compute == torch.float16 else compute, safety, eps)
     return (x.T if tall else x).to(compute)
-
-
-def _normalized(update: torch.Tensor, dtype: torch.dtype, safety: float, eps: float) -> torch.Tensor:
-    """``update`` in ``dtype`` (a new tensor) with every singular value at most 1: the
-    Frobenius norm bounds the spectral norm (the same on either orientation)."""
-    x = aligned(update.to(dtype))  # .to: no op when already in ``dtype``; the division makes the copy
-    if safety == 1.0:
-        return x.div(x.norm().clamp(min=eps))  # torch.optim.Muon's normalization, bit for bit
-    return x.div(x.norm() * safety + eps)
 
 
 def orthogonalize_row_blocks(
@@ -271,12 +246,13 @@ def orthogonalize_row_blocks(
     *,
     algorithm: str = DEFAULT_NS_ALGORITHM,
     restarts: Sequence[int] = DEFAULT_GRAM_RESTARTS,
+    buffers: NewtonSchulzBuffers | None = None,
 ) -> torch.Tensor:
     """Orthogonalize each block of ``split_rows`` consecutive rows of a 2-D ``update`` on
     its own (one attention head of ``wq``, ``wk`` or ``wv``); block ``h`` of the result is
     ``orthogonalize(update[h * split_rows : (h + 1) * split_rows])``, bit for bit."""
     blocks = update.split(split_rows)
-    options = dict(algorithm=algorithm, restarts=restarts)
+    options = dict(algorithm=algorithm, restarts=restarts, buffers=buffers)
     if len(blocks) == 1:  # one block (an owner's unit): no copy through cat
         return orthogonalize(update, coefficients, steps, eps, dtype, **options)
     return torch.cat([orthogonalize(block, coefficients, steps, eps, dtype, **options) for block in blocks])

@@ -36,9 +36,13 @@ def resolve_foreach(foreach: bool | None, device: torch.device) -> bool:
 def by_signature(*lists: Tensors) -> list[list[int]]:
     """Indices of the tensors whose entries in every list share device and dtype: the
     lists a foreach op takes its fast path on. In first-seen order."""
+    dtypes = [[t.dtype for t in tensors] for tensors in lists]
+    devices = [[t.device for t in tensors] for tensors in lists]
+    if all(facts.count(facts[0]) == len(facts) for facts in (*dtypes, *devices) if facts):
+        return [list(range(len(lists[0])))] if lists[0] else []  # the usual case, read without a key per tensor
     groups: dict[tuple, list[int]] = {}
-    for i, tensors in enumerate(zip(*lists)):
-        groups.setdefault(tuple((t.device, t.dtype) for t in tensors), []).append(i)
+    for i, key in enumerate(zip(*dtypes, *devices)):
+        groups.setdefault(key, []).append(i)
     return list(groups.values())
 
 

@@ -38,6 +38,12 @@ def make_batches(units: Sequence[Unit], world_size: int, max_batch_numel: int) -
         else:
             batches.append(list(shelf))
             height = shelf_height
+    # Shelves come tallest first, so only the last batch can fall far short of the target: one
+    # that short would pay two collectives' latency to hide little work, so it joins the one
+    # before it where memory allows.
+    if len(batches) > 1 and height < target / OVERLAP_BATCHES and _fits(units, batches[-2] + batches[-1],
+                                                                         world_size, max_batch_numel):
+        batches[-2].extend(batches.pop())
     return tuple(tuple(sorted(batch)) for batch in batches)
 
 
