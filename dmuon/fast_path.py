@@ -31,7 +31,7 @@ from dmuon.exchange.owner_exchange import Callbacks, run_owner_plan
 from dmuon.exchange.reductions import share_second_moments
 from dmuon.group_steps import GroupSteps, by_group
 from dmuon.numerics.functional import normuon_state
-from dmuon.numerics.masked_updates import MasksByDtype, mask_
+from dmuon.numerics.masked_updates import MasksByDtype
 from dmuon.numerics.newton_schulz import resolve_ns_algorithm, resolve_ns_dtype
 from dmuon.numerics.standard_iteration import NewtonSchulzBuffers
 from dmuon.plan.cost_model import CostModel, plan_with_best_split
@@ -268,7 +268,7 @@ class FastPath:
             (update,) = pack_blocks([i])
             return update.to(WIRE_DTYPE, copy=True).view(run.plan.units[i].matrix)
 
-        buffers = NewtonSchulzBuffers()  # this step's, freed with it
+        buffers = NewtonSchulzBuffers()  # kept through a batch's Newton-Schulz, released after it
 
         def orthogonalize(unit: Unit, matrix: torch.Tensor) -> torch.Tensor:
             moment = rows.get(unit.param)
@@ -276,17 +276,14 @@ class FastPath:
                                        None if moment is None else moment[unit.dim0[0] : unit.dim0[1]], ok[unit.param],
                                        buffers)
 
-        def mask_results(units: Sequence[int], results: Sequence[torch.Tensor]) -> None:
-            if results:  # zero where masked, on the owner: one list op per batch
-                mask_(results, masks.of(units, results[0].dtype))
-
         def apply_blocks(units: Sequence[int], orthos: Sequence[torch.Tensor]) -> None:
             steps.apply_many([params[run.plan.units[i].param] for i in units], [targets[i] for i in units], orthos,
                              [param_groups[run.plan.units[i].param] for i in units],
                              [here[run.plan.units[i].param] for i in units])
 
         callbacks = Callbacks(pack_blocks, update_of, orthogonalize, apply_blocks, run.layout,
-                              run.widen if steps.lists_for(run.device) else Callbacks.widen, mask_results)
+                              run.widen if steps.lists_for(run.device) else Callbacks.widen, masks.zero_masked,
+                              buffers.release)
         run_owner_plan(run.plan, group=run.group, rank=run.rank, device=run.device,
                        callbacks=callbacks, stats=stats, meter=meter, staging=run.staging)
         share_second_moments(run.plan, run.rank, rows, run.group, run.device)

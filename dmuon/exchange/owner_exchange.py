@@ -32,7 +32,9 @@ whatever its number of blocks (``dmuon.exchange.packing``, ``dmuon.numerics.upda
   (itself, or one cast of the whole buffer where a list op needs one dtype);
 - ``mask_results(units, results)``: zero, in place, the results of units no rank may
   apply (``dmuon.exchange.grad_status``), on their owner before they travel: one list
-  op for the batch's owned units.
+  op for the batch's owned units;
+- ``newton_schulz_done()``: a batch's Newton-Schulz is done (its buffers may go:
+  ``dmuon.numerics.standard_iteration``).
 """
 
 from __future__ import annotations
@@ -71,6 +73,7 @@ class Callbacks:
     layout_of: LayoutOf
     widen: Widen = lambda recv: recv
     mask_results: MaskResults = lambda units, results: None
+    newton_schulz_done: Callable[[], None] = lambda: None
 
 
 def run_owner_plan(
@@ -106,6 +109,7 @@ def run_owner_plan(
         elif event == NEWTON_SCHULZ:
             step.orthogonalize_kept(batch)
             results[b] = step.orthogonalize_owned(*owned.pop(b))
+            callbacks.newton_schulz_done()
         elif event == START_SCATTER:
             scatters[b] = step.start_scatter(batch, results.pop(b))
         else:
@@ -160,9 +164,10 @@ class _OwnerStep:
 
     def orthogonalize_owned(self, whole: torch.Tensor, matrices: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
         """Newton-Schulz of the gathered matrices, those of one shape back to back (they
-        share Newton-Schulz's buffers); their buffer is freed after the last."""
-        results = {i: self.meter.track(self.math.orthogonalize(self.plan.units[i], matrices.pop(i)))
-                   for i in sorted(matrices, key=lambda i: self.plan.units[i].matrix)}
+        share Newton-Schulz's buffers), the largest first (its workspace is then beside the
+        fewest results); their buffer is freed after the last."""
+        order = sorted(matrices, key=lambda i: (-self.plan.units[i].numel, self.plan.units[i].matrix))
+        results = {i: self.meter.track(self.math.orthogonalize(self.plan.units[i], matrices.pop(i))) for i in order}
         self.math.mask_results(list(results), list(results.values()))
         self.meter.free(whole)
         return results

@@ -123,6 +123,12 @@ class MasksByDtype:
         self.ok, self.param_of_unit = ok, param_of_unit
         self.cast: dict[torch.dtype, tuple[torch.Tensor, ...]] = {}
 
+    def zero_masked(self, units: Sequence[int], results: Sequence[torch.Tensor]) -> None:
+        """Zero the results of ``units`` where their parameter's mask is False, in place: one
+        list op (on the owner, before they travel back)."""
+        if results:
+            mask_(results, self.of(units, results[0].dtype))
+
     def of(self, units: Sequence[int], dtype: torch.dtype) -> list[torch.Tensor]:
         if dtype not in self.cast:
             self.cast[dtype] = torch.stack(list(self.ok)).to(dtype).unbind()

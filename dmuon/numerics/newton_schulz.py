@@ -220,12 +220,18 @@ def orthogonalize(
 def _result(x: torch.Tensor, held: IterationBuffers | None = None, *, tall: bool) -> torch.Tensor:
     """The last iterate in ``update``'s orientation, contiguous bf16: CUDA's ``_chunk_cat``
     would copy a tall matrix's transposed view again when the scatter flattens results.
-    An iterate returned as it is leaves the buffers it was one of (``held``)."""
+    With buffers (``held``), never more memory than the workspace the memory bound counts
+    (two iterates, the Gram matrix, the polynomial, and a bf16 result when the iteration
+    ran wider): a bf16 iterate returned as it is leaves the buffers; a bf16 one copied out
+    (a tall matrix) is copied with the other buffers dropped; a wider one is rounded beside them."""
     seen = x.T if tall else x
-    out = seen.contiguous() if seen.dtype == UPDATE_DTYPE else seen.to(UPDATE_DTYPE, memory_format=torch.contiguous_format)
-    if held is not None and out is x:
+    if seen.dtype != UPDATE_DTYPE:
+        return seen.to(UPDATE_DTYPE, memory_format=torch.contiguous_format)
+    if held is not None and seen.is_contiguous():
         held.hand_over(x)
-    return out
+    elif held is not None:
+        held.keep_only(x)
+    return seen.contiguous()
 
 
 def _gram_start(update: torch.Tensor, compute: torch.dtype, safety: float, eps: float, tall: bool) -> torch.Tensor:

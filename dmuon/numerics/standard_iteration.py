@@ -9,8 +9,11 @@ Matrices of one shape run back to back can share one set of buffers
 (:class:`NewtonSchulzBuffers`): every product writes into its buffer (``out=``: the
 kernel a new tensor would get), and each buffer has the layout the new tensor would
 have had (contiguous, seen wide), so the bits are the unbuffered iteration's
-(``tests/test_standard_iteration.py``). The peak is one matrix's, as without buffers:
-two iterates, the Gram matrix and the polynomial.
+(``tests/test_standard_iteration.py``). The memory held is never more than the one
+matrix's workspace the step's memory bound counts (``dmuon.dry_run.memory_bound``): two
+iterates, the Gram matrix and the polynomial (and the bf16 result where the iteration runs
+wider; how a result leaves the buffers: ``newton_schulz._result``); the owner releases them
+after each batch's Newton-Schulz.
 """
 
 from __future__ import annotations
@@ -34,35 +37,59 @@ class IterationBuffers:
         rows, cols = shape
         self.tall = rows > cols
         self.wide = (cols, rows) if self.tall else (rows, cols)
-        self.first = torch.empty(shape, dtype=dtype, device=device)
-        self.second = torch.empty(self.wide, dtype=dtype, device=device)
-        self.gram = torch.empty(self.wide[0], self.wide[0], dtype=dtype, device=device)
-        self.poly = torch.empty_like(self.gram)
-        self._views()
+        self.first: torch.Tensor | None = None
+        self.second: torch.Tensor | None = None
+        self.gram: torch.Tensor | None = None
+        self.poly: torch.Tensor | None = None
+        self.start: tuple[torch.Tensor, ...] = ()
+        self.cycle: tuple[tuple[torch.Tensor, torch.Tensor], ...] = ()
+        self.ready()
 
-    def _views(self) -> None:
-        """The first iterate and the two the iteration alternates between, each with its
-        transpose. A tall update's normalized copy is read transposed in the first step
-        (as torch.optim.Muon reads it); after that its storage serves as a contiguous wide
-        iterate, as the fresh tensor the unbuffered iteration would allocate there."""
+    def ready(self) -> None:
+        """Make the buffers missing (at first, or after :meth:`hand_over` or :meth:`keep_only`)
+        and the views the iteration reads: the first iterate and the two it alternates
+        between, each with its transpose. A tall update's normalized copy is read transposed
+        in the first step (as torch.optim.Muon reads it); after that its storage serves as a
+        contiguous wide iterate, as the new tensor the unbuffered iteration would allocate there."""
+        if self.start:
+            return
+        shape, dtype, device = self.key
+        if self.first is None:
+            self.first = torch.empty(shape, dtype=dtype, device=device)
+        if self.second is None:
+            self.second = torch.empty(self.wide, dtype=dtype, device=device)
+        if self.gram is None:
+            self.gram = torch.empty(self.wide[0], self.wide[0], dtype=dtype, device=device)
+            self.poly = torch.empty_like(self.gram)
         first_wide = self.first.view(self.wide)
         self.start = (self.first.T, self.first) if self.tall else (self.first, self.first.T)
         self.cycle = ((self.second, self.second.T), (first_wide, first_wide.T))
 
     def hand_over(self, iterate: torch.Tensor) -> None:
-        """``iterate`` (one of these buffers) becomes the caller's result: it is replaced
-        by a new buffer, so the next matrix cannot overwrite it."""
-        if iterate.data_ptr() == self.second.data_ptr():
-            self.second = torch.empty_like(self.second)
+        """``iterate`` (one of these buffers) becomes the caller's result: the buffer is
+        dropped, and made again for the next matrix (not now: the peak stays one matrix's)."""
+        if iterate is self.second:  # else it is ``first`` or its wide view
+            self.second = None
         else:
-            self.first = torch.empty_like(self.first)
-        self._views()
+            self.first = None
+        self.start = self.cycle = ()
+
+    def keep_only(self, iterate: torch.Tensor) -> None:
+        """Before the result is copied out of ``iterate`` (one of these buffers): drop the
+        others, made again for the next matrix, so that the copy's peak is the unbuffered
+        iteration's (its other buffers are gone by then)."""
+        if iterate is self.second:
+            self.first = None
+        else:
+            self.second = None
+        self.gram = self.poly = None
+        self.start = self.cycle = ()
 
 
 class NewtonSchulzBuffers:
     """One set of :class:`IterationBuffers` at a time: made for the shape in hand, replaced
     when the shape changes (the old set is freed first). Run the matrices of one shape back
-    to back to reuse it; drop this object when the step's Newton-Schulz is done."""
+    to back to reuse it; :meth:`release` it when they are done."""
 
     def __init__(self) -> None:
         self._held: IterationBuffers | None = None
@@ -72,7 +99,13 @@ class NewtonSchulzBuffers:
         if self._held is None or self._held.key != key:
             self._held = None  # freed before the next set is made: one set's memory at a time
             self._held = IterationBuffers(shape, dtype, device)
+        self._held.ready()
         return self._held
+
+    def release(self) -> None:
+        """Free the set held (a batch's Newton-Schulz is done: its memory goes back before
+        the exchange's next buffers are made)."""
+        self._held = None
 
 
 def standard_iterate(update: torch.Tensor, dtype: torch.dtype, safety: float, eps: float,
@@ -137,6 +170,6 @@ def _normalize_into(update: torch.Tensor, out: torch.Tensor, safety: float, eps:
 
 
 def _norm(x: torch.Tensor, safety: float, eps: float) -> torch.Tensor:
-    if safety == 1.0:
-        return x.norm().clamp(min=eps)  # torch.optim.Muon's normalization, bit for bit
-    return x.norm() * safety + eps
+    # ``x.norm()`` (torch.optim.Muon's) is this very op behind a Python wrapper of torch.functional.
+    norm = torch.linalg.vector_norm(x)
+    return norm.clamp(min=eps) if safety == 1.0 else norm * safety + eps  # the first: torch.optim.Muon's, bit for bit
