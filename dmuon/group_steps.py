@@ -76,6 +76,8 @@ class GroupSteps:
                                   eps=group["eps"], ns_dtype=dtype, split_rows=group["split_rows"], buffers=buffers,
                                   **gram)
             if group["normuon"]:
+                if buffers is not None:  # its fp32 copies come next: freed first, the peak stays one matrix's
+                    buffers.release()
                 ortho = normuon_normalize_(ortho, second_moment, group["normuon_beta2"], group["split_rows"], ok)
             return ortho
 

@@ -67,8 +67,8 @@ def test_llama3_8b_on_64_ranks_sends_exactly_the_planned_bytes():
     # Rank 63's figures as docs/dry_run.md quotes them.
     assert report.bytes_sent_per_rank == 413138944
     assert report.muon_params == 224 and report.adamw_params == 67
-    # 558 to 618 launches a rank: the AdamW part on fake local shards takes torch's list path, as on DTensors.
-    assert 558 <= report.device_ops_per_step <= 618
+    # 558 to 615 launches a rank: the AdamW part on fake local shards takes torch's list path, as on DTensors.
+    assert 558 <= report.device_ops_per_step <= 615
     collectives = {(c["op"], c["dtype"], c["device"]): c["count"] for c in report.collectives}
     assert collectives == {("c10d.allreduce_.default", "int32", "cuda"): 1,
                            ("c10d.alltoall_base_.default", "bfloat16", "cuda"): 4}
