@@ -26,7 +26,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
 from dmuon import AttentionHeads, DMuon
-from tests.fault_cases import Case
+from tests.fault_cases import ROW_TARGETS, Case
 
 # name -> (shape, group). Rows are chosen so that 4 ranks give uneven and empty shards.
 PARAMS: dict[str, tuple[tuple[int, ...], str]] = {
@@ -43,7 +43,7 @@ ATTENTIONS = ("attn_a", "attn_b")
 QK_PARAMS = {f"{a}.{w}": ((8, 8), "muon") for a in ATTENTIONS for w in ("wq", "wk")}
 QK_THRESHOLD = 5.0
 # Under two_meshes these live on the grid's row (a 1-D sub-mesh), the others on the whole grid.
-ROW_PARAMS = frozenset({"w", "norm"})
+ROW_PARAMS = ROW_TARGETS
 
 
 def meshes(layout: str, world: int, _cache: dict = {}) -> dict[str, Any]:  # noqa: B006 - one per launch

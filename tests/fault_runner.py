@@ -10,10 +10,12 @@ broke the launch).
 Per step of a case a rank records:
 
 - its outcome: None or ``"<Type>: <message>"``;
-- its collectives, two ways: the gloo backend's own calls (``torch.profiler`` events named
-  ``gloo:*``, with dtypes and shapes: what really went over the wire, DTensor's functional
-  collectives included) and, per op, the ranks of the group it ran on (a dispatch mode that
-  sees ``c10d``/``_c10d_functional`` ops, the only place the group is named);
+- its collectives, two ways: per op dispatched to the backend, its tensors' shapes and
+  dtypes and the ranks of the real gloo group it runs on (a dispatch mode that sees
+  ``c10d``/``_c10d_functional`` ops: DTensor's functional collectives included; the only
+  place the group is named), and at the faulty step and the one after, the gloo backend's
+  own calls (``torch.profiler`` events named ``gloo:*``, with dtypes and shapes), kept for
+  reading a failure (not compared: they run on gloo's threads, see ``tests.fault_checks``);
 - digests of the bits of every parameter and state tensor of its DMuon (``-0.0`` and NaN
   payloads included: raw bytes), before and after the faulty step and the one after.
 
@@ -29,6 +31,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import threading
 import time
 from contextlib import contextmanager
 from datetime import timedelta
@@ -281,25 +284,42 @@ def _out_of_step(signatures: list[list]) -> bool:
     return False
 
 
+def _watchdog(seconds: float, path: str, case_id: str, rank: int) -> threading.Timer:
+    """End this process if a case makes no progress for ``seconds``: every rank may be stuck
+    in a collective of the case (the default group's own timeout is 30 minutes), so no
+    rank would reach the others. It leaves a line saying so; the launcher sees a rank die."""
+    def fire() -> None:
+        with open(path, "a") as out:
+            out.write(json.dumps({"case": case_id, "rank": rank, "obs": {"hang": f"no progress in {seconds:.0f} s"}})
+                      + "\n")
+        os._exit(3)
+
+    timer = threading.Timer(seconds, fire)
+    timer.daemon = True
+    timer.start()
+    return timer
+
+
 def run_cases(case_ids: list[str], out_dir: str, check_timeout_s: float) -> dict[str, Any]:
     """Run the cases on this rank; one JSON line each in ``out_dir/rank<r>.jsonl``."""
     rank = dist.get_rank()
     meet = dist.new_group(backend="gloo", timeout=timedelta(seconds=check_timeout_s))
     twins: dict = {}
     path = os.path.join(out_dir, f"rank{rank}.jsonl")
-    with open(path, "a") as out:
-        for case_id in case_ids:
-            case = parse(case_id)
-            try:
-                obs = run_case(case, rank, twins)
-            except Exception as error:  # noqa: BLE001 - a harness error is reported with its case
-                obs = {"harness_error": f"{type(error).__name__}: {error}"}
+    for case_id in case_ids:
+        case = parse(case_id)
+        timer = _watchdog(check_timeout_s, path, case_id, rank)
+        try:
+            obs = run_case(case, rank, twins)
+        except Exception as error:  # noqa: BLE001 - a harness error is reported with its case
+            obs = {"harness_error": f"{type(error).__name__}: {error}"}
+        with open(path, "a") as out:
             out.write(json.dumps({"case": case_id, "rank": rank, "obs": obs}) + "\n")
-            out.flush()
-            signatures: list = [None] * dist.get_world_size()
-            dist.all_gather_object(signatures, _signature(obs), group=meet)
-            if _out_of_step(signatures):
-                raise LaunchStop(f"{case_id}: ranks ran different collectives; ending the launch")
+        signatures: list = [None] * dist.get_world_size()
+        dist.all_gather_object(signatures, _signature(obs), group=meet)
+        timer.cancel()
+        if _out_of_step(signatures):
+            raise LaunchStop(f"{case_id}: ranks ran different collectives; ending the launch")
     return {"done": len(case_ids)}
 
 
