@@ -38,6 +38,7 @@ LAUNCH_BASE_S, PER_CASE_S = 120.0, 10.0
 class Result:
     case: Case
     failures: list[Failure] = field(default_factory=list)
+    seconds: float | None = None  # the case's time on its slowest rank (None: it never finished)
 
 
 def _read(out_dir: str, world: int) -> dict[str, dict[int, dict]]:
@@ -79,7 +80,8 @@ def run_launch(cases: list[Case], world: int, check_timeout_s: float) -> tuple[l
             results.append(Result(case, [(1, f"ranks {sorted(hung)} hung: {next(iter(hung.values()))}")]))
             return results, cases[index + 1 :]
         if len(ranks) == world:
-            results.append(Result(case, check_case(case, [ranks[r] for r in range(world)])))
+            slowest = max(o.get("seconds", 0.0) for o in ranks.values())
+            results.append(Result(case, check_case(case, [ranks[r] for r in range(world)]), slowest))
             stopped = error is not None and "LaunchStop" in error and case.id in error
             if stopped and not any(item == 2 for item, _ in results[-1].failures):
                 results[-1].failures.append((2, "the ranks went out of step (the launch ended here)"))
@@ -126,8 +128,10 @@ def summary(results: list[Result], seconds: float) -> str:
     by_item = Counter(item for r in failed for item in {i for i, _ in r.failures})
     by_kind = Counter(r.case.kind for r in failed)
     kinds = Counter(r.case.kind for r in results)
+    timed = [r.seconds for r in results if r.seconds is not None]
     lines = [f"fault sweep: {len(results)} cases, {len(results) - len(failed)} passed, {len(failed)} failed "
-             f"in {seconds:.0f} s"]
+             f"in {seconds:.0f} s (a case: {sum(timed) / max(1, len(timed)):.2f} s on average, "
+             f"{max(timed, default=0):.2f} s at most; the rest is start-up and relaunches)"]
     lines += [f"  item {item} ({ITEMS[item]}): {n} case(s)" for item, n in sorted(by_item.items())]
     lines.append("  failed by fault kind: " + ", ".join(f"{k} {by_kind[k]}/{kinds[k]}" for k in sorted(kinds)))
     for result in failed:
