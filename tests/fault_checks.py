@@ -107,8 +107,8 @@ def expected_texts(case: Case, want: Expected, mode: str, rank: int) -> dict[int
         return {case.k: (local,) if faulty else None, case.k + 1: (AGREED_ERROR.format(n=len(want.faulty)),)}
     if mode == "disagree":
         return {case.k: None, case.k + 1: (DISAGREE_ERROR,)}
-    if mode == "error":
-        return {case.k: ("", ) , case.k + 1: ERROR_PREFIXES}
+    if mode == "error":  # step k: None or the local error (check_outcomes allows both)
+        return {case.k: (local,), case.k + 1: ERROR_PREFIXES}
     return {case.k: None, case.k + 1: None}
 
 
