@@ -43,7 +43,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.fault_cases import Case, expected, parse
-from tests.fault_model import Model, build, full_grad, param_specs, placement_of, report_logits, set_grads
+from tests.fault_model import Model, build, placement_of, report_logits, set_grads
 
 AFTER = 2  # clean steps after the one after the fault (contract item 5)
 COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional")
@@ -321,8 +321,3 @@ def run_cases(case_ids: list[str], out_dir: str, check_timeout_s: float) -> dict
         if _out_of_step(signatures):
             raise LaunchStop(f"{case_id}: ranks ran different collectives; ending the launch")
     return {"done": len(case_ids)}
-
-
-def full_view_grads(case: Case, rank: int) -> dict[str, Any]:
-    """For debugging a case by hand: the full grads of the faulty step as this rank sees them."""
-    return {n: full_grad(case, n, case.k, rank) for n in param_specs(case)}

@@ -108,12 +108,14 @@ def _tail(text: str, limit: int = 600) -> str:
     return text if len(text) <= limit else "..." + text[-limit:]
 
 
-def sweep(cases: list[Case], per_launch: int, check_timeout_s: float, log=print) -> list[Result]:
-    """Every case, ``per_launch`` to a launch per world size, relaunching after a broken one."""
+def sweep(cases: list[Case], per_launch: int, check_timeout_s: float, log=print,
+          max_failed: int | None = None) -> list[Result]:
+    """Every case, ``per_launch`` to a launch per world size, relaunching after a broken one;
+    with ``max_failed``, stop once that many cases failed (a CI run on broken code ends soon)."""
     results: list[Result] = []
     for world in sorted({c.world for c in cases}):
         pending = [c for c in cases if c.world == world]
-        while pending:
+        while pending and (max_failed is None or sum(bool(r.failures) for r in results) < max_failed):
             batch, rest = pending[:per_launch], pending[per_launch:]
             done, left = run_launch(batch, world, check_timeout_s)
             results += done
@@ -149,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--per-launch", type=int, default=60, help="cases per launch of P ranks")
     parser.add_argument("--check-timeout", type=float, default=CHECK_TIMEOUT_S,
                         help="seconds a case may take on a rank before it counts as a hang")
+    parser.add_argument("--max-failed", type=int, default=None, help="stop after this many failed cases")
     parser.add_argument("--count", action="store_true", help="print how many cases exist and why some are skipped")
     parser.add_argument("--detail", action="store_true",
                         help="run under TORCH_DISTRIBUTED_DEBUG=DETAIL (gloo checks every collective's fingerprint)")
@@ -166,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     cases = [parse(c) for c in args.case] if args.case else sample(args.cases, args.seed, worlds)
     print(f"running {len(cases)} case(s) (seed {args.seed}, P in {sorted({c.world for c in cases})})", flush=True)
     start = time.perf_counter()
-    results = sweep(cases, args.per_launch, args.check_timeout)
+    results = sweep(cases, args.per_launch, args.check_timeout, max_failed=args.max_failed)
     print(summary(results, time.perf_counter() - start))
     return 1 if any(r.failures for r in results) else 0
 
