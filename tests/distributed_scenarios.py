@@ -10,6 +10,8 @@ behaviour each; the workers batch the process start-up, which dominates their co
 
 from __future__ import annotations
 
+import os
+
 import logging
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -49,8 +51,10 @@ GROUP_OPTIONS = {
 
 
 def device_type() -> str:
-    """Where this group's tensors live: "cuda" under NCCL (tests/test_cuda.py), else "cpu"."""
-    return "cuda" if dist.get_backend() == "nccl" else "cpu"
+    """Where this group's tensors live: "cuda" under NCCL (tests/test_cuda.py), else "cpu";
+    ``DMUON_SCENARIO_DEVICE=cuda`` puts a gloo group's on the GPU (two ranks on one GPU,
+    ``benchmarks.gpu_check two_ranks``: NCCL refuses that)."""
+    return "cuda" if dist.get_backend() == "nccl" else os.environ.get("DMUON_SCENARIO_DEVICE", "cpu")
 
 
 def _device() -> torch.device:
