@@ -65,6 +65,7 @@ from dmuon.options import (
     check_tensor_lr_path,
 )
 from dmuon.param_groups import build_param_groups, split_options
+from dmuon import resume_contract
 from dmuon.pickling import PicklesConfiguration
 from dmuon.state_loading import keep_saved_dtypes
 from dmuon.plan.batches import DEFAULT_BATCH_NUMEL
@@ -183,6 +184,7 @@ class DMuon(PicklesConfiguration, Optimizer):
         # The options a group may set (comm, ns_dtype and the rest are the whole optimizer's).
         super().__init__(params, dict(muon_defaults, adamw_lr=adamw_lr, adamw_betas=adamw_betas,
                                       adamw_eps=adamw_eps, adamw_weight_decay=adamw_weight_decay))
+        resume_contract.attach(self)  # load_state_dict keeps this optimizer's options (dmuon.resume_contract)
 
     def _start_afresh(self, telemetry: bool) -> None:
         """Measurements from zero, and no paths or plan yet (made at the first step)."""
