@@ -269,8 +269,7 @@ class DMuon(PicklesConfiguration, Optimizer):
     def _device(self) -> torch.device:  # where the step's small tensors live (a DTensor's: its shard's)
         return local_of(self.param_groups[0]["params"][0]).device
 
-    def _forget_plan(self) -> None:
-        """Paths, plan and status channel: made again at the next step."""
+    def _forget_plan(self) -> None:  # paths, plan and status channel: made again at the next step
         self._fast_path.forget()
         self._grad_status.forget()
 
