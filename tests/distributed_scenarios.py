@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from dmuon import DMuon
@@ -467,24 +467,68 @@ def custom_uneven_shards() -> str | None:
     return _error(DMuon([{"params": [("odd", param)], "use_muon": True}]).step)
 
 
-def collective_sequences() -> list[str]:
-    """The backend collectives one rank runs over three awkward steps: uneven and empty
-    shards, a grad None on every rank, and a NaN in one rank's shard."""
+# The steps of collective_sequences, and what each does to one copy's grads (the twin's stay clean).
+SEQUENCE_STEPS = ("clean", "none_everywhere", "nan_on_rank_0", "none_on_rank_0", "raises_disagree",
+                  "complex_on_last_rank_partial_adamw", "raises_invalid", "clean_again")
+# Steps whose collectives must be a clean step's (the others raise before their first one).
+SEQUENCE_LIKE_CLEAN = ("none_everywhere", "nan_on_rank_0", "none_on_rank_0", "complex_on_last_rank_partial_adamw",
+                       "clean_again")
+
+
+def backend_collectives(prof: Any) -> list[tuple[str, tuple[str, ...], tuple[tuple[int, ...], ...]]]:
+    """The backend's own collective calls a profile saw, in start order: (name, dtypes,
+    shapes), e.g. ``("gloo:all_reduce", ("int",), ((7,),))``; DTensor's functional
+    collectives included (they run on the same backend)."""
+    backend = f"{dist.get_backend()}:"
+    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name().startswith(backend)),
+                    key=lambda e: e.start_ns())
+    return [(e.name(), tuple(str(d) for d in e.dtypes()), tuple(tuple(s) for s in e.shapes())) for e in events]
+
+
+def across_ranks(sequence: list) -> list:
+    """What every rank of a group must run alike: an all-to-all's sizes are its own split
+    (they differ from rank to rank), every other collective's sizes must match."""
+    return [(name, dtypes, None if "all_to_all" in name else shapes) for name, dtypes, shapes in sequence]
+
+
+def collective_sequences() -> dict[str, list]:
+    """The backend collectives one rank runs in each of SEQUENCE_STEPS, with dtypes and
+    sizes, on a DMuon whose grads go wrong on some ranks only, and on a twin with clean
+    grads (``{"steps": [...], "twin": [...]}``, one list per step). Uneven and empty shards,
+    a grad None everywhere, a NaN in one rank's shard, a grad missing on one rank, an invalid
+    grad on another with a ``Partial`` AdamW grad on every rank (DTensor's own reduction)."""
     world, rank = dist.get_world_size(), dist.get_rank()
     params, mesh = _sharded_model(world)
-    optimizer = DMuon(_groups(params))
-    names: list[str] = []
-    for step in range(3):
-        _set_grads(params, mesh, 20 + step)
-        if step == 1:
-            params["wide"].grad = None
-        if step == 2 and rank == 0:
-            params["tall"].grad.to_local()[0, 0] = float("nan")
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-            optimizer.step()
-        backend = f"{dist.get_backend()}:"
-        names += [e.name for e in sorted(prof.events(), key=lambda e: e.time_range.start) if e.name.startswith(backend)]
-    return names
+    twin_params, _ = _sharded_model(world)
+    optimizer, twin = DMuon(_groups(params)), DMuon(_groups(twin_params))
+    out: dict[str, list] = {"steps": [], "twin": []}
+    for step, what in enumerate(SEQUENCE_STEPS):
+        for copy, opt, key in ((params, optimizer, "steps"), (twin_params, twin, "twin")):
+            _set_grads(copy, mesh, 20 + step)
+            if what == "complex_on_last_rank_partial_adamw":
+                full = _case_tensors(20 + step)["norm.weight"]
+                mine = full if rank == 0 else torch.zeros_like(full)  # sums to the full grad exactly
+                copy["norm.weight"].grad = DTensor.from_local(mine, mesh, [Partial()], run_check=False)
+            if key == "steps":
+                _spoil(what, copy, mesh, rank, world)
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
+                _error(opt.step)
+            out[key].append(backend_collectives(prof))
+    return out
+
+
+def _spoil(what: str, params: dict[str, nn.Parameter], mesh: Any, rank: int, world: int) -> None:
+    """The rank-asymmetric part of a SEQUENCE_STEPS step."""
+    if what == "none_everywhere":
+        params["wide"].grad = None
+    elif what == "nan_on_rank_0" and rank == 0:
+        params["tall"].grad.to_local()[0, 0] = float("nan")
+    elif what == "none_on_rank_0" and rank == 0:
+        params["uneven"].grad = None
+    elif what == "complex_on_last_rank_partial_adamw" and rank == world - 1:
+        params["square"].grad_dtype = None
+        local = params["square"].grad.to_local().to(torch.complex64)
+        params["square"].grad = DTensor.from_local(local, mesh, [Shard(0)], run_check=False)
 
 
 # (name, shape, shard_dim): layouts the scale-out plan must keep exact.

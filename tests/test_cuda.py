@@ -190,5 +190,10 @@ def test_awkward_grads_give_the_same_outcome_on_every_gpu():
 
 @needs_two
 def test_every_gpu_runs_the_same_collectives_whatever_its_grads():
-    sequences = _nccl(scenarios.collective_sequences, max(WORLDS))
-    assert sequences[0] and sequences == [sequences[0]] * max(WORLDS)
+    ranks = _nccl(scenarios.collective_sequences, max(WORLDS))
+    for index, what in enumerate(scenarios.SEQUENCE_STEPS):
+        seen = [scenarios.across_ranks(rank["steps"][index]) for rank in ranks]
+        assert all(s == seen[0] for s in seen), (what, seen)
+        if what in scenarios.SEQUENCE_LIKE_CLEAN:
+            assert all(rank["steps"][index] == rank["twin"][index] for rank in ranks), what
+    assert ranks[0]["steps"][0]

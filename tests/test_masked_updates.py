@@ -1,6 +1,11 @@
 """The update rules under a device mask (``dmuon.numerics.masked_updates``): where a
 parameter's mask holds, the bits of the unmasked rule; where it does not, the tensor's
-own bits. For every float dtype a parameter or its momentum may have."""
+own bits, exactly: ``-0.0``, NaN and inf included, and whatever its grad or update holds
+(a NaN grad of a masked-off parameter must not leak in). For every float dtype a parameter
+or its momentum may have.
+
+Every tensor is non-empty and the masked-off ones would change under the unmasked rule,
+so an implementation that ignores the mask fails (``test_the_inputs_would_change_without_the_mask``)."""
 
 from __future__ import annotations
 
@@ -13,13 +18,20 @@ from dmuon.numerics.update_lists import apply_muon_updates_, momentum_
 pytestmark = pytest.mark.unit
 
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
-SHAPES = [(6, 10), (0, 10), (3, 7)]  # an empty shard included
-OKS = [True, False, True]
+SHAPES = [(6, 10), (4, 10), (3, 7), (5, 3)]  # every one non-empty: a masked-off one would change
+OKS = [True, False, True, False]
+SPECIALS = [-0.0, float("nan"), float("inf"), float("-inf"), 0.0]
 
 
-def tensors(seed: int, dtype: torch.dtype) -> list[torch.Tensor]:
+def tensors(seed: int, dtype: torch.dtype, specials: bool = False) -> list[torch.Tensor]:
+    """Seeded tensors; with ``specials``, the masked-off ones start with -0.0, NaN, +-inf, +0.0."""
     generator = torch.Generator().manual_seed(seed)
-    return [torch.randn(shape, generator=generator).to(dtype) for shape in SHAPES]
+    out = [torch.randn(shape, generator=generator).to(dtype) for shape in SHAPES]
+    if specials:
+        for tensor, ok in zip(out, OKS):
+            if not ok:
+                tensor.view(-1)[: len(SPECIALS)] = torch.tensor(SPECIALS, dtype=dtype)
+    return out
 
 
 def oks() -> list[torch.Tensor]:
@@ -30,9 +42,18 @@ def bits(tensor: torch.Tensor) -> bytes:
     return tensor.contiguous().view(torch.uint8).numpy().tobytes()
 
 
+def poisoned(seed: int, dtype: torch.dtype) -> list[torch.Tensor]:
+    """Grads or updates whose masked-off entries hold NaN and inf (a bad grad on a masked step)."""
+    out = tensors(seed, dtype)
+    for tensor, ok in zip(out, OKS):
+        if not ok:
+            tensor.view(-1)[:3] = torch.tensor([float("nan"), float("inf"), float("-inf")], dtype=dtype)
+    return out
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_masked_momentum_is_the_momentum_where_ok_and_leaves_the_buffer_elsewhere(dtype):
-    bufs, grads = tensors(0, dtype), tensors(1, dtype)
+def test_masked_momentum_is_the_momentum_where_ok_and_keeps_the_buffers_bits_elsewhere(dtype):
+    bufs, grads = tensors(0, dtype, specials=True), poisoned(1, dtype)
     expected = [b.clone() for b in bufs]
     momentum_(expected, grads, 0.95, foreach=True)
     masked = [b.clone() for b in bufs]
@@ -43,9 +64,9 @@ def test_masked_momentum_is_the_momentum_where_ok_and_leaves_the_buffer_elsewher
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("cautious", [False, True], ids=["plain decay", "cautious decay"])
-def test_masked_apply_is_the_update_where_ok_and_leaves_the_parameter_elsewhere(dtype, cautious):
-    params = tensors(2, dtype)
-    orthos = [o.to(torch.bfloat16) for o in tensors(3, torch.float32)]
+def test_masked_apply_is_the_update_where_ok_and_keeps_the_parameters_bits_elsewhere(dtype, cautious):
+    params = tensors(2, dtype, specials=True)
+    orthos = [o.to(torch.bfloat16) for o in poisoned(3, torch.float32)]
     expected = [p.clone() for p in params]
     apply_muon_updates_(expected, orthos, 0.02, 0.1, 1.5, cautious, foreach=True)
     masked_orthos = [o.clone() for o in orthos]
@@ -56,8 +77,26 @@ def test_masked_apply_is_the_update_where_ok_and_leaves_the_parameter_elsewhere(
         assert bits(got) == bits(want if ok else before)
 
 
-def test_mask_zeroes_only_the_results_whose_mask_is_false():
+def test_mask_zeroes_exactly_the_results_whose_mask_is_false_nan_and_inf_included():
     results = [torch.ones(4, 3, dtype=torch.bfloat16) for _ in OKS]
+    for result in results:
+        result.view(-1)[:2] = torch.tensor([float("nan"), float("-inf")], dtype=torch.bfloat16)
+    before = [r.clone() for r in results]
     mask_(results, oks())
-    assert [bool(r.eq(1).all()) for r in results] == OKS
-    assert bool(results[1].eq(0).all())
+    for got, was, ok in zip(results, before, OKS):
+        assert bits(got) == (bits(was) if ok else bits(torch.zeros_like(was)))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_the_inputs_would_change_without_the_mask(dtype):
+    """The tests above can fail: the unmasked rules change every masked-off tensor."""
+    bufs, grads = tensors(0, dtype, specials=True), poisoned(1, dtype)
+    moved = [b.clone() for b in bufs]
+    momentum_(moved, grads, 0.95, foreach=True)
+    params = tensors(2, dtype, specials=True)
+    stepped = [p.clone() for p in params]
+    apply_muon_updates_(stepped, [o.to(torch.bfloat16) for o in poisoned(3, torch.float32)], 0.02, 0.1, 1.5, False,
+                        foreach=True)
+    for ok, before, after, p_before, p_after in zip(OKS, bufs, moved, params, stepped):
+        if not ok:
+            assert bits(before) != bits(after) and bits(p_before) != bits(p_after)
