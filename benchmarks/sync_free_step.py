@@ -7,7 +7,8 @@ device-to-host sync in a step raises. The GPU twin of ``python -m dmuon.dry_run`
 The model is the dry run's ``debug`` preset widened to ``--dim``, laid out with
 ``fully_shard`` on every rank; two warm-up steps make the state and the plan (the first
 step may sync once), then ``--steps`` steps run with sync debugging set to "error", for
-the default options and for NorMuon with cautious decay.
+the default options, cautious decay, NorMuon (alone and with cautious decay) and Gram
+Newton-Schulz. (QK-clip needs the attention's max logits from a forward: not here.)
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ from dmuon import DMuon
 from dmuon.dry_run.layouts import parse_layout, lay_out
 from dmuon.dry_run.models import Preset, build
 
-VARIANTS = {"default": {}, "normuon+cautious": {"normuon": True, "cautious_weight_decay": True}}
+VARIANTS = {"default": {}, "cautious": {"cautious_weight_decay": True}, "normuon": {"normuon": True},
+            "normuon+cautious": {"normuon": True, "cautious_weight_decay": True}, "gram": {"ns_algorithm": "gram"}}
 
 
 def init() -> int:

@@ -31,7 +31,7 @@ from dmuon.exchange.owner_exchange import Callbacks, run_owner_plan
 from dmuon.exchange.reductions import share_second_moments
 from dmuon.group_steps import GroupSteps, by_group
 from dmuon.numerics.functional import normuon_state
-from dmuon.numerics.masked_updates import MasksByDtype
+from dmuon.numerics.masked_updates import UnitMasks
 from dmuon.numerics.newton_schulz import resolve_ns_algorithm, resolve_ns_dtype
 from dmuon.numerics.standard_iteration import NewtonSchulzBuffers
 from dmuon.plan.cost_model import CostModel, plan_with_best_split
@@ -247,7 +247,7 @@ class FastPath:
         ok = [oks[p] for p in params]  # the first read waits for the status sums: host work above overlaps them
         here = ok if run.staging is None else run.staging.masks(ok)  # where the elementwise rules run
         moments, rows = run.second_moments(param_groups, state)  # staged after the masks' wait (host_staging)
-        masks = MasksByDtype(ok, [u.param for u in run.plan.units])
+        masks = UnitMasks(ok, [u.param for u in run.plan.units])
         for group, members in by_group(range(len(params)), param_groups):
             steps.masked_momentum([local_bufs[j] for j in members], [local_grads[j] for j in members], group,
                                   [here[j] for j in members])

@@ -10,7 +10,7 @@ wherever Newton-Schulz runs, on the whole matrix, with the rows of the state it 
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, MutableMapping, Sequence
 from typing import Any
 
 import torch
@@ -18,9 +18,6 @@ import torch
 from dmuon.exchange.comm import CommStats
 from dmuon.exchange.reference import orthogonalize_gathered
 from dmuon.numerics.functional import (
-    adamw_,
-    adamw_state,
-    adamw_steps,
     muon_,
     newton_schulz,
     newton_schulz_work,
@@ -28,13 +25,14 @@ from dmuon.numerics.functional import (
     normuon_state,
     update_scale,
 )
-from dmuon.exchange.grad_status import distributed
+from dmuon.exchange.grad_status import StatusMasks, distributed
 from dmuon.numerics.masked_updates import mask_, masked_apply_, masked_momentum_
 from dmuon.numerics.newton_schulz import UPDATE_DTYPE, resolve_ns_algorithm, resolve_ns_dtype
 from dmuon.numerics.standard_iteration import NewtonSchulzBuffers
 from dmuon.numerics.update_rules import nesterov_lookahead
 from dmuon.numerics.update_lists import apply_muon_updates_, lookahead, momentum_, resolve_foreach
 from dmuon.plan.paths import ALL_TO_ALL, REDISTRIBUTE
+from dmuon.state_rollback import StateRollback
 from dmuon.telemetry import Telemetry
 from dmuon.torch_compat import local_of
 
@@ -43,6 +41,8 @@ MUON_STEP_KEYS = ("lr", "momentum", "nesterov", "weight_decay", "adjust_lr", "ma
                   "cautious_weight_decay")
 # The state key of NorMuon's per-row second moment (``dmuon.numerics.functional.normuon_state``).
 NORMUON_STATE_KEY = "normuon_second_moment"
+# Muon's state keys: kept in the dtype they were made (or saved) in.
+MUON_STATE_KEYS = ("momentum_buffer", NORMUON_STATE_KEY)
 
 
 class GroupSteps:
@@ -129,14 +129,20 @@ class GroupSteps:
 
     @staticmethod
     def make_muon_state(grads: Mapping[torch.Tensor, torch.Tensor], groups: Mapping[torch.Tensor, dict[str, Any]],
-                        state: Mapping[torch.Tensor, dict[str, Any]]) -> None:
+                        state: MutableMapping[torch.Tensor, dict[str, Any]], rollback: StateRollback) -> None:
         """At a Muon parameter's first grad: a zero momentum buffer, and in a NorMuon
-        group a zero second moment (``dmuon.numerics.functional.normuon_state``)."""
+        group a zero second moment (``dmuon.numerics.functional.normuon_state``); what is
+        made is recorded in ``rollback`` (a masked step's is taken back by the next)."""
         for param in grads:
+            made = []
             if "momentum_buffer" not in state[param]:
                 state[param]["momentum_buffer"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+                made.append("momentum_buffer")
             if groups[param]["normuon"] and NORMUON_STATE_KEY not in state[param]:
                 state[param][NORMUON_STATE_KEY] = normuon_state(param)
+                made.append(NORMUON_STATE_KEY)
+            if made:
+                rollback.made(state, param, made)
 
     @staticmethod
     def second_moment(param: torch.Tensor, state: Mapping[torch.Tensor, dict[str, Any]]) -> torch.Tensor | None:
@@ -165,27 +171,18 @@ class GroupSteps:
               foreach=bool(local_params) and self.lists_for(local_params[0].device, group),
               **{key: group[key] for key in MUON_STEP_KEYS})
 
-    def adamw_part(self, param_groups: Sequence[dict[str, Any]], state: Mapping[torch.Tensor, dict[str, Any]]
-                   ) -> Exception | None:
-        """Every AdamW group's step (local: no collective), run before the Muon part: what
-        it raises is returned, so the Muon part still runs every rank's collectives, masked
-        on every rank (no Muon parameter moves), and ``DMuon.step`` raises it at its end."""
-        try:
-            for group in (g for g in param_groups if not g["use_muon"]):
-                self.adamw(group, state)
-        except Exception as error:  # noqa: BLE001 - re-raised by DMuon.step() after the collectives
-            return error
-        return None
-
     def muon_off_the_fast_path(self, param_groups: Sequence[dict[str, Any]], paths: Mapping[torch.Tensor, str],
-                               grads: Mapping[torch.Tensor, torch.Tensor], oks: Mapping[torch.Tensor, torch.Tensor],
-                               state: Mapping[torch.Tensor, dict[str, Any]], clean: bool) -> None:
-        """Every Muon group's parameters the fast path did not run: the distributed ones
-        masked (:meth:`muon_masked`), every step; the plain ones (:meth:`muon_whole`) only
-        in a ``clean`` step (no problem on this rank)."""
+                               grads: Mapping[torch.Tensor, torch.Tensor], status: StatusMasks,
+                               state: Mapping[torch.Tensor, dict[str, Any]]) -> None:
+        """Every Muon group's parameters the fast path did not run: the DTensors masked
+        (:meth:`muon_masked`), every step; the plain ones with a grad here as they are
+        (:meth:`muon_whole`) where the host knows the step stands, under the step's mask
+        where only the device knows, not at all where it is masked."""
+        plain = {} if status.host_ok is not None else {p: status.step_ok for p in grads if not distributed(p)}
+        oks = _Masks(status, plain)
         for group in (g for g in param_groups if g["use_muon"]):
             self.muon_masked(group, paths, grads, oks, state)
-            if clean:
+            if status.host_ok:
                 self.muon_whole(group, paths, grads, state)
 
     def muon_masked(self, group: dict[str, Any], paths: Mapping[torch.Tensor, str],
@@ -217,23 +214,6 @@ class GroupSteps:
                      else orthogonalize(update))
             mask_([ortho], [ok[i]])
             self.apply_many([param], [local_of(param)], [ortho], [group], [ok[i]])
-
-    def adamw(self, group: dict[str, Any], state: Mapping[torch.Tensor, dict[str, Any]]) -> None:
-        """AdamW for the group's parameters with a grad (state made at their first step),
-        with the group's ``foreach`` / ``fused`` where it sets them, else the optimizer's."""
-        params = [p for p in group["params"] if p.grad is not None]
-        fused = group.get("fused", self.fused)
-        for param in params:
-            if not state[param]:
-                state[param].update(adamw_state(param, fused))
-        if params:
-            states = [state[p] for p in params]
-            with self.telemetry.adamw_update([local_of(p) for p in params]):
-                adamw_(params, [p.grad for p in params], [s["exp_avg"] for s in states],
-                       [s["exp_avg_sq"] for s in states], adamw_steps(states, params, fused), lr=group["lr"],
-                       betas=group["betas"], eps=group["eps"], weight_decay=group["weight_decay"],
-                       cautious_weight_decay=group["cautious_weight_decay"],
-                       foreach=group.get("foreach", self.foreach), fused=fused)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -272,3 +252,23 @@ def by_group(indices: Iterable[int], group_at: Sequence[dict[str, Any]]) -> list
         group = group_at[k]
         buckets.setdefault(id(group), (group, []))[1].append(k)
     return list(buckets.values())
+
+
+class _Masks(Mapping[torch.Tensor, torch.Tensor]):
+    """The status's masks of the DTensor parameters, and ``plain``'s (the step's mask)."""
+
+    def __init__(self, status: StatusMasks, plain: Mapping[torch.Tensor, torch.Tensor]) -> None:
+        self._status, self._plain = status, plain
+
+    def __getitem__(self, param: torch.Tensor) -> torch.Tensor:
+        return self._plain[param] if param in self._plain else self._status[param]
+
+    def __contains__(self, param: object) -> bool:
+        return param in self._plain or param in self._status
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        yield from self._status
+        yield from self._plain
+
+    def __len__(self) -> int:
+        return len(self._status) + len(self._plain)

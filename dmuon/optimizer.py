@@ -1,31 +1,31 @@
 """DMuon: Muon for matrices, AdamW for the rest, native to DTensor/FSDP2.
 
-One ``step()``:
+One ``step()``, in phases (``DMuon.step`` reads top to bottom in them):
 
-1. every rank sums its grads' status with one small device ``all_reduce`` per rank set
-   (which DTensor Muon parameters have a grad here, whether this rank found an invalid
-   grad): each parameter's mask, on the device; a problem the previous step's sums showed
-   is raised first, on every rank alike (``dmuon.exchange.grad_status``);
-2. AdamW groups take a ``torch.optim.AdamW`` step (local work: whatever it raises is
-   raised at the end of the step, after the Muon part ran its collectives, masked);
-3. each matrix is orthogonalized once, on the path ``dmuon.plan.paths`` chose for it: on
-   its owner rank, batch by batch (``all_to_all`` fast path: ``dmuon.fast_path`` over
-   ``dmuon.exchange.owner_exchange``), on every rank (``redistribute`` reference
-   path, ``dmuon.exchange.reference``), or where it lives (``local``: plain tensors,
-   replicas); momentum runs on the local shards just before, and weight decay and the
-   scaled update land on them just after, so scratch memory is bounded per batch (or
-   per parameter);
-4. QK-clip, for the attentions registered with :meth:`DMuon.clip_attention`: one
-   ``all_reduce(MAX)`` of their per-head logits, then the heads over their group's
-   ``qk_clip_threshold`` get their rows of ``W_q``/``W_k`` scaled where they lie
-   (``dmuon.attention.clipping``).
+1. **check locally**: host facts only, nothing raised yet: the error the last step's
+   status sums show (``dmuon.exchange.grad_status``; the last step's host changes taken
+   back if it was masked, ``dmuon.state_rollback``) or QK-clip's reports; this rank's own
+   invalid grads and shards (``dmuon.grad_checks``);
+2. **agree**: one small device ``all_reduce`` over the DMuon's ranks sums which DTensor
+   parameters (Muon and AdamW) have a grad here and whether a rank found a problem: the
+   step's mask and each parameter's, on the device;
+3. **compute and apply**, under the masks: the AdamW part (``dmuon.adamw_part``; no
+   collective); each matrix orthogonalized once, on the path ``dmuon.plan.paths`` chose
+   for it: on its owner rank, batch by batch (``all_to_all`` fast path: ``dmuon.fast_path``
+   over ``dmuon.exchange.owner_exchange``), on every rank (``redistribute`` reference path,
+   ``dmuon.exchange.reference``), or where it lives (``local``: plain tensors, replicas);
+   then QK-clip for the attentions registered with :meth:`DMuon.clip_attention` (one
+   ``all_reduce(MAX)`` of their per-head logits, rows of ``W_q``/``W_k`` scaled where they
+   lie, ``dmuon.attention.clipping``);
+4. **report**: telemetry's reduction, then the step's first error, raised on this rank
+   after every collective of the step.
 
 The math is ``dmuon.numerics.functional`` (run with a group's settings, counted and timed, by
 ``dmuon.group_steps``); the groups are ``dmuon.param_groups``'. This class holds the
 state and the configuration, and calls them in that order.
 
-The collectives a rank runs depend only on the parameters, never on its grads or
-values, so ranks cannot fall out of step; no host collective runs in a step.
+The collectives a rank runs depend only on the parameters, never on its grads, values
+or errors, so ranks cannot fall out of step; no host collective runs in a step.
 """
 
 from __future__ import annotations
@@ -36,13 +36,14 @@ from typing import Any
 import torch
 from torch.optim.optimizer import Optimizer
 
-from dmuon.attention.clipping import AttentionClip, muon_group_threshold
+from dmuon.attention.clipping import AttentionClip
 from dmuon.attention.max_logits import MaxLogitTracker
 from dmuon.attention.qk_clip import AttentionHeads
 from dmuon.exchange.comm import CommStats, ScratchMeter
-from dmuon.exchange.grad_status import GradStatus, step_problems, usable_grads
+from dmuon import step_phases as phases
+from dmuon.exchange.grad_status import GradStatus
 from dmuon.fast_path import FastPath
-from dmuon.group_steps import GroupSteps
+from dmuon.group_steps import MUON_STATE_KEYS, GroupSteps
 from dmuon.numerics.newton_schulz import (
     DEFAULT_GRAM_RESTARTS,
     DEFAULT_NS_ALGORITHM,
@@ -64,12 +65,16 @@ from dmuon.options import (
     check_tensor_lr_path,
 )
 from dmuon.param_groups import build_param_groups, split_options
+from dmuon import resume_contract
 from dmuon.pickling import PicklesConfiguration
+from dmuon.state_loading import keep_saved_dtypes
 from dmuon.plan.batches import DEFAULT_BATCH_NUMEL
 from dmuon.plan.cost_model import CostModel
 from dmuon.plan.owner_plan import OwnerPlan
 from dmuon.plan.paths import ALL_TO_ALL
+from dmuon.state_rollback import StateRollback
 from dmuon.telemetry import StepFigures, Telemetry
+from dmuon.torch_compat import local_of
 
 ParamsArg = Iterable[torch.Tensor] | Iterable[tuple[str, torch.Tensor]] | Iterable[dict[str, Any]]
 
@@ -179,6 +184,7 @@ class DMuon(PicklesConfiguration, Optimizer):
         # The options a group may set (comm, ns_dtype and the rest are the whole optimizer's).
         super().__init__(params, dict(muon_defaults, adamw_lr=adamw_lr, adamw_betas=adamw_betas,
                                       adamw_eps=adamw_eps, adamw_weight_decay=adamw_weight_decay))
+        resume_contract.attach(self)  # load_state_dict keeps this optimizer's options (dmuon.resume_contract)
 
     def _start_afresh(self, telemetry: bool) -> None:
         """Measurements from zero, and no paths or plan yet (made at the first step)."""
@@ -191,6 +197,8 @@ class DMuon(PicklesConfiguration, Optimizer):
                                    self.link_gbps, self.replica_link_gbps)
         self._attention_clip = AttentionClip()
         self._grad_status = GradStatus()
+        self._rollback = StateRollback()
+        self._plan_signature: tuple | None = None  # what the plan was made for (dmuon.step_phases.plan)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group; one without ``use_muon`` is split into a Muon and an AdamW group
@@ -201,12 +209,10 @@ class DMuon(PicklesConfiguration, Optimizer):
         for names, group in built:
             self._names.update(zip(group["params"], names))
             self.param_groups.append(group)
-        self._fast_path.forget()  # paths, plan and rank sets cover every Muon parameter: rebuild them
-        self._grad_status.forget()
+        self._forget_plan()
 
     def clip_attention(self, name: str, q_weight: torch.Tensor, k_weight: torch.Tensor, heads: AttentionHeads) -> None:
-        """Watch one attention for QK-clip (``dmuon.attention.clipping``); every rank registers
-        the same ones in the same order. A pickle or deepcopy registers its own."""
+        """Watch one attention for QK-clip (``dmuon.attention.clipping``); every rank registers the same ones."""
         self._attention_clip.add(name, q_weight, k_weight, heads, self.param_name)
 
     @property
@@ -236,8 +242,7 @@ class DMuon(PicklesConfiguration, Optimizer):
         """The fast path's plan of each mesh (made at the first ``step()``; empty before)."""
         return self._fast_path.owner_plans()
 
-    def _muon_groups(self) -> dict[torch.Tensor, dict[str, Any]]:
-        """Each Muon parameter's group, in order."""
+    def _muon_groups(self) -> dict[torch.Tensor, dict[str, Any]]:  # each Muon parameter's group, in order
         return {p: g for g in self.param_groups if g["use_muon"] for p in g["params"]}
 
     def _paths(self) -> dict[torch.Tensor, str]:
@@ -245,32 +250,31 @@ class DMuon(PicklesConfiguration, Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        """Plan, check locally, agree, compute and apply, report (``dmuon.step_phases``)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._grad_status.raise_pending()  # the previous step's problem, on every rank alike
-        muon_groups = self._muon_groups()
-        self._fast_path.plan(muon_groups, self.param_name)
-        self._telemetry.begin_step(self.param_groups[0]["params"][0].device, self.comm_stats.bytes_sent)  # a DTensor's: its shard's
-        steps = GroupSteps(self.ns_dtype, self.comm_stats, self._telemetry, self.foreach, self.fused)  # this step's meters
-        invalid, problems = step_problems(self.param_groups, self.param_name, self._fast_path.shard_problem)
-        failure = None if problems else steps.adamw_part(self.param_groups, self.state)  # local work first
-        grads = usable_grads(list(muon_groups), invalid)
-        clean = not problems and failure is None
-        oks = self._grad_status.agree(list(muon_groups), self.param_name, lambda p: p in grads, not clean)
-        if clean:
-            steps.make_muon_state(grads, muon_groups, self.state)
-        self.scratch_stats.reset_peak()
-        self._fast_path.step(grads, oks, muon_groups, self.state, steps, self.comm_stats, self.scratch_stats)
-        steps.muon_off_the_fast_path(self.param_groups, self._paths(), grads, oks, self.state, clean)
-        oks.finish()  # the sums go to the host for the next step even where no mask was read
-        if clip := self._attention_clip.step(muon_group_threshold(muon_groups, self.param_name)):
-            self._telemetry.qk_clip(clip.largest, clip.clipped_heads)
-        if failure is not None:  # after every rank's collectives; the telemetry keeps the last whole step
-            raise failure
-        if problems:
-            raise ValueError(f"DMuon: {problems[0]}")
-        self._telemetry.end_step(self.comm_stats.bytes_sent)
+        muon_groups = phases.plan(self)
+        checked = phases.check_locally(self, muon_groups)
+        status = self._grad_status.agree(checked.has_usable_grad, bool(checked.problems), checked.pending is not None,
+                                         self._device())
+        failure = phases.compute_and_apply(self, muon_groups, checked, status)
+        errors = checked.errors(failure)
+        self._telemetry.end_step(self.comm_stats.bytes_sent, complete=not errors)
+        if errors:
+            raise errors[0]
         return loss
 
+    def _device(self) -> torch.device:  # where the step's small tensors live (a DTensor's: its shard's)
+        return local_of(self.param_groups[0]["params"][0]).device
+
+    def _forget_plan(self) -> None:  # paths, plan and status channel: made again at the next step
+        self._fast_path.forget()
+        self._grad_status.forget()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """torch's, but Muon's state keeps its saved dtype (``dmuon.state_loading``) and the plan is made anew."""
+        super().load_state_dict(state_dict)
+        keep_saved_dtypes(self, state_dict, MUON_STATE_KEYS)
+        self._forget_plan()

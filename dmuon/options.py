@@ -180,7 +180,8 @@ def _check_range(
             raise ValueError(f"{where}: a Tensor {key} must be 1-element (one value), got shape "
                              f"{tuple(value.shape)}; pass a float or a one-element Tensor")
         value = value.item()
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value)
+    # Finite: an infinite lr, decay or epsilon turns the weights NaN within a few steps.
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
     ok = ok and (value > low if low_open else value >= low) and (value < high if high_open else value <= high)
     if not ok:
         bounds = f"{'(' if low_open else '['}{low}, {high}{')' if high_open or high == math.inf else ']'}"

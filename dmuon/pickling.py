@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from dmuon.param_groups import fill_in_variant_defaults
+from dmuon.resume_contract import attach
 
 # What a pickle keeps besides torch's defaults, state and param_groups.
 PICKLED_ATTRIBUTES = (
@@ -43,3 +44,4 @@ class PicklesConfiguration:
         fill_in_variant_defaults(self.param_groups)  # a state_dict from before they existed
         if telemetry is not None:  # a copy, not load_state_dict: nothing derived came with it
             self._start_afresh(telemetry)
+            attach(self)  # torch's hooks do not pickle: the copy keeps the resume contract

@@ -183,15 +183,23 @@ class Telemetry:
         self._current = _StepRecord(clock, clock.mark(), torch.zeros(6, dtype=torch.float64, device=device),
                                     bytes_sent_so_far)
 
-    def end_step(self, bytes_sent_so_far: int) -> None:
+    def end_step(self, bytes_sent_so_far: int, complete: bool = True) -> None:
+        """Start the step's reduction; every ``step()`` calls it, one that raises too, so
+        every rank runs the same collectives. A step that raises (``complete=False``) is not
+        reported: the last complete step's figures stay."""
         record = self._current
         if record is None:
             return
         record.end = record.clock.mark()
         record.bytes_sent = bytes_sent_so_far - record.bytes_before
         record.pending = start_sum(record.sums)
+        self._current = None
+        if not complete:
+            if record.pending is not None:
+                record.pending.wait()  # only on a step that raises: its sums are dropped
+            return
         # Figures are made from the record when read, not here: no sync in step().
-        self._current, self._finished, self._figures = None, record, None
+        self._finished, self._figures = record, None
 
     def qk_clip(self, largest_logit: torch.Tensor, clipped_heads: torch.Tensor) -> None:
         """QK-clip's figures of this step (already reduced over ranks)."""

@@ -7,23 +7,24 @@ moves one, this module is the one to change, and its tests say which entry broke
 
 | name | what dmuon uses it for | checked on |
 | --- | --- | --- |
-| ``compute_local_shape_and_global_offset`` | DTensor's own answer for a rank's block, to check the plan's layout at the first step | 2.13.0, 2.15.0 |
-| ``StridedShard`` (``_StridedShard``) | FSDP2 over a TP-sharded weight: a placement the layout rules must read | 2.13.0, 2.15.0 |
-| ``scalar_dtype`` (``torch.optim.optimizer._get_scalar_dtype``) | the dtype of AdamW's ``step`` state, as torch.optim.AdamW makes it | 2.13.0, 2.15.0 |
-| ``mkldnn_bf16_supported`` (``torch.ops.mkldnn._is_mkldnn_bf16_supported``) | whether a CPU has a native bf16 GEMM (``ns_dtype="auto"``) | 2.13.0, 2.15.0 |
-| ``mkldnn_fp16_supported`` (``torch.ops.mkldnn._is_mkldnn_fp16_supported``) | whether a CPU has a native fp16 GEMM (the dtype of Gram Newton-Schulz) | 2.13.0, 2.15.0 |
-| ``FakeTensorMode``, ``FakeTensor`` (``torch._subclasses.fake_tensor``) | ``python -m dmuon.dry_run``: CUDA tensors without data | 2.15.0 (needs a CUDA build) |
-| ``fake_store`` (``torch.testing._internal.distributed.fake_pg.FakeStore``) | ``dmuon.dry_run``: one process as rank r of any world size (backend ``"fake"``) | 2.15.0 |
-| ``TorchDispatchMode`` (``torch.utils._python_dispatch``) | ``dmuon.dry_run``: sees every op of a step (syncs, launches, collectives, memory) | 2.13.0, 2.15.0 |
-| ``resolve_process_group`` (``torch.distributed.distributed_c10d._resolve_process_group``) | ``dmuon.dry_run``: the group of a functional collective (DTensor's), named by a string | 2.15.0 |
-| ``default_foreach`` (``torch.utils._foreach_utils._get_foreach_kernels_supported_devices``) | ``DMuon(foreach=None)``: torch.optim's own per-device choice of the list path (CUDA: yes, CPU: no) | 2.13.0, 2.15.0 |
-| ``default_foreach_for`` (``torch.optim.optimizer._default_to_fused_or_foreach``) | the AdamW part: torch's list-path choice made on the parameters as given (DTensors, or fake tensors in the dry run), then applied to their local shards | 2.13.0, 2.15.0 |
-| ``fused_adamw_devices`` (``torch.utils._foreach_utils._get_fused_kernels_supported_devices``) | ``DMuon(fused=True)``: the device types torch.optim.AdamW(fused=True) takes, checked at construction (CUDA and CPU among them) | 2.13.0, 2.15.0 |
-| ``chunk_cat`` (``torch._chunk_cat``) | the owner exchange: many blocks (any shapes, one dtype) flattened into a send buffer in one op, as FSDP2 packs its reduce-scatter | 2.13.0, 2.15.0 |
-| ``local_of`` (``DTensor._local_tensor``) | the step's elementwise rules read and write each DTensor's local tensor itself: ``to_local()`` makes a new view (an op) per call, per parameter per step | 2.13.0, 2.15.0 |
-| ``flattened_group`` (``DeviceMesh._flatten``) | a group of an n-D mesh's ranks (a pipeline stage's mesh), made as DeviceMesh makes its own: every rank of the root mesh makes every slice's group together, so no rank waits in a group creation its peers skip | 2.13.0, 2.15.0 |
-| ``dtensor_where_it_is`` (``DTensor(local, DTensorSpec(...))``, as FSDP2's ``_from_local_no_grad``) | NorMuon's state under FSDP2's CPU offload: a DTensor on the device mesh whose local tensor stays on the host (``DTensor.from_local`` moves it to the mesh's device) | 2.13.0, 2.15.0 |
-| ``host_tensor_ops`` (``torch._subclasses.fake_tensor.unset_fake_temporarily``) | host-side bookkeeping (mesh ranks, shard offsets, agreement counts) on real CPU tensors also while a ``FakeTensorMode`` is active (``python -m dmuon.dry_run``) | 2.13.0, 2.15.0 |
+| ``compute_local_shape_and_global_offset`` | DTensor's own answer for a rank's block, to check the plan's layout at the first step | 2.11.0, 2.13.0, 2.15.0 |
+| ``StridedShard`` (``_StridedShard``) | FSDP2 over a TP-sharded weight: a placement the layout rules must read | 2.11.0, 2.13.0, 2.15.0 |
+| ``scalar_dtype`` (``torch.optim.optimizer._get_scalar_dtype``) | the dtype of AdamW's ``step`` state, as torch.optim.AdamW makes it | 2.11.0, 2.13.0, 2.15.0 |
+| ``mkldnn_bf16_supported`` (``torch.ops.mkldnn._is_mkldnn_bf16_supported``) | whether oneDNN has a bf16 GEMM at all for this CPU (``ns_dtype="auto"``: none means fp32; on x86 it is True also where bf16 is only emulated, so the two queries below decide there) | 2.11.0, 2.13.0, 2.15.0 |
+| ``avx512_bf16_supported``, ``amx_tile_supported`` (``torch.cpu._is_avx512_bf16_supported``, ``torch.cpu._is_amx_tile_supported``) | whether an x86 CPU's bf16 GEMM is native (AVX512_BF16, AMX) or emulated by oneDNN (AVX-512 without them: ``ns_dtype="auto"`` picks fp32 there); False where torch lacks the query | 2.11.0, 2.13.0, 2.15.0 |
+| ``mkldnn_fp16_supported`` (``torch.ops.mkldnn._is_mkldnn_fp16_supported``) | whether a CPU has a native fp16 GEMM (the dtype of Gram Newton-Schulz) | 2.11.0, 2.13.0, 2.15.0 |
+| ``FakeTensorMode``, ``FakeTensor`` (``torch._subclasses.fake_tensor``) | ``python -m dmuon.dry_run``: CUDA tensors without data | 2.11.0, 2.15.0 (needs a CUDA build) |
+| ``fake_store`` (``torch.testing._internal.distributed.fake_pg.FakeStore``) | ``dmuon.dry_run``: one process as rank r of any world size (backend ``"fake"``) | 2.11.0, 2.15.0 |
+| ``TorchDispatchMode`` (``torch.utils._python_dispatch``) | ``dmuon.dry_run``: sees every op of a step (syncs, launches, collectives, memory) | 2.11.0, 2.13.0, 2.15.0 |
+| ``resolve_process_group`` (``torch.distributed.distributed_c10d._resolve_process_group``) | ``dmuon.dry_run``: the group of a functional collective (DTensor's), named by a string | 2.11.0, 2.15.0 |
+| ``default_foreach`` (``torch.utils._foreach_utils._get_foreach_kernels_supported_devices``) | ``DMuon(foreach=None)``: torch.optim's own per-device choice of the list path (CUDA: yes, CPU: no) | 2.11.0, 2.13.0, 2.15.0 |
+| ``default_foreach_for`` (``torch.optim.optimizer._default_to_fused_or_foreach``) | the AdamW part: torch's list-path choice made on the parameters as given (DTensors, or fake tensors in the dry run), then applied to their local shards | 2.11.0, 2.13.0, 2.15.0 |
+| ``fused_adamw_devices`` (``torch.utils._foreach_utils._get_fused_kernels_supported_devices``) | ``DMuon(fused=True)``: the device types torch.optim.AdamW(fused=True) takes, checked at construction (CUDA and CPU among them) | 2.11.0, 2.13.0, 2.15.0 |
+| ``chunk_cat`` (``torch._chunk_cat``) | the owner exchange: many blocks (any shapes, one dtype) flattened into a send buffer in one op, as FSDP2 packs its reduce-scatter | 2.11.0, 2.13.0, 2.15.0 |
+| ``local_of`` (``DTensor._local_tensor``) | the step's elementwise rules read and write each DTensor's local tensor itself: ``to_local()`` makes a new view (an op) per call, per parameter per step | 2.11.0, 2.13.0, 2.15.0 |
+| ``flattened_group`` (``DeviceMesh._flatten``) | a group of an n-D mesh's ranks (a pipeline stage's mesh), made as DeviceMesh makes its own: every rank of the root mesh makes every slice's group together, so no rank waits in a group creation its peers skip | 2.11.0, 2.13.0, 2.15.0 |
+| ``dtensor_where_it_is`` (``DTensor(local, DTensorSpec(...))``, as FSDP2's ``_from_local_no_grad``) | NorMuon's state under FSDP2's CPU offload: a DTensor on the device mesh whose local tensor stays on the host (``DTensor.from_local`` moves it to the mesh's device) | 2.11.0, 2.13.0, 2.15.0 |
+| ``host_tensor_ops`` (``torch._subclasses.fake_tensor.unset_fake_temporarily``) | host-side bookkeeping (mesh ranks, shard offsets, agreement counts) on real CPU tensors also while a ``FakeTensorMode`` is active (``python -m dmuon.dry_run``) | 2.11.0, 2.13.0, 2.15.0 |
 """
 
 from __future__ import annotations
@@ -42,23 +43,38 @@ from torch.utils._foreach_utils import _get_foreach_kernels_supported_devices, _
 from torch.utils._python_dispatch import TorchDispatchMode
 
 # The lowest torch dmuon supports (pyproject.toml's requirement) and the newest it was tested on.
-OLDEST_TESTED_TORCH = "2.13.0"
+OLDEST_TESTED_TORCH = "2.11.0"
 NEWEST_TESTED_TORCH = "2.15.0"
 
 __all__ = ["FakeTensor", "FakeTensorMode", "StridedShard", "TorchDispatchMode", "chunk_cat",
            "compute_local_shape_and_global_offset", "default_foreach", "default_foreach_for", "dtensor_where_it_is", "fake_store", "flattened_group", "fused_adamw_devices", "host_tensor_ops", "is_fake",
            "local_of",
-           "mkldnn_bf16_supported", "mkldnn_fp16_supported", "resolve_process_group", "scalar_dtype"]
+           "avx512_bf16_supported", "amx_tile_supported", "mkldnn_bf16_supported", "mkldnn_fp16_supported", "resolve_process_group", "scalar_dtype"]
 
 
 def mkldnn_bf16_supported() -> bool:
-    """Whether oneDNN has a bf16 GEMM for this CPU (AVX-512, AMX, Arm BF16)."""
+    """Whether oneDNN has a bf16 GEMM for this CPU (AVX-512, AMX, Arm BF16): on AVX-512
+    without AVX512_BF16 that GEMM is emulated, slower than fp32 (see ``dmuon.numerics.cpu_bf16``)."""
     return torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def mkldnn_fp16_supported() -> bool:
     """Whether oneDNN has an fp16 GEMM for this CPU (AVX-512 FP16, AMX-FP16, Arm FP16)."""
     return torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+
+
+def avx512_bf16_supported() -> bool:
+    """Whether the CPU has AVX512_BF16 (cpuinfo, as torch reads it): a native bf16 dot
+    product. False where this torch has no such query (then the caller falls back to fp32)."""
+    query = getattr(torch.cpu, "_is_avx512_bf16_supported", None)
+    return bool(query()) if query is not None else False
+
+
+def amx_tile_supported() -> bool:
+    """Whether the CPU has AMX tiles (Sapphire Rapids and newer, all with AMX-BF16).
+    False where this torch has no such query."""
+    query = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    return bool(query()) if query is not None else False
 
 
 def default_foreach(device: torch.device) -> bool:

@@ -4,8 +4,9 @@
 # environment's python. Idempotent: a second run only checks.
 #
 #   DMUON_VENV      the environment (default .venv, relative to the repository root)
-#   TORCH_VERSION   the torch it holds (default 2.13.0: the small CPU build; 2.15.0 is the
-#                   registry's CUDA build, ~3.7 GB, and runs on CPU too)
+#   TORCH_VERSION   the torch it holds (default 2.13.0: the small CPU build; 2.11.0 and
+#                   2.15.0 are the registry's CUDA builds, ~3-4 GB, and run on CPU too)
+#   TRITON_VERSION  the triton installed when torch brings none (the CPU build; default 3.9.0)
 #   DMUON_EXTRAS    dmuon's extras to install (default "torchtitan,test": TorchTitan 0.2.2;
 #                   "titan03,test" gives TorchTitan 0.3.0, which wants torch 2.14 or newer)
 #   DMUON_BASE_VENV an environment whose packages this one sees beneath its own (one line
@@ -43,6 +44,11 @@ if [[ -n "${DMUON_BASE_VENV:-}" ]]; then
 fi
 if ! "$python" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$torch_version')" 2>/dev/null; then
     "$python" -m pip install --quiet --no-cache-dir "torch==$torch_version" >&2
+fi
+# `import torchtitan` needs triton. A CUDA build of torch brings its own (kept: the extra's
+# bound is met); the CPU build brings none, and this pin keeps CI on the one it was tested with.
+if ! "$python" -c "import triton" 2>/dev/null; then
+    "$python" -m pip install --quiet --no-cache-dir "triton==${TRITON_VERSION:-3.9.0}" >&2
 fi
 "$python" -m pip install --quiet -e ".[${DMUON_EXTRAS:-torchtitan,test}]" >&2
 echo "$python"

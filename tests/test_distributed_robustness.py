@@ -25,21 +25,20 @@ def test_grad_none_on_every_rank_skips_the_parameter(ranks):
         assert rank["none_everywhere_others_stepped"]
 
 
-def test_a_grad_on_some_ranks_only_is_applied_on_no_rank(ranks):
+def test_a_grad_on_some_ranks_only_masks_the_whole_step_on_every_rank(ranks):
     for rank in ranks:
         assert rank["disagree_step"] is None
         assert rank["disagree_unchanged"]
-        assert rank["disagree_others_stepped"]
 
 
-def test_ranks_disagreeing_about_a_grad_all_raise_an_error_naming_it_at_the_next_step(ranks):
+def test_ranks_disagreeing_about_a_grad_all_raise_an_error_naming_it_at_the_next_step_and_nothing_changed(ranks):
     for rank in ranks:
         assert rank["disagree_error"].startswith("RuntimeError: DMuon: ranks disagree")
         assert "'uneven'" in rank["disagree_error"]
         assert rank["disagree_error_unchanged"]
 
 
-def test_an_invalid_grad_on_one_rank_raises_there_at_once_and_changes_no_muon_parameter(ranks):
+def test_an_invalid_grad_on_one_rank_raises_there_at_once_and_moves_no_parameter(ranks):
     assert ranks[1]["invalid_step"] == "ValueError: DMuon: parameter 'square': complex gradients are not supported by Muon"
     assert ranks[0]["invalid_step"] is None
     assert [rank["invalid_unchanged"] for rank in ranks] == [True, True]
@@ -48,6 +47,10 @@ def test_an_invalid_grad_on_one_rank_raises_there_at_once_and_changes_no_muon_pa
 def test_an_invalid_grad_on_one_rank_makes_every_rank_raise_at_the_next_step(ranks):
     for rank in ranks:
         assert rank["invalid_error"].startswith("ValueError: DMuon: 1 rank(s) found an invalid gradient or shard")
+
+
+def test_after_the_next_step_raised_every_parameter_and_state_is_as_before_the_invalid_grad(ranks):
+    assert [rank["invalid_all_unchanged"] for rank in ranks] == [True, True]
 
 
 def test_a_sparse_grad_on_one_rank_raises_there_then_everywhere_and_changes_no_muon_parameter():

@@ -6,7 +6,9 @@ lr with ``foreach=True``) is refused when DMuon is built, before any step.
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import importlib
 from unittest import mock
 
 import pytest
@@ -20,6 +22,10 @@ pytestmark = [pytest.mark.unit, pytest.mark.usefixtures("one_thread")]
 
 # torch's own words for the combination it refuses (torch.optim.AdamW.__init__).
 TORCH_TENSOR_LR_FOREACH = "lr as a Tensor is not supported for capturable=False and foreach=True"
+# torch.optim.adam's three AdamW paths (torch.optim.adamw.adamw picks one by these names,
+# 2.11 to 2.15); the fused one calls torch._fused_adamw_.
+TORCH_ADAMW_PATHS = ("_single_tensor_adam", "_multi_tensor_adam", "_fused_adam")
+TORCH_ADAM = importlib.import_module("torch.optim.adam")  # the module (torch.optim.adam is not an attribute)
 
 
 def _matrix_and_vector() -> tuple[nn.Parameter, nn.Parameter]:
@@ -31,8 +37,7 @@ def _matrix_and_vector() -> tuple[nn.Parameter, nn.Parameter]:
 
 
 def _adamw_params() -> list[nn.Parameter]:
-    """Sizes at which torch's fused CPU AdamW rounds unlike its per-tensor loop (its
-    vectorized body), so the bits tell which path ran."""
+    """Sizes with a vectorized body and a tail in torch's fused CPU AdamW."""
     torch.manual_seed(0)
     return [nn.Parameter(torch.randn(1037)), nn.Parameter(torch.randn(33, 7))]
 
@@ -63,10 +68,22 @@ def test_the_adamw_part_steps_with_torch_adamws_bits_for_the_same_flag(flags):
     _assert_bitwise_equal(_dmuon_adamw_part(**flags), expected)
 
 
-def test_the_fused_adamw_parts_bits_are_not_the_per_tensor_loops():
-    """What makes the test above see the flag: on these sizes the two paths round apart."""
-    fused, loop = _dmuon_adamw_part(fused=True), _dmuon_adamw_part(foreach=False)
-    assert not all(torch.equal(a, b) for a, b in zip(fused, loop))
+@pytest.mark.parametrize("flags, path", [(dict(foreach=False), "_single_tensor_adam"),
+                                         (dict(foreach=True), "_multi_tensor_adam"),
+                                         (dict(fused=True), "_fused_adam"),
+                                         (dict(foreach=True, fused=True), "_fused_adam")],
+                         ids=["for-loop", "foreach", "fused", "foreach+fused"])
+def test_the_adamw_part_runs_the_torch_adamw_path_its_flags_name(flags, path):
+    """What makes the bitwise test above see the flag: the path that ran is watched, not
+    told apart by rounding (on AVX-512 CPUs without AVX512_BF16 torch's fused CPU AdamW
+    and its per-tensor loop give the same bits on these sizes)."""
+    with contextlib.ExitStack() as stack:
+        spies = {name: stack.enter_context(mock.patch.object(TORCH_ADAM, name, wraps=getattr(TORCH_ADAM, name)))
+                 for name in TORCH_ADAMW_PATHS}
+        kernel = stack.enter_context(mock.patch.object(torch, "_fused_adamw_", wraps=torch._fused_adamw_))
+        _dmuon_adamw_part(**flags)
+    assert {name for name, spy in spies.items() if spy.called} == {path}
+    assert kernel.called == (path == "_fused_adam")
 
 
 def test_dmuon_with_torchtitans_fused_flags_steps_like_torchs_muon_and_fused_adamw():

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from dmuon import DMuon
-from dmuon.group_steps import GroupSteps
+from dmuon import adamw_part
 
 pytestmark = pytest.mark.unit
 
@@ -37,10 +37,10 @@ def test_a_failure_in_the_adamw_part_moves_no_muon_parameter(monkeypatch):
     model, optimizer = model_and_optimizer()
     before = snapshot(model, optimizer)
 
-    def broken(self, group, state):  # noqa: ANN001, ANN202
+    def broken(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
         raise RuntimeError("injected AdamW failure")
 
-    monkeypatch.setattr(GroupSteps, "adamw", broken)
+    monkeypatch.setattr(adamw_part, "_group_step", broken)
     with pytest.raises(RuntimeError, match="injected AdamW failure"):
         optimizer.step()
     assert same(snapshot(model, optimizer), before)

@@ -19,6 +19,7 @@ from dmuon.numerics.newton_schulz import (
     orthogonalize,
     resolve_ns_dtype,
 )
+from dmuon.numerics.cpu_bf16 import bf16_gemm_verdict, cpu_facts
 from dmuon.options import check_ns_dtype
 
 pytestmark = pytest.mark.unit
@@ -76,7 +77,7 @@ def test_accelerators_count_as_native_bf16():
 
 
 def test_auto_follows_the_cpu_rule_and_explicit_choices_are_taken_as_given():
-    native = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    native = bf16_gemm_verdict(cpu_facts())[0]
     assert resolve_ns_dtype("auto", "cpu") == (torch.bfloat16 if native else torch.float32)
     assert resolve_ns_dtype("auto", "cuda") == torch.bfloat16
     assert resolve_ns_dtype("float32", "cuda") == torch.float32
@@ -98,8 +99,8 @@ def test_auto_is_float32_on_a_cpu_without_bf16_hardware_and_says_so_once():
     assert out.returncode == 0, out.stderr
     assert "capability AVX2 torch.float32" in out.stdout
     lines = [line for line in out.stderr.splitlines() if "ns_dtype='auto'" in line]
-    assert lines == ["DMuon: ns_dtype='auto' runs Newton-Schulz in float32 on cpu "
-                     "(capability AVX2, native bf16 matmul: no)"]
+    assert lines == ["DMuon: ns_dtype='auto' runs Newton-Schulz in float32 on cpu (capability AVX2, "
+                     "no oneDNN bf16 GEMM: bf16 matmul is a scalar fallback, native bf16 matmul: no)"]
 
 
 @pytest.mark.parametrize("value, name", [("bfloat16", "bfloat16"), (torch.float32, "float32"), ("auto", "auto")])

@@ -38,10 +38,13 @@ BAD_VALUES = [
     ("matched_adamw_rms", "0", "matched_adamw_rms", 0.0),
     ("lr", "-1", "lr", -1.0),
     ("weight_decay", "-0.1", "weight_decay", -0.1),
-    ("adamw_lr", "-1", "adamw_lr", -1.0),
-    ("beta1", "1.5", "adamw_betas", (1.5, 0.95)),
-    ("beta2", "1.0", "adamw_betas", (0.9, 1.0)),
+    # adamw_lr, beta1 and beta2 are named as the TOML spells them, not as DMuon's keywords:
+    # tests/test_torchtitan_field_checks.py.
     ("eps", "-1", "adamw_eps", -1.0),
+    ("lr", "inf", "lr", float("inf")),  # finite numbers only: an infinite lr makes NaN weights
+    ("weight_decay", "inf", "weight_decay", float("inf")),
+    ("eps", "inf", "adamw_eps", float("inf")),
+    ("matched_adamw_rms", "inf", "matched_adamw_rms", float("inf")),
     ("normuon_beta2", "1.0", "normuon_beta2", 1.0),  # the EMA would never move
     ("normuon_beta2", "-0.1", "normuon_beta2", -0.1),
     ("ns_dtype", "fp16", "ns_dtype", "fp16"),

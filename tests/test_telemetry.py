@@ -146,3 +146,16 @@ def test_a_step_rejected_for_a_bad_grad_leaves_the_last_complete_steps_figures()
         optimizer.step()
     figures = optimizer.telemetry()
     assert figures.step_s > 0 and figures.muon_update_rms > 0
+
+
+@pytest.mark.unit
+def test_bytes_sent_is_documented_as_the_owner_exchanges_only():
+    """``comm="redistribute"`` (the reference path) moves each matrix through DTensor's
+    ``full_tensor()``, which ``bytes_sent`` does not count; the docs say so rather than
+    "bytes this rank sent" (issue 43, item 9)."""
+    from pathlib import Path
+
+    docs = Path(__file__).resolve().parents[1] / "docs"
+    row = next(line for line in (docs / "torchtitan.md").read_text().splitlines() if line.startswith("| `sent` |"))
+    assert "owner exchange" in row and '`comm = "redistribute"`' in row and "not counted" in row, row
+    assert 'so `comm="redistribute"` reports 0' in " ".join((docs / "optimizer.md").read_text().split())

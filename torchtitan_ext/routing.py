@@ -15,6 +15,7 @@ stage's scheduler, and an empty group breaks checkpoint loading (``group_layout`
 from __future__ import annotations
 
 import re
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import torch.nn as nn
@@ -104,3 +105,44 @@ def group_layout(routed_parts: list[RoutedParameters]) -> list[str]:
                     "[optimizer] adamw_param_regex."
                 )
     return layout
+
+
+def embeddings_and_heads(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """The lookup tables and output heads of ``model``: the weights of its ``nn.Embedding``
+    modules and the parameters named like an embedding or an output head (dmuon's
+    ``DEFAULT_ADAMW_NAME_PATTERN``), whatever ``adamw_param_regex`` says."""
+    tables = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    return [(name, p) for name, p in model.named_parameters()
+            if id(p) in tables or re.search(DEFAULT_ADAMW_NAME_PATTERN, name)]
+
+
+def check_some_muon(models: Iterable[nn.Module], in_muon: Callable[[nn.Parameter], bool], regex: str) -> None:
+    """Refuse a routing that leaves Muon nothing although the model has matrices the default
+    routing gives it (an ``adamw_param_regex`` such as ``""`` or ``".*"``): the job would
+    train with AdamW alone while reporting DMuon. A pipeline stage that has no such matrix
+    (only norms and the output head) is left alone."""
+    models = list(models)
+    named = [(name, p) for model in models for name, p in model.named_parameters() if p.requires_grad]
+    if any(in_muon(p) for _, p in named):
+        return
+    taken = [name for name, p in named if not goes_to_adamw(name, p, re.compile(DEFAULT_ADAMW_PARAM_REGEX))]
+    if taken:
+        raise ValueError(
+            f"DMuon: adamw_param_regex {regex!r} routes all {len(named)} trainable tensors to AdamW and none "
+            f"to Muon (among them the matrices {taken[:3]}{' ...' if len(taken) > 3 else ''}), so the job would "
+            "be AdamW under DMuon's name. Give a regex that matches only the embeddings, output head and "
+            f"norms (default {DEFAULT_ADAMW_PARAM_REGEX!r}), or use the AdamW optimizer."
+        )
+
+
+def muon_embeddings_warning(models: Iterable[nn.Module], in_muon: Callable[[nn.Parameter], bool],
+                            regex: str) -> str | None:
+    """The warning for embeddings or output heads routed to Muon (say by ``"(?!)"``), naming
+    them; ``None`` when there are none. A warning, not an error: orthogonalizing them is
+    an experiment some users run on purpose."""
+    names = [name for model in models for name, p in embeddings_and_heads(model) if in_muon(p)]
+    if not names:
+        return None
+    return (f"DMuon: adamw_param_regex {regex!r} routes the embedding / output head {names} to Muon; Muon's "
+            "orthogonal update is meant for hidden matrices, and these usually train with AdamW. If that is "
+            f"not what you want, include them in the regex (default {DEFAULT_ADAMW_PARAM_REGEX!r}).")

@@ -101,13 +101,19 @@ class AttentionClip:
                              f"tensors), so one reduction of the logits serves them all; got rank sets {meshes}")
         self.targets.append(ClipTarget(name, q_weight, k_weight, heads))
 
-    def step(self, threshold_of: Callable[[torch.Tensor, str], float | None]) -> ClipResult | None:
-        """Reduce this step's logits and clip the heads over their threshold
-        (``threshold_of(weight, role)``: the option of the weight's param group)."""
+    def thresholds(self, threshold_of: Callable[[torch.Tensor, str], float | None]) -> list[float | None]:
+        """Each attention's threshold (``threshold_of(weight, role)``: the option of the
+        weight's param group), checked on the host before the step changes anything: a
+        configuration error raises here, on every rank alike, before any collective."""
+        return [self._threshold(target, threshold_of) for target in self.targets]
+
+    def step(self, thresholds: list[float | None], step_ok: torch.Tensor | None = None) -> ClipResult | None:
+        """Reduce this step's logits and clip the heads over their threshold (from
+        :meth:`thresholds`); where the 0-dim device bool ``step_ok`` is False, the step's
+        mask, every factor is exactly 1 (the weights keep their bits)."""
         if not self.targets:
             return None
         device = self._device()
-        self._check_reported()
         seen = [self.tracker.take(t.name, t.heads.n_heads, device) for t in self.targets]
         flat = torch.cat(seen)
         max_in_place(flat, self._group())
@@ -116,11 +122,12 @@ class AttentionClip:
             self._reports = HostCopy(torch.stack([(m > -math.inf).any() for m in max_logits.values()]))
         clipped = torch.zeros((), dtype=torch.int64, device=device)
         scalings: list[tuple[torch.Tensor, torch.Tensor]] = []  # (weight, its rows' factors)
-        for target in self.targets:
-            threshold = self._threshold(target, threshold_of)
+        for target, threshold in zip(self.targets, thresholds):
             if threshold is None:
                 continue
             gamma = clip_factors(max_logits[target.name], threshold)
+            if step_ok is not None:  # a masked step: factors of exactly 1 leave every row's bits
+                gamma = torch.where(step_ok, gamma, torch.ones((), dtype=gamma.dtype, device=gamma.device))
             clipped += (gamma != 1).sum()
             q_factors, k_factors = row_scales(target.heads, gamma)
             if target.q_weight is target.k_weight:  # fused: the q and k rows of one weight
@@ -148,6 +155,15 @@ class AttentionClip:
             raise ValueError(f"DMuon: attention {target.name!r}: its q and k weights are in param groups with "
                              f"different qk_clip_threshold ({q_threshold} and {k_threshold}); give both the same")
         return q_threshold
+
+    def take_pending(self) -> Exception | None:
+        """The error the last step's reports show (None if none): read at the start of a step,
+        so a step that raises it changes nothing (``DMuon.step`` masks it)."""
+        try:
+            self._check_reported()
+        except ValueError as error:
+            return error
+        return None
 
     def _check_reported(self) -> None:
         """Until the first step in which some attention reported logits: then every

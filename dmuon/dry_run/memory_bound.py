@@ -20,7 +20,12 @@ next, so the bound is the largest of three terms (``e``: the parameter's element
   largest, its bf16 update and result (and the results a stack of experts or heads is
   concatenated from), its workspace and its elementwise temporaries;
 - *AdamW*: torch's foreach AdamW makes a few lists as large as its parameters (the
-  root of the second moment, the step): ``ADAMW_TEMPORARIES`` times their local bytes.
+  root of the second moment, the step): ``ADAMW_TEMPORARIES`` times their local bytes;
+  under a mask only the device knows, a group that is not fused (or decays cautiously)
+  is copied before its step, parameters and both moments (``ADAMW_MASK_COPIES`` times
+  its local bytes more: ``dmuon.adamw_part``);
+- *masked momentum*: the EMA of one local shard computed out of place before it is
+  selected (``dmuon.numerics.masked_updates``): the largest Muon shard's bytes.
 """
 
 from __future__ import annotations
@@ -38,6 +43,8 @@ from dmuon.plan.paths import ALL_TO_ALL
 
 # Lists of AdamW-parameter size torch's foreach AdamW holds at once.
 ADAMW_TEMPORARIES = 2
+# Copies of an AdamW group's local tensors (parameters, exp_avg, exp_avg_sq) a masked step keeps.
+ADAMW_MASK_COPIES = 3
 # NorMuon's normalization holds an fp32 copy of the matrix and its square.
 NORMUON_FP32_COPIES = 2
 # Cautious decay's mask: the signs of update and weight, their product and the factor.
@@ -66,7 +73,16 @@ def peak_bound_bytes(optimizer: DMuon, plan_rank: int) -> int:
     groups = {p: g for g in optimizer.param_groups for p in g["params"]}
     ns_bytes = torch.empty((), dtype=resolve_ns_dtype(optimizer.ns_dtype, "cuda")).element_size()
     return max(_exchange(optimizer, groups, plan_rank, ns_bytes), _whole(optimizer, groups, ns_bytes),
-               ADAMW_TEMPORARIES * sum(_local_bytes(p) for p, g in groups.items() if not g["use_muon"]))
+               _adamw(optimizer), max((_local_bytes(p) for p, g in groups.items() if g["use_muon"]), default=0))
+
+
+def _adamw(optimizer: DMuon) -> int:
+    """The AdamW part's temporaries, with the copies of the groups a device mask copies."""
+    total = 0
+    for group in (g for g in optimizer.param_groups if not g["use_muon"]):
+        copied = not group.get("fused", optimizer.fused) or group["cautious_weight_decay"]
+        total += (ADAMW_TEMPORARIES + (ADAMW_MASK_COPIES if copied else 0)) * sum(map(_local_bytes, group["params"]))
+    return total
 
 
 def _exchange(optimizer: DMuon, groups: dict, rank: int, ns_bytes: int) -> int:

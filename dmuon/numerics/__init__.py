@@ -9,6 +9,7 @@ meshes, plans or process groups.
 May import: no other dmuon layer; only ``dmuon.torch_compat`` (torch's private names).
 
 - ``newton_schulz``: ``orthogonalize`` and its coefficient schedules, dtypes and flops;
+- ``cpu_bf16``: whether a CPU's bf16 GEMM is native (AVX512_BF16, AMX, Arm BF16), for ``ns_dtype="auto"``;
 - ``standard_iteration``: the standard iteration, its buffers kept between matrices of one shape;
 - ``gram_newton_schulz``: the Gram iteration, its flops, when it pays;
 - ``update_rules``: the elementwise rules on one tensor;

@@ -88,9 +88,10 @@ def gram_dtype(ns_dtype: torch.dtype, device_type: str) -> torch.dtype:
     ``ns_dtype``: fp32 stays fp32; in place of bf16, fp16 where fp16 matmul runs at
     hardware speed (every accelerator; CPUs with a oneDNN fp16 GEMM), since Gram's
     accumulated ``Q`` and ``R`` drift in bf16's 8-bit mantissa (docs/optimizer.md has
-    the measurements), and fp32 on other CPUs (their fp16 GEMM is a slow fallback)."""
-    if ns_dtype == torch.float32:
-        return torch.float32
+    the measurements), and fp32 on other CPUs (their fp16 GEMM is a slow fallback).
+    fp32 and fp64 stay as asked (fp64 must never become fp16 on a CPU with an fp16 GEMM)."""
+    if ns_dtype in (torch.float32, torch.float64):
+        return ns_dtype
     if device_type != "cpu" or mkldnn_fp16_supported():
         return torch.float16
     return torch.float32

@@ -33,8 +33,8 @@ from dmuon.numerics.gram_newton_schulz import (  # noqa: F401 (re-exported: the 
     standard_flops,
     uses_gram,
 )
+from dmuon.numerics.cpu_bf16 import bf16_gemm_verdict, cpu_facts
 from dmuon.numerics.standard_iteration import IterationBuffers, NewtonSchulzBuffers, normalized, standard_iterate
-from dmuon.torch_compat import mkldnn_bf16_supported
 
 # Keller Jordan's quintic coefficients (also torch.optim.Muon's default): chosen to
 # maximize the slope at zero, so 5 steps push every singular value into ~[0.7, 1.2].
@@ -87,7 +87,8 @@ UPDATE_DTYPE = torch.bfloat16
 
 # The dtype Newton-Schulz multiplies in (``DMuon(ns_dtype=...)``). "bfloat16" is what
 # Muon is tuned for and what torch.optim.Muon does; "float32" is for CPUs whose bf16
-# matmul is a slow fallback (~50x fp32 without AVX-512/AMX); "auto" picks per device
+# matmul is slow (a scalar fallback on AVX2, ~50x fp32; emulated on AVX-512 without
+# AVX512_BF16 or AMX, ~3-4x fp32); "auto" picks per device
 # with :func:`native_bf16_matmul`. The input is always the bf16 update and the output
 # is rounded back to bf16, so every choice keeps the owner's input and the result's
 # dtype the same on every rank and at every world size.
@@ -106,29 +107,34 @@ def ns_dtype_name(dtype: torch.dtype) -> str:
 def native_bf16_matmul(device_type: str) -> bool:
     """Whether bf16 matrix multiply runs at hardware speed on this kind of device.
 
-    The rule: every accelerator (CUDA, ROCm, XPU, ...) does; a CPU does when oneDNN has a
-    bf16 GEMM for it (``torch.ops.mkldnn._is_mkldnn_bf16_supported()``: AVX-512 BF16 or
-    AVX-512 core, AMX, Arm BF16). Elsewhere, e.g. a CPU whose
-    ``torch.backends.cpu.get_cpu_capability()`` is ``AVX2``, torch's bf16 GEMM is a
-    scalar fallback about 50x slower than fp32.
+    Every accelerator (CUDA, ROCm, XPU, ...) does; a CPU does when it multiplies bf16 in
+    hardware (:func:`dmuon.numerics.cpu_bf16.bf16_gemm_verdict`: AVX512_BF16 or AMX on
+    x86, BF16 on Arm). Not on AVX2 (a scalar fallback, ~50x slower than fp32) nor on
+    AVX-512 without AVX512_BF16 (oneDNN emulates it, ~3-4x slower than fp32).
     """
     if device_type != "cpu":
         return True
-    return mkldnn_bf16_supported()
+    return _cpu_verdict()[0]
+
+
+@functools.lru_cache(maxsize=None)
+def _cpu_verdict() -> tuple[bool, str]:
+    """This CPU's bf16 GEMM verdict, read once per process."""
+    return bf16_gemm_verdict(cpu_facts())
 
 
 @functools.lru_cache(maxsize=None)
 def resolve_ns_dtype(choice: str, device_type: str) -> torch.dtype:
     """The dtype Newton-Schulz runs in for ``choice`` (one of :data:`NS_DTYPE_CHOICES`)
     on a device of ``device_type``. Decided once per process and device type; an
-    ``"auto"`` choice is logged."""
+    ``"auto"`` choice is logged once, with the reason on a CPU."""
     if choice != "auto":
         return NS_DTYPES[choice]
     native = native_bf16_matmul(device_type)
     dtype = torch.bfloat16 if native else torch.float32
-    detail = f"capability {torch.backends.cpu.get_cpu_capability()}, " if device_type == "cpu" else ""
+    reason = f"{_cpu_verdict()[1]}, " if device_type == "cpu" else ""
     logger.info("DMuon: ns_dtype='auto' runs Newton-Schulz in %s on %s (%snative bf16 matmul: %s)",
-                ns_dtype_name(dtype), device_type, detail, "yes" if native else "no")
+                ns_dtype_name(dtype), device_type, reason, "yes" if native else "no")
     return dtype
 
 

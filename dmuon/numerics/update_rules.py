@@ -110,22 +110,23 @@ def normuon_normalize_(
     float dtype). Each matrix is computed alone, with the same ops on the same shape,
     so an owner holding one unit gets the bits a single process gets for the stack.
 
-    ``ok`` (a 0-dim bool on the device): where False, ``second_moment`` keeps its bits (its
-    EMA weight is 0, an fp32/fp64 tensor of its dtype: the same bits as the number where True).
+    ``ok`` (a 0-dim bool on the device): where False, ``second_moment`` keeps its bits
+    (the EMA is computed out of place and selected with ``torch.where``, so a NaN row of a
+    masked matrix does not reach it).
     """
     shape = matrix_shape(ortho.shape)
     rows = split_rows if split_rows and len(shape) == 2 else shape[-2]
     matrices = ortho.reshape(-1, rows, shape[-1])
     moments = second_moment.view(matrices.shape[0], rows, 1)
     out = torch.empty(matrices.shape, dtype=UPDATE_DTYPE, device=ortho.device)
-    weight: float | torch.Tensor = 1 - beta2
-    if ok is not None:
-        weight = torch.where(ok, torch.full((), 1 - beta2, dtype=moments.dtype, device=ok.device),
-                             torch.zeros((), dtype=moments.dtype, device=ok.device))
     for k in range(matrices.shape[0]):
         o = matrices[k].to(moments.dtype, copy=True)
         norm = torch.linalg.vector_norm(o)
-        moments[k].lerp_((o * o).mean(dim=-1, keepdim=True), weight)
+        if ok is None:
+            moments[k].lerp_((o * o).mean(dim=-1, keepdim=True), 1 - beta2)
+        else:
+            torch.where(ok, moments[k].lerp((o * o).mean(dim=-1, keepdim=True), 1 - beta2), moments[k],
+                        out=moments[k])
         normalized = o.mul_(moments[k].sqrt().add_(NORMUON_EPS).reciprocal_())
         normalized.mul_(norm / torch.linalg.vector_norm(normalized).add_(NORMUON_EPS))
         out[k].copy_(normalized)
@@ -213,6 +214,7 @@ def adamw_step_(
     cautious_weight_decay: bool = False,
     foreach: bool | None = None,
     fused: bool | None = None,
+    found_inf: torch.Tensor | None = None,
 ) -> None:
     """One AdamW step, delegated to torch's functional AdamW so the bits match
     ``torch.optim.AdamW`` with the same hyperparameters, a one-element Tensor ``lr``
@@ -226,7 +228,10 @@ def adamw_step_(
     applied first, as torch applies its decay, and torch's step then runs without
     decay. (Where ``u`` would underflow to 0 while the moment is not 0, the sign of the
     moment decides; torch computes ``u`` inside its step.) A complex parameter, whose
-    entries have no sign, keeps the plain decay."""
+    entries have no sign, keeps the plain decay.
+
+    ``found_inf`` (fused only, as in torch): a 0-dim float on the parameters' device; 1.0
+    skips the step on the device (parameters, moments and step counts keep their bits)."""
     if cautious_weight_decay and weight_decay != 0:
         for param, grad, exp_avg in zip(params, grads, exp_avgs):
             if param.is_complex():
@@ -252,5 +257,6 @@ def adamw_step_(
         weight_decay=weight_decay,
         eps=eps,
         maximize=False,
+        found_inf=found_inf,
     )
 

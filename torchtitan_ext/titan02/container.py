@@ -34,7 +34,15 @@ from dmuon.telemetry import StepFigures
 from torchtitan.components.optimizer import OptimizersContainer
 from torchtitan.tools.logging import logger
 
-from ..routing import ADAMW, group_layout, MUON_HEADS, route_parameters, RoutedParameters
+from ..routing import (
+    ADAMW,
+    check_some_muon,
+    group_layout,
+    MUON_HEADS,
+    muon_embeddings_warning,
+    route_parameters,
+    RoutedParameters,
+)
 from .max_logits import install_max_logit_hooks, require_attentions
 from ..step_figures import combined_figures
 from .kwargs import dmuon_kwargs, qk_clip_wanted
@@ -64,6 +72,10 @@ class DMuonOptimizersContainer(OptimizersContainer):
         self.optimizers = []
         routed_parts = [route_parameters(m, adamw_param_regex, split_attention_heads) for m in model_parts]
         layout = group_layout(routed_parts)
+        in_muon = {id(p) for r in routed_parts for _, p in (*r.muon, *r.muon_heads)}
+        check_some_muon(model_parts, lambda p: id(p) in in_muon, adamw_param_regex)
+        if warning := muon_embeddings_warning(model_parts, lambda p: id(p) in in_muon, adamw_param_regex):
+            logger.warning(warning)
         head_dims = set().union(*(r.head_dims for r in routed_parts))
         if len(head_dims) > 1:
             raise ValueError(f"DMuon: split_attention_heads needs one head size, the model has {sorted(head_dims)}")

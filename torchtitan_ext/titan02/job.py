@@ -21,15 +21,43 @@ changes anything; it:
    AdamW since it was saved (``routing_check``);
 5. warns when ``torchrun`` may restart the job in a way that can fail to reconnect
    (``torchtitan_ext.launch_checks``).
+
+Before any of that, it refuses a ``name = "DMuon"`` job whose config was parsed without
+``[job] custom_config_module`` (``validation.check_config_module_named``): its own import
+is the first moment the extension runs in such a job, before any device, process group
+or model exists.
 """
 
 from __future__ import annotations
+
+import sys
+from typing import Any
 
 from ..datasets import register_datasets
 from ..launch_checks import warn_about_risky_restarts
 from . import cpu_compat, routing_check
 from .train_specs import register_builtin_specs
+from .validation import check_config_module_named
 
+# TorchTitan 0.2.x's Trainer.__init__(self, job_config) imports custom_import first thing.
+_IMPORTER = "__init__"
+_CONFIG_ARGUMENT = "job_config"
+
+
+def importing_job_config() -> Any:
+    """The config of the Trainer whose ``__init__`` is importing this module, or ``None``
+    (imported some other way, e.g. from a test or a user's own module)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        config = frame.f_locals.get(_CONFIG_ARGUMENT)
+        if frame.f_code.co_name == _IMPORTER and hasattr(config, "optimizer") and hasattr(config, "job"):
+            return config
+        frame = frame.f_back
+    return None
+
+
+if (_config := importing_job_config()) is not None:
+    check_config_module_named(_config)
 cpu_compat.apply()
 register_datasets()
 register_builtin_specs()

@@ -27,6 +27,7 @@ import dataclasses
 import functools
 import importlib
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Callable, Iterator
 
 import torchtitan.components.optimizer as tt_optimizer
@@ -41,6 +42,7 @@ from .config import DMUON_NAME
 from .container import build_dmuon_optimizers
 from .dataset import rewind_validation_before_each_run
 from .metrics import build_dmuon_metrics_processor
+from .validation import check_config_module_named
 
 
 @contextlib.contextmanager
@@ -68,6 +70,7 @@ def dmuon_aware_optimizer_builder(original: Callable[..., Any]) -> Callable[...,
     def build_optimizers(model_parts, optimizer_config, parallel_dims, *args, **kwargs):
         if optimizer_config.name != DMUON_NAME:
             return original(model_parts, optimizer_config, parallel_dims, *args, **kwargs)
+        check_config_module_named(SimpleNamespace(optimizer=optimizer_config))  # job.py's check missed it
         if original is tt_optimizer.build_optimizers:
             return build_dmuon_optimizers(model_parts, optimizer_config, parallel_dims, *args, **kwargs)
         with _dmuon_as_torchtitan_builder():

@@ -25,6 +25,7 @@ from dmuon.options import (
 )
 from dmuon.param_groups import split_options
 
+from ..field_checks import check_flag, check_number, Interval, NON_NEGATIVE, UNIT
 from ..versions import require_tested
 from .config import DMUON_NAME
 from .kwargs import ADJUST_LR_CHOICES, dmuon_kwargs, LINK_SPEEDS, SPLIT_REPLICAS
@@ -33,6 +34,22 @@ from .kwargs import ADJUST_LR_CHOICES, dmuon_kwargs, LINK_SPEEDS, SPLIT_REPLICAS
 JOB_MODULE = "torchtitan_ext.titan02.job"
 # What dmuon's messages name this front end by (DMuon's own say "DMuon").
 WHERE = "[optimizer]"
+# The [optimizer] fields dmuon's validator would report under DMuon's keyword (the AdamW
+# part's ``lr`` for adamw_lr, ``betas`` for beta1 / beta2): checked first, as written, with
+# where each may lie. Every other number is dmuon's to check (the same message as DMuon(...)).
+NUMBER_FIELDS: dict[str, Interval] = {"adamw_lr": NON_NEGATIVE, "beta1": UNIT, "beta2": UNIT}
+# Fields whose default None means "unset" (TOML cannot write it; the command line can leave it).
+OPTIONAL_FIELDS = ("adamw_lr",)
+# What a field's message adds after its interval.
+NUMBER_NOTES = {"adamw_lr": " (leave it out to use lr)"}
+# The on/off fields only TOML has (dmuon checks nesterov, normuon, cautious_weight_decay with
+# its own message): true / false only, since a string "false" would be truthy.
+FLAG_FIELDS = ("split_attention_heads", "track_max_logits", "telemetry", "early_step_in_backward")
+# How the 0.2.x config spells a boolean.
+FLAG_SPELLING = "true or false"
+# The config half TorchTitan must parse with, and a field only it adds to [optimizer].
+CONFIG_MODULE = "torchtitan_ext"
+CONFIG_MODULE_FIELD = "adamw_param_regex"
 
 
 @contextlib.contextmanager
@@ -70,6 +87,7 @@ def validate_optimizer_config(optimizer_config: Any) -> None:
     cfg = optimizer_config
     if cfg.name != DMUON_NAME:
         return
+    check_fields_as_written(cfg)
     if cfg.early_step_in_backward:
         raise ValueError(
             f"{WHERE} early_step_in_backward = true is not supported with "
@@ -99,6 +117,40 @@ def validate_optimizer_config(optimizer_config: Any) -> None:
     check_ns_dtype(kwargs["ns_dtype"], WHERE)
     for name in LINK_SPEEDS:
         check_link_gbps(getattr(cfg, name), name, WHERE)
+
+
+def check_fields_as_written(optimizer_config: Any) -> None:
+    """Each on/off field a boolean, each number finite and in its range, the message
+    naming the [optimizer] field as the TOML spells it."""
+    for name in FLAG_FIELDS:
+        check_flag(getattr(optimizer_config, name), name, f"{WHERE}:", FLAG_SPELLING)
+    for name, interval in NUMBER_FIELDS.items():
+        value = getattr(optimizer_config, name)
+        if value is None and name in OPTIONAL_FIELDS:
+            continue
+        check_number(value, name, f"{WHERE}:", interval, NUMBER_NOTES.get(name, ""))
+
+
+def check_no_fault_tolerance(config: Any) -> None:
+    """TorchFT's optimizer wrapper is TorchTitan's AdamW container: refuse DMuon with it
+    while parsing rather than after the model is built."""
+    if config.optimizer.name == DMUON_NAME and getattr(config.fault_tolerance, "enable", False):
+        raise ValueError(
+            f'{WHERE} name = "{DMUON_NAME}" does not support TorchFT: set [fault_tolerance] enable = false '
+            "(or train with name = \"AdamW\" under fault tolerance)."
+        )
+
+
+def check_config_module_named(config: Any) -> None:
+    """``name = "DMuon"`` reads DMuon's [optimizer] fields, which exist only when TorchTitan
+    parsed the config with ``[job] custom_config_module``: without it the job would build
+    the model and then fail on a missing attribute. Say which line to add."""
+    if config.optimizer.name == DMUON_NAME and not hasattr(config.optimizer, CONFIG_MODULE_FIELD):
+        raise ValueError(
+            f'{WHERE} name = "{DMUON_NAME}" needs DMuon\'s [optimizer] fields and their checks, which TorchTitan '
+            f'adds only while parsing with the config half of the extension: add [job] custom_config_module = '
+            f'"{CONFIG_MODULE}" to the TOML (or --job.custom_config_module {CONFIG_MODULE}).'
+        )
 
 
 def check_job_module_imported(config: Any) -> None:
@@ -132,8 +184,10 @@ def install_config_validation() -> None:
     @functools.wraps(original)
     def validate_config(self) -> None:
         original(self)
+        check_config_module_named(self.config)  # (a process that parsed with it before)
         validate_optimizer_config(self.config.optimizer)
         check_job_module_imported(self.config)
+        check_no_fault_tolerance(self.config)
 
     validate_config._dmuon_validation = True  # type: ignore[attr-defined]
     ConfigManager._validate_config = validate_config

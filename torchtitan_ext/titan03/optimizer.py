@@ -25,6 +25,7 @@ from typing import Any
 import torch.nn as nn
 from torch.optim import Optimizer
 from torchtitan.components.optimizer import OptimizersContainer, ParamGroupConfig
+from torchtitan.tools.logging import logger
 
 from dmuon import DMuon
 from dmuon.numerics.newton_schulz import DEFAULT_NS_COEFFICIENTS_NAME
@@ -32,7 +33,7 @@ from dmuon.param_groups import MUON_KEYS
 from dmuon.telemetry import StepFigures
 
 from ..implementation import dmuon_implementation
-from ..routing import DEFAULT_ADAMW_PARAM_REGEX
+from ..routing import check_some_muon, DEFAULT_ADAMW_PARAM_REGEX, muon_embeddings_warning
 from ..step_figures import combined_figures
 from .groups import check_whole_or_dtensor, split_dmuon_group
 from .max_logits import install_qk_clip, qk_clip_enabled
@@ -54,12 +55,28 @@ class DMuonOptimizersContainer(OptimizersContainer):
     def __init__(self, config: OptimizersContainer.Config, *, model_parts: list[nn.Module]) -> None:
         self.implementation = config.implementation  # DMuon's foreach / fused (_resolve_optimizer_factory)
         super().__init__(config, model_parts=model_parts)
+        self._check_routing(config, model_parts)
         # QK-clip: each part's DMuon watches that part's attentions (``max_logits.py``).
         self.qk_clip_hooks = []
         for model in model_parts:
             dmuon = self._dmuon_of(model)
             if dmuon is not None and qk_clip_enabled(dmuon):
                 self.qk_clip_hooks += install_qk_clip(model, dmuon)
+
+    def _check_routing(self, config: OptimizersContainer.Config, model_parts: list[nn.Module]) -> None:
+        """Refuse a DMuon whose ``adamw_param_regex`` left Muon no matrix; warn when it
+        routes an embedding or the output head to Muon (``torchtitan_ext.routing``)."""
+        dmuons = [o for o in self.optimizers if isinstance(o, DMuon)]
+        if not dmuons:
+            return
+        regex = next((g.optimizer_kwargs.get("adamw_param_regex", DEFAULT_ADAMW_PARAM_REGEX)
+                      for g in config.param_groups if g.optimizer_name == DMUON_NAME), DEFAULT_ADAMW_PARAM_REGEX)
+        in_muon = {id(p) for o in dmuons for g in o.param_groups if g["use_muon"] for p in g["params"]}
+        mine = [p for o in dmuons for g in o.param_groups for p in g["params"]]
+        owned = {id(p) for p in mine}
+        check_some_muon(model_parts, lambda p: id(p) in in_muon or id(p) not in owned, regex)
+        if warning := muon_embeddings_warning(model_parts, lambda p: id(p) in in_muon, regex):
+            logger.warning(warning)
 
     def _dmuon_of(self, model: nn.Module) -> DMuon | None:
         """The DMuon built for model part ``model`` (TorchTitan builds one per part)."""

@@ -33,6 +33,7 @@ from dmuon import DMuon
 from dmuon.options import check_link_gbps, check_ns_dtype, check_optimizer_options
 from dmuon.param_groups import check_no_fused_muon, GROUP_OPTIONS, make_group, split_options
 
+from ..field_checks import check_number, Interval, NON_NEGATIVE, UNIT
 from ..implementation import dmuon_implementation
 from ..routing import DEFAULT_ADAMW_PARAM_REGEX
 
@@ -42,6 +43,12 @@ ROUTING_KEYS = ("adamw_param_regex", "split_attention_heads")
 # DMuon's options that are the whole optimizer's (its constructor's, not a group's).
 FACTORY_OPTIONS = ("comm", "max_batch_numel", "split_replicas", "ns_dtype", "link_gbps",
                    "replica_link_gbps", "telemetry")
+# Group options dmuon's validator would report under another name (``adamw_lr`` as the AdamW
+# part's ``lr``, ``adamw_betas`` as ``betas``) or that may be None: checked first, as written.
+# A Tensor lr is left to dmuon's validator (torch.optim's one-element rule).
+NAMED_NUMBERS: dict[str, Interval] = {"adamw_lr": NON_NEGATIVE, "adamw_weight_decay": NON_NEGATIVE,
+                                      "adamw_eps": NON_NEGATIVE}
+PAIRS = {"adamw_betas": UNIT}
 # DMuon's constructor defaults, read from its signature so they cannot drift.
 DMUON_DEFAULTS = {
     name: p.default for name, p in inspect.signature(DMuon.__init__).parameters.items()
@@ -68,12 +75,28 @@ def check_group_options(options: dict[str, Any], where: str, implementation: dic
                          f"(whole-optimizer options go in optimizer.optimizer_factory_kwargs_by_name"
                          f"[{DMUON_NAME!r}])")
     _check_routing(options, where)
+    _check_as_written(options, where)
     check_no_fused_muon(options, use_muon, where)
     muon_defaults, adamw_defaults = split_options(DMUON_DEFAULTS)
     for kind in (True, False) if use_muon is None else (use_muon,):
         mine = {k: v for k, v in options.items() if k in GROUP_OPTIONS[kind]}
         defaults = muon_defaults if kind else adamw_defaults
         make_group([], kind, False, mine, defaults, where if kind else f"{where} (AdamW part)", implementation)
+
+
+def _check_as_written(options: dict[str, Any], where: str) -> None:
+    """The AdamW part's numbers finite and in range, each message naming the key as written
+    (the flags and the other numbers are dmuon's to check, under their own names)."""
+    for key, interval in NAMED_NUMBERS.items():
+        if options.get(key) is not None:
+            check_number(options[key], key, f"{where}:", interval)
+    for key, interval in PAIRS.items():
+        if key in options:
+            pair = options[key]
+            if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+                raise ValueError(f"{where}: {key} must be two numbers (beta1, beta2), got {pair!r}")
+            for index, value in enumerate(pair):
+                check_number(value, f"{key}[{index}]", f"{where}:", interval)
 
 
 def _check_routing(options: dict[str, Any], where: str) -> None:

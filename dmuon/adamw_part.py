@@ -1,0 +1,84 @@
+"""The AdamW part of a step, under the step's mask (``dmuon.exchange.grad_status``).
+
+The AdamW part runs no collective, so where this rank knows the step is masked it does
+nothing, and where it knows the step stands it is torch's AdamW as is. In between, where
+only the device knows (the status sums of a multi-rank ``DMuon``), it must leave every
+bit as it was when the mask is False, without reading the mask on the host:
+
+- fused AdamW without cautious decay: torch's own device skip, ``found_inf`` (the
+  GradScaler path: the kernel writes nothing, the device step counters go back by 1);
+- otherwise: this rank's AdamW tensors (parameters and moments) are copied before the
+  step and selected back with ``torch.where`` after it, one group at a time (the copy's
+  memory: one group's local shards, three times); torch's host step counters are
+  incremented as usual and recorded, so the next step takes them back if the mask was
+  False (``dmuon.state_rollback``). Prefer ``fused=True`` where torch has it: it costs nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import MutableMapping, Sequence
+from typing import Any
+
+import torch
+
+from dmuon.exchange.grad_status import StatusMasks
+from dmuon.numerics.functional import adamw_, adamw_state, adamw_steps
+from dmuon.state_rollback import StateRollback
+from dmuon.telemetry import Telemetry
+from dmuon.torch_compat import local_of
+
+State = MutableMapping[torch.Tensor, dict[str, Any]]
+
+
+def adamw_part(param_groups: Sequence[dict[str, Any]], state: State, status: StatusMasks, telemetry: Telemetry,
+               foreach: bool | None, fused: bool | None, rollback: StateRollback) -> Exception | None:
+    """Every AdamW group's step under ``status``; what torch raises is returned (``DMuon.step``
+    raises it at its end, after the collectives every rank runs)."""
+    if status.host_ok is False:
+        return None
+    try:
+        for group in (g for g in param_groups if not g["use_muon"]):
+            _group_step(group, state, status, telemetry, foreach, fused, rollback)
+    except Exception as error:  # noqa: BLE001 - re-raised by DMuon.step() after the collectives
+        return error
+    return None
+
+
+def _group_step(group: dict[str, Any], state: State, status: StatusMasks, telemetry: Telemetry,
+                foreach: bool | None, fused: bool | None, rollback: StateRollback) -> None:
+    """One group's parameters with a grad (state made at their first step, recorded)."""
+    params = [p for p in group["params"] if p.grad is not None]
+    if not params:
+        return
+    fused = group.get("fused", fused)
+    foreach = group.get("foreach", foreach)
+    for param in params:
+        if not state.get(param):
+            made = adamw_state(param, fused)
+            state[param].update(made)
+            rollback.made(state, param, made)
+    states = [state[p] for p in params]
+    moments = [s["exp_avg"] for s in states] + [s["exp_avg_sq"] for s in states]
+    counters = adamw_steps(states, params, fused)
+    settings = dict(lr=group["lr"], betas=group["betas"], eps=group["eps"], weight_decay=group["weight_decay"],
+                    cautious_weight_decay=group["cautious_weight_decay"], foreach=foreach, fused=fused)
+    grads = [p.grad for p in params]
+    with telemetry.adamw_update([local_of(p) for p in params]):
+        if status.host_ok:
+            adamw_(params, grads, moments[: len(params)], moments[len(params):], counters, **settings)
+        elif fused and not group["cautious_weight_decay"]:
+            found_inf = (~status.step_ok).to(device=local_of(params[0]).device, dtype=torch.float32)
+            adamw_(params, grads, moments[: len(params)], moments[len(params):], counters, found_inf=found_inf,
+                   **settings)
+        else:
+            mask_device = status.step_ok.device
+            # Counters on the mask's device are selected like the tensors; torch's host counters
+            # beside an accelerator's mask are taken back by the next step if it was masked.
+            selected = [local_of(t) for t in (*params, *moments)] + [c for c in counters if c.device == mask_device]
+            befores = [t.clone() for t in selected]
+            adamw_(params, grads, moments[: len(params)], moments[len(params):], counters, **settings)
+            oks: dict[torch.device, torch.Tensor] = {}
+            for after, before in zip(selected, befores):
+                ok = oks.setdefault(after.device, status.step_ok.to(after.device))
+                torch.where(ok, after, before, out=after)  # masked: the bits from before the step
+            rollback.counted(c for c in counters if c.device != mask_device)

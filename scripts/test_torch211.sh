@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# The torch 2.11 leg (the GPU machine's torch; the registry's CUDA build, ~4 GB, runs on CPU),
+# in one environment, .venv-torch2.11 (Python 3.12, as on the GPU machine):
+#
+# 1. the GPU check's rehearsal (bash scripts/gpu_check.sh --rehearse), while the environment
+#    holds only what the GPU machine's image holds (scripts/gpu_image_packages.txt) plus the
+#    wheels of scripts/gpu_wheels.sh, so a missing wheel or a broken import shows here;
+# 2. then dmuon with its TorchTitan 0.2.2 extra, and the stated subset: the unit tests, the
+#    multi-rank exactness on every layout (tests/test_distributed_exactness.py, TorchTitan's
+#    own layouts in tests/test_distributed_titan_layouts.py) and one TorchTitan 0.2.2 run.
+#
+#   PYTHON          the Python 3.12 that makes the environment (default python3.12, else python3)
+#   DMUON_DROP_VENV 1: delete the environment at the end (CI: disk is tight)
+# Arguments go to every pytest call.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export OMP_NUM_THREADS=1
+export PIP_CONSTRAINT="$PWD/scripts/pip_constraints.txt"  # no machine-wide cap on torch
+venv=.venv-torch2.11
+if [[ ! -x $venv/bin/python ]]; then
+    "${PYTHON:-$(command -v python3.12 || command -v python3)}" -m venv "$venv"
+    "$venv/bin/python" -m pip install --quiet --no-cache-dir -r scripts/gpu_image_packages.txt
+fi
+python=$venv/bin/python
+"$python" -c "import torch, sys; print('torch', torch.__version__, 'Python', sys.version.split()[0])"
+
+bash scripts/gpu_wheels.sh
+if "$python" -c "import dmuon" 2>/dev/null; then
+    echo "test_torch211: $venv already holds dmuon: the rehearsal runs beside it" >&2
+fi
+PYTHON=$python bash scripts/gpu_check.sh --rehearse outputs/gpu_rehearsal
+
+"$python" -m pip install --quiet --no-cache-dir -e ".[torchtitan,test]"
+"$python" -m pytest -m unit "$@"
+"$python" -m pytest tests/test_distributed_exactness.py tests/test_distributed_titan_layouts.py "$@"
+"$python" -m pytest tests/test_torchtitan_e2e.py -k loss_at_the_last_step "$@"
+if [[ ${DMUON_DROP_VENV:-0} == 1 ]]; then rm -rf "$venv"; fi
