@@ -100,9 +100,6 @@ def skip_reason(world: int, layout: str, setting: str, kind: str, where: str, ra
             return "'never reports' is an attention no rank reports (one rank's silence still leaves the MAX)"
         if k != 0:
             return "'never reports' starts at the first step"
-    if layout == "pp" and setting == "qk_clip" and where not in DTENSOR_WHERES:
-        return ("OPEN: QK-clip beside plain parameters under PP stages hung once (P2-pp-qk_clip-sparse-plain_adamw-"
-                "r1-k0); QK-clip on plain weights reduces over the whole world, not per stage: to fix")
     if kind == "sparse" and where in DTENSOR_WHERES:
         return "a DTensor cannot hold a sparse local tensor (torch 2.13: DTensor.from_local fails)"
     if kind in PLACEMENT_KINDS | {"other_mesh", "local_shape"} and where not in DTENSOR_WHERES:

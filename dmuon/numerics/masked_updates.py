@@ -1,7 +1,8 @@
 """The elementwise rules of ``dmuon.numerics.update_lists`` under a device mask: each
 parameter ``j`` has a 0-dim bool ``ok[j]`` on the device; where it is True the rule
 gives exactly the bits of the unmasked rule, where it is False the tensor keeps its bits,
-``-0.0``, NaN and inf included.
+``-0.0`` and inf included; a state tensor's NaN keeps its bits too, a parameter's NaN stays
+NaN (the decay's product by exactly 1 may quiet its payload, e.g. on bf16 CPU tensors).
 
 Why a mask and not a host branch: the distributed step runs the same ops on every rank
 whatever its grads (``dmuon.exchange.grad_status``), and whether a rank may apply a
