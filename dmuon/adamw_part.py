@@ -75,7 +75,8 @@ def _group_step(group: dict[str, Any], state: State, status: StatusMasks, teleme
             # Counters on the mask's device are selected like the tensors; torch's host counters
             # beside an accelerator's mask are taken back by the next step if it was masked.
             selected = [local_of(t) for t in (*params, *moments)] + [c for c in counters if c.device == mask_device]
-            befores = [t.clone() for t in selected]
+            # Copies in one list op (a product by exactly 1 keeps every bit), not one per tensor.
+            befores = torch._foreach_mul(selected, 1.0)
             adamw_(params, grads, moments[: len(params)], moments[len(params):], counters, **settings)
             oks: dict[torch.device, torch.Tensor] = {}
             for after, before in zip(selected, befores):

@@ -94,7 +94,7 @@ class GroupSteps:
     def masked_momentum(self, bufs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], group: dict[str, Any],
                         oks: Sequence[torch.Tensor]) -> None:
         """The momentum EMA where each 0-dim device bool of ``oks`` holds (``dmuon.numerics.masked_updates``)."""
-        masked_momentum_(bufs, grads, group["momentum"], oks)
+        masked_momentum_(bufs, grads, group["momentum"], oks, bool(bufs) and self.lists_for(bufs[0].device, group))
 
     def lookahead(self, grads: Sequence[torch.Tensor], bufs: Sequence[torch.Tensor], group: dict[str, Any]
                   ) -> list[torch.Tensor]:

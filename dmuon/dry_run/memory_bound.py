@@ -24,8 +24,9 @@ next, so the bound is the largest of three terms (``e``: the parameter's element
   under a mask only the device knows, a group that is not fused (or decays cautiously)
   is copied before its step, parameters and both moments (``ADAMW_MASK_COPIES`` times
   its local bytes more: ``dmuon.adamw_part``);
-- *masked momentum*: the EMA of one local shard computed out of place before it is
-  selected (``dmuon.numerics.masked_updates``): the largest Muon shard's bytes.
+- *masked momentum*: the EMAs computed out of place before they are selected
+  (``dmuon.numerics.masked_updates``): a chunk of ``MASKED_CHUNK_NUMEL`` elements, or the
+  largest Muon shard where that is larger.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from dmuon.exchange.packing import stages_casts
+from dmuon.numerics.masked_updates import MASKED_CHUNK_NUMEL
 from dmuon.numerics.newton_schulz import matrix_shape, resolve_ns_dtype
 from dmuon.optimizer import DMuon
 from dmuon.plan.owner_plan import WIRE_BYTES
@@ -73,7 +75,17 @@ def peak_bound_bytes(optimizer: DMuon, plan_rank: int) -> int:
     groups = {p: g for g in optimizer.param_groups for p in g["params"]}
     ns_bytes = torch.empty((), dtype=resolve_ns_dtype(optimizer.ns_dtype, "cuda")).element_size()
     return max(_exchange(optimizer, groups, plan_rank, ns_bytes), _whole(optimizer, groups, ns_bytes),
-               _adamw(optimizer), max((_local_bytes(p) for p, g in groups.items() if g["use_muon"]), default=0))
+               _adamw(optimizer), _masked_momentum([p for p, g in groups.items() if g["use_muon"]]))
+
+
+def _masked_momentum(muon: list[torch.Tensor]) -> int:
+    """The out-of-place EMAs alive at once: a chunk of ``MASKED_CHUNK_NUMEL`` elements, or the
+    largest shard where it is larger, never more than every shard together."""
+    if not muon:
+        return 0
+    sizes = [_local_bytes(p) for p in muon]
+    chunk = MASKED_CHUNK_NUMEL * max(p.element_size() for p in muon)
+    return min(sum(sizes), max(max(sizes), chunk))
 
 
 def _adamw(optimizer: DMuon) -> int:

@@ -38,6 +38,9 @@ from dmuon.numerics.update_lists import by_signature
 from dmuon.numerics.update_rules import cautious_decay_
 
 Tensors = Sequence[torch.Tensor]
+# Elements of the out-of-place momentum EMAs one list op computes before they are selected
+# into their buffers (``masked_momentum_``): few launches, a bounded copy (64 MiB in fp32).
+MASKED_CHUNK_NUMEL = 1 << 24
 
 
 def opmath_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -59,11 +62,31 @@ def select_(target: torch.Tensor, ok: torch.Tensor, new: torch.Tensor) -> None:
     torch.where(ok, new, target, out=target)
 
 
-def masked_momentum_(bufs: Tensors, grads: Tensors, momentum: float, oks: Tensors) -> None:
+def masked_momentum_(bufs: Tensors, grads: Tensors, momentum: float, oks: Tensors, foreach: bool = False) -> None:
     """``buf = lerp(buf, grad, 1 - momentum)`` where ``oks[i]``; ``buf`` keeps its bits
-    elsewhere, whatever ``grad`` holds. One buffer's copy alive at a time."""
-    for buf, grad, ok in zip(bufs, grads, oks):
-        select_(buf, ok, buf.lerp(grad, 1 - momentum))
+    elsewhere, whatever ``grad`` holds. With ``foreach``, the EMAs are computed by one list
+    op per chunk of at most ``MASKED_CHUNK_NUMEL`` elements (or one tensor), each selected
+    into its buffer after; else one buffer's copy at a time."""
+    for chunk in _chunks(bufs, grads) if foreach else [[i] for i in range(len(bufs))]:
+        news = (torch._foreach_lerp([bufs[i] for i in chunk], [grads[i] for i in chunk], 1 - momentum) if foreach
+                else [bufs[chunk[0]].lerp(grads[chunk[0]], 1 - momentum)])
+        for i, new in zip(chunk, news):
+            select_(bufs[i], oks[i], new)
+
+
+def _chunks(bufs: Tensors, grads: Tensors) -> list[list[int]]:
+    """Indices of one device-and-dtype signature each, at most ``MASKED_CHUNK_NUMEL``
+    elements a chunk (a larger tensor alone): the out-of-place EMAs alive at once."""
+    chunks: list[list[int]] = []
+    for idx in by_signature(bufs, grads):
+        size = MASKED_CHUNK_NUMEL
+        for i in idx:
+            if size + bufs[i].numel() > MASKED_CHUNK_NUMEL:
+                chunks.append([])
+                size = 0
+            chunks[-1].append(i)
+            size += bufs[i].numel()
+    return chunks
 
 
 def mask_(tensors: Tensors, oks: Tensors) -> None:
