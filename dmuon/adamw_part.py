@@ -71,15 +71,15 @@ def _group_step(group: dict[str, Any], state: State, status: StatusMasks, teleme
             adamw_(params, grads, moments[: len(params)], moments[len(params):], counters, found_inf=found_inf,
                    **settings)
         else:
-            mask_device = status.step_ok.device
-            # Counters on the mask's device are selected like the tensors; torch's host counters
-            # beside an accelerator's mask are taken back by the next step if it was masked.
-            selected = [local_of(t) for t in (*params, *moments)] + [c for c in counters if c.device == mask_device]
+            # Counters on an accelerator are selected like the tensors; torch's host counters are
+            # taken back by the next step if it was masked (exact: they count by 1).
+            host = [c for c in counters if c.device.type == "cpu"]
+            selected = [local_of(t) for t in (*params, *moments)] + [c for c in counters if c.device.type != "cpu"]
             # Copies in one list op (a product by exactly 1 keeps every bit), not one per tensor.
-            befores = torch._foreach_mul(selected, 1.0)
+            befores = [t.clone() for t in selected] if foreach is False else torch._foreach_mul(selected, 1.0)
             adamw_(params, grads, moments[: len(params)], moments[len(params):], counters, **settings)
             oks: dict[torch.device, torch.Tensor] = {}
             for after, before in zip(selected, befores):
                 ok = oks.setdefault(after.device, status.step_ok.to(after.device))
                 torch.where(ok, after, before, out=after)  # masked: the bits from before the step
-            rollback.counted(c for c in counters if c.device != mask_device)
+            rollback.counted(host)
