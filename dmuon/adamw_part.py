@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from dmuon.exchange.grad_status import StatusMasks
+from dmuon.exchange.host_staging import ADAMW_MASK, HostStaging
 from dmuon.numerics.functional import adamw_, adamw_state, adamw_steps
 from dmuon.state_rollback import StateRollback
 from dmuon.telemetry import Telemetry
@@ -36,15 +37,33 @@ def adamw_part(param_groups: Sequence[dict[str, Any]], state: State, status: Sta
     raises it at its end, after the collectives every rank runs)."""
     if status.host_ok is False:
         return None
+    mask_on = _MaskOn(status)
     try:
         for group in (g for g in param_groups if not g["use_muon"]):
-            _group_step(group, state, status, telemetry, foreach, fused, rollback)
+            _group_step(group, state, status, mask_on, telemetry, foreach, fused, rollback)
     except Exception as error:  # noqa: BLE001 - re-raised by DMuon.step() after the collectives
         return error
     return None
 
 
-def _group_step(group: dict[str, Any], state: State, status: StatusMasks, telemetry: Telemetry,
+class _MaskOn:
+    """The step's mask where the AdamW tensors are: as it is on its own device; on the host
+    beside an accelerator's mask (FSDP2's CPU offload), brought down once a step, one
+    documented wait (``dmuon.exchange.host_staging.ADAMW_MASK``)."""
+
+    def __init__(self, status: StatusMasks) -> None:
+        self.status = status
+        self.found: dict[torch.device, torch.Tensor] = {}
+
+    def __call__(self, device: torch.device) -> torch.Tensor:
+        if device not in self.found:
+            ok = self.status.step_ok
+            self.found[device] = ok if ok.device == device else \
+                HostStaging(ok.device).down(ADAMW_MASK, ok, ADAMW_MASK).to(device)
+        return self.found[device]
+
+
+def _group_step(group: dict[str, Any], state: State, status: StatusMasks, mask_on: _MaskOn, telemetry: Telemetry,
                 foreach: bool | None, fused: bool | None, rollback: StateRollback) -> None:
     """One group's parameters with a grad (state made at their first step, recorded)."""
     params = [p for p in group["params"] if p.grad is not None]
@@ -67,7 +86,7 @@ def _group_step(group: dict[str, Any], state: State, status: StatusMasks, teleme
         if status.host_ok:
             adamw_(params, grads, moments[: len(params)], moments[len(params):], counters, **settings)
         elif fused and not group["cautious_weight_decay"]:
-            found_inf = (~status.step_ok).to(device=local_of(params[0]).device, dtype=torch.float32)
+            found_inf = (~mask_on(local_of(params[0]).device)).to(torch.float32)
             adamw_(params, grads, moments[: len(params)], moments[len(params):], counters, found_inf=found_inf,
                    **settings)
         else:
@@ -78,8 +97,6 @@ def _group_step(group: dict[str, Any], state: State, status: StatusMasks, teleme
             # Copies in one list op (a product by exactly 1 keeps every bit), not one per tensor.
             befores = [t.clone() for t in selected] if foreach is False else torch._foreach_mul(selected, 1.0)
             adamw_(params, grads, moments[: len(params)], moments[len(params):], counters, **settings)
-            oks: dict[torch.device, torch.Tensor] = {}
             for after, before in zip(selected, befores):
-                ok = oks.setdefault(after.device, status.step_ok.to(after.device))
-                torch.where(ok, after, before, out=after)  # masked: the bits from before the step
+                torch.where(mask_on(after.device), after, before, out=after)  # masked: the bits from before
             rollback.counted(host)

@@ -25,8 +25,6 @@ MAX_FAILED = 5
 
 
 @pytest.mark.multirank
-@pytest.mark.xfail(reason="OPEN (issue 40): the sweep still finds cases that break the contract; "
-                          "`python -m tests.fault_sweep` lists them", strict=False)
 @pytest.mark.parametrize("world", sorted(SAMPLE), ids=lambda p: f"P{p}")
 def test_generated_faults_keep_the_contract_on_every_rank(world):
     n, seed = SAMPLE[world]

@@ -24,6 +24,7 @@ next, so the bound is the largest of three terms (``e``: the parameter's element
   under a mask only the device knows, a group that is not fused (or decays cautiously)
   is copied before its step, parameters and both moments (``ADAMW_MASK_COPIES`` times
   its local bytes more: ``dmuon.adamw_part``);
+- plus, through every phase, the masks' small tensors (``MASK_SCALAR_BYTES`` per parameter);
 - *masked momentum*: the EMAs computed out of place before they are selected
   (``dmuon.numerics.masked_updates``): a chunk of ``MASKED_CHUNK_NUMEL`` elements, or the
   largest Muon shard where that is larger.
@@ -45,6 +46,9 @@ from dmuon.plan.paths import ALL_TO_ALL
 
 # Lists of AdamW-parameter size torch's foreach AdamW holds at once.
 ADAMW_TEMPORARIES = 2
+# The step's masks, decay factors and status, small tensors alive through a phase: at most
+# one caching-allocator block (512 bytes) per parameter.
+MASK_SCALAR_BYTES = 512
 # Copies of an AdamW group's local tensors (parameters, exp_avg, exp_avg_sq) a masked step keeps.
 ADAMW_MASK_COPIES = 3
 # NorMuon's normalization holds an fp32 copy of the matrix and its square.
@@ -74,8 +78,9 @@ def peak_bound_bytes(optimizer: DMuon, plan_rank: int) -> int:
     """The bound for this rank of ``optimizer`` (after its first step: plan and paths made)."""
     groups = {p: g for g in optimizer.param_groups for p in g["params"]}
     ns_bytes = torch.empty((), dtype=resolve_ns_dtype(optimizer.ns_dtype, "cuda")).element_size()
-    return max(_exchange(optimizer, groups, plan_rank, ns_bytes), _whole(optimizer, groups, ns_bytes),
-               _adamw(optimizer), _masked_momentum([p for p, g in groups.items() if g["use_muon"]]))
+    phases = max(_exchange(optimizer, groups, plan_rank, ns_bytes), _whole(optimizer, groups, ns_bytes),
+                 _adamw(optimizer), _masked_momentum([p for p, g in groups.items() if g["use_muon"]]))
+    return phases + MASK_SCALAR_BYTES * len(groups)
 
 
 def _masked_momentum(muon: list[torch.Tensor]) -> int:

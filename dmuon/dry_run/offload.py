@@ -6,12 +6,13 @@
 - each batch whose results this rank receives: one, before it applies them;
 - each unit this rank holds whole and keeps: one, before it applies its result;
 - NorMuon's rows: one, after they were shared (``normuon``);
-- QK-clip's factors: one, before the rows are scaled (``qk_clip_threshold``).
+- QK-clip's factors: one, before the rows are scaled (``qk_clip_threshold``);
+- the step's mask for the AdamW part on the host: one (``dmuon.adamw_part``).
 """
 
 from __future__ import annotations
 
-from dmuon.exchange.host_staging import KEPT, MASKS, NORMUON_ROWS, QK_CLIP_FACTORS, RESULTS
+from dmuon.exchange.host_staging import ADAMW_MASK, KEPT, MASKS, NORMUON_ROWS, QK_CLIP_FACTORS, RESULTS
 from dmuon.optimizer import DMuon
 
 
@@ -25,5 +26,7 @@ def documented_waits(optimizer: DMuon, options: dict) -> dict[str, int]:
              RESULTS: sum(bool(run.layout(batch).scatter_recv_units) for batch in batches),
              KEPT: sum(len(run.plan.kept_local(batch, run.rank)) for batch in batches),
              NORMUON_ROWS: int(bool(options.get("normuon"))),
-             QK_CLIP_FACTORS: int(options.get("qk_clip_threshold") is not None)}
+             QK_CLIP_FACTORS: int(options.get("qk_clip_threshold") is not None),
+             ADAMW_MASK: int(any(p.grad is not None for g in optimizer.param_groups if not g["use_muon"]
+                                 for p in g["params"]))}
     return {kind: count for kind, count in waits.items() if count}

@@ -56,6 +56,24 @@ def distributed(param: torch.Tensor) -> bool:
 
 
 @dataclass
+class RankSet:
+    """DTensor parameters on meshes of a strict subset of the union's ranks (a row of a
+    grid, a stage's mesh inside a larger DMuon): the same index may be another parameter on
+    another subset, so their grads are counted over their own ranks first."""
+
+    positions: list[int]
+    """Where they stand among the channel's parameters."""
+    group: dist.ProcessGroup | None
+    _index: torch.Tensor | None = None
+
+    def index(self, device: torch.device) -> torch.Tensor:
+        """``positions`` on the device, made once."""
+        if self._index is None:
+            self._index = to_device(self.positions, device, torch.int64)
+        return self._index
+
+
+@dataclass
 class StatusChannel:
     """The DTensor parameters of one ``DMuon`` and where their status is summed: the union
     of their meshes' ranks (one reduction, so one rank's problem masks all of them)."""
@@ -66,6 +84,12 @@ class StatusChannel:
     group: dist.ProcessGroup | None
     """None where the union is this rank alone: the sums are this rank's own."""
     device: torch.device
+    subsets: list[RankSet]
+    """Parameters on strict subsets of the union, by rank set (usually none)."""
+
+    def union_positions(self) -> list[int]:
+        inside = {j for subset in self.subsets for j in subset.positions}
+        return [j for j in range(len(self.params)) if j not in inside]
 
 
 def status_channel(params: Sequence[torch.Tensor], name_of: Callable[[torch.Tensor], str]) -> StatusChannel | None:
@@ -77,7 +101,14 @@ def status_channel(params: Sequence[torch.Tensor], name_of: Callable[[torch.Tens
     meshes = list({id(p.device_mesh): p.device_mesh for p in dtensors}.values())
     ranks = tuple(sorted({r for mesh in meshes for r in mesh_ranks(mesh)}))
     group = group_of(ranks, meshes) if len(ranks) > 1 else None
-    return StatusChannel(dtensors, [name_of(p) for p in dtensors], group, mesh_device(meshes[0]))
+    by_ranks: dict[tuple[int, ...], list[int]] = {}
+    for j, param in enumerate(dtensors):
+        own = mesh_ranks(param.device_mesh)
+        if own != ranks:
+            by_ranks.setdefault(own, []).append(j)
+    subsets = [RankSet(positions, group_of(own, [dtensors[positions[0]].device_mesh]) if len(own) > 1 else None)
+               for own, positions in by_ranks.items()]
+    return StatusChannel(dtensors, [name_of(p) for p in dtensors], group, mesh_device(meshes[0]), subsets)
 
 
 class StatusMasks(Mapping[torch.Tensor, torch.Tensor]):
@@ -91,9 +122,10 @@ class StatusMasks(Mapping[torch.Tensor, torch.Tensor]):
     step), True where no other rank takes part (no sums to wait for) and nothing is
     wrong here, None where only the device knows."""
 
-    def __init__(self, channel: StatusChannel | None, status: torch.Tensor | None, work: Any, host_ok: bool | None,
-                 masked_here: bool, device: torch.device | None, pending: list[tuple[list[str], HostCopy]]) -> None:
-        self._channel, self._status, self._work = channel, status, work
+    def __init__(self, channel: StatusChannel | None, status: torch.Tensor | None, work: Any,
+                 subset_sums: list[torch.Tensor], host_ok: bool | None, masked_here: bool,
+                 device: torch.device | None, pending: list[tuple[list[str], HostCopy]]) -> None:
+        self._channel, self._status, self._work, self._subset_sums = channel, status, work, subset_sums
         self.host_ok = host_ok
         self._masked_here = masked_here
         self._device = device
@@ -114,14 +146,18 @@ class StatusMasks(Mapping[torch.Tensor, torch.Tensor]):
         if self._work is not None:
             self._work.wait()
         status, n = self._status, len(self._channel.params)
-        has, has_not = status[:n], status[n : 2 * n]
+        has, has_not, uneven_elsewhere = status[:n], status[n : 2 * n], status[2 * n : 3 * n]
         # Counting the ranks with and without a grad (rather than comparing one count with
         # the group's size) gives the right answer on a group whose sums are local too.
-        step_ok = (status[2 * n] == 0) & ~((has > 0) & (has_not > 0)).any()
-        if self._masked_here:  # an error pending from the last step: every rank knows it alike
+        uneven = ((has > 0) & (has_not > 0)) | (uneven_elsewhere > 0)
+        step_ok = (status[3 * n] == 0) & ~uneven.any()
+        if self._masked_here:  # this rank's problem, or an error pending from the last step
             step_ok = torch.zeros((), dtype=torch.bool, device=status.device)
         self._step_ok = step_ok
-        self._oks.update(zip(self._channel.params, ((has > 0) & step_ok).unbind()))
+        present = has > 0
+        for subset, sums in zip(self._channel.subsets, self._subset_sums):  # counted over their own ranks
+            present = present.index_copy(0, subset.index(status.device), sums[: len(subset.positions)] > 0)
+        self._oks.update(zip(self._channel.params, (present & step_ok).unbind()))
         self._pending.append((self._channel.names, HostCopy(status)))
         return self._oks
 
@@ -166,21 +202,41 @@ class GradStatus:
 
     def agree(self, has_grad: Callable[[torch.Tensor], bool], problem_here: bool, masked_here: bool,
               device: torch.device) -> StatusMasks:
-        """Start summing every rank's status (one device ``all_reduce``, asynchronous) and
-        return the masks that read the sums (:class:`StatusMasks`). ``masked_here``: every
-        rank knows this step is masked (an error pending from the last step)."""
+        """Start summing every rank's status (one device ``all_reduce`` over the union,
+        asynchronous; before it, one per rank set of parameters on a strict subset of it,
+        whose disagreements it carries) and return the masks that read the sums
+        (:class:`StatusMasks`). ``masked_here``: every rank knows this step is masked (an
+        error pending from the last step)."""
         channel = self._channel
         if channel is None:
-            return StatusMasks(None, None, None, not (problem_here or masked_here), masked_here, device, self._pending)
+            return StatusMasks(None, None, None, [], not (problem_here or masked_here), masked_here, device,
+                               self._pending)
         has = [int(has_grad(p)) for p in channel.params]
-        status = to_device([*has, *(1 - h for h in has), int(problem_here)], channel.device, STATUS_DTYPE)
+        n = len(has)
+        inside = n * [0]
+        for subset in channel.subsets:
+            for j in subset.positions:
+                inside[j] = 1
+        status = to_device([*(h * (1 - i) for h, i in zip(has, inside)), *((1 - h) * (1 - i) for h, i in zip(has, inside)),
+                            *n * [0], int(problem_here)], channel.device, STATUS_DTYPE)
+        subset_sums = []
+        for subset in channel.subsets:
+            sums = to_device([*(has[j] for j in subset.positions), *(1 - has[j] for j in subset.positions)],
+                             channel.device, STATUS_DTYPE)
+            if subset.group is not None:
+                dist.all_reduce(sums, group=subset.group)  # waited for on the device: no host read
+            m = len(subset.positions)
+            status[2 * n : 3 * n].index_copy_(0, subset.index(channel.device),
+                                              ((sums[:m] > 0) & (sums[m:] > 0)).to(STATUS_DTYPE))
+            subset_sums.append(sums)
         work = None if channel.group is None else dist.all_reduce(status, group=channel.group, async_op=True)
         host_ok: bool | None = None
         if problem_here or masked_here:
             host_ok = False
         elif channel.group is None:
             host_ok = True
-        return StatusMasks(channel, status, work, host_ok, masked_here or problem_here, channel.device, self._pending)
+        return StatusMasks(channel, status, work, subset_sums, host_ok, masked_here or problem_here, channel.device,
+                           self._pending)
 
     def take_pending(self) -> Exception | None:
         """The previous step's problem as the error every rank raises alike (None if its
@@ -196,8 +252,9 @@ class GradStatus:
             if sums is None:  # a fake run's: no values
                 continue
             n = len(names)
-            problems = max(problems, sums[2 * n])
-            uneven += [name for name, yes, no in zip(names, sums[:n], sums[n : 2 * n]) if yes and no]
+            problems = max(problems, sums[3 * n])
+            uneven += [name for name, yes, no, elsewhere in zip(names, sums[:n], sums[n : 2 * n], sums[2 * n : 3 * n])
+                       if (yes and no) or elsewhere]
         if problems:
             return ValueError(
                 f"DMuon: {problems} rank(s) found an invalid gradient or shard in the previous step; see their "
