@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 
 from dmuon.dry_run.__main__ import main
-from dmuon.exchange.host_staging import MASKS, NORMUON_ROWS, QK_CLIP_FACTORS, RESULTS
+from dmuon.exchange.host_staging import ADAMW_MASK, MASKS, NORMUON_ROWS, QK_CLIP_FACTORS, RESULTS
 from tests.dry_runs import dry_run, needs_cuda_build
 
 pytestmark = pytest.mark.unit
@@ -49,7 +49,7 @@ def test_offloaded_llama3_8b_on_64_ranks_sends_the_bytes_it_sends_without_offloa
                         "--cpu-offload")
     assert_offloaded_and_clean([report])
     assert report.bytes_sent_per_rank == 413138944  # test_dry_run.py's figure without offload
-    assert report.offload_waits == {MASKS: 1, RESULTS: 2}  # two batches
+    assert report.offload_waits == {MASKS: 1, RESULTS: 2, ADAMW_MASK: 1}  # two batches; the AdamW part on the host
 
 
 def test_cpu_offload_on_a_layout_without_fsdp2_gets_a_one_line_error_and_exit_code_2(capsys):
