@@ -39,8 +39,9 @@ def _raise_together_and_change_nothing(cases: list[dict], next_error: str) -> No
 
 @pytest.mark.xfail(reason="OPEN (issue 40): TorchTitan's sequence-parallel norms need Partial grads "
                           "reduced by DTensor, so a Partial grad on some ranks only still desyncs", strict=False)
-def test_a_local_problem_beside_partial_adamw_grads_runs_the_same_collectives(faults):
-    world, ranks = faults
+def test_a_local_problem_beside_partial_adamw_grads_runs_the_same_collectives():
+    world = 2
+    ranks = run_on_ranks(scenarios.one_partial_fault, world, "local_problem_here_partial_elsewhere", timeout=60)
     cases = _case(ranks, "local_problem_here_partial_elsewhere")
     assert cases[0]["k"] == ("ValueError: DMuon: parameter 'emb': gradient dtype torch.float64 differs from the "
                              "parameter's torch.float32")
@@ -50,8 +51,8 @@ def test_a_local_problem_beside_partial_adamw_grads_runs_the_same_collectives(fa
 
 @pytest.mark.xfail(reason="OPEN (issue 40): TorchTitan's sequence-parallel norms need Partial grads "
                           "reduced by DTensor, so a Partial grad on some ranks only still desyncs", strict=False)
-def test_a_grad_placed_partial_on_one_rank_and_none_on_others_desyncs_nothing(faults):
-    _, ranks = faults
+def test_a_grad_placed_partial_on_one_rank_and_none_on_others_desyncs_nothing():
+    ranks = run_on_ranks(scenarios.one_partial_fault, 2, "partial_here_none_elsewhere", timeout=60)
     cases = _case(ranks, "partial_here_none_elsewhere")
     assert "gradient placements (Partial(sum),)" in cases[0]["k"]
     assert [case["k"] for case in cases[1:]] == [None] * (len(cases) - 1)
