@@ -16,7 +16,7 @@ bit as it was when the mask is False, without reading the mask on the host:
 
 from __future__ import annotations
 
-from collections.abc import MutableMapping, Sequence
+from collections.abc import Callable, MutableMapping, Sequence
 from typing import Any
 
 import torch
@@ -33,10 +33,14 @@ State = MutableMapping[torch.Tensor, dict[str, Any]]
 
 
 def adamw_part(param_groups: Sequence[dict[str, Any]], state: State, status: StatusMasks, telemetry: Telemetry,
-               foreach: bool | None, fused: bool | None, rollback: StateRollback) -> Exception | None:
-    """Every AdamW group's step under ``status``; what torch raises is returned (``DMuon.step``
+               foreach: bool | None, fused: bool | None, rollback: StateRollback,
+               usable: Callable[[torch.Tensor], bool] = lambda p: p.grad is not None) -> Exception | None:
+    """Every AdamW group's step under ``status`` (``usable``: whether a grad passed the checks); what torch raises is returned (``DMuon.step``
     raises it at its end, after the collectives every rank runs)."""
-    if status.host_ok is False:
+    if status.host_ok is False:  # masked here; a Partial grad is still reduced, as on the ranks that step
+        for param in (p for g in param_groups if not g["use_muon"] for p in g["params"]):
+            if usable(param) and getattr(param.grad, "placements", None) != getattr(param, "placements", None):
+                usable_grad(param)
         return None
     mask_on = _MaskOn(status)
     try:

@@ -95,7 +95,7 @@ def compute_and_apply(optimizer: DMuon, muon_groups: dict[torch.Tensor, dict[str
     steps = GroupSteps(optimizer.ns_dtype, optimizer.comm_stats, telemetry, optimizer.foreach, optimizer.fused)
     grads = {p: usable_grad(p) for p in muon_groups if checked.has_usable_grad(p)}
     failure = adamw_part(optimizer.param_groups, optimizer.state, status, telemetry, optimizer.foreach,
-                         optimizer.fused, optimizer._rollback)
+                         optimizer.fused, optimizer._rollback, checked.has_usable_grad)
     if failure is not None and status.host_ok:  # no other rank takes part: the Muon part stays as it is too
         status.mask_here()
     if status.host_ok is not False:
