@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
+from dmuon.exchange.grad_status import usable_grad  # noqa: F401 - the step takes it from here
 from dmuon.torch_compat import local_of
 
 
@@ -63,15 +64,6 @@ def local_to_reshard(grad: DTensor, param: DTensor) -> bool:
     that disagree on it are not covered by the step's guarantee, docs/optimizer.md)."""
     return all(g == p or isinstance(g, (Replicate, Partial)) and not isinstance(p, Partial)
                for g, p in zip(grad.placements, param.placements))
-
-
-def usable_grad(param: torch.Tensor) -> torch.Tensor:
-    """``param.grad`` laid out like ``param``: a replicated grad of a sharded parameter is cut
-    to this rank's block (local), a ``Partial`` one reduced (DTensor's collective)."""
-    grad = param.grad
-    if isinstance(param, DTensor) and grad.placements != param.placements:
-        grad = grad.redistribute(param.device_mesh, param.placements)
-    return grad
 
 
 def local_problems(param_groups: Sequence[dict[str, Any]]) -> dict[torch.Tensor, str]:

@@ -269,3 +269,12 @@ class GradStatus:
     def forget(self) -> None:
         """Drop the channel (the parameters changed); made again at the next step."""
         self._channel, self._planned = None, False
+
+
+def usable_grad(param: torch.Tensor) -> torch.Tensor:
+    """``param.grad`` laid out like ``param``: a replicated grad of a sharded parameter is cut
+    to this rank's block (local), a ``Partial`` one reduced (DTensor's collective)."""
+    grad = param.grad
+    if isinstance(param, DTensor) and grad.placements != param.placements:
+        grad = grad.redistribute(param.device_mesh, param.placements)
+    return grad
