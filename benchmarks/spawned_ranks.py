@@ -120,8 +120,9 @@ def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: f
                 rank, status, value = results.get(timeout=min(deadline_left, 1.0))
             except queue.Empty:
                 if any(not p.is_alive() and p.exitcode not in (0, None) for p in procs) and results.empty():
-                    dead = [r for r, p in enumerate(procs) if p.exitcode not in (0, None)]
-                    raise RuntimeError(f"{fn.__name__}: rank(s) {dead} died without reporting") from None
+                    dead = {r: _exit_status(p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (0, None)}
+                    raise RuntimeError(f"{fn.__name__}: rank(s) {sorted(dead)} died without reporting ("
+                                       + "; ".join(f"rank {r} {how}" for r, how in dead.items()) + ")") from None
                 continue
             collected[rank] = (status, value)
             if status == "error":

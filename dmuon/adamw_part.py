@@ -16,13 +16,12 @@ bit as it was when the mask is False, without reading the mask on the host:
 
 from __future__ import annotations
 
-from collections.abc import Callable, MutableMapping, Sequence
+from collections.abc import Mapping, MutableMapping, Sequence
 from typing import Any
 
 import torch
 
-from dmuon.exchange.grad_status import StatusMasks
-from dmuon.grad_checks import usable_grad
+from dmuon.exchange.grad_status import StatusMasks, usable_grad
 from dmuon.exchange.host_staging import ADAMW_MASK, HostStaging
 from dmuon.numerics.functional import adamw_, adamw_state, adamw_steps
 from dmuon.state_rollback import StateRollback
@@ -34,18 +33,16 @@ State = MutableMapping[torch.Tensor, dict[str, Any]]
 
 def adamw_part(param_groups: Sequence[dict[str, Any]], state: State, status: StatusMasks, telemetry: Telemetry,
                foreach: bool | None, fused: bool | None, rollback: StateRollback,
-               usable: Callable[[torch.Tensor], bool] = lambda p: p.grad is not None) -> Exception | None:
-    """Every AdamW group's step under ``status`` (``usable``: whether a grad passed the checks); what torch raises is returned (``DMuon.step``
-    raises it at its end, after the collectives every rank runs)."""
-    if status.host_ok is False:  # masked here; a Partial grad is still reduced, as on the ranks that step
-        for param in (p for g in param_groups if not g["use_muon"] for p in g["params"]):
-            if usable(param) and getattr(param.grad, "placements", None) != getattr(param, "placements", None):
-                usable_grad(param)
+               summed: Mapping[torch.Tensor, torch.Tensor]) -> Exception | None:
+    """Every AdamW group's step under ``status`` (``summed``: the replicated parameters'
+    grads, :func:`dmuon.exchange.grad_status.usable_grad`); what torch raises is returned
+    (``DMuon.step`` raises it at its end, after the collectives every rank runs)."""
+    if status.host_ok is False:  # masked here
         return None
     mask_on = _MaskOn(status)
     try:
         for group in (g for g in param_groups if not g["use_muon"]):
-            _group_step(group, state, status, mask_on, telemetry, foreach, fused, rollback)
+            _group_step(group, state, status, mask_on, telemetry, foreach, fused, rollback, summed)
     except Exception as error:  # noqa: BLE001 - re-raised by DMuon.step() after the collectives
         return error
     return None
@@ -69,7 +66,8 @@ class _MaskOn:
 
 
 def _group_step(group: dict[str, Any], state: State, status: StatusMasks, mask_on: _MaskOn, telemetry: Telemetry,
-                foreach: bool | None, fused: bool | None, rollback: StateRollback) -> None:
+                foreach: bool | None, fused: bool | None, rollback: StateRollback,
+                summed: Mapping[torch.Tensor, torch.Tensor]) -> None:
     """One group's parameters with a grad (state made at their first step, recorded)."""
     params = [p for p in group["params"] if p.grad is not None]
     if not params:
@@ -86,7 +84,7 @@ def _group_step(group: dict[str, Any], state: State, status: StatusMasks, mask_o
     counters = adamw_steps(states, params, fused)
     settings = dict(lr=group["lr"], betas=group["betas"], eps=group["eps"], weight_decay=group["weight_decay"],
                     cautious_weight_decay=group["cautious_weight_decay"], foreach=foreach, fused=fused)
-    grads = [usable_grad(p) for p in params]
+    grads = [usable_grad(p, summed) for p in params]
     with telemetry.adamw_update([local_of(p) for p in params]):
         if status.host_ok:
             adamw_(params, grads, moments[: len(params)], moments[len(params):], counters, **settings)

@@ -4,10 +4,10 @@ raises them at its end, after every collective, so no rank waits for one that ra
 
 A grad is usable when it is laid out exactly like its parameter: same type (DTensor or
 plain), dtype, device, global shape and, for a DTensor, the same mesh, placements and
-local shape; or replicated where the parameter is sharded (cut locally: no collective); or
-a ``Partial`` sum (reduced by DTensor's collective: it must be ``Partial`` on every rank of
-its mesh, as TorchTitan's sequence-parallel norms are). A grad on another mesh, or placed
-any other way, is a problem to fix before ``step()``.
+local shape; or replicated where the parameter is sharded (cut locally: no collective); or,
+for a parameter replicated on every dim of its mesh (TorchTitan's sequence-parallel
+norms), a ``Partial`` sum (summed by every rank alike: ``dmuon.exchange.replicated_grads``).
+A grad on another mesh, or placed any other way, is a problem to fix before ``step()``.
 """
 
 from __future__ import annotations
@@ -16,9 +16,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor, Partial, Replicate
+from torch.distributed.tensor import DTensor, Replicate
 
 from dmuon.exchange.grad_status import usable_grad  # noqa: F401 - the step takes it from here
+from dmuon.exchange.replicated_grads import replicated, summable
 from dmuon.torch_compat import local_of
 
 
@@ -45,8 +46,9 @@ def grad_problem(param: torch.Tensor, use_muon: bool) -> str | None:
         if not local_to_reshard(grad, param):
             return (f"gradient placements {grad.placements} differ from the parameter's {param.placements}: "
                     "reduce it to the parameter's placements on every rank before step() "
-                    "(grad.redistribute(param.device_mesh, param.placements))")
-        return None  # replicated or Partial: laid out like the parameter by DTensor (usable_grad)
+                    "(grad.redistribute(param.device_mesh, param.placements)); only a parameter replicated on "
+                    "every mesh dim may have a Partial (sum) grad")
+        return None  # laid out like the parameter by usable_grad
     local_grad, local_param = local_of(grad), local_of(param)
     if local_grad.shape != local_param.shape:
         return (f"gradient local shape {tuple(local_grad.shape)} differs from the parameter's local shard "
@@ -57,13 +59,14 @@ def grad_problem(param: torch.Tensor, use_muon: bool) -> str | None:
 
 
 def local_to_reshard(grad: DTensor, param: DTensor) -> bool:
-    """Whether DTensor can lay ``grad`` out like the parameter: replicated where the parameter
-    is sharded (TorchTitan's tensor-parallel embedding: a local cut, no collective), or a
-    ``Partial`` sum (TorchTitan's sequence-parallel norms: DTensor's all-reduce, which every
-    rank of the mesh must run, so such a grad must be ``Partial`` on every rank of it: ranks
-    that disagree on it are not covered by the step's guarantee, docs/optimizer.md)."""
-    return all(g == p or isinstance(g, (Replicate, Partial)) and not isinstance(p, Partial)
-               for g, p in zip(grad.placements, param.placements))
+    """Whether the step can lay ``grad`` out like the parameter: replicated where the
+    parameter is sharded (TorchTitan's tensor-parallel embedding: a local cut, no
+    collective), or, for a parameter replicated on every mesh dim, ``Partial`` sums
+    (TorchTitan's sequence-parallel norms: summed by every rank alike, whatever its grad,
+    ``dmuon.exchange.replicated_grads``)."""
+    if replicated(param):
+        return summable(grad)
+    return all(g == p or isinstance(g, Replicate) for g, p in zip(grad.placements, param.placements))
 
 
 def local_problems(param_groups: Sequence[dict[str, Any]]) -> dict[torch.Tensor, str]:

@@ -93,9 +93,10 @@ def compute_and_apply(optimizer: DMuon, muon_groups: dict[torch.Tensor, dict[str
     telemetry = optimizer._telemetry
     telemetry.begin_step(optimizer._device(), optimizer.comm_stats.bytes_sent)
     steps = GroupSteps(optimizer.ns_dtype, optimizer.comm_stats, telemetry, optimizer.foreach, optimizer.fused)
-    grads = {p: usable_grad(p) for p in muon_groups if checked.has_usable_grad(p)}
+    summed = optimizer._grad_status.sum_replicated(checked.has_usable_grad)  # on every rank, whatever its grads
+    grads = {p: usable_grad(p, summed) for p in muon_groups if checked.has_usable_grad(p)}
     failure = adamw_part(optimizer.param_groups, optimizer.state, status, telemetry, optimizer.foreach,
-                         optimizer.fused, optimizer._rollback, checked.has_usable_grad)
+                         optimizer.fused, optimizer._rollback, summed)
     if failure is not None and status.host_ok:  # no other rank takes part: the Muon part stays as it is too
         status.mask_here()
     if status.host_ok is not False:

@@ -22,7 +22,8 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 
 from dmuon import DMuon
 
-SHAPES = {"w1": (8, 12), "w2": (12, 8), "norm": (12,), "emb": (10, 6)}
+SHAPES = {"w1": (8, 12), "w2": (12, 8), "norm": (12,), "emb": (10, 6), "rep": (7,)}
+REPLICATED = {"rep"}  # replicated on the mesh (a sequence-parallel norm's weight): its grad may be Partial
 
 
 def _error(fn: Callable[[], Any]) -> str | None:
@@ -49,8 +50,9 @@ def snapshot(params: dict[str, nn.Parameter], optimizer: DMuon) -> dict:
 
 def _model(mesh: Any, seed: int = 0, dtype: torch.dtype = torch.float32) -> dict[str, nn.Parameter]:
     gen = torch.Generator().manual_seed(seed)
-    return {n: nn.Parameter(distribute_tensor(torch.randn(s, generator=gen, dtype=dtype), mesh, [Shard(0)],
-                                              src_data_rank=None)) for n, s in SHAPES.items()}
+    return {n: nn.Parameter(distribute_tensor(torch.randn(s, generator=gen, dtype=dtype), mesh,
+                                              [Replicate() if n in REPLICATED else Shard(0)], src_data_rank=None))
+            for n, s in SHAPES.items()}
 
 
 def _grads(params: dict[str, nn.Parameter], seed: int) -> None:
@@ -62,7 +64,7 @@ def _grads(params: dict[str, nn.Parameter], seed: int) -> None:
 
 def _optimizer(params: dict[str, nn.Parameter], **options: Any) -> DMuon:
     return DMuon([{"params": [(n, params[n]) for n in ("w1", "w2")], "use_muon": True},
-                  {"params": [(n, params[n]) for n in ("norm", "emb")], "use_muon": False}],
+                  {"params": [(n, params[n]) for n in ("norm", "emb", "rep")], "use_muon": False}],
                  lr=0.02, weight_decay=0.1, **options)
 
 
@@ -152,12 +154,18 @@ def adamw_dtype_differs(params: dict[str, nn.Parameter], rank: int, world: int) 
         params["norm"].grad = params["norm"].grad.to(torch.float64)
 
 
-# Partial grads on some ranks only (items 1 and 2) still desync (open): launched on their own.
-PARTIAL_FAULTS = {
+def partial_here_replicated_elsewhere(params: dict[str, nn.Parameter], rank: int, world: int) -> None:
+    """A replicated parameter's grad Partial on rank 0, replicated on the others: summed by
+    every rank alike, then found by the status (no sum is the grad)."""
+    if rank == 0:
+        grad = params["rep"].grad
+        params["rep"].grad = DTensor.from_local(grad.to_local(), grad.device_mesh, [Partial()], run_check=False)
+
+
+FAULTS = {
     "local_problem_here_partial_elsewhere": local_problem_here_partial_elsewhere,
     "partial_here_none_elsewhere": partial_here_none_elsewhere,
-}
-FAULTS = {
+    "partial_here_replicated_elsewhere": partial_here_replicated_elsewhere,
     "grad_on_another_mesh": grad_on_another_mesh,
     "complex_grad_on_last_rank": complex_grad_on_last_rank,
     "adamw_grad_missing_on_rank_0": adamw_grad_missing_on_rank_0,
@@ -171,8 +179,23 @@ def every_fault(**options: Any) -> dict[str, dict[str, Any]]:
     return {name: fault_then_report(fault, **options) for name, fault in FAULTS.items()}
 
 
-def one_partial_fault(name: str) -> dict[str, dict[str, Any]]:
-    return {name: fault_then_report(PARTIAL_FAULTS[name])}
+def partial_grads_summed_like_dtensor() -> dict[str, Any]:
+    """A replicated parameter stepped twice from the same start: once with this rank's
+    share of its grad as a ``Partial`` sum (DMuon sums it), once with DTensor's own sum of
+    the same shares; this rank's parameter and state bytes after each."""
+    rank = dist.get_rank()
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    share = torch.randn(SHAPES["rep"], generator=torch.Generator().manual_seed(10 + rank))
+    found = {}
+    for how in ("partial", "dtensor_sum"):
+        params = _model(mesh)
+        optimizer = _optimizer(params)
+        _grads(params, 1)
+        partial = DTensor.from_local(share, mesh, [Partial()], run_check=False)
+        params["rep"].grad = partial if how == "partial" else partial.redistribute(mesh, [Replicate()])
+        optimizer.step()
+        found[how] = snapshot(params, optimizer)
+    return found
 
 
 def every_fault_with_telemetry() -> dict[str, dict[str, Any]]:

@@ -26,8 +26,9 @@ from dataclasses import dataclass
 
 KINDS = ("none", "sparse", "complex", "nan", "inf", "global_shape", "local_shape", "partial", "replicate",
          "other_mesh", "dtype", "qk_no_report")
-# muon/adamw/experts/qk_head/normuon: DTensor parameters; plain_*: plain tensors (per process).
-WHERES = ("muon", "adamw", "plain_muon", "plain_adamw", "experts", "qk_head", "normuon")
+# muon/adamw/experts/qk_head/normuon/replicated: DTensor parameters (replicated: on every dim of
+# its mesh, so its grad may be Partial); plain_*: plain tensors (per process).
+WHERES = ("muon", "adamw", "plain_muon", "plain_adamw", "experts", "qk_head", "normuon", "replicated")
 RANK_CLASSES = ("one", "some", "all")
 LAYOUTS = ("fsdp", "hsdp", "two_meshes", "pp")
 SETTINGS = ("base", "telemetry", "qk_clip", "normuon", "cautious", "foreach_on", "foreach_off", "fused")
@@ -36,12 +37,13 @@ STEPS_BEFORE = (0, 1)  # clean steps before the faulty one (0: the fault meets t
 
 # The parameter each ``where`` names (tests.fault_runner builds them).
 TARGET = {"muon": "w", "adamw": "norm", "plain_muon": "pw", "plain_adamw": "pb", "experts": "experts",
-          "qk_head": "attn_a.wq", "normuon": "nm"}
-DTENSOR_WHERES = frozenset({"muon", "adamw", "experts", "qk_head", "normuon"})
+          "qk_head": "attn_a.wq", "normuon": "nm", "replicated": "rn"}
+DTENSOR_WHERES = frozenset({"muon", "adamw", "experts", "qk_head", "normuon", "replicated"})
 # Faults that are no error: the step runs on every rank (None everywhere: skipped; NaN/inf: applied).
 VALUE_KINDS = frozenset({"nan", "inf"})
-# A grad laid out otherwise than its parameter, the same on every rank: normalized or refused,
-# both allowed by the contract (which of the two is the implementation's choice).
+# A grad laid out otherwise than its parameter: a replicated grad of a sharded parameter is cut
+# locally; a Partial one is summed for a parameter replicated on every mesh dim (by every rank:
+# Partial on some ranks only is a disagreement) and refused for any other.
 PLACEMENT_KINDS = frozenset({"partial", "replicate"})
 INVALID_KINDS = frozenset({"sparse", "complex", "global_shape", "local_shape", "other_mesh", "dtype"})
 
@@ -100,9 +102,9 @@ def skip_reason(world: int, layout: str, setting: str, kind: str, where: str, ra
             return "'never reports' is an attention no rank reports (one rank's silence still leaves the MAX)"
         if k != 0:
             return "'never reports' starts at the first step"
-    if kind == "partial" and rank_class != "all":
-        return ("OPEN: a Partial grad is reduced by DTensor's collective (TorchTitan's sequence-parallel norms "
-                "need it), so Partial on some ranks only still desyncs")
+    if kind in VALUE_KINDS and where == "replicated" and rank_class != "all":
+        return ("a replicated grad whose values differ across ranks has no one-process view (the mesh's first "
+                "rank's is summed)")
     if kind == "sparse" and where in DTENSOR_WHERES:
         return "a DTensor cannot hold a sparse local tensor (torch 2.13: DTensor.from_local fails)"
     if kind in PLACEMENT_KINDS | {"other_mesh", "local_shape"} and where not in DTENSOR_WHERES:
@@ -185,8 +187,9 @@ class Expected:
 
     ``outcome``: ``"clean"`` (no fault reaches this DMuon), ``"valid"`` (a fault that is
     no error: every step returns, the result is one process's on the same grads),
-    ``"local_error"``, ``"disagree"``, ``"either"`` (a placement fault: valid or an
-    agreed error, the same on every rank) or ``"qk"`` (an agreed QK-clip error)."""
+    ``"local_error"``, ``"disagree"``, ``"local_error_or_agreed"`` (an error the same on
+    every rank by the next step, raised at the faulty step by the faulty ranks or by no
+    rank) or ``"qk"`` (an agreed QK-clip error)."""
 
     scope: tuple[int, ...]
     outcome: str
@@ -209,9 +212,11 @@ def expected(case: Case, rank: int) -> Expected:
         # A DTensor's grad present on some ranks of its mesh only; None on a whole mesh is a skip.
         split = any(0 < len(set(mesh) & set(faulty)) < len(mesh) for mesh in target_meshes(case, scope))
         return Expected(scope, "disagree" if split else "valid", faulty)
-    if case.kind in PLACEMENT_KINDS:
-        # Partial data on some ranks only is no tensor at all; Replicate on some ranks is still the grad.
-        if case.kind == "partial" and faulty != scope:
-            return Expected(scope, "local_error_or_agreed", faulty)
-        return Expected(scope, "either", faulty)
+    if case.kind == "replicate":  # still the grad: cut locally where the parameter is sharded
+        return Expected(scope, "valid", faulty)
+    if case.kind == "partial":
+        if case.where != "replicated":
+            return Expected(scope, "local_error", faulty)
+        # Summed by every rank; Partial on some ranks and replicated on others: every rank raises.
+        return Expected(scope, "valid" if faulty == scope else "local_error_or_agreed", faulty)
     return Expected(scope, "local_error", faulty)

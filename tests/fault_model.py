@@ -35,9 +35,11 @@ PARAMS: dict[str, tuple[tuple[int, ...], str]] = {
     "pw": ((6, 4), "muon"),  # a plain tensor
     "nm": ((8, 6), "normuon"),
     "norm": ((12,), "adamw"),
+    "rn": ((9,), "adamw"),  # replicated on every dim of its mesh: its grad may be Partial
     "pb": ((5,), "adamw"),  # a plain tensor
 }
 PLAIN = frozenset({"pw", "pb"})
+REPLICATED = frozenset({"rn"})
 HEADS = AttentionHeads(2, 2, 4)
 ATTENTIONS = ("attn_a", "attn_b")
 QK_PARAMS = {f"{a}.{w}": ((8, 8), "muon") for a in ATTENTIONS for w in ("wq", "wk")}
@@ -80,6 +82,9 @@ def placement_of(case: Case, name: str) -> tuple[Any, tuple] | None:
     if name in PLAIN:
         return None
     found = meshes(case.layout, case.world)
+    if name in REPLICATED:
+        mesh = found["main"][0]
+        return mesh, (Replicate(),) * mesh.ndim
     return found["row"] if name in ROW_PARAMS else found["main"]
 
 

@@ -172,6 +172,9 @@ def run_steps(case: Case, model: Model, rank: int, skip: frozenset[int] = frozen
         if record:
             with recording(seq, backend=step in (case.k, case.k + 1)):
                 outcome = _error(model.optimizer.step)
+                # Telemetry's sum runs on gloo's threads after step() returns: wait for it
+                # before the profiler stops (an event landing after the stop crashed a rank).
+                model.optimizer.telemetry()
         else:
             outcome = _error(model.optimizer.step)
         out["outcomes"].append(outcome)

@@ -37,11 +37,8 @@ def _raise_together_and_change_nothing(cases: list[dict], next_error: str) -> No
     assert all(case["after"] == [None, None] for case in cases)
 
 
-@pytest.mark.xfail(reason="OPEN (issue 40): TorchTitan's sequence-parallel norms need Partial grads "
-                          "reduced by DTensor, so a Partial grad on some ranks only still desyncs", strict=False)
-def test_a_local_problem_beside_partial_adamw_grads_runs_the_same_collectives():
-    world = 2
-    ranks = run_on_ranks(scenarios.one_partial_fault, world, "local_problem_here_partial_elsewhere", timeout=60)
+def test_a_local_problem_beside_partial_adamw_grads_runs_the_same_collectives(faults):
+    world, ranks = faults
     cases = _case(ranks, "local_problem_here_partial_elsewhere")
     assert cases[0]["k"] == ("ValueError: DMuon: parameter 'emb': gradient dtype torch.float64 differs from the "
                              "parameter's torch.float32")
@@ -49,14 +46,26 @@ def test_a_local_problem_beside_partial_adamw_grads_runs_the_same_collectives():
     _raise_together_and_change_nothing(cases, f"ValueError: DMuon: {world} rank(s) found an invalid gradient")
 
 
-@pytest.mark.xfail(reason="OPEN (issue 40): TorchTitan's sequence-parallel norms need Partial grads "
-                          "reduced by DTensor, so a Partial grad on some ranks only still desyncs", strict=False)
-def test_a_grad_placed_partial_on_one_rank_and_none_on_others_desyncs_nothing():
-    ranks = run_on_ranks(scenarios.one_partial_fault, 2, "partial_here_none_elsewhere", timeout=60)
+def test_a_grad_placed_partial_on_one_rank_and_none_on_others_desyncs_nothing(faults):
+    _, ranks = faults
     cases = _case(ranks, "partial_here_none_elsewhere")
     assert "gradient placements (Partial(sum),)" in cases[0]["k"]
     assert [case["k"] for case in cases[1:]] == [None] * (len(cases) - 1)
     _raise_together_and_change_nothing(cases, LOCAL_ERROR)
+
+
+def test_a_replicated_parameters_grad_partial_on_some_ranks_only_raises_on_every_rank(faults):
+    _, ranks = faults
+    cases = _case(ranks, "partial_here_replicated_elsewhere")
+    assert [case["k"] for case in cases] == [None] * len(cases)
+    _raise_together_and_change_nothing(cases, "RuntimeError: DMuon: ranks disagree on how gradients are placed: "
+                                              "['rep'] was a Partial sum on some ranks")
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_replicated_parameters_partial_grad_steps_bitwise_like_dtensors_own_sum(world):
+    for rank in run_on_ranks(scenarios.partial_grads_summed_like_dtensor, world, timeout=120):
+        assert rank["partial"] == rank["dtensor_sum"]
 
 
 def test_a_grad_on_another_mesh_raises_there_and_hangs_no_rank(faults):

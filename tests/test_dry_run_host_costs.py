@@ -31,11 +31,37 @@ def test_a_step_whose_shapes_change_has_another_program():
     assert program_of((4, 8), 0.5) != program_of((8, 8), 0.5)
 
 
+def recorded(shape: tuple[int, ...], scale: float):
+    x = torch.empty(shape, device="meta")
+    with StepRecorder() as recorder:
+        x.mul_(scale).add_(torch.tensor(scale * 2))  # a number, and a 0-dim CPU tensor's value
+    return recorder.record
+
+
+def test_steps_that_launch_the_same_ops_with_other_numbers_are_told_apart_by_their_scalars():
+    from dmuon.dry_run.recorder import first_scalar_changes
+
+    steps = [recorded((4, 8), scale) for scale in (0.5, 0.25, 0.125)]
+    changes = first_scalar_changes([s.program for s in steps], [s.scalars for s in steps])
+    assert [c.split(":")[0] for c in changes] == ["aten.mul_.Tensor", "aten.add_.Tensor"]
+    assert "(0.5,) -> (0.25,) -> (0.125,)" in changes[0] and "(1.0," in changes[1]
+
+
+def test_steps_with_the_same_numbers_show_no_scalar_change():
+    from dmuon.dry_run.recorder import first_scalar_changes
+
+    steps = [recorded((4, 8), 0.5) for _ in range(3)]
+    assert first_scalar_changes([s.program for s in steps], [s.scalars for s in steps]) == []
+
+
 @needs_cuda_build
 def test_the_steady_step_repeats_its_program_and_its_plan_heap_is_measured():
     for report in dry_run("--model", "debug", "--world-size", "4", "--ranks", "0,3"):
         assert report.same_program and report.problems() == []
         assert report.plan_host_bytes > 0
+        # Under a changing learning rate and weight decay, today's step bakes them into its
+        # launches (issue 42): reported, with the ops where they moved.
+        assert not report.same_scalars and report.scalar_changes
 
 
 @needs_cuda_build

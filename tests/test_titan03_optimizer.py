@@ -62,7 +62,7 @@ def test_a_bad_group_value_fails_when_the_config_is_made_naming_the_field():
 
 
 def test_a_bad_adamw_part_value_names_the_adamw_part():
-    with pytest.raises(ValueError, match=r"optimizer_kwargs \(AdamW part\): betas must be two numbers"):
+    with pytest.raises(ValueError, match=r"optimizer\.param_groups\[0\]\.optimizer_kwargs: adamw_betas\[0\] must be a finite number in \[0, 1\), got 1\.5"):
         dmuon_optimizer(adamw_betas=(1.5, 0.9))
 
 

@@ -41,7 +41,7 @@ def torchrun03(dump_folder: Path, tokenizer_dir: Path, *overrides: str) -> tuple
            "--local-ranks-filter=0", "--log-dir", str(logs), "--redirects", "3", "--tee", "3",
            "-m", "torchtitan.train", "--module", CONFIG_MODULE, "--config", "llama3_debug_cpu",
            "--dump_folder", str(dump_folder), "--hf_assets_path", str(tokenizer_dir),
-           "--training.steps", str(STEPS), "--metrics.log_freq", "1", "--validation.no-enable",
+           "--training.steps", str(STEPS), "--metrics.log_freq", "1", "--validator.no-enable",
            "--checkpoint.enable", "--checkpoint.interval", str(CHECKPOINT_STEP), *overrides]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     proc = launch.run(cmd, timeout_s=RUN_TIMEOUT_S, cwd=REPO, env=env)

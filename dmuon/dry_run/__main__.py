@@ -124,10 +124,14 @@ def format_table(config: DryRunConfig, reports: list[RankReport]) -> str:
                      f"{r.plan_bytes_sent_per_rank / MiB:>9.2f} {r.device_ops_per_step:>6} "
                      f"{r.state_bytes / MiB:>10.1f} {r.peak_step_bytes / MiB:>9.1f} {r.peak_bound_bytes / MiB:>10.1f} "
                      f"{collectives:<40} {r.seconds:>5.1f}")
-    lines.append(f"{'rank':>5} {'host collectives':>16} {'groups made':>11} {'plan heap MiB':>13} {'same program':>12}")
+    lines.append(f"{'rank':>5} {'host collectives':>16} {'groups made':>11} {'plan heap MiB':>13} {'same program':>12} "
+                 f"{'same scalars':>12}")
     for r in reports:
         lines.append(f"{r.rank:>5} {r.host_collectives_per_step:>16} {r.process_groups_made:>11} "
-                     f"{r.plan_host_bytes / MiB:>13.2f} {str(r.same_program):>12}")
+                     f"{r.plan_host_bytes / MiB:>13.2f} {str(r.same_program):>12} {str(r.same_scalars):>12}")
+    if changed := next((r for r in reports if r.scalar_changes), None):
+        lines.append(f"rank {changed.rank}: the program changes with the learning rate and weight decay (a CUDA "
+                     f"graph would replay step 2's values), e.g. {changed.scalar_changes[0]}")
     for r in reports if config.cpu_offload else []:
         lines.append(f"rank {r.rank:>4} offload waits per step: {r.offload_waits} (documented: "
                      f"{r.documented_offload_waits})")

@@ -108,7 +108,12 @@ class StepRecord:
     program: list[tuple] = field(default_factory=list)
     """Every op that launches a kernel or talks to other ranks, in order, with its
     tensors' shapes, dtypes and devices: two steps with equal programs dispatch the same
-    device work (what a CUDA graph captures once and replays)."""
+    kernels (what a CUDA graph captures once)."""
+    scalars: list[tuple] = field(default_factory=list)
+    """Beside each entry of ``program``, the values its launch carries from the host: its
+    non-tensor arguments (``alpha=-lr * scale``, a ``lerp`` weight) and the values of the
+    0-dim CPU tensors it reads. A CUDA graph replays the captured ones, so two steps
+    replay alike only where these are equal too."""
 
 
 class StepRecorder(TorchDispatchMode):
@@ -156,6 +161,7 @@ class StepRecorder(TorchDispatchMode):
             self.record.device_ops[name] += launches
         if launches or func.namespace in ("c10d", "_c10d_functional"):
             self.record.program.append((name, *((tuple(t.shape), t.dtype, t.device.type) for t in tensors)))
+            self.record.scalars.append(_scalars((args, kwargs)))
         for tensor in outputs:
             self._track(tensor, before)
         if kwargs.get("pin_memory") or name.startswith("aten._pin_memory"):
@@ -301,6 +307,40 @@ def _scalar_precision_hazard(args: tuple, kwargs: dict, tensors: list[torch.Tens
 
 def _names(dtypes: set[torch.dtype]) -> str:
     return "/".join(sorted(str(d).removeprefix("torch.") for d in dtypes))
+
+
+def _scalars(tree: Any) -> tuple:
+    """The host values in an op's arguments, in order: numbers, bools, strings, dtypes and
+    the values of real 0-dim CPU tensors (a fake or device tensor's value is no host
+    value; a process group is named by its tensors' collective, not compared)."""
+    if isinstance(tree, DTensor):
+        tree = tree.to_local()
+    if isinstance(tree, torch.Tensor):
+        if tree.device.type == "cpu" and tree.ndim == 0 and not isinstance(tree, FakeTensor):
+            return (tree.item(),)
+        return ()
+    if isinstance(tree, (bool, int, float, str, torch.dtype)) or tree is None:
+        return (tree,)
+    if isinstance(tree, (list, tuple)):
+        return tuple(v for item in tree for v in _scalars(item))
+    if isinstance(tree, dict):
+        return tuple(v for key, item in tree.items() for v in (key, *_scalars(item)))
+    return ()
+
+
+def first_scalar_changes(programs: list[list[tuple]], scalars: list[list[tuple]], limit: int = 5) -> list[str]:
+    """Where steps with the same program launch it with other host values (the first
+    ``limit``, as ``op: values -> values``); empty if none do (or the programs differ)."""
+    if any(p != programs[0] for p in programs) or not scalars:
+        return []
+    found = []
+    for index, op in enumerate(programs[0]):
+        values = [step[index] for step in scalars]
+        if any(v != values[0] for v in values):
+            found.append(f"{op[0]}: " + " -> ".join(map(str, values)))
+            if len(found) == limit:
+                break
+    return found
 
 
 def _tensors(tree: Any) -> list[torch.Tensor]:

@@ -1,10 +1,13 @@
-"""One rank's dry run: build, lay out, three real DMuon steps, and what the second did.
+"""One rank's dry run: build, lay out, four real DMuon steps, and what the second did.
 
 The first step makes the state and the plan (and runs the plan's one-time checks); the
-second is the steady step every later one repeats, and the third shows that it does
-(the same program); each runs under :class:`~dmuon.dry_run.recorder.StepRecorder`. The
-optimizer is the unmodified ``dmuon.DMuon``; only the model's size, the process group
-and the tensors are fake.
+second is the steady step every later one repeats, and the third and fourth show that it
+does (the same program); each runs under :class:`~dmuon.dry_run.recorder.StepRecorder`.
+The steps run under a schedule that changes every group's learning rate and weight decay
+at every step (:func:`schedule`), as a real job's does, so the report also says whether
+the steady steps launch their kernels with the same host values (what a CUDA graph
+replays). The optimizer is the unmodified ``dmuon.DMuon``; only the model's size, the
+process group and the tensors are fake.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from dmuon.dry_run.layouts import LayoutSpec, lay_out, make_mesh
 from dmuon.dry_run.memory_bound import peak_bound_bytes
 from dmuon.dry_run.models import Preset, Transformer, build
 from dmuon.dry_run.offload import documented_waits
-from dmuon.dry_run.recorder import HostTensorsStayReal, StepRecord, StepRecorder
+from dmuon.dry_run.recorder import HostTensorsStayReal, StepRecord, StepRecorder, first_scalar_changes
 from dmuon.group_steps import NORMUON_STATE_KEY
 from dmuon.optimizer import DMuon
 from dmuon.plan.owner_plan import WIRE_BYTES
@@ -91,14 +94,21 @@ class RankReport:
     host_collectives_per_step: int = 0
     """Collectives on CPU tensors in the steady step (each meets every host of its group)."""
     process_groups_made: int = 0
-    """Process groups made from DMuon's construction to the end of the third step."""
+    """Process groups made from DMuon's construction to the end of the fourth step."""
     plan_host_bytes: int = 0
     """Python heap the plan keeps (``tracemalloc``): paths, owner plan, blocks, layouts."""
     plan_heap_bound_bytes: int = PLAN_HEAP_BASE_BYTES
     """What it may keep: :func:`plan_heap_bound` of the plan's units and ranks."""
     same_program: bool = True
-    """Steps 2 and 3 dispatched the same device ops and collectives, in order, with the
+    """Steps 2 to 4 dispatched the same device ops and collectives, in order, with the
     same shapes."""
+    same_scalars: bool = True
+    """Steps 2 to 4 also launched them with the same host values (non-tensor arguments,
+    0-dim CPU tensors) under a learning rate and weight decay that change every step: a
+    CUDA graph captured once replays them right. Reported, not required: the step bakes
+    the learning rate into its launches today (issue 42's ``capturable``)."""
+    scalar_changes: list[str] = field(default_factory=list)
+    """The first ops whose host values changed with the schedule (``op: step 2 -> 3 -> 4``)."""
     offload_waits: dict = field(default_factory=dict)
     """Under ``cpu_offload``: the steady step's waits by kind, and the documented ones."""
     documented_offload_waits: dict = field(default_factory=dict)
@@ -128,7 +138,7 @@ class RankReport:
             found.append(f"the plan keeps {self.plan_host_bytes} bytes of Python heap, over its bound "
                          f"{self.plan_heap_bound_bytes} (dmuon.dry_run.run.plan_heap_bound)")
         if not self.same_program:
-            found.append("steps 2 and 3 dispatched different device programs")
+            found.append("steps 2 to 4 dispatched different device programs")
         if self.precision_hazards:
             found.append(f"{len(self.precision_hazards)} op(s) lose a scalar's precision on CUDA: "
                          f"{'; '.join(self.precision_hazards[:5])}")
@@ -152,8 +162,16 @@ def _host_agreement(row: dict) -> bool:
     return row["op"].startswith("c10d.allreduce_") and row["dtype"] == "int64"
 
 
+def schedule(optimizer: DMuon, base: list[tuple[float, float]], step: int) -> None:
+    """Every group's learning rate and weight decay at ``step`` (0-based): a warm-up-like
+    ramp of both, different at every step, set in ``param_groups`` as torch's schedulers do."""
+    for group, (lr, weight_decay) in zip(optimizer.param_groups, base):
+        group["lr"] = lr * (step + 1) / 4
+        group["weight_decay"] = weight_decay * (1 + step / 8)
+
+
 def run_rank(config: DryRunConfig, rank: int) -> RankReport:
-    """Be ``rank`` of ``config.world_size``; build, lay out, step three times, report."""
+    """Be ``rank`` of ``config.world_size``; build, lay out, step four times, report."""
     start = time.perf_counter()
     with fake_cuda_rank(rank, config.world_size, config.nccl_alone):
         with HostTensorsStayReal():
@@ -167,15 +185,18 @@ def run_rank(config: DryRunConfig, rank: int) -> RankReport:
                 _register_attentions(optimizer, model, config.preset)
             for param in model.parameters():
                 param.grad = torch.empty_like(param)
-            first, steady, again, error = StepRecorder(), StepRecorder(), StepRecorder(), None
+            first, steady, again, fourth, error = StepRecorder(), StepRecorder(), StepRecorder(), StepRecorder(), None
+            base = [(group["lr"], group["weight_decay"]) for group in optimizer.param_groups]
             try:
                 with first:
                     plan_bytes = plan_host_bytes(optimizer)  # what the first step would plan
             except Exception as exc:  # noqa: BLE001 - reported with what was recorded up to it
                 plan_bytes, error = 0, f"planning raised {type(exc).__name__}: {str(exc)[:500]}"
-            for label, recorder in (("first", first), ("steady", steady), ("third", again)):
+            for step, (label, recorder) in enumerate((("first", first), ("steady", steady), ("third", again),
+                                                      ("fourth", fourth))):
                 if error:
                     break
+                schedule(optimizer, base, step)
                 _report_logits(optimizer, model, config)
                 try:
                     with recorder:  # a host read gets a placeholder instead of raising
@@ -191,7 +212,10 @@ def run_rank(config: DryRunConfig, rank: int) -> RankReport:
         report.plan_host_bytes = plan_bytes
         plans = optimizer.owner_plans()
         report.plan_heap_bound_bytes = plan_heap_bound(sum(len(p.units) for p in plans), config.world_size)
-        report.same_program = steady.record.program == again.record.program
+        steps = [steady.record, again.record, fourth.record]
+        report.same_program = all(r.program == steady.record.program for r in steps)
+        report.scalar_changes = first_scalar_changes([r.program for r in steps], [r.scalars for r in steps])
+        report.same_scalars = report.same_program and not report.scalar_changes
         report.offload_waits = dict(Counter(steady.record.offload_waits))
         report.documented_offload_waits = documented_waits(optimizer, config.options) if config.cpu_offload else {}
         return report

@@ -6,7 +6,9 @@ ranks must agree on travels in **one** small device ``all_reduce`` per ``DMuon``
 step, over the union of the ranks of its DTensor parameters (Muon and AdamW alike), the
 step's *status*, before anything is written:
 
-- per DTensor parameter: how many ranks have a usable grad, how many have none;
+- per DTensor parameter: how many ranks have a usable grad, how many have none, and how
+  many hold it as a ``Partial`` sum (``dmuon.exchange.replicated_grads``: all of them or
+  none may);
 - how many ranks found a problem of their own (an invalid grad, a shard unlike the plan).
 
 The ``all_reduce`` is asynchronous: :class:`StatusMasks` waits for it at the first mask
@@ -44,9 +46,14 @@ from torch.distributed.tensor import DTensor
 from dmuon.exchange.comm import mesh_device
 from dmuon.exchange.groups import group_of
 from dmuon.exchange.host_copy import HostCopy, to_device
+from dmuon.exchange.replicated_grads import partial_grad, replicated, sum_replicated_grads
 from dmuon.plan.mesh_facts import mesh_ranks
 
 STATUS_DTYPE = torch.int32
+BLOCKS = 4
+"""The status's blocks of one entry per parameter (ranks with a grad, without one, a
+disagreement counted over a strict subset of the ranks, ``Partial`` grads), then the
+count of ranks with a problem."""
 
 
 def distributed(param: torch.Tensor) -> bool:
@@ -86,6 +93,9 @@ class StatusChannel:
     device: torch.device
     subsets: list[RankSet]
     """Parameters on strict subsets of the union, by rank set (usually none)."""
+    replicated: list[DTensor]
+    """Parameters replicated on every dim of their mesh, whose grads every rank sums at
+    every step (``dmuon.exchange.replicated_grads``)."""
 
     def union_positions(self) -> list[int]:
         inside = {j for subset in self.subsets for j in subset.positions}
@@ -108,7 +118,8 @@ def status_channel(params: Sequence[torch.Tensor], name_of: Callable[[torch.Tens
             by_ranks.setdefault(own, []).append(j)
     subsets = [RankSet(positions, group_of(own, [dtensors[positions[0]].device_mesh]) if len(own) > 1 else None)
                for own, positions in by_ranks.items()]
-    return StatusChannel(dtensors, [name_of(p) for p in dtensors], group, mesh_device(meshes[0]), subsets)
+    return StatusChannel(dtensors, [name_of(p) for p in dtensors], group, mesh_device(meshes[0]), subsets,
+                         [p for p in dtensors if replicated(p)])
 
 
 class StatusMasks(Mapping[torch.Tensor, torch.Tensor]):
@@ -146,11 +157,11 @@ class StatusMasks(Mapping[torch.Tensor, torch.Tensor]):
         if self._work is not None:
             self._work.wait()
         status, n = self._status, len(self._channel.params)
-        has, has_not, uneven_elsewhere = status[:n], status[n : 2 * n], status[2 * n : 3 * n]
+        has, has_not, uneven_elsewhere, partial = (status[k * n : (k + 1) * n] for k in range(BLOCKS))
         # Counting the ranks with and without a grad (rather than comparing one count with
         # the group's size) gives the right answer on a group whose sums are local too.
-        uneven = ((has > 0) & (has_not > 0)) | (uneven_elsewhere > 0)
-        step_ok = (status[3 * n] == 0) & ~uneven.any()
+        uneven = ((has > 0) & (has_not > 0)) | (uneven_elsewhere > 0) | ((partial > 0) & (partial < has))
+        step_ok = (status[BLOCKS * n] == 0) & ~uneven.any()
         if self._masked_here:  # this rank's problem, or an error pending from the last step
             step_ok = torch.zeros((), dtype=torch.bool, device=status.device)
         self._step_ok = step_ok
@@ -212,22 +223,25 @@ class GradStatus:
             return StatusMasks(None, None, None, [], not (problem_here or masked_here), masked_here, device,
                                self._pending)
         has = [int(has_grad(p)) for p in channel.params]
+        partial = [int(h and partial_grad(p.grad)) for h, p in zip(has, channel.params)]
         n = len(has)
-        inside = n * [0]
+        outside = n * [1]
         for subset in channel.subsets:
             for j in subset.positions:
-                inside[j] = 1
-        status = to_device([*(h * (1 - i) for h, i in zip(has, inside)), *((1 - h) * (1 - i) for h, i in zip(has, inside)),
-                            *n * [0], int(problem_here)], channel.device, STATUS_DTYPE)
+                outside[j] = 0
+        status = to_device([*(h * o for h, o in zip(has, outside)), *((1 - h) * o for h, o in zip(has, outside)),
+                            *n * [0], *(q * o for q, o in zip(partial, outside)), int(problem_here)],
+                           channel.device, STATUS_DTYPE)
         subset_sums = []
         for subset in channel.subsets:
-            sums = to_device([*(has[j] for j in subset.positions), *(1 - has[j] for j in subset.positions)],
-                             channel.device, STATUS_DTYPE)
+            sums = to_device([*(has[j] for j in subset.positions), *(1 - has[j] for j in subset.positions),
+                              *(partial[j] for j in subset.positions)], channel.device, STATUS_DTYPE)
             if subset.group is not None:
                 dist.all_reduce(sums, group=subset.group)  # waited for on the device: no host read
             m = len(subset.positions)
-            status[2 * n : 3 * n].index_copy_(0, subset.index(channel.device),
-                                              ((sums[:m] > 0) & (sums[m:] > 0)).to(STATUS_DTYPE))
+            some, none, partials = sums[:m], sums[m : 2 * m], sums[2 * m :]
+            disagree = ((some > 0) & (none > 0)) | ((partials > 0) & (partials < some))
+            status[2 * n : 3 * n].index_copy_(0, subset.index(channel.device), disagree.to(STATUS_DTYPE))
             subset_sums.append(sums)
         work = None if channel.group is None else dist.all_reduce(status, group=channel.group, async_op=True)
         host_ok: bool | None = None
@@ -244,6 +258,7 @@ class GradStatus:
         pending, self._pending = self._pending, []
         problems = 0
         uneven: list[str] = []
+        mixed: list[str] = []
         for names, copy in pending:
             if copy.deferred():  # a CUDA graph is being captured: read it at a later step
                 self._pending.append((names, copy))
@@ -252,29 +267,43 @@ class GradStatus:
             if sums is None:  # a fake run's: no values
                 continue
             n = len(names)
-            problems = max(problems, sums[3 * n])
+            problems = max(problems, sums[BLOCKS * n])
             uneven += [name for name, yes, no, elsewhere in zip(names, sums[:n], sums[n : 2 * n], sums[2 * n : 3 * n])
                        if (yes and no) or elsewhere]
+            mixed += [name for name, yes, part in zip(names, sums[:n], sums[3 * n : 4 * n]) if 0 < part < yes]
         if problems:
             return ValueError(
                 f"DMuon: {problems} rank(s) found an invalid gradient or shard in the previous step; see their "
                 "error message. That step changed no parameter or state on any rank.")
+        if mixed:
+            return RuntimeError(
+                f"DMuon: ranks disagree on how gradients are placed: {mixed} was a Partial sum on some ranks and "
+                "replicated on others in the previous step, which changed no parameter or state on any rank. "
+                "Every rank of a parameter's mesh must give its grad the same placements.")
         if uneven:
             return RuntimeError(
                 f"DMuon: ranks disagree on which parameters have gradients: {uneven} had a grad on some ranks "
-                "but not on others in the previous step, which changed no parameter or state on any rank. Every "
+                "but not on others (or a Partial one on some ranks only) in the previous step, which changed no parameter or state on any rank. Every "
                 "rank must produce the same set of grads (set unused grads to zeros, or to None on every rank).")
         return None
+
+    def sum_replicated(self, usable: Callable[[torch.Tensor], bool]) -> dict[torch.Tensor, torch.Tensor]:
+        """The replicated parameters' grads, summed by every rank alike (``usable``: whether
+        this rank's grad passed the local checks), after :meth:`agree`."""
+        return {} if self._channel is None else sum_replicated_grads(self._channel.replicated, usable)
 
     def forget(self) -> None:
         """Drop the channel (the parameters changed); made again at the next step."""
         self._channel, self._planned = None, False
 
 
-def usable_grad(param: torch.Tensor) -> torch.Tensor:
-    """``param.grad`` laid out like ``param``: a replicated grad of a sharded parameter is cut
-    to this rank's block (local), a ``Partial`` one reduced (DTensor's collective)."""
+def usable_grad(param: torch.Tensor, summed: Mapping[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """``param.grad`` laid out like ``param``: a replicated parameter's as every rank summed it
+    (``summed``, :meth:`GradStatus.sum_replicated`); a replicated grad of a sharded parameter
+    cut to this rank's block (local: no collective)."""
+    if param in summed:
+        return summed[param]
     grad = param.grad
     if isinstance(param, DTensor) and grad.placements != param.placements:
-        grad = grad.redistribute(param.device_mesh, param.placements)
+        grad = grad.redistribute(param.device_mesh, param.placements)  # Replicate -> Shard: a local cut
     return grad
