@@ -55,6 +55,7 @@ from dmuon.numerics.newton_schulz import (
 from dmuon.numerics.update_rules import DEFAULT_MATCHED_ADAMW_RMS, DEFAULT_NORMUON_BETA2
 from dmuon.options import (
     check_adamw_hyperparameters,
+    check_bool,
     check_foreach,
     check_fused,
     check_link_gbps,
@@ -64,8 +65,8 @@ from dmuon.options import (
     check_optimizer_options,
     check_tensor_lr_path,
 )
-from dmuon.param_groups import build_param_groups, split_options
-from dmuon import resume_contract
+from dmuon.param_groups import build_param_groups, muon_groups, split_options
+from dmuon.optimizer_hooks import attach_hooks
 from dmuon.pickling import PicklesConfiguration
 from dmuon.state_loading import keep_saved_dtypes
 from dmuon.plan.batches import DEFAULT_BATCH_NUMEL
@@ -116,13 +117,12 @@ class DMuon(PicklesConfiguration, Optimizer):
             ``"auto"`` (bf16 on accelerators and on CPUs with a bf16 matmul); every
             choice is exact across world sizes.
         telemetry: record each step's figures, read with :meth:`telemetry`.
+        skip_nonfinite: a step with a NaN or inf grad on any rank changes nothing anywhere
+            (:attr:`skipped_steps`); off: applied, as in ``torch.optim.Muon``.
         foreach: elementwise rules and AdamW as list ops; None: torch's default per device.
         fused: the AdamW part steps with torch's fused AdamW (``torch.optim.AdamW(fused=True)``'s bits).
             A group may set ``foreach`` and ``fused`` for itself, as torch's groups do.
         maximize, capturable, differentiable (also group keys): no such path in DMuon: False or None only.
-
-    Non-finite gradients are not filtered (as in ``torch.optim.Muon``): a NaN makes its whole
-    matrix non-finite on every rank, and ranks stay in step. Clip or skip such steps upstream.
     """
 
     def __init__(
@@ -154,7 +154,7 @@ class DMuon(PicklesConfiguration, Optimizer):
         split_replicas: bool | None = None,
         ns_dtype: str | torch.dtype = DEFAULT_NS_DTYPE,
         link_gbps: float = CostModel.link_gbps, replica_link_gbps: float = CostModel.replica_link_gbps,
-        telemetry: bool = False,
+        telemetry: bool = False, skip_nonfinite: bool = False,
         foreach: bool | None = None, fused: bool | None = None,
         maximize: bool | None = False, capturable: bool | None = False, differentiable: bool | None = False,
     ) -> None:
@@ -169,29 +169,27 @@ class DMuon(PicklesConfiguration, Optimizer):
             adjust_lr=adjust_lr, matched_adamw_rms=matched_adamw_rms, split_rows=split_rows, normuon=normuon,
             normuon_beta2=normuon_beta2, cautious_weight_decay=cautious_weight_decay, qk_clip_threshold=qk_clip_threshold,
             adamw_lr=adamw_lr, adamw_betas=adamw_betas, adamw_eps=adamw_eps, adamw_weight_decay=adamw_weight_decay))
-        # Validate the defaults once, so a bad option is reported as such even before any group is built.
-        check_muon_hyperparameters(dict(muon_defaults), "DMuon")
+        check_muon_hyperparameters(dict(muon_defaults), "DMuon")  # the defaults, before any group is built
         check_adamw_hyperparameters(dict(adamw_defaults), "DMuon (AdamW part)")
         self._muon_defaults, self._adamw_defaults = muon_defaults, adamw_defaults
         self.comm, self.max_batch_numel, self.split_replicas = comm, max_batch_numel, split_replicas
         self.ns_dtype, self.foreach, self.fused = check_ns_dtype(ns_dtype), check_foreach(foreach), check_fused(fused)
+        self.skip_nonfinite = check_bool({"skip_nonfinite": skip_nonfinite}, "skip_nonfinite", "DMuon")
         check_tensor_lr_path(adamw_defaults["lr"], self.foreach, self.fused, "DMuon (AdamW part)")
-        self.link_gbps = check_link_gbps(link_gbps, "link_gbps", "DMuon")
-        self.replica_link_gbps = check_link_gbps(replica_link_gbps, "replica_link_gbps", "DMuon")
+        self.link_gbps, self.replica_link_gbps = (check_link_gbps(link_gbps, "link_gbps", "DMuon"),
+                                                  check_link_gbps(replica_link_gbps, "replica_link_gbps", "DMuon"))
         self._names: dict[torch.Tensor, str] = {}
         self._groups_added = 0  # groups as the user wrote them, before any split
         self._start_afresh(telemetry)
         # The options a group may set (comm, ns_dtype and the rest are the whole optimizer's).
         super().__init__(params, dict(muon_defaults, adamw_lr=adamw_lr, adamw_betas=adamw_betas,
                                       adamw_eps=adamw_eps, adamw_weight_decay=adamw_weight_decay))
-        resume_contract.attach(self)  # load_state_dict keeps this optimizer's options (dmuon.resume_contract)
+        attach_hooks(self)  # load_state_dict keeps the options; state_dict settles the last step
 
     def _start_afresh(self, telemetry: bool) -> None:
         """Measurements from zero, and no paths or plan yet (made at the first step)."""
-        self.comm_stats = CommStats()
-        """Bytes and collectives of the fast path since construction."""
-        self.scratch_stats = ScratchMeter()
-        """Live and peak bytes of the fast path's scratch; the peak is reset each step."""
+        self.comm_stats = CommStats()  # bytes and collectives of the fast path since construction
+        self.scratch_stats = ScratchMeter()  # live and peak bytes of its scratch (peak reset each step)
         self._telemetry = Telemetry(telemetry)
         self._fast_path = FastPath(self.comm, self.max_batch_numel, self.split_replicas, self.ns_dtype,
                                    self.link_gbps, self.replica_link_gbps)
@@ -233,20 +231,22 @@ class DMuon(PicklesConfiguration, Optimizer):
         a pure query (no collective), safe to call on one rank only, e.g. in logging code."""
         return {self.param_name(p): path for p, path in self._paths().items()}
 
+    @property
+    def skipped_steps(self) -> int:
+        """Steps ``skip_nonfinite`` skipped, counted when the next ``step()`` or ``state_dict()`` reads them."""
+        return self._grad_status.skipped_steps
+
     def telemetry(self) -> StepFigures | None:
-        """The last step's figures (``dmuon.telemetry``), or ``None`` if telemetry is off
-        or no step ran yet. Local to this rank: safe to call on any subset of ranks."""
-        return self._telemetry.last_step()
+        """The last step's figures (``dmuon.telemetry``), None if off or before a step; local to this rank."""
+        figures = self._telemetry.last_step()
+        return None if figures is None else figures.with_skipped(self.skipped_steps)
 
     def owner_plans(self) -> list[OwnerPlan]:
         """The fast path's plan of each mesh (made at the first ``step()``; empty before)."""
         return self._fast_path.owner_plans()
 
-    def _muon_groups(self) -> dict[torch.Tensor, dict[str, Any]]:  # each Muon parameter's group, in order
-        return {p: g for g in self.param_groups if g["use_muon"] for p in g["params"]}
-
     def _paths(self) -> dict[torch.Tensor, str]:
-        return self._fast_path.paths(list(self._muon_groups()), self.param_name)
+        return self._fast_path.paths(list(muon_groups(self.param_groups)), self.param_name)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
@@ -258,7 +258,7 @@ class DMuon(PicklesConfiguration, Optimizer):
         muon_groups = phases.plan(self)
         checked = phases.check_locally(self, muon_groups)
         status = self._grad_status.agree(checked.has_usable_grad, bool(checked.problems), checked.pending is not None,
-                                         self._device())
+                                         self._device(), phases.finite_grads(self, checked))
         failure = phases.compute_and_apply(self, muon_groups, checked, status)
         errors = checked.errors(failure)
         self._telemetry.end_step(self.comm_stats.bytes_sent, complete=not errors)
@@ -278,3 +278,4 @@ class DMuon(PicklesConfiguration, Optimizer):
         super().load_state_dict(state_dict)
         keep_saved_dtypes(self, state_dict, MUON_STATE_KEYS)
         self._forget_plan()
+

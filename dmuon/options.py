@@ -140,11 +140,12 @@ def check_adamw_hyperparameters(group: dict[str, Any], where: str) -> None:
     check_bool(group, "cautious_weight_decay", where)
 
 
-def check_bool(group: dict[str, Any], key: str, where: str) -> None:
-    """An on/off option (``nesterov``, ``normuon``, ``cautious_weight_decay``): True or
-    False, not a truthy stand-in such as 1 or "yes"."""
+def check_bool(group: dict[str, Any], key: str, where: str) -> bool:
+    """An on/off option (``nesterov``, ``normuon``, ``skip_nonfinite``...): True or
+    False, not a truthy stand-in such as 1 or "yes"; returned."""
     if not isinstance(group[key], bool):
         raise ValueError(f"{where}: {key} must be a bool (True or False), got {group[key]!r}")
+    return group[key]
 
 
 def check_muon_param(param: torch.Tensor, name: str, split_rows: int | None = None) -> None:

@@ -286,3 +286,8 @@ def split_options(options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, An
         "cautious_weight_decay": options["cautious_weight_decay"],
     }
     return muon, adamw
+
+
+def muon_groups(param_groups: list[dict[str, Any]]) -> dict[Any, dict[str, Any]]:
+    """Each Muon parameter's group, in order."""
+    return {p: g for g in param_groups if g["use_muon"] for p in g["params"]}

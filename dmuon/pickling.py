@@ -7,16 +7,16 @@ from __future__ import annotations
 
 from typing import Any
 
+from dmuon.optimizer_hooks import attach_hooks
 from dmuon.param_groups import fill_in_variant_defaults
-from dmuon.resume_contract import attach
 
 # What a pickle keeps besides torch's defaults, state and param_groups.
 PICKLED_ATTRIBUTES = (
     "_muon_defaults", "_adamw_defaults", "_names", "_groups_added", "comm", "max_batch_numel", "split_replicas",
-    "ns_dtype", "link_gbps", "replica_link_gbps", "foreach", "fused",
+    "ns_dtype", "link_gbps", "replica_link_gbps", "foreach", "fused", "skip_nonfinite",
 )
 # Options added after the first release, with the value a pickle made before them gets.
-LATER_OPTIONS = {"foreach": None, "fused": None}
+LATER_OPTIONS = {"foreach": None, "fused": None, "skip_nonfinite": False}
 # The key under which a pickle keeps ``telemetry``. It also tells __setstate__ that it
 # makes a copy: load_state_dict calls it too, with only state and param_groups.
 TELEMETRY_STATE_KEY = "telemetry_enabled"
@@ -44,4 +44,4 @@ class PicklesConfiguration:
         fill_in_variant_defaults(self.param_groups)  # a state_dict from before they existed
         if telemetry is not None:  # a copy, not load_state_dict: nothing derived came with it
             self._start_afresh(telemetry)
-            attach(self)  # torch's hooks do not pickle: the copy keeps the resume contract
+            attach_hooks(self)  # torch's hooks do not pickle: the copy keeps them

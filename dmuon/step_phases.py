@@ -17,6 +17,9 @@ from dmuon.attention.clipping import muon_group_threshold
 from dmuon.exchange.grad_status import StatusMasks
 from dmuon.grad_checks import step_problems, usable_grad
 from dmuon.group_steps import GroupSteps
+from dmuon.param_groups import muon_groups as param_muon_groups
+from dmuon.numerics.finite import all_finite
+from dmuon.torch_compat import local_of
 
 if TYPE_CHECKING:
     from dmuon.optimizer import DMuon
@@ -54,7 +57,7 @@ def plan(optimizer: DMuon) -> dict[torch.Tensor, dict[str, Any]]:
     if signature != optimizer._plan_signature:
         optimizer._forget_plan()
         optimizer._plan_signature = signature
-    muon_groups = optimizer._muon_groups()
+    muon_groups = param_muon_groups(optimizer.param_groups)
     optimizer._fast_path.plan(muon_groups, optimizer.param_name)
     optimizer._grad_status.plan([p for g in optimizer.param_groups for p in g["params"]], optimizer.param_name)
     return muon_groups
@@ -76,7 +79,7 @@ def check_locally(optimizer: DMuon, muon_groups: dict[torch.Tensor, dict[str, An
     before any collective)."""
     thresholds = optimizer._attention_clip.thresholds(muon_group_threshold(muon_groups, optimizer.param_name))
     masked = optimizer._grad_status.take_pending()
-    if masked is not None:
+    if optimizer._grad_status.last_masked:  # an error, or a non-finite grad skipped (skip_nonfinite)
         optimizer._rollback.undo()
     else:
         optimizer._rollback.keep()
@@ -84,6 +87,15 @@ def check_locally(optimizer: DMuon, muon_groups: dict[torch.Tensor, dict[str, An
     invalid, problems = step_problems(optimizer.param_groups, optimizer.param_name,
                                       optimizer._fast_path.shard_problem)
     return LocalChecks(pending, invalid, problems, thresholds)
+
+
+def finite_grads(optimizer: DMuon, checked: LocalChecks) -> torch.Tensor | None:
+    """With ``skip_nonfinite``: whether every usable grad on this rank is finite (a 0-dim
+    device bool, ``dmuon.numerics.finite``), summed into the step's status; else None."""
+    if not optimizer.skip_nonfinite:
+        return None
+    grads = [local_of(p.grad) for g in optimizer.param_groups for p in g["params"] if checked.has_usable_grad(p)]
+    return all_finite(grads, optimizer._grad_status.device or optimizer._device())  # where the status is summed
 
 
 def compute_and_apply(optimizer: DMuon, muon_groups: dict[torch.Tensor, dict[str, Any]], checked: LocalChecks,

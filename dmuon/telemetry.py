@@ -41,6 +41,7 @@ same number of copies. Times and bytes are this rank's own.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import time
 from collections.abc import Iterator, Sequence
@@ -72,6 +73,8 @@ class StepFigures:
     """The reduced sums the RMS come from (squares and element counts), for ``combine``."""
     max_logit: float = math.nan
     qk_clipped_heads: int = 0
+    skipped_steps: int = 0
+    """Steps ``skip_nonfinite`` skipped so far (``DMuon.skipped_steps``: one step late)."""
 
     @classmethod
     def from_sums(cls, step_s: float, newton_schulz_s: float, bytes_sent: int, sums: Sequence[float],
@@ -103,7 +106,11 @@ class StepFigures:
             [sum(values) for values in zip(*(p.square_sums for p in parts))],
             max((p.max_logit for p in parts if not math.isnan(p.max_logit)), default=math.nan),
             sum(p.qk_clipped_heads for p in parts),
-        )
+        ).with_skipped(max((p.skipped_steps for p in parts), default=0))
+
+    def with_skipped(self, skipped_steps: int) -> StepFigures:
+        """These figures with the optimizer's count of skipped steps."""
+        return dataclasses.replace(self, skipped_steps=skipped_steps)
 
 
 class _Clock:

@@ -31,7 +31,8 @@ KINDS = ("none", "sparse", "complex", "nan", "inf", "global_shape", "local_shape
 WHERES = ("muon", "adamw", "plain_muon", "plain_adamw", "experts", "qk_head", "normuon", "replicated")
 RANK_CLASSES = ("one", "some", "all")
 LAYOUTS = ("fsdp", "hsdp", "two_meshes", "pp")
-SETTINGS = ("base", "telemetry", "qk_clip", "normuon", "cautious", "foreach_on", "foreach_off", "fused")
+SETTINGS = ("base", "telemetry", "qk_clip", "normuon", "cautious", "foreach_on", "foreach_off", "fused",
+            "skip_nonfinite")
 WORLDS = (2, 4)
 STEPS_BEFORE = (0, 1)  # clean steps before the faulty one (0: the fault meets the state-making step)
 
@@ -187,6 +188,8 @@ class Expected:
 
     ``outcome``: ``"clean"`` (no fault reaches this DMuon), ``"valid"`` (a fault that is
     no error: every step returns, the result is one process's on the same grads),
+    ``"skipped"`` (a NaN or inf under ``skip_nonfinite``: no error, step ``k`` changes
+    nothing on any rank, the result is one process's without step ``k``),
     ``"local_error"``, ``"disagree"``, ``"local_error_or_agreed"`` (an error the same on
     every rank by the next step, raised at the faulty step by the faulty ranks or by no
     rank) or ``"qk"`` (an agreed QK-clip error)."""
@@ -204,8 +207,8 @@ def expected(case: Case, rank: int) -> Expected:
         return Expected(scope, "clean", faulty)
     if case.kind == "qk_no_report":
         return Expected(scope, "qk", faulty)
-    if case.kind in VALUE_KINDS:
-        return Expected(scope, "valid", faulty)
+    if case.kind in VALUE_KINDS:  # applied as torch.optim.Muon does, or skipped everywhere (skip_nonfinite)
+        return Expected(scope, "skipped" if case.setting == "skip_nonfinite" else "valid", faulty)
     if case.kind == "none":
         if case.where not in DTENSOR_WHERES:
             return Expected(scope, "valid", faulty)  # plain tensors are per process

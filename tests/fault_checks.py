@@ -171,20 +171,23 @@ def check_qk_outcomes(case: Case, want: Expected, ranks: list[dict[str, Any]]) -
 
 
 def check_unchanged(case: Case, want: Expected, mode: str, ranks: list[dict[str, Any]]) -> list[Failure]:
-    """A raising step changes nothing on any rank: for an agreed error, nothing differs
+    """A raising (or skipped) step changes nothing on any rank: for an agreed error, nothing differs
     between before step ``k`` and after step ``k + 1`` (step ``k`` masked on every rank
     too); for QK-clip, nothing differs across the step that raised."""
-    if mode not in ("local_error", "disagree", "error", "qk"):
+    if mode not in ("local_error", "disagree", "error", "qk", "skipped"):
         return []
     failures = []
     for r in want.scope:
-        if mode == "qk":
+        if mode == "skipped":  # no error, and step k changed nothing
+            moved = ranks[r]["changed"]["by_k"]
+        elif mode == "qk":
             raised = [s for s in (case.k, case.k + 1) if ranks[r]["outcomes"][s] is not None]
             moved = ranks[r]["changed"]["by_k" if raised[:1] == [case.k] else "by_k1"] if raised else []
         else:
             moved = ranks[r]["changed"]["over_k_k1"]
         if moved:
-            failures.append((4, f"rank {r}: changed between before step {case.k} and the error: {_short(moved, 200)}"))
+            what = "step" if mode == "skipped" else "the error"
+            failures.append((4, f"rank {r}: changed between before step {case.k} and {what}: {_short(moved, 200)}"))
             if any(key.split("/")[0] in PLAIN for key in moved):
                 failures.append((6, f"rank {r}: plain tensors changed in a masked step: "
                                     f"{sorted({k.split('/')[0] for k in moved} & PLAIN)}"))
@@ -198,7 +201,7 @@ def check_reference(case: Case, want: Expected, mode: str, ranks: list[dict[str,
     """After the clean steps, every rank's parameters (and state keys) are one process's:
     every step on this rank's grads for a fault that is no error, the clean steps only for
     one that is."""
-    variant = "all" if mode in ("clean", "valid", "qk") else "skip"
+    variant = "all" if mode in ("clean", "valid", "qk") else "skip_k" if mode == "skipped" else "skip"
     failures = []
     for r in want.scope:
         reference = ranks[r]["reference"].get(variant)

@@ -123,6 +123,8 @@ def options(case: Case) -> dict[str, Any]:
         kwargs["foreach"] = False
     if case.setting == "fused":
         kwargs["fused"] = True
+    if case.setting == "skip_nonfinite":
+        kwargs["skip_nonfinite"] = True
     return kwargs
 
 

@@ -180,6 +180,10 @@ def run_steps(case: Case, model: Model, rank: int, skip: frozenset[int] = frozen
         out["outcomes"].append(outcome)
         out["seq"].append(seq or None)
         if step in (case.k, case.k + 1):
+            if case.setting == "skip_nonfinite" and not model.full:
+                # Read as a checkpoint would: state_dict() first takes back the host step
+                # counters of a skipped step (else the next step() does).
+                model.optimizer.state_dict()
             out["snaps"][f"after{step}"] = snapshot(model)
     return out
 
@@ -224,18 +228,19 @@ def compare_with(case: Case, model: Model, reference: Model) -> list[str]:
 
 def references(case: Case, rank: int) -> dict[str, Any]:
     """One-process runs this case may be judged against: ``all`` (every step, this rank's
-    view of the grads; QK-clip's errors caught as they come) and ``skip`` (the faulty step
-    and the one after left out)."""
+    view of the grads; QK-clip's errors caught as they come), ``skip`` (the faulty step
+    and the one after left out) and ``skip_k`` (the faulty step left out)."""
     outcome = expected(case, rank).outcome
-    wanted = {"clean": ["all"], "valid": ["all"], "qk": ["all"], "local_error": ["skip"], "disagree": ["skip"]}
+    wanted = {"clean": ["all"], "valid": ["all"], "qk": ["all"], "local_error": ["skip"], "disagree": ["skip"],
+              "skipped": ["skip_k"]}
     variants = wanted.get(outcome, ["all", "skip"])
     if case.layout == "pp":
         # The stages judge by different variants, but a plain-tensor DMuon's QK-clip MAX and
-        # telemetry sum run over the whole world: every rank steps both references, in one order.
-        variants = ["all", "skip"]
+        # telemetry sum run over the whole world: every rank steps every reference, in one order.
+        variants = ["all", "skip"] + (["skip_k"] if case.setting == "skip_nonfinite" else [])
     out = {}
     for variant in variants:
-        skip = frozenset({case.k, case.k + 1}) if variant == "skip" else frozenset()
+        skip = {"skip": frozenset({case.k, case.k + 1}), "skip_k": frozenset({case.k})}.get(variant, frozenset())
         out[variant] = (build(case, full=True), skip)
     return out
 

@@ -49,9 +49,9 @@ def test_experts_split_among_ranks_step_without_host_syncs():
 
 @needs_cuda_build
 @pytest.mark.parametrize("layout", ["fsdp", "fsdp_tp:2"])
-def test_normuon_cautious_decay_and_qk_clip_add_no_host_sync(layout):
+def test_normuon_cautious_decay_qk_clip_and_skip_nonfinite_add_no_host_sync(layout):
     reports = dry_run("--model", "debug", "--world-size", "4", "--layout", layout, "--ranks", "0,3", "--normuon",
-                      "--cautious-weight-decay", "--qk-clip", "30")
+                      "--cautious-weight-decay", "--qk-clip", "30", "--skip-nonfinite")
     assert_clean(reports)
     # The grads' status (int32: one over the DMuon's ranks, and under FSDP + TP one more over
     # the data-parallel ranks of the parameters TorchTitan keeps off the TP mesh), NorMuon's rows

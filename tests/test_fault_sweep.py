@@ -36,6 +36,28 @@ def test_generated_faults_keep_the_contract_on_every_rank(world):
     assert len(results) == len(cases)
 
 
+# skip_nonfinite (issue 42, item 4): a NaN or inf on one rank only (or some, or all), on
+# every layout, skips the step on every rank of its DMuon; the steps after it equal one
+# process that never had it.
+SKIPPED_CASES = {
+    2: ["P2-fsdp-skip_nonfinite-nan-muon-r1-k1", "P2-pp-skip_nonfinite-nan-plain_adamw-r0-k1",
+        "P2-two_meshes-skip_nonfinite-inf-normuon-r0-k0", "P2-fsdp-skip_nonfinite-nan-replicated-all-k1"],
+    4: ["P4-hsdp-skip_nonfinite-inf-adamw-r2-k0", "P4-two_meshes-skip_nonfinite-nan-experts-r3-k1",
+        "P4-pp-skip_nonfinite-nan-muon-r1.2-k1", "P4-fsdp-skip_nonfinite-nan-qk_head-r0-k1"],
+}
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("world", sorted(SKIPPED_CASES), ids=lambda p: f"P{p}")
+def test_a_non_finite_grad_on_some_ranks_skips_the_step_on_every_rank(world):
+    cases = [parse(case_id) for case_id in SKIPPED_CASES[world]]
+    assert {expected(case, 0).outcome for case in cases} == {"skipped"}
+    start = time.perf_counter()
+    results = sweep(cases, per_launch=len(cases), check_timeout_s=45.0, log=lambda *a, **k: None)
+    assert not any(r.failures for r in results), summary(results, time.perf_counter() - start)
+    assert len(results) == len(cases)
+
+
 @pytest.mark.unit
 def test_a_case_id_names_its_case():
     cases, _ = all_cases()

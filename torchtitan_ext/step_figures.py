@@ -43,7 +43,10 @@ def _qk_clip_active(figures: StepFigures) -> bool:
 
 def metric_values(figures: StepFigures) -> dict[str, float]:
     metrics = {**METRICS, **QK_CLIP_METRICS} if _qk_clip_active(figures) else METRICS
-    return {key: value(figures) for key, value in metrics.items()}
+    values = {key: value(figures) for key, value in metrics.items()}
+    if figures.skipped_steps:  # skip_nonfinite skipped a step: from then on, how many
+        values["dmuon/skipped_steps"] = figures.skipped_steps
+    return values
 
 
 def console_text(figures: StepFigures, color: Any) -> str:
@@ -55,6 +58,7 @@ def console_text(figures: StepFigures, color: Any) -> str:
         f"muon_rms upd/w: {f.muon_update_rms:.2e}/{f.muon_weight_rms:.2e}  "
         f"adamw_rms upd/w: {f.adamw_update_rms:.2e}/{f.adamw_weight_rms:.2e}"
         + (f"  max_logit: {f.max_logit:.2f}  clipped_heads: {f.qk_clipped_heads}" if _qk_clip_active(f) else "")
+        + (f"  skipped: {f.skipped_steps}" if f.skipped_steps else "")
         + color.reset
     )
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from dmuon.optimizer import DMuon
+from dmuon.param_groups import muon_groups
 
 
 @dataclass
@@ -49,7 +50,7 @@ def plan_host_bytes(optimizer: DMuon) -> int:
     plan with this rank's blocks, and every batch's buffer layout, made here as the first
     step would make them (the step then finds them made)."""
     with retained_heap() as heap:
-        optimizer._fast_path.plan(optimizer._muon_groups(), optimizer.param_name)  # noqa: SLF001
+        optimizer._fast_path.plan(muon_groups(optimizer.param_groups), optimizer.param_name)  # noqa: SLF001
         run = optimizer._fast_path._run  # noqa: SLF001 - the plan and its batch layouts
         if run is not None:
             for batch in run.plan.batches:

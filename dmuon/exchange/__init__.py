@@ -13,6 +13,9 @@ or the optimizer's own modules.
   (``comm="redistribute"``, and layouts the plan cannot describe);
 - ``groups``: the process group of each rank set, for device collectives and host sums;
 - ``grad_status``: which grads a step applies, summed on the device, its errors raised on every rank;
+- ``status_channel``: which parameters share that sum, over which ranks (made at planning);
+- ``replicated_grads``: the grads of parameters replicated on every mesh dim (``Partial`` or
+  not), summed by every rank alike;
 - ``host_copy``: small host facts up and device sums down through pinned memory, without a sync;
 - ``host_staging``: under FSDP2's CPU offload, the fast path's blocks up to the device and its
   results down to the host, through pinned buffers reused step to step, and the waits that takes;

@@ -9,7 +9,9 @@ step's *status*, before anything is written:
 - per DTensor parameter: how many ranks have a usable grad, how many have none, and how
   many hold it as a ``Partial`` sum (``dmuon.exchange.replicated_grads``: all of them or
   none may);
-- how many ranks found a problem of their own (an invalid grad, a shard unlike the plan).
+- how many ranks found a problem of their own (an invalid grad, a shard unlike the plan);
+- with ``skip_nonfinite``, how many ranks hold a NaN or inf in a grad (decided on the
+  device, ``dmuon.numerics.finite``): the step is skipped on every rank, no error.
 
 The ``all_reduce`` is asynchronous: :class:`StatusMasks` waits for it at the first mask
 read, so the host work before that overlaps its latency.
@@ -36,90 +38,21 @@ in the sums, but the step's mask covers them too.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from dmuon.exchange.comm import mesh_device
-from dmuon.exchange.groups import group_of
 from dmuon.exchange.host_copy import HostCopy, to_device
-from dmuon.exchange.replicated_grads import partial_grad, replicated, sum_replicated_grads
-from dmuon.plan.mesh_facts import mesh_ranks
+from dmuon.exchange.replicated_grads import partial_grad, sum_replicated_grads
+from dmuon.exchange.status_channel import StatusChannel, distributed, status_channel
 
 STATUS_DTYPE = torch.int32
 BLOCKS = 4
 """The status's blocks of one entry per parameter (ranks with a grad, without one, a
-disagreement counted over a strict subset of the ranks, ``Partial`` grads), then the
-count of ranks with a problem."""
-
-
-def distributed(param: torch.Tensor) -> bool:
-    """Whether a parameter's step may involve other ranks: a DTensor (on a mesh of one
-    rank too, so that every DTensor takes the one masked step)."""
-    return isinstance(param, DTensor)
-
-
-@dataclass
-class RankSet:
-    """DTensor parameters on meshes of a strict subset of the union's ranks (a row of a
-    grid, a stage's mesh inside a larger DMuon): the same index may be another parameter on
-    another subset, so their grads are counted over their own ranks first."""
-
-    positions: list[int]
-    """Where they stand among the channel's parameters."""
-    group: dist.ProcessGroup | None
-    _index: torch.Tensor | None = None
-
-    def index(self, device: torch.device) -> torch.Tensor:
-        """``positions`` on the device, made once."""
-        if self._index is None:
-            self._index = to_device(self.positions, device, torch.int64)
-        return self._index
-
-
-@dataclass
-class StatusChannel:
-    """The DTensor parameters of one ``DMuon`` and where their status is summed: the union
-    of their meshes' ranks (one reduction, so one rank's problem masks all of them)."""
-
-    params: list[DTensor]
-    names: list[str]
-    """The parameters' names, for the error of a later step."""
-    group: dist.ProcessGroup | None
-    """None where the union is this rank alone: the sums are this rank's own."""
-    device: torch.device
-    subsets: list[RankSet]
-    """Parameters on strict subsets of the union, by rank set (usually none)."""
-    replicated: list[DTensor]
-    """Parameters replicated on every dim of their mesh, whose grads every rank sums at
-    every step (``dmuon.exchange.replicated_grads``)."""
-
-    def union_positions(self) -> list[int]:
-        inside = {j for subset in self.subsets for j in subset.positions}
-        return [j for j in range(len(self.params)) if j not in inside]
-
-
-def status_channel(params: Sequence[torch.Tensor], name_of: Callable[[torch.Tensor], str]) -> StatusChannel | None:
-    """The channel of every DTensor among ``params`` (None without any). Made once, at
-    planning: a group no mesh provides is made here, never in a steady step."""
-    dtensors = [p for p in params if distributed(p)]
-    if not dtensors:
-        return None
-    meshes = list({id(p.device_mesh): p.device_mesh for p in dtensors}.values())
-    ranks = tuple(sorted({r for mesh in meshes for r in mesh_ranks(mesh)}))
-    group = group_of(ranks, meshes) if len(ranks) > 1 else None
-    by_ranks: dict[tuple[int, ...], list[int]] = {}
-    for j, param in enumerate(dtensors):
-        own = mesh_ranks(param.device_mesh)
-        if own != ranks:
-            by_ranks.setdefault(own, []).append(j)
-    subsets = [RankSet(positions, group_of(own, [dtensors[positions[0]].device_mesh]) if len(own) > 1 else None)
-               for own, positions in by_ranks.items()]
-    return StatusChannel(dtensors, [name_of(p) for p in dtensors], group, mesh_device(meshes[0]), subsets,
-                         [p for p in dtensors if replicated(p)])
+disagreement counted over a strict subset of the ranks, ``Partial`` grads), then two
+counts: ranks with a problem, ranks with a non-finite grad (``skip_nonfinite``)."""
 
 
 class StatusMasks(Mapping[torch.Tensor, torch.Tensor]):
@@ -135,8 +68,10 @@ class StatusMasks(Mapping[torch.Tensor, torch.Tensor]):
 
     def __init__(self, channel: StatusChannel | None, status: torch.Tensor | None, work: Any,
                  subset_sums: list[torch.Tensor], host_ok: bool | None, masked_here: bool,
-                 device: torch.device | None, pending: list[tuple[list[str], HostCopy]]) -> None:
+                 device: torch.device | None, pending: list[tuple[list[str], HostCopy]],
+                 finite: torch.Tensor | None = None) -> None:
         self._channel, self._status, self._work, self._subset_sums = channel, status, work, subset_sums
+        self._finite = finite  # this rank's grads finite, where no other rank takes part (skip_nonfinite)
         self.host_ok = host_ok
         self._masked_here = masked_here
         self._device = device
@@ -152,7 +87,12 @@ class StatusMasks(Mapping[torch.Tensor, torch.Tensor]):
             return self._oks
         self._oks = {}
         if self._channel is None:
-            self._step_ok = torch.full((), bool(self.host_ok), dtype=torch.bool, device=self._device)
+            self._step_ok = torch.full((), self.host_ok is not False, dtype=torch.bool, device=self._device)
+            if self._finite is not None:
+                self._step_ok = self._step_ok & self._finite
+                counts = torch.zeros(2, dtype=STATUS_DTYPE, device=self._finite.device)
+                counts[1].copy_(~self._finite)  # [problems, non-finite], as a channel's tail
+                self._pending.append(([], HostCopy(counts)))
             return self._oks
         if self._work is not None:
             self._work.wait()
@@ -161,7 +101,7 @@ class StatusMasks(Mapping[torch.Tensor, torch.Tensor]):
         # Counting the ranks with and without a grad (rather than comparing one count with
         # the group's size) gives the right answer on a group whose sums are local too.
         uneven = ((has > 0) & (has_not > 0)) | (uneven_elsewhere > 0) | ((partial > 0) & (partial < has))
-        step_ok = (status[BLOCKS * n] == 0) & ~uneven.any()
+        step_ok = (status[BLOCKS * n] == 0) & (status[BLOCKS * n + 1] == 0) & ~uneven.any()
         if self._masked_here:  # this rank's problem, or an error pending from the last step
             step_ok = torch.zeros((), dtype=torch.bool, device=status.device)
         self._step_ok = step_ok
@@ -202,6 +142,12 @@ class GradStatus:
 
     def __init__(self) -> None:
         self._pending: list[tuple[list[str], HostCopy]] = []
+        self.skipped_steps = 0
+        """Steps skipped for a non-finite grad (``skip_nonfinite``), as counted when the next
+        step reads their status (so one step late, without a sync)."""
+        self.last_masked = False
+        """Whether the status read by the last :meth:`take_pending` showed a masked step."""
+        self._held: Exception | None = None  # an error :meth:`settle` read, for the next step to raise
         self._channel: StatusChannel | None = None
         self._planned = False
 
@@ -212,16 +158,17 @@ class GradStatus:
             self._planned = True
 
     def agree(self, has_grad: Callable[[torch.Tensor], bool], problem_here: bool, masked_here: bool,
-              device: torch.device) -> StatusMasks:
+              device: torch.device, finite: torch.Tensor | None = None) -> StatusMasks:
         """Start summing every rank's status (one device ``all_reduce`` over the union,
         asynchronous; before it, one per rank set of parameters on a strict subset of it,
         whose disagreements it carries) and return the masks that read the sums
         (:class:`StatusMasks`). ``masked_here``: every rank knows this step is masked (an
-        error pending from the last step)."""
+        error pending from the last step). ``finite``: whether this rank's grads are finite
+        (a 0-dim device bool; ``skip_nonfinite``), or None (not checked)."""
         channel = self._channel
         if channel is None:
-            return StatusMasks(None, None, None, [], not (problem_here or masked_here), masked_here, device,
-                               self._pending)
+            host_ok = False if problem_here or masked_here else None if finite is not None else True
+            return StatusMasks(None, None, None, [], host_ok, masked_here, device, self._pending, finite)
         has = [int(has_grad(p)) for p in channel.params]
         partial = [int(h and partial_grad(p.grad)) for h, p in zip(has, channel.params)]
         n = len(has)
@@ -230,8 +177,10 @@ class GradStatus:
             for j in subset.positions:
                 outside[j] = 0
         status = to_device([*(h * o for h, o in zip(has, outside)), *((1 - h) * o for h, o in zip(has, outside)),
-                            *n * [0], *(q * o for q, o in zip(partial, outside)), int(problem_here)],
+                            *n * [0], *(q * o for q, o in zip(partial, outside)), int(problem_here), 0],
                            channel.device, STATUS_DTYPE)
+        if finite is not None:
+            status[BLOCKS * n + 1].copy_(~finite)
         subset_sums = []
         for subset in channel.subsets:
             sums = to_device([*(has[j] for j in subset.positions), *(1 - has[j] for j in subset.positions),
@@ -247,16 +196,33 @@ class GradStatus:
         host_ok: bool | None = None
         if problem_here or masked_here:
             host_ok = False
-        elif channel.group is None:
+        elif channel.group is None and finite is None:
             host_ok = True
         return StatusMasks(channel, status, work, subset_sums, host_ok, masked_here or problem_here, channel.device,
                            self._pending)
 
+    @property
+    def device(self) -> torch.device | None:
+        """Where the status is summed (the meshes' device; None without a channel)."""
+        return None if self._channel is None else self._channel.device
+
+    def settle(self) -> bool:
+        """Read the last step's status now, ahead of the next step (a wait for the device:
+        for ``state_dict``, never inside ``step()``): whether that step was masked. Its
+        error, if any, is still raised by the next step."""
+        self._held = self.take_pending() or self._held
+        return self.last_masked
+
     def take_pending(self) -> Exception | None:
         """The previous step's problem as the error every rank raises alike (None if its
         status showed none). A sum not yet readable (a CUDA graph being captured) waits."""
+        held, self._held = self._held, None
+        if held is not None:  # read early by settle(), whose caller took the step's host changes back
+            self.take_pending()
+            self.last_masked = True
+            return held
         pending, self._pending = self._pending, []
-        problems = 0
+        problems = nonfinite = 0
         uneven: list[str] = []
         mixed: list[str] = []
         for names, copy in pending:
@@ -268,9 +234,13 @@ class GradStatus:
                 continue
             n = len(names)
             problems = max(problems, sums[BLOCKS * n])
+            nonfinite += bool(sums[BLOCKS * n + 1])
             uneven += [name for name, yes, no, elsewhere in zip(names, sums[:n], sums[n : 2 * n], sums[2 * n : 3 * n])
                        if (yes and no) or elsewhere]
             mixed += [name for name, yes, part in zip(names, sums[:n], sums[3 * n : 4 * n]) if 0 < part < yes]
+        self.last_masked = bool(problems or mixed or uneven or nonfinite)
+        if not (problems or mixed or uneven):
+            self.skipped_steps += nonfinite  # a non-finite grad somewhere: skipped everywhere, no error
         if problems:
             return ValueError(
                 f"DMuon: {problems} rank(s) found an invalid gradient or shard in the previous step; see their "
@@ -283,8 +253,8 @@ class GradStatus:
         if uneven:
             return RuntimeError(
                 f"DMuon: ranks disagree on which parameters have gradients: {uneven} had a grad on some ranks "
-                "but not on others (or a Partial one on some ranks only) in the previous step, which changed no parameter or state on any rank. Every "
-                "rank must produce the same set of grads (set unused grads to zeros, or to None on every rank).")
+                "but not on others (or a Partial one on some ranks only) in the previous step, which changed no "
+                "parameter or state on any rank. Every rank must produce the same set of grads (set unused grads to zeros, or to None on every rank).")
         return None
 
     def sum_replicated(self, usable: Callable[[torch.Tensor], bool]) -> dict[torch.Tensor, torch.Tensor]:

@@ -15,6 +15,7 @@ May import: no other dmuon layer; only ``dmuon.torch_compat`` (torch's private n
 - ``update_rules``: the elementwise rules on one tensor;
 - ``update_lists``: the same rules over lists (``foreach``);
 - ``masked_updates``: the rules under a device mask per parameter, exact where it holds;
+- ``finite``: whether tensors hold a NaN or inf, decided on the device (``skip_nonfinite``);
 - ``alignment``: a matrix view copied where a reduction would read it from an odd offset;
 - ``functional``: whole-tensor Muon, NorMuon and AdamW steps (the single-process reference).
 """

@@ -204,6 +204,15 @@ class Optimizer:
     shards during its update (see dmuon/telemetry.py).
     """
 
+    skip_nonfinite: bool = False
+    """
+    Skip a step whose grads hold a NaN or inf on any rank: that step changes no weight,
+    optimizer state or step count anywhere, and training goes on (DMuon(skip_nonfinite=True),
+    decided on the device without a sync; docs/optimizer.md). With telemetry on, the step
+    line then shows "skipped: N". Off by default: such a grad is applied, as
+    torch.optim.Muon applies it.
+    """
+
 
 @dataclass
 class JobConfig:

@@ -6,7 +6,7 @@
   routing keys ``adamw_param_regex`` and ``split_attention_heads``: the group's
   ``optimizer_kwargs``;
 * whole-optimizer options (``comm``, ``max_batch_numel``, ``split_replicas``,
-  ``ns_dtype``, ``link_gbps``, ``replica_link_gbps``, ``telemetry``):
+  ``ns_dtype``, ``link_gbps``, ``replica_link_gbps``, ``telemetry``, ``skip_nonfinite``):
   ``optimizer_factory_kwargs_by_name["DMuon"]``.
 
 TorchTitan adds ``fused`` / ``foreach`` (from ``implementation``) to every group
@@ -42,7 +42,7 @@ DMUON_NAME = "DMuon"
 ROUTING_KEYS = ("adamw_param_regex", "split_attention_heads")
 # DMuon's options that are the whole optimizer's (its constructor's, not a group's).
 FACTORY_OPTIONS = ("comm", "max_batch_numel", "split_replicas", "ns_dtype", "link_gbps",
-                   "replica_link_gbps", "telemetry")
+                   "replica_link_gbps", "telemetry", "skip_nonfinite")
 # Group options dmuon's validator would report under another name (``adamw_lr`` as the AdamW
 # part's ``lr``, ``adamw_betas`` as ``betas``) or that may be None: checked first, as written.
 # A Tensor lr is left to dmuon's validator (torch.optim's one-element rule).
@@ -123,8 +123,9 @@ def check_factory_options(options: dict[str, Any], where: str) -> None:
     check_ns_dtype(merged["ns_dtype"], where)
     for name in ("link_gbps", "replica_link_gbps"):
         check_link_gbps(merged[name], name, where)
-    if not isinstance(merged["telemetry"], bool):
-        raise ValueError(f"{where}: telemetry must be a bool, got {merged['telemetry']!r}")
+    for name in ("telemetry", "skip_nonfinite"):
+        if not isinstance(merged[name], bool):
+            raise ValueError(f"{where}: {name} must be a bool, got {merged[name]!r}")
 
 
 def validate_dmuon_config(config: OptimizersContainer.Config) -> None:

@@ -1,0 +1,30 @@
+"""The torch hooks a ``DMuon`` carries (attached at construction and again on a copy, since
+torch's hooks do not pickle):
+
+- ``load_state_dict`` keeps this optimizer's options where the saved ones differ
+  (``dmuon.resume_contract``);
+- ``state_dict`` first settles the last step (:func:`settle_last_step`), so a checkpoint
+  never holds the host changes of a step the device masked or skipped.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dmuon import resume_contract
+
+
+def attach_hooks(optimizer: Any) -> None:
+    """Attach both hooks to ``optimizer`` (a ``DMuon``), once."""
+    resume_contract.attach(optimizer)
+    if settle_last_step not in optimizer._optimizer_state_dict_pre_hooks.values():
+        optimizer.register_state_dict_pre_hook(settle_last_step)
+
+
+def settle_last_step(optimizer: Any) -> None:
+    """``state_dict``'s pre-hook: read the last step's status now (a wait for the device,
+    outside ``step()``) and take back the host changes of a step it masked (torch's host
+    AdamW counters, state made for a first grad), so the saved state is the one of a run
+    that never took that step. An error it shows is still raised by the next ``step()``."""
+    if optimizer._grad_status.settle():
+        optimizer._rollback.undo()

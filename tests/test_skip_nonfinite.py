@@ -1,0 +1,83 @@
+"""``skip_nonfinite=True`` (issue 42, item 4): a step where any grad holds a NaN or inf
+changes nothing (parameters, every state value, step counts), decided on the device, and
+the steps after it equal a run that never had it. Multi-rank cases (a NaN on one rank
+only, every layout of the fault sweep) are in tests/test_fault_sweep.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dmuon import DMuon
+
+pytestmark = pytest.mark.unit
+
+BAD_STEP = 2
+
+
+def _params() -> list[tuple[str, torch.nn.Parameter]]:
+    gen = torch.Generator().manual_seed(0)
+    return [("w", torch.nn.Parameter(torch.randn(8, 6, generator=gen))),
+            ("bias", torch.nn.Parameter(torch.randn(6, generator=gen)))]
+
+
+def _grads(params, step: int, poison: float | None = None) -> None:
+    gen = torch.Generator().manual_seed(100 + step)
+    for _, p in params:
+        p.grad = torch.randn(p.shape, generator=gen)
+    if poison is not None:
+        params[1][1].grad[3] = poison
+
+
+def _bits(optimizer: DMuon, params) -> list[bytes]:
+    found = [p.detach().numpy().tobytes() for _, p in params]
+    sd = optimizer.state_dict()  # as a checkpoint reads it
+    for state in sd["state"].values():
+        found += [v.numpy().tobytes() for _, v in sorted(state.items())]
+    return found
+
+
+def _run(steps: list[int], poison: float | None = None, **options):
+    params = _params()
+    optimizer = DMuon(params, lr=0.02, weight_decay=0.1, skip_nonfinite=True, **options)
+    for step in steps:
+        _grads(params, step, poison if step == BAD_STEP else None)
+        optimizer.step()
+    return optimizer, params
+
+
+@pytest.mark.parametrize("poison", [float("nan"), float("inf"), float("-inf")])
+def test_a_non_finite_grad_step_changes_no_parameter_state_or_step_count(poison):
+    optimizer, params = _run([0, 1])
+    before = _bits(optimizer, params)
+    _grads(params, BAD_STEP, poison)
+    optimizer.step()
+    assert _bits(optimizer, params) == before
+
+
+@pytest.mark.parametrize("fused", [None, True], ids=["foreach", "fused"])
+def test_the_steps_after_a_skipped_step_equal_a_run_that_never_had_it(fused):
+    skipped, params = _run([0, 1, BAD_STEP, 3, 4], float("nan"), fused=fused)
+    never, reference = _run([0, 1, 3, 4], fused=fused)
+    assert _bits(skipped, params) == _bits(never, reference)
+    assert skipped.skipped_steps == 1 and never.skipped_steps == 0
+
+
+def test_skipped_steps_are_counted_by_the_next_step_or_state_dict():
+    optimizer, params = _run([0, 1, BAD_STEP], float("nan"))
+    assert optimizer.skipped_steps == 0  # the device's answer is read one step late...
+    optimizer.state_dict()
+    assert optimizer.skipped_steps == 1  # ...or when a checkpoint reads the state
+
+
+def test_off_by_default_a_nan_grad_is_applied_as_torch_muon_applies_it():
+    params = _params()
+    optimizer = DMuon(params, lr=0.02)
+    _grads(params, 0, float("nan"))
+    optimizer.step()
+    assert params[1][1].isnan().any() and optimizer.skipped_steps == 0
+
+
+def test_skip_nonfinite_must_be_true_or_false():
+    with pytest.raises(ValueError, match=r"DMuon: skip_nonfinite must be a bool \(True or False\), got 1"):
+        DMuon(_params(), skip_nonfinite=1)
