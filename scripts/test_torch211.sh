@@ -9,7 +9,8 @@
 #    multi-rank exactness on every layout (tests/test_distributed_exactness.py, TorchTitan's
 #    own layouts in tests/test_distributed_titan_layouts.py) and one TorchTitan 0.2.2 run.
 #
-#   PYTHON          the Python 3.12 that makes the environment (default python3.12, else python3)
+#   PYTHON          the Python 3.12 that makes the environment (default: the first Python 3.12
+#                   that runs: python3.12, then pyenv's 3.12 installs; else python3)
 #   DMUON_DROP_VENV 1: delete the environment at the end (CI: disk is tight)
 # Arguments go to every pytest call.
 set -euo pipefail
@@ -17,15 +18,29 @@ cd "$(dirname "$0")/.."
 export OMP_NUM_THREADS=1
 export PIP_CONSTRAINT="$PWD/scripts/pip_constraints.txt"  # no machine-wide cap on torch
 venv=.venv-torch2.11
+
+# A python3.12 on PATH may be a pyenv shim that refuses to run (3.12 installed, another
+# version selected): try each candidate rather than trusting `command -v`.
+python312() {
+    local candidate
+    for candidate in python3.12 "$(pyenv root 2>/dev/null)"/versions/3.12*/bin/python3.12; do
+        if "$candidate" -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null; then
+            echo "$candidate"
+            return
+        fi
+    done
+    command -v python3
+}
+
 if [[ ! -x $venv/bin/python ]]; then
-    "${PYTHON:-$(command -v python3.12 || command -v python3)}" -m venv "$venv"
+    "${PYTHON:-$(python312)}" -m venv "$venv"
     "$venv/bin/python" -m pip install --quiet --no-cache-dir -r scripts/gpu_image_packages.txt
 fi
 python=$venv/bin/python
 "$python" -c "import torch, sys; print('torch', torch.__version__, 'Python', sys.version.split()[0])"
 
 bash scripts/gpu_wheels.sh
-if "$python" -c "import dmuon" 2>/dev/null; then
+if "$python" -I -c "import dmuon" 2>/dev/null; then  # -I: not the checkout in the working directory
     echo "test_torch211: $venv already holds dmuon: the rehearsal runs beside it" >&2
 fi
 PYTHON=$python bash scripts/gpu_check.sh --rehearse outputs/gpu_rehearsal
