@@ -71,6 +71,12 @@ def test_a_bad_whole_optimizer_option_names_the_factory_kwargs_field():
         dmuon_optimizer(factory_options={"comm": "x"})
 
 
+def test_skip_nonfinite_is_a_whole_optimizer_switch_taking_a_bool():
+    with pytest.raises(ValueError, match=r"optimizer_factory_kwargs_by_name\['DMuon'\]: skip_nonfinite must be a bool"):
+        dmuon_optimizer(factory_options={"skip_nonfinite": 1})
+    assert all(o.skip_nonfinite for o in build(dmuon_optimizer(factory_options={"skip_nonfinite": True})))
+
+
 def test_an_unknown_group_key_is_refused_with_the_known_ones():
     with pytest.raises(ValueError, match=r"unknown key\(s\) \['ns_step'\].*known: .*'ns_steps'"):
         dmuon_optimizer(ns_step=3)
