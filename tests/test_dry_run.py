@@ -69,7 +69,7 @@ def test_llama3_8b_on_64_ranks_sends_exactly_the_planned_bytes():
     # Rank 63's figures as docs/dry_run.md quotes them.
     assert report.bytes_sent_per_rank == 413138944
     assert report.muon_params == 224 and report.adamw_params == 67
-    # 824 launches a rank (558 before issue 40's exact masks): the AdamW part on fake local shards
+    # 832 launches a rank (558 before issue 40's exact masks): the AdamW part on fake local shards
     # takes torch's list path, as on DTensors, selected per tensor under the device mask, and each
     # momentum buffer is selected per tensor (docs/dry_run.md).
     assert 800 <= report.device_ops_per_step <= 850
