@@ -109,7 +109,7 @@ def compute_and_apply(optimizer: DMuon, muon_groups: dict[torch.Tensor, dict[str
     grads = {p: usable_grad(p, summed) for p in muon_groups if checked.has_usable_grad(p)}
     failure = adamw_part(optimizer.param_groups, optimizer.state, status, telemetry, optimizer.foreach,
                          optimizer.fused, optimizer._rollback, summed)
-    if failure is not None and status.host_ok:  # no other rank takes part: the Muon part stays as it is too
+    if failure is not None and status.host_ok is not False and status.alone:  # the Muon part stays as it is too
         status.mask_here()
     if status.host_ok is not False:
         steps.make_muon_state(grads, muon_groups, optimizer.state, optimizer._rollback)

@@ -81,3 +81,19 @@ def test_off_by_default_a_nan_grad_is_applied_as_torch_muon_applies_it():
 def test_skip_nonfinite_must_be_true_or_false():
     with pytest.raises(ValueError, match=r"DMuon: skip_nonfinite must be a bool \(True or False\), got 1"):
         DMuon(_params(), skip_nonfinite=1)
+
+
+def test_an_error_in_the_adamw_part_leaves_the_muon_part_as_it_was(monkeypatch):
+    import dmuon.adamw_part
+
+    optimizer, params = _run([0, 1])
+    before = params[0][1].detach().clone()
+
+    def raising(*args, **kwargs):
+        raise RuntimeError("AdamW failed")
+
+    monkeypatch.setattr(dmuon.adamw_part, "_group_step", raising)
+    _grads(params, BAD_STEP)
+    with pytest.raises(RuntimeError, match="AdamW failed"):
+        optimizer.step()
+    assert torch.equal(params[0][1], before)  # the device-made mask turned False for the Muon part too

@@ -88,7 +88,7 @@ class StatusMasks(Mapping[torch.Tensor, torch.Tensor]):
         self._oks = {}
         if self._channel is None:
             self._step_ok = torch.full((), self.host_ok is not False, dtype=torch.bool, device=self._device)
-            if self._finite is not None:
+            if self._finite is not None and self.host_ok is not False:  # a step that raises is no skip
                 self._step_ok = self._step_ok & self._finite
                 counts = torch.zeros(2, dtype=STATUS_DTYPE, device=self._finite.device)
                 counts[1].copy_(~self._finite)  # [problems, non-finite], as a channel's tail
@@ -113,10 +113,18 @@ class StatusMasks(Mapping[torch.Tensor, torch.Tensor]):
         return self._oks
 
     def mask_here(self) -> None:
-        """Mask this step where the host knew it stood (``host_ok`` True: no other rank takes
-        part), e.g. after torch's AdamW raised; before any mask is read."""
-        assert self.host_ok and self._oks is None, "only a step no other rank takes part in is masked here"
+        """Mask the rest of this step where no other rank takes part, e.g. after torch's
+        AdamW raised (with ``skip_nonfinite`` the mask may already be made: it turns False)."""
+        assert self.alone, "only a step no other rank takes part in is masked here"
         self.host_ok, self._masked_here = False, True
+        if self._step_ok is not None:  # the masks are made already: every one turns False
+            self._step_ok = torch.zeros_like(self._step_ok)
+            self._oks = {param: self._step_ok for param in self._oks or {}}
+
+    @property
+    def alone(self) -> bool:
+        """Whether no other rank takes part in this step's status."""
+        return self._channel is None or self._channel.group is None
 
     @property
     def step_ok(self) -> torch.Tensor:
