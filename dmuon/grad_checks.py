@@ -18,7 +18,6 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor, Replicate
 
-from dmuon.exchange.grad_status import usable_grad  # noqa: F401 - the step takes it from here
 from dmuon.exchange.replicated_grads import replicated, summable
 from dmuon.torch_compat import local_of
 

@@ -62,7 +62,7 @@ def sum_replicated_grads(params: Sequence[DTensor], usable: Callable[[torch.Tens
             value = torch.full_like(local_of(param), -0.0)
         else:
             value = local_of(grad).clone()  # the caller's grad stays as it was
-        for dim, placement in enumerate(param.placements):
+        for dim in range(mesh.ndim):
             if mesh.size(dim) == 1:
                 continue
             kind = None if grad is None else grad.placements[dim]
