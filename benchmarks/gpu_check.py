@@ -4,6 +4,7 @@ subcommand, each writing one JSON fragment (``{"status", "figures", "reason"}``)
 
     python -m benchmarks.gpu_check one_rank --model llama3-8b --world-size 8 --out F.json
     python -m benchmarks.gpu_check compare --dim 4096 --layers 2 --out F.json
+    python -m benchmarks.gpu_check captured --dim 4096 --layers 2 --out F.json
     python -m benchmarks.gpu_check two_ranks --out F.json
 
 - ``one_rank`` (issue 41, 3e): rank 0 of a P-rank FSDP2 job in one process: PyTorch's fake
@@ -13,6 +14,9 @@ subcommand, each writing one JSON fragment (``{"status", "figures", "reason"}``)
   the same model and P. The cost model is recalibrated from the ratio (``ns_mfu_implied``).
 - ``compare`` (3f): one step of DMuon, torch.optim.Muon (+ AdamW for the rest) and fused
   AdamW on the same few llama3-wide layers, one device, and their ratios.
+- ``captured`` (issue 42, item 7): a ``capturable`` DMuon eager and replayed from one CUDA
+  graph (``dmuon.cuda_graphs``) under a cosine schedule with a NaN grad at one step:
+  bitwise equal, and the eager against the replayed step time.
 - ``two_ranks`` (3h): P = 2 on one GPU over gloo (NCCL refuses two ranks on one GPU),
   every layout bitwise equal to P = 1; a failure is kept with its reason (a collective gloo
   does not carry for CUDA tensors).
@@ -155,6 +159,59 @@ def _torch_muon_adamw(net: nn.Module) -> list[torch.optim.Optimizer]:
             torch.optim.AdamW(rest, lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1, fused=True)]
 
 
+# ---------------------------------------------------------------- the captured step
+
+
+def captured(dim: int, layers: int, device: torch.device, steps: int, total: int = 10) -> dict:
+    """A ``capturable`` DMuon stepped eagerly and through ``dmuon.cuda_graphs`` on the same
+    model and grads under a cosine schedule (a NaN grad at one step, ``skip_nonfinite``):
+    bitwise equal after ``total`` steps, and the eager against the replayed step time (issue 42, 7)."""
+    from dmuon import DMuon
+    from dmuon.cuda_graphs import CapturedStep
+    from dmuon.dry_run.models import Preset, build
+
+    if device.type != "cuda":
+        raise RuntimeError("needs a CUDA GPU (CUDA graphs)")
+    preset = Preset(dim=dim, ffn=int(dim * 3.5), n_heads=max(1, dim // 128), n_kv_heads=max(1, dim // 512),
+                    layers=layers, vocab=4096, head_dim=128 if dim >= 1024 else 16)
+    twins = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        with torch.device(device):
+            net = build(preset)
+        for param in net.parameters():
+            param.grad = torch.zeros_like(param)
+        optimizer = DMuon(net.named_parameters(), lr=0.02, weight_decay=0.1, fused=True, capturable=True,
+                          skip_nonfinite=True)
+        twins.append((net, optimizer, torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=total)))
+    (eager_net, eager, eager_lr), (graph_net, graphed, graph_lr) = twins
+    replay = CapturedStep(graphed)
+    for step in range(total):
+        generator = torch.Generator(device=device).manual_seed(step)
+        for a, b in zip(eager_net.parameters(), graph_net.parameters()):
+            grad = torch.randn(a.shape, device=device, generator=generator) * 1e-3
+            if step == total // 2 and a.ndim == 2:
+                grad[0, 0] = float("nan")
+            a.grad.copy_(grad)
+            b.grad.copy_(grad)
+        eager.step()
+        eager_lr.step()
+        replay.step()
+        graph_lr.step()
+        replay.check()  # counts a skipped step as the eager one does
+    torch.cuda.synchronize(device)
+    equal = all(torch.equal(a, b) for a, b in zip(eager_net.parameters(), graph_net.parameters()))
+    if not equal or graphed.skipped_steps != eager.skipped_steps:
+        raise AssertionError(f"replayed steps differ from eager ones (bitwise equal: {equal}, skipped: "
+                             f"{graphed.skipped_steps} vs {eager.skipped_steps})")
+    eager_ms = median_step_ms(eager.step, device, steps=steps)
+    replay_ms = median_step_ms(replay.step, device, steps=steps)
+    replay.release()
+    return {"dim": dim, "layers": layers, "steps_bitwise_equal": total, "skipped_steps": graphed.skipped_steps,
+            "eager_step_ms": round(eager_ms, 3), "replayed_step_ms": round(replay_ms, 3),
+            "eager_over_replayed": round(eager_ms / replay_ms, 3)}
+
+
 # ---------------------------------------------------------------- two ranks on one GPU
 
 
@@ -177,13 +234,13 @@ def two_ranks() -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.gpu_check", description=__doc__.split("\n\n")[0])
-    parser.add_argument("part", choices=("one_rank", "compare", "two_ranks"))
+    parser.add_argument("part", choices=("one_rank", "compare", "captured", "two_ranks"))
     parser.add_argument("--out", required=True, help="the JSON fragment to write")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--model", default="llama3-8b", help="one_rank: a dmuon.dry_run preset")
     parser.add_argument("--world-size", type=int, nargs="+", default=[8], help="one_rank: P (several: one each)")
-    parser.add_argument("--dim", type=int, default=4096, help="compare: model width")
-    parser.add_argument("--layers", type=int, default=2, help="compare: blocks")
+    parser.add_argument("--dim", type=int, default=4096, help="compare, captured: model width")
+    parser.add_argument("--layers", type=int, default=2, help="compare, captured: blocks")
     parser.add_argument("--steps", type=int, default=TIMED_STEPS, help="timed steps")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
@@ -194,6 +251,8 @@ def main(argv: list[str] | None = None) -> None:
                                    for p in args.world_size}
         elif args.part == "compare":
             fragment["figures"] = compare(args.dim, args.layers, device, args.steps)
+        elif args.part == "captured":
+            fragment["figures"] = captured(args.dim, args.layers, device, args.steps)
         else:
             fragment["figures"] = two_ranks()
     except Exception as error:  # the fragment keeps the reason; the summary marks the part failed

@@ -21,12 +21,13 @@ from typing import Any
 
 import torch
 
-from dmuon.exchange.grad_status import StatusMasks, usable_grad
+from dmuon.exchange.grad_status import usable_grad
+from dmuon.exchange.status_masks import StatusMasks
 from dmuon.exchange.host_staging import ADAMW_MASK, HostStaging
 from dmuon.numerics.functional import adamw_, adamw_state, adamw_steps
 from dmuon.state_rollback import StateRollback
 from dmuon.telemetry import Telemetry
-from dmuon.torch_compat import local_of
+from dmuon.torch_compat import capturable_devices, local_of
 
 State = MutableMapping[torch.Tensor, dict[str, Any]]
 
@@ -74,16 +75,19 @@ def _group_step(group: dict[str, Any], state: State, status: StatusMasks, mask_o
         return
     fused = group.get("fused", fused)
     foreach = group.get("foreach", foreach)
+    # torch's fused and capturable kernels read the step counters on the device
+    device_step = fused or (group.get("capturable") and local_of(params[0]).device.type in capturable_devices())
     for param in params:
         if not state.get(param):
-            made = adamw_state(param, fused)
+            made = adamw_state(param, device_step)
             state[param].update(made)
             rollback.made(state, param, made)
     states = [state[p] for p in params]
     moments = [s["exp_avg"] for s in states] + [s["exp_avg_sq"] for s in states]
-    counters = adamw_steps(states, params, fused)
+    counters = adamw_steps(states, params, device_step)
     settings = dict(lr=group["lr"], betas=group["betas"], eps=group["eps"], weight_decay=group["weight_decay"],
-                    cautious_weight_decay=group["cautious_weight_decay"], foreach=foreach, fused=fused)
+                    cautious_weight_decay=group["cautious_weight_decay"], foreach=foreach, fused=fused,
+                    capturable=bool(group.get("capturable")))
     grads = [usable_grad(p, summed) for p in params]
     with telemetry.adamw_update([local_of(p) for p in params]):
         if status.host_ok:

@@ -25,8 +25,9 @@ from dmuon.numerics.functional import (
     normuon_state,
     update_scale,
 )
-from dmuon.exchange.grad_status import StatusMasks, distributed
-from dmuon.numerics.masked_updates import mask_, masked_apply_, masked_momentum_
+from dmuon.exchange.status_channel import distributed
+from dmuon.exchange.status_masks import StatusMasks
+from dmuon.numerics.masked_updates import device_apply_, mask_, masked_apply_, masked_momentum_
 from dmuon.numerics.newton_schulz import UPDATE_DTYPE, resolve_ns_algorithm, resolve_ns_dtype
 from dmuon.numerics.standard_iteration import NewtonSchulzBuffers
 from dmuon.numerics.update_rules import nesterov_lookahead
@@ -121,11 +122,13 @@ class GroupSteps:
             for group, scale, members in buckets.values():
                 settings = (group["lr"], group["weight_decay"], scale, group["cautious_weight_decay"],
                             self.lists_for(targets[0].device, group))
-                if oks is None:
-                    apply_muon_updates_([targets[k] for k in members], [orthos[k] for k in members], *settings)
+                mine = [targets[k] for k in members], [orthos[k] for k in members]
+                if oks is not None:
+                    masked_apply_(*mine, [oks[k] for k in members], *settings, capturable=capturable(group))
+                elif capturable(group):  # hyperparameters on the device (dmuon.numerics.device_scalars)
+                    device_apply_(*mine, None, *settings)
                 else:
-                    masked_apply_([targets[k] for k in members], [orthos[k] for k in members],
-                                  [oks[k] for k in members], *settings)
+                    apply_muon_updates_(*mine, *settings)
 
     @staticmethod
     def make_muon_state(grads: Mapping[torch.Tensor, torch.Tensor], groups: Mapping[torch.Tensor, dict[str, Any]],
@@ -169,7 +172,7 @@ class GroupSteps:
               [local_of(state[p]["momentum_buffer"]) for p in params], shapes=[p.shape for p in params],
               orthogonalize=orthogonalize, updating=self.telemetry.muon_update,
               foreach=bool(local_params) and self.lists_for(local_params[0].device, group),
-              **{key: group[key] for key in MUON_STEP_KEYS})
+              capturable=capturable(group), **{key: group[key] for key in MUON_STEP_KEYS})
 
     def muon_off_the_fast_path(self, param_groups: Sequence[dict[str, Any]], paths: Mapping[torch.Tensor, str],
                                grads: Mapping[torch.Tensor, torch.Tensor], status: StatusMasks,
@@ -214,6 +217,11 @@ class GroupSteps:
                      else orthogonalize(update))
             mask_([ortho], [ok[i]])
             self.apply_many([param], [local_of(param)], [ortho], [group], [ok[i]])
+
+
+def capturable(group: dict[str, Any]) -> bool:
+    """Whether the group's hyperparameters are device tensors (``DMuon(capturable=True)``)."""
+    return bool(group.get("capturable"))
 
 
 @functools.lru_cache(maxsize=1024)

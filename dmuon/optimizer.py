@@ -37,8 +37,8 @@ import torch
 from torch.optim.optimizer import Optimizer
 
 from dmuon.attention.clipping import AttentionClip
-from dmuon.attention.max_logits import MaxLogitTracker
 from dmuon.attention.qk_clip import AttentionHeads
+from dmuon.device_hyperparameters import held_values, keep_after_load, place_on_device
 from dmuon.exchange.comm import CommStats, ScratchMeter
 from dmuon import step_phases as phases
 from dmuon.exchange.grad_status import GradStatus
@@ -53,33 +53,29 @@ from dmuon.numerics.newton_schulz import (
     KELLER_COEFFICIENTS,
 )
 from dmuon.numerics.update_rules import DEFAULT_MATCHED_ADAMW_RMS, DEFAULT_NORMUON_BETA2
+from dmuon.implementation_flags import check_optimizer_flags
 from dmuon.options import (
-    check_adamw_hyperparameters,
     check_bool,
-    check_foreach,
-    check_fused,
+    check_hyperparameter_defaults,
     check_link_gbps,
-    check_muon_hyperparameters,
-    check_no_path_flags,
     check_ns_dtype,
     check_optimizer_options,
-    check_tensor_lr_path,
 )
 from dmuon.param_groups import build_param_groups, muon_groups, split_options
 from dmuon.optimizer_hooks import attach_hooks
+from dmuon.optimizer_queries import OptimizerQueries
 from dmuon.pickling import PicklesConfiguration
 from dmuon.state_loading import keep_saved_dtypes
 from dmuon.plan.batches import DEFAULT_BATCH_NUMEL
 from dmuon.plan.cost_model import CostModel
-from dmuon.plan.owner_plan import OwnerPlan
 from dmuon.plan.paths import ALL_TO_ALL
 from dmuon.state_rollback import StateRollback
-from dmuon.telemetry import StepFigures, Telemetry
+from dmuon.telemetry import Telemetry
 from dmuon.torch_compat import local_of
 
 ParamsArg = Iterable[torch.Tensor] | Iterable[tuple[str, torch.Tensor]] | Iterable[dict[str, Any]]
 
-class DMuon(PicklesConfiguration, Optimizer):
+class DMuon(OptimizerQueries, PicklesConfiguration, Optimizer):
     """Distributed Muon with an AdamW fallback, for plain tensors and DTensors.
 
     Args (each option's rules in full: docs/optimizer.md):
@@ -122,7 +118,11 @@ class DMuon(PicklesConfiguration, Optimizer):
         foreach: elementwise rules and AdamW as list ops; None: torch's default per device.
         fused: the AdamW part steps with torch's fused AdamW (``torch.optim.AdamW(fused=True)``'s bits).
             A group may set ``foreach`` and ``fused`` for itself, as torch's groups do.
-        maximize, capturable, differentiable (also group keys): no such path in DMuon: False or None only.
+        capturable: each group's ``lr`` and ``weight_decay`` are 0-dim fp64 tensors on its
+            parameters' device, which LR schedulers update in place, and the step reads them
+            there (no host read): a step captured in a CUDA graph (``dmuon.cuda_graphs``) follows
+            the schedule; the same bits as off (docs/optimizer.md, "Capturable").
+        maximize, differentiable (also group keys): no such path in DMuon: False or None only.
     """
 
     def __init__(
@@ -161,21 +161,21 @@ class DMuon(PicklesConfiguration, Optimizer):
         if isinstance(params, (set, frozenset)):
             # A set's order differs between processes: ranks would plan differently.
             raise TypeError("DMuon: params must be an ordered collection (list), not a set")
-        check_optimizer_options(comm, max_batch_numel, split_replicas)
-        check_no_path_flags(dict(maximize=maximize, capturable=capturable, differentiable=differentiable))
         muon_defaults, adamw_defaults = split_options(dict(
             lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay, ns_steps=ns_steps,
             ns_coefficients=ns_coefficients, ns_algorithm=ns_algorithm, ns_gram_restarts=ns_gram_restarts, eps=eps,
             adjust_lr=adjust_lr, matched_adamw_rms=matched_adamw_rms, split_rows=split_rows, normuon=normuon,
             normuon_beta2=normuon_beta2, cautious_weight_decay=cautious_weight_decay, qk_clip_threshold=qk_clip_threshold,
             adamw_lr=adamw_lr, adamw_betas=adamw_betas, adamw_eps=adamw_eps, adamw_weight_decay=adamw_weight_decay))
-        check_muon_hyperparameters(dict(muon_defaults), "DMuon")  # the defaults, before any group is built
-        check_adamw_hyperparameters(dict(adamw_defaults), "DMuon (AdamW part)")
+        check_hyperparameter_defaults(muon_defaults, adamw_defaults)  # before any group is built
         self._muon_defaults, self._adamw_defaults = muon_defaults, adamw_defaults
-        self.comm, self.max_batch_numel, self.split_replicas = comm, max_batch_numel, split_replicas
-        self.ns_dtype, self.foreach, self.fused = check_ns_dtype(ns_dtype), check_foreach(foreach), check_fused(fused)
-        self.skip_nonfinite = check_bool({"skip_nonfinite": skip_nonfinite}, "skip_nonfinite", "DMuon")
-        check_tensor_lr_path(adamw_defaults["lr"], self.foreach, self.fused, "DMuon (AdamW part)")
+        self.comm, self.max_batch_numel, self.split_replicas = check_optimizer_options(
+            comm, max_batch_numel, split_replicas)
+        self.ns_dtype, self.skip_nonfinite = check_ns_dtype(ns_dtype), check_bool(
+            {"skip_nonfinite": skip_nonfinite}, "skip_nonfinite", "DMuon")
+        self.foreach, self.fused, self.capturable = check_optimizer_flags(
+            dict(foreach=foreach, fused=fused, capturable=capturable, maximize=maximize, differentiable=differentiable),
+            adamw_defaults["lr"])
         self.link_gbps, self.replica_link_gbps = (check_link_gbps(link_gbps, "link_gbps", "DMuon"),
                                                   check_link_gbps(replica_link_gbps, "replica_link_gbps", "DMuon"))
         self._names: dict[torch.Tensor, str] = {}
@@ -202,7 +202,8 @@ class DMuon(PicklesConfiguration, Optimizer):
         """Add a group; one without ``use_muon`` is split into a Muon and an AdamW group
         (``dmuon.param_groups.build_param_groups``)."""
         built = build_param_groups(param_group, self._groups_added, self.param_groups, self._muon_defaults,
-                                   self._adamw_defaults, {"foreach": self.foreach, "fused": self.fused})
+                                   self._adamw_defaults,
+                                   {"foreach": self.foreach, "fused": self.fused, "capturable": self.capturable})
         self._groups_added += 1
         for names, group in built:
             self._names.update(zip(group["params"], names))
@@ -212,38 +213,6 @@ class DMuon(PicklesConfiguration, Optimizer):
     def clip_attention(self, name: str, q_weight: torch.Tensor, k_weight: torch.Tensor, heads: AttentionHeads) -> None:
         """Watch one attention for QK-clip (``dmuon.attention.clipping``); every rank registers the same ones."""
         self._attention_clip.add(name, q_weight, k_weight, heads, self.param_name)
-
-    @property
-    def max_logits(self) -> MaxLogitTracker:
-        """Where the model reports attention logits for QK-clip (``dmuon.attention.max_logits``)."""
-        return self._attention_clip.tracker
-
-    def last_max_logits(self) -> dict[str, torch.Tensor]:
-        """Each attention's per-head largest logit of the last step, before clipping."""
-        return self._attention_clip.last_max_logits()
-
-    def param_name(self, param: torch.Tensor) -> str:
-        """The name a parameter was given (or its group position)."""
-        return self._names.get(param, "<unnamed parameter>")
-
-    def comm_paths(self) -> dict[str, str]:
-        """Name -> path (``local``, ``all_to_all`` or ``redistribute``) of every Muon parameter:
-        a pure query (no collective), safe to call on one rank only, e.g. in logging code."""
-        return {self.param_name(p): path for p, path in self._paths().items()}
-
-    @property
-    def skipped_steps(self) -> int:
-        """Steps ``skip_nonfinite`` skipped, counted when the next ``step()`` or ``state_dict()`` reads them."""
-        return self._grad_status.skipped_steps
-
-    def telemetry(self) -> StepFigures | None:
-        """The last step's figures (``dmuon.telemetry``), None if off or before a step; local to this rank."""
-        figures = self._telemetry.last_step()
-        return None if figures is None else figures.with_skipped(self.skipped_steps)
-
-    def owner_plans(self) -> list[OwnerPlan]:
-        """The fast path's plan of each mesh (made at the first ``step()``; empty before)."""
-        return self._fast_path.owner_plans()
 
     def _paths(self) -> dict[torch.Tensor, str]:
         return self._fast_path.paths(list(muon_groups(self.param_groups)), self.param_name)
@@ -255,6 +224,7 @@ class DMuon(PicklesConfiguration, Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        place_on_device(self.param_groups)  # capturable: lr and weight_decay where the step reads them
         muon_groups = phases.plan(self)
         checked = phases.check_locally(self, muon_groups)
         status = self._grad_status.agree(checked.has_usable_grad, bool(checked.problems), checked.pending is not None,
@@ -274,8 +244,11 @@ class DMuon(PicklesConfiguration, Optimizer):
         self._grad_status.forget()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """torch's, but Muon's state keeps its saved dtype (``dmuon.state_loading``) and the plan is made anew."""
+        """torch's, but Muon's state keeps its saved dtype (``dmuon.state_loading``), a capturable
+        group its device hyperparameters (``dmuon.device_hyperparameters``), and the plan is made anew."""
+        held = held_values(self.param_groups)
         super().load_state_dict(state_dict)
         keep_saved_dtypes(self, state_dict, MUON_STATE_KEYS)
+        keep_after_load(self.param_groups, held)  # capturable: the loaded values in the groups' own device tensors
         self._forget_plan()
 

@@ -10,7 +10,6 @@ prefix.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -26,7 +25,6 @@ from dmuon.numerics.newton_schulz import (
 )
 from dmuon.numerics.update_rules import ADJUST_LR_CHOICES
 from dmuon.plan.paths import COMM_CHOICES
-from dmuon.torch_compat import fused_adamw_devices
 
 
 def resolve_ns_coefficients(value: Any) -> str | tuple[float, float, float] | tuple[tuple[float, float, float], ...]:
@@ -140,6 +138,12 @@ def check_adamw_hyperparameters(group: dict[str, Any], where: str) -> None:
     check_bool(group, "cautious_weight_decay", where)
 
 
+def check_hyperparameter_defaults(muon: dict[str, Any], adamw: dict[str, Any]) -> None:
+    """DMuon's keyword defaults of its Muon and AdamW parts (each group's are checked when it is made)."""
+    check_muon_hyperparameters(dict(muon), "DMuon")
+    check_adamw_hyperparameters(dict(adamw), "DMuon (AdamW part)")
+
+
 def check_bool(group: dict[str, Any], key: str, where: str) -> bool:
     """An on/off option (``nesterov``, ``normuon``, ``skip_nonfinite``...): True or
     False, not a truthy stand-in such as 1 or "yes"; returned."""
@@ -217,74 +221,14 @@ def check_split_replicas(value: Any, where: str = "DMuon") -> bool | None:
     return value
 
 
-def check_optimizer_options(comm: Any, max_batch_numel: Any, split_replicas: Any, where: str = "DMuon") -> None:
-    """The options that are the whole optimizer's, not a group's, in the order DMuon checks them."""
+def check_optimizer_options(comm: Any, max_batch_numel: Any, split_replicas: Any,
+                            where: str = "DMuon") -> tuple[str, int, bool | None]:
+    """The options that are the whole optimizer's, not a group's, in the order DMuon checks
+    them; returned."""
     check_comm(comm, where)
     check_max_batch_numel(max_batch_numel, where)
     check_split_replicas(split_replicas, where)
-
-
-def check_foreach(value: Any, where: str = "DMuon") -> bool | None:
-    """``foreach``: True, False, or None (torch's default for the parameters' device)."""
-    if not (value is None or isinstance(value, bool)):
-        raise ValueError(f"{where}: foreach must be True, False or None (torch's default for the device), "
-                         f"got {value!r}")
-    return value
-
-
-def check_fused(value: Any, where: str = "DMuon") -> bool | None:
-    """``fused``: True (the AdamW part steps with torch's fused AdamW kernel), False, or
-    None (not fused: torch.optim.AdamW's default)."""
-    if not (value is None or isinstance(value, bool)):
-        raise ValueError(f"{where}: fused must be True, False or None (not fused, torch.optim.AdamW's default), "
-                         f"got {value!r}; fused=True steps the AdamW part with torch's fused AdamW")
-    return value
-
-
-# torch.optim's flags for paths DMuon does not have, with the reason: each is taken as
-# False or None (off) and refused when on, naming it and saying what to do instead.
-NO_PATH_FLAGS = {
-    "maximize": "it only minimizes, as torch.optim.Muon does: minimize the negated objective instead",
-    "capturable": "its AdamW part runs torch's AdamW with capturable=False; fused=True keeps its step counts "
-                  "on the device",
-    "differentiable": "its step runs under torch.no_grad, as torch.optim.Muon's does: no gradient flows through it",
-}
-
-
-def check_no_path_flags(flags: Mapping[str, Any], where: str = "DMuon") -> None:
-    """``maximize``, ``capturable``, ``differentiable`` (those in ``flags``): False or None."""
-    for name, value in flags.items():
-        if value is True:
-            raise ValueError(f"{where}: {name}=True has no path in DMuon ({NO_PATH_FLAGS[name]}); leave {name} "
-                             "unset, False or None")
-        if value is not None and value is not False:
-            raise ValueError(f"{where}: {name} must be False or None (DMuon has no {name} path), got {value!r}")
-
-
-def check_tensor_lr_path(lr: Any, foreach: bool | None, fused: bool | None, where: str) -> None:
-    """torch.optim.AdamW refuses a Tensor ``lr`` with ``foreach=True`` when it is built (its
-    list path takes a Tensor lr only with ``capturable``, which DMuon's AdamW part does
-    not have); DMuon refuses the same, with torch's words, before any step can half-run."""
-    if isinstance(lr, torch.Tensor) and foreach and not fused:
-        raise ValueError(f"{where}: lr as a Tensor is not supported for capturable=False and foreach=True "
-                         "(torch.optim.AdamW's rule; DMuon's AdamW part has no capturable path): give the AdamW "
-                         "part a float lr (adamw_lr), or set foreach=False or None, or fused=True")
-
-
-def takes_fused_adamw(param: torch.Tensor) -> bool:
-    """Whether torch's fused AdamW steps ``param``: floating point, on a device it has the
-    kernel for (``dmuon.torch_compat.fused_adamw_devices``: CUDA and CPU among them)."""
-    return param.is_floating_point() and param.device.type in fused_adamw_devices()
-
-
-def check_fused_params(named: Iterable[tuple[str, torch.Tensor]], where: str) -> None:
-    """``fused=True`` for these parameters: torch.optim.AdamW finds an unsupported one at its
-    first step, DMuon when the group is made."""
-    for name, param in named:
-        if not takes_fused_adamw(param):
-            raise ValueError(f"{where}: fused=True needs floating-point parameters on one of "
-                             f"{fused_adamw_devices()} (torch's fused AdamW), but {name!r} is {param.dtype} on "
-                             f"{param.device.type}; set fused=False or None for its group (or the optimizer)")
+    return comm, max_batch_numel, split_replicas
 
 
 def check_link_gbps(value: Any, name: str, where: str = "DMuon") -> float:

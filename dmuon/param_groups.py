@@ -17,16 +17,10 @@ from dmuon.numerics.newton_schulz import (
     DEFAULT_NS_ALGORITHM,
 )
 from dmuon.numerics.update_rules import DEFAULT_NORMUON_BETA2
-from dmuon.options import (
-    check_adamw_hyperparameters,
-    check_foreach,
-    check_fused,
-    check_fused_params,
-    check_muon_hyperparameters,
-    check_muon_param,
-    check_no_path_flags,
-    check_tensor_lr_path,
-)
+from dmuon.torch_compat import local_of
+from dmuon.numerics.device_scalars import DEVICE_HYPERPARAMETERS, device_scalar
+from dmuon.implementation_flags import IMPLEMENTATION_KEYS, NO_PATH_KEYS, check_no_fused_muon, check_no_path_flags, own_flags
+from dmuon.options import check_adamw_hyperparameters, check_muon_hyperparameters, check_muon_param
 
 # By default, a parameter with ndim >= 2 gets Muon unless its name marks it as an
 # embedding or an output head: those are lookup tables / classifiers, not linear maps
@@ -69,13 +63,6 @@ VARIANT_DEFAULTS = {"normuon": False, "normuon_beta2": DEFAULT_NORMUON_BETA2, "c
 ADAMW_ALIASES = {"adamw_lr": "lr", "adamw_betas": "betas", "adamw_eps": "eps", "adamw_weight_decay": "weight_decay"}
 # The LR schedulers' key: it goes to every group made from the user's group.
 SCHEDULER_KEYS = ("initial_lr",)
-# torch.optim's implementation flags, which torch keeps per group: a group that sets one
-# steps with it (None: torch's default for the device), a group without it with the
-# optimizer's. ``fused`` is the AdamW part's alone: Muon has no fused kernel. torch's
-# other per-group flags name paths DMuon has none for: off (False, None) is taken and kept
-# on the group that sets it, on is refused (``dmuon.options.check_no_path_flags``).
-NO_PATH_KEYS = ("maximize", "capturable", "differentiable")
-IMPLEMENTATION_KEYS = ("foreach", "fused", *NO_PATH_KEYS)
 # The options a user's group may set (besides ``params``, ``param_names`` and
 # ``use_muon``), by what it becomes: a Muon group (``use_muon=True``), an AdamW group
 # (``use_muon=False``), or both (no ``use_muon``: split by the default routing).
@@ -226,38 +213,14 @@ def make_group(
     if has_names:
         group["param_names"] = [n for n, _ in members]
     group.update(use_muon=use_muon, **values)
-    group.update(_own_flags(members, use_muon, options, values["lr"], implementation or {}, where))
+    group.update(own_flags(members, use_muon, options, values["lr"], implementation or {}, where))
+    group["capturable"] = group.get("capturable", (implementation or {}).get("capturable", False))
+    if group["capturable"]:  # made once here, updated in place by LR schedulers
+        device = local_of(members[0][1]).device
+        group.update({key: device_scalar(group[key], device) for key in DEVICE_HYPERPARAMETERS})
     if "initial_lr" in options:
         group["initial_lr"] = options["initial_lr"]
     return group
-
-
-def check_no_fused_muon(options: dict[str, Any], use_muon: bool | None, where: str) -> None:
-    """``fused=True`` where it has no path: a Muon group (torch's fused kernel is AdamW's)."""
-    if use_muon and options.get("fused"):
-        raise ValueError(f"{where}: fused=True has no path in a Muon group (torch's fused kernel is AdamW's; Muon's "
-                         "elementwise rules run as list ops with foreach=True): set fused on an AdamW group or on a "
-                         "group without use_muon (its AdamW part)")
-
-
-def _own_flags(members: list[tuple[str, torch.Tensor]], use_muon: bool, options: dict[str, Any], lr: Any,
-               implementation: Mapping[str, Any], where: str) -> dict[str, Any]:
-    """The group's own ``foreach`` / ``fused``, checked. An AdamW group is checked with the
-    flags it will step with, as torch.optim.AdamW checks them (a Tensor lr with foreach;
-    fused for a device or dtype torch has no fused kernel for), but here, at construction.
-    A Muon group keeps no ``fused``: a split group's Muon part leaves it to the AdamW part
-    (``check_no_fused_muon`` refuses it in a Muon group)."""
-    own = {key: options[key] for key in IMPLEMENTATION_KEYS if key in options}
-    check_foreach(own.get("foreach"), where)
-    check_fused(own.get("fused"), where)
-    if use_muon:
-        own.pop("fused", None)
-        return own
-    flags = {**implementation, **own}
-    check_tensor_lr_path(lr, flags.get("foreach"), flags.get("fused"), where)
-    if flags.get("fused"):
-        check_fused_params(members, where)
-    return own
 
 
 def fill_in_variant_defaults(groups: list[dict[str, Any]]) -> None:

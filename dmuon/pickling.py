@@ -13,10 +13,10 @@ from dmuon.param_groups import fill_in_variant_defaults
 # What a pickle keeps besides torch's defaults, state and param_groups.
 PICKLED_ATTRIBUTES = (
     "_muon_defaults", "_adamw_defaults", "_names", "_groups_added", "comm", "max_batch_numel", "split_replicas",
-    "ns_dtype", "link_gbps", "replica_link_gbps", "foreach", "fused", "skip_nonfinite",
+    "ns_dtype", "link_gbps", "replica_link_gbps", "foreach", "fused", "skip_nonfinite", "capturable",
 )
 # Options added after the first release, with the value a pickle made before them gets.
-LATER_OPTIONS = {"foreach": None, "fused": None, "skip_nonfinite": False}
+LATER_OPTIONS = {"foreach": None, "fused": None, "skip_nonfinite": False, "capturable": False}
 # The key under which a pickle keeps ``telemetry``. It also tells __setstate__ that it
 # makes a copy: load_state_dict calls it too, with only state and param_groups.
 TELEMETRY_STATE_KEY = "telemetry_enabled"

@@ -14,7 +14,8 @@ import torch
 
 from dmuon.adamw_part import adamw_part
 from dmuon.attention.clipping import muon_group_threshold
-from dmuon.exchange.grad_status import StatusMasks, usable_grad
+from dmuon.exchange.grad_status import usable_grad
+from dmuon.exchange.status_masks import StatusMasks
 from dmuon.grad_checks import step_problems
 from dmuon.group_steps import GroupSteps
 from dmuon.param_groups import muon_groups as param_muon_groups

@@ -20,6 +20,7 @@ moves one, this module is the one to change, and its tests say which entry broke
 | ``default_foreach`` (``torch.utils._foreach_utils._get_foreach_kernels_supported_devices``) | ``DMuon(foreach=None)``: torch.optim's own per-device choice of the list path (CUDA: yes, CPU: no) | 2.11.0, 2.13.0, 2.15.0 |
 | ``default_foreach_for`` (``torch.optim.optimizer._default_to_fused_or_foreach``) | the AdamW part: torch's list-path choice made on the parameters as given (DTensors, or fake tensors in the dry run), then applied to their local shards | 2.11.0, 2.13.0, 2.15.0 |
 | ``fused_adamw_devices`` (``torch.utils._foreach_utils._get_fused_kernels_supported_devices``) | ``DMuon(fused=True)``: the device types torch.optim.AdamW(fused=True) takes, checked at construction (CUDA and CPU among them) | 2.11.0, 2.13.0, 2.15.0 |
+| ``capturable_devices`` (``torch.optim.optimizer._get_capturable_supported_devices``) | ``DMuon(capturable=True)``: the device types torch.optim.AdamW(capturable=True) steps (CUDA among them, not the CPU); the AdamW part takes torch's capturable path there | 2.11.0, 2.13.0, 2.15.0 |
 | ``chunk_cat`` (``torch._chunk_cat``) | the owner exchange: many blocks (any shapes, one dtype) flattened into a send buffer in one op, as FSDP2 packs its reduce-scatter | 2.11.0, 2.13.0, 2.15.0 |
 | ``local_of`` (``DTensor._local_tensor``) | the step's elementwise rules read and write each DTensor's local tensor itself: ``to_local()`` makes a new view (an op) per call, per parameter per step | 2.11.0, 2.13.0, 2.15.0 |
 | ``flattened_group`` (``DeviceMesh._flatten``) | a group of an n-D mesh's ranks (a pipeline stage's mesh), made as DeviceMesh makes its own: every rank of the root mesh makes every slice's group together, so no rank waits in a group creation its peers skip | 2.11.0, 2.13.0, 2.15.0 |
@@ -37,7 +38,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily as host_tensor_
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import _StridedShard as StridedShard
-from torch.optim.optimizer import _default_to_fused_or_foreach
+from torch.optim.optimizer import _default_to_fused_or_foreach, _get_capturable_supported_devices
 from torch.optim.optimizer import _get_scalar_dtype as scalar_dtype
 from torch.utils._foreach_utils import _get_foreach_kernels_supported_devices, _get_fused_kernels_supported_devices
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -46,7 +47,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 OLDEST_TESTED_TORCH = "2.11.0"
 NEWEST_TESTED_TORCH = "2.15.0"
 
-__all__ = ["FakeTensor", "FakeTensorMode", "StridedShard", "TorchDispatchMode", "chunk_cat",
+__all__ = ["FakeTensor", "FakeTensorMode", "StridedShard", "TorchDispatchMode", "capturable_devices", "chunk_cat",
            "compute_local_shape_and_global_offset", "default_foreach", "default_foreach_for", "dtensor_where_it_is", "fake_store", "flattened_group", "fused_adamw_devices", "host_tensor_ops", "is_fake",
            "local_of",
            "avx512_bf16_supported", "amx_tile_supported", "mkldnn_bf16_supported", "mkldnn_fp16_supported", "resolve_process_group", "scalar_dtype"]
@@ -91,6 +92,11 @@ def default_foreach_for(params: list[torch.Tensor]) -> bool:
 def fused_adamw_devices() -> list[str]:
     """The device types whose parameters torch.optim.AdamW(fused=True) steps (it refuses others)."""
     return _get_fused_kernels_supported_devices()
+
+
+def capturable_devices() -> list[str]:
+    """The device types torch.optim.AdamW(capturable=True) steps (it refuses the CPU)."""
+    return _get_capturable_supported_devices()
 
 
 def chunk_cat(tensors: list[torch.Tensor], out: torch.Tensor, chunks: int = 1) -> None:

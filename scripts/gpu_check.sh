@@ -21,6 +21,9 @@
 #   one_rank      e: benchmarks.gpu_check one_rank, llama3 8B at P = 8, 64 and 70B at P = 64,
 #                 1024 (fake process group, real CUDA shards) next to plan_report's prediction
 #   compare       f: benchmarks.gpu_check compare: DMuon, torch.optim.Muon + AdamW, fused AdamW
+#   captured      issue 42: benchmarks.gpu_check captured: a capturable DMuon replayed from one
+#                 CUDA graph under a cosine schedule, a NaN grad skipped: bitwise eager, and
+#                 the eager against the replayed step time; rehearsal: skipped
 #   torchtitan    g: TorchTitan 0.2.2's debug model with DMuon, 20 steps on one GPU: loss falls
 #   two_ranks     h: benchmarks.gpu_check two_ranks: P = 2 on one GPU over gloo, or why not
 # Logs in OUT: setup.log, tests.log, throughput.log, one_rank.log, torchtitan.log, two_ranks.log.
@@ -116,6 +119,7 @@ if [[ $rehearse == 1 ]]; then
     part compare throughput.log 60 "${gc[@]}" compare --device cpu --dim 256 --layers 1 --steps 2 \
         --out "$work/compare.json"
     titan_steps=4
+    skip captured throughput.log "needs a CUDA GPU (CUDA graphs); rehearsal on CPU"
     skip two_ranks two_ranks.log "needs a CUDA GPU (gloo with CUDA tensors on one GPU); rehearsal on CPU"
 else
     pytest_part cuda_tests 150 tests/test_cuda.py
@@ -127,6 +131,7 @@ else
     part one_rank_70b one_rank.log 60 "${gc[@]}" one_rank --model llama3-70b --world-size 64 1024 --steps 3 \
         --out "$work/one_rank_70b.json"
     part compare throughput.log 60 "${gc[@]}" compare --dim 4096 --layers 2 --out "$work/compare.json"
+    part captured throughput.log 60 "${gc[@]}" captured --dim 4096 --layers 2 --out "$work/captured.json"
     titan_steps=20
 fi
 part torchtitan torchtitan.log 120 "$python" -m torch.distributed.run --standalone --nproc-per-node 1 \

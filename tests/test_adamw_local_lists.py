@@ -10,7 +10,7 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Shard, distribute_tensor
 
-from dmuon.numerics.update_rules import _local_lists, adamw_step_
+from dmuon.numerics.adamw_rules import _local_lists, adamw_step_
 
 pytestmark = [pytest.mark.unit, pytest.mark.usefixtures("one_rank_gloo")]
 

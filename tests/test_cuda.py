@@ -142,6 +142,15 @@ def test_a_captured_step_replays_bitwise_like_eager_steps():
     assert _nccl(scenarios.cuda_graph_replay, 1) == [True]
 
 
+def test_a_captured_capturable_step_replays_a_schedule_and_a_skipped_step_bitwise_like_eager_steps():
+    """Issue 42, item 7: 20 steps, a cosine LR and a weight-decay schedule, a NaN grad at one
+    step, one capture (dmuon.cuda_graphs). Not yet run on a GPU."""
+    from tests import capturable_scenarios
+
+    (result,) = _nccl(capturable_scenarios.cuda_graph_schedule_replay, 1)
+    assert result == {"equal": True, "skipped": (1, 1)}
+
+
 # ------------------------------------------------------------------ several GPUs
 
 

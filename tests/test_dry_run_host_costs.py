@@ -59,9 +59,37 @@ def test_the_steady_step_repeats_its_program_and_its_plan_heap_is_measured():
     for report in dry_run("--model", "debug", "--world-size", "4", "--ranks", "0,3"):
         assert report.same_program and report.problems() == []
         assert report.plan_host_bytes > 0
-        # Under a changing learning rate and weight decay, today's step bakes them into its
-        # launches (issue 42): reported, with the ops where they moved.
+        # Under a changing learning rate and weight decay, the step without capturable bakes
+        # them into its launches (issue 42): reported, with the ops where they moved, not failed.
         assert not report.same_scalars and report.scalar_changes
+
+
+@needs_cuda_build
+@pytest.mark.parametrize("layout, world, extra", [
+    ("fsdp", 4, ()), ("hsdp:2x2", 4, ()), ("fsdp_tp:2", 4, ()), ("fsdp", 4, ("--param-dtype", "bfloat16")),
+    ("fsdp", 4, ("--normuon", "--cautious-weight-decay", "--skip-nonfinite")),
+])
+def test_a_capturable_step_launches_the_same_program_with_the_same_host_values_every_step(layout, world, extra):
+    for report in dry_run("--model", "debug", "--world-size", str(world), "--layout", layout, "--ranks",
+                          f"0,{world - 1}", "--capturable", *extra):
+        assert report.problems() == [] and report.host_syncs_per_step == 0
+        assert report.same_program and report.same_scalars and report.scalar_changes == []
+
+
+@needs_cuda_build
+def test_experts_under_ep_step_capturable_with_the_same_host_values():
+    for report in dry_run("--model", "moe-debug", "--world-size", "4", "--layout", "ep", "--ranks", "0,3",
+                          "--capturable"):
+        assert report.problems() == [] and report.same_scalars
+
+
+def test_capturable_requires_the_same_scalars_and_says_which_ops_moved():
+    report = passing_report()
+    report.capturable, report.same_scalars, report.scalar_changes = True, False, ["aten.add_.Tensor: 1 -> 2 -> 3"]
+    assert report.problems() == ["capturable, but steps 2 to 4 launched different host values: "
+                                 "['aten.add_.Tensor: 1 -> 2 -> 3']"]
+    report.capturable = False
+    assert report.problems() == []
 
 
 @needs_cuda_build

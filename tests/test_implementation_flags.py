@@ -190,7 +190,7 @@ def test_a_group_foreach_that_is_not_a_bool_or_none_is_rejected_naming_the_group
 
 # ------------------------------------------------------------------ flags DMuon has no path for
 
-NO_PATH_FLAGS = ["maximize", "capturable", "differentiable"]
+NO_PATH_FLAGS = ["maximize", "differentiable"]  # capturable has a path: tests/test_capturable.py
 
 
 @pytest.mark.parametrize("value", [False, None])

@@ -29,7 +29,8 @@ OPTIMIZER = "dmuon"  # the modules directly in dmuon/: the DMuon class and its s
 # What dmuon/ itself may hold besides the layer folders and the tools: the optimizer's own modules.
 OPTIMIZER_MODULES = {"__init__", "optimizer", "fast_path", "group_steps", "step_phases", "grad_checks",
                      "adamw_part", "state_rollback", "state_loading", "resume_contract", "optimizer_hooks",
-                     "param_groups", "options", "pickling",
+                     "param_groups", "options", "implementation_flags", "pickling", "optimizer_queries",
+                     "device_hyperparameters", "cuda_graphs",
                      "telemetry", "torch_compat"}
 # The most lines a runtime module (every module of dmuon/ but the tools) may have.
 MAX_MODULE_LINES = 300

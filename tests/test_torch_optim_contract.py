@@ -99,7 +99,7 @@ def test_copied_optimizer_steps_bitwise_like_the_original_as_torch_optimizers_do
 TORCH_PICKLED = {"defaults", "state", "param_groups"}
 DMUON_CONFIGURATION = {"_muon_defaults", "_adamw_defaults", "_names", "_groups_added", "comm", "max_batch_numel",
                        "split_replicas", "ns_dtype", "link_gbps", "replica_link_gbps", "foreach", "fused",
-                       "skip_nonfinite"}
+                       "skip_nonfinite", "capturable"}
 
 
 def test_a_pickle_holds_torchs_state_and_dmuons_configuration_and_nothing_derived():

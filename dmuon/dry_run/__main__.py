@@ -47,6 +47,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--normuon", action="store_true", help="DMuon(normuon=True)")
     parser.add_argument("--cautious-weight-decay", action="store_true", help="DMuon(cautious_weight_decay=True)")
     parser.add_argument("--skip-nonfinite", action="store_true", help="DMuon(skip_nonfinite=True)")
+    parser.add_argument("--capturable", action="store_true",
+                        help="DMuon(capturable=True): steps 2-4 must launch the same host values (same scalars)")
     parser.add_argument("--qk-clip", type=float, default=None, metavar="TAU",
                         help="DMuon(qk_clip_threshold=TAU), every attention registered and reporting logits")
     parser.add_argument("--max-batch-numel", type=int, default=None, help="DMuon(max_batch_numel=...)")
@@ -74,7 +76,7 @@ def make_config(args: argparse.Namespace) -> tuple[DryRunConfig, list[int]]:
                           f"Muon matrix with FSDP2: use {', '.join(OFFLOAD_LAYOUTS)}")
     options = {key: value for key, value in (
         ("normuon", args.normuon or None), ("cautious_weight_decay", args.cautious_weight_decay or None),
-        ("skip_nonfinite", args.skip_nonfinite or None),
+        ("skip_nonfinite", args.skip_nonfinite or None), ("capturable", args.capturable or None),
         ("qk_clip_threshold", args.qk_clip), ("max_batch_numel", args.max_batch_numel)) if value is not None}
     return (DryRunConfig(args.model, PRESETS[args.model], layout, args.world_size, options, args.nccl_alone,
                          args.param_dtype, args.cpu_offload), _ranks(args))

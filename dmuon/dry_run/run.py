@@ -31,10 +31,13 @@ from dmuon.dry_run.recorder import HostTensorsStayReal, StepRecord, StepRecorder
 from dmuon.group_steps import NORMUON_STATE_KEY
 from dmuon.optimizer import DMuon
 from dmuon.plan.owner_plan import WIRE_BYTES
+from dmuon.torch_compat import local_of
 
 # Tokens per rank of the logits the attentions report to QK-clip (their cost is the
 # forward's, not the step's; any length shows the step's work).
 QK_CLIP_SEQ = 16
+# The run's learning rate and weight decay, from which :func:`schedule` ramps both.
+LR, WEIGHT_DECAY = 0.02, 0.1
 # The parameter dtypes a dry run can lay out (``--param-dtype``).
 PARAM_DTYPES = ("float32", "bfloat16", "float16")
 # The most Python heap a rank's plan may keep (docs/dry_run.md: what it holds and the
@@ -105,8 +108,10 @@ class RankReport:
     same_scalars: bool = True
     """Steps 2 to 4 also launched them with the same host values (non-tensor arguments,
     0-dim CPU tensors) under a learning rate and weight decay that change every step: a
-    CUDA graph captured once replays them right. Reported, not required: the step bakes
-    the learning rate into its launches today (issue 42's ``capturable``)."""
+    CUDA graph captured once replays them right. Required with ``capturable``; without it
+    the step bakes the learning rate into its launches, and the report says so."""
+    capturable: bool = False
+    """The run's ``DMuon(capturable=...)``: whether :attr:`same_scalars` is required."""
     scalar_changes: list[str] = field(default_factory=list)
     """The first ops whose host values changed with the schedule (``op: step 2 -> 3 -> 4``)."""
     offload_waits: dict = field(default_factory=dict)
@@ -139,6 +144,8 @@ class RankReport:
                          f"{self.plan_heap_bound_bytes} (dmuon.dry_run.run.plan_heap_bound)")
         if not self.same_program:
             found.append("steps 2 to 4 dispatched different device programs")
+        elif self.capturable and not self.same_scalars:
+            found.append(f"capturable, but steps 2 to 4 launched different host values: {self.scalar_changes[:3]}")
         if self.precision_hazards:
             found.append(f"{len(self.precision_hazards)} op(s) lose a scalar's precision on CUDA: "
                          f"{'; '.join(self.precision_hazards[:5])}")
@@ -162,12 +169,17 @@ def _host_agreement(row: dict) -> bool:
     return row["op"].startswith("c10d.allreduce_") and row["dtype"] == "int64"
 
 
-def schedule(optimizer: DMuon, base: list[tuple[float, float]], step: int) -> None:
+def schedule(optimizer: DMuon, step: int) -> None:
     """Every group's learning rate and weight decay at ``step`` (0-based): a warm-up-like
-    ramp of both, different at every step, set in ``param_groups`` as torch's schedulers do."""
-    for group, (lr, weight_decay) in zip(optimizer.param_groups, base):
-        group["lr"] = lr * (step + 1) / 4
-        group["weight_decay"] = weight_decay * (1 + step / 8)
+    ramp of both from the run's ``LR`` and ``WEIGHT_DECAY``, different at every step, set in
+    ``param_groups`` as torch's schedulers do (in place where a group holds tensors:
+    ``capturable``)."""
+    for group in optimizer.param_groups:
+        for key, value in (("lr", LR * (step + 1) / 4), ("weight_decay", WEIGHT_DECAY * (1 + step / 8))):
+            if isinstance(group[key], torch.Tensor):
+                group[key].fill_(value)
+            else:
+                group[key] = value
 
 
 def run_rank(config: DryRunConfig, rank: int) -> RankReport:
@@ -180,13 +192,12 @@ def run_rank(config: DryRunConfig, rank: int) -> RankReport:
                 model = build(config.preset, getattr(torch, config.param_dtype))
             lay_out(model, config.layout, mesh, config.cpu_offload)
         with counting_groups() as groups:
-            optimizer = DMuon(model.named_parameters(), lr=0.02, weight_decay=0.1, **config.options)
+            optimizer = DMuon(model.named_parameters(), lr=LR, weight_decay=WEIGHT_DECAY, **config.options)
             if config.options.get("qk_clip_threshold") is not None:
                 _register_attentions(optimizer, model, config.preset)
             for param in model.parameters():
                 param.grad = torch.empty_like(param)
             first, steady, again, fourth, error = StepRecorder(), StepRecorder(), StepRecorder(), StepRecorder(), None
-            base = [(group["lr"], group["weight_decay"]) for group in optimizer.param_groups]
             try:
                 with first:
                     plan_bytes = plan_host_bytes(optimizer)  # what the first step would plan
@@ -196,7 +207,7 @@ def run_rank(config: DryRunConfig, rank: int) -> RankReport:
                                                       ("fourth", fourth))):
                 if error:
                     break
-                schedule(optimizer, base, step)
+                schedule(optimizer, step)
                 _report_logits(optimizer, model, config)
                 try:
                     with recorder:  # a host read gets a placeholder instead of raising
@@ -216,6 +227,7 @@ def run_rank(config: DryRunConfig, rank: int) -> RankReport:
         report.same_program = all(r.program == steady.record.program for r in steps)
         report.scalar_changes = first_scalar_changes([r.program for r in steps], [r.scalars for r in steps])
         report.same_scalars = report.same_program and not report.scalar_changes
+        report.capturable = bool(config.options.get("capturable"))
         report.offload_waits = dict(Counter(steady.record.offload_waits))
         report.documented_offload_waits = documented_waits(optimizer, config.options) if config.cpu_offload else {}
         return report
@@ -250,14 +262,18 @@ def state_layout_problems(optimizer: DMuon) -> list[str]:
     """Where the state is not as docs/optimizer.md says: every tensor on the
     parameter's device, laid out like the parameter (same mesh and placements), except
     NorMuon's per-row moment (replicated on the parameter's mesh) and AdamW's ``step``
-    (a CPU scalar, as torch.optim.AdamW keeps it)."""
+    (a CPU scalar, as torch.optim.AdamW keeps it; on the parameter's device with
+    ``capturable``, as torch.optim.AdamW(capturable=True) keeps it)."""
     problems = []
+    capturable = {id(p): bool(g.get("capturable")) for g in optimizer.param_groups for p in g["params"]}
     for param, state in optimizer.state.items():
         name = optimizer.param_name(param)
         for key, value in state.items():
             if key == "step":
-                if value.device.type != "cpu" or value.ndim:
-                    problems.append(f"{name} {key}: a CPU scalar expected, got {value.device} shape {tuple(value.shape)}")
+                where = local_of(param).device.type if capturable[id(param)] else "cpu"
+                if value.device.type != where or value.ndim:
+                    problems.append(f"{name} {key}: a scalar on {where} expected, got {value.device} shape "
+                                    f"{tuple(value.shape)}")
                 continue
             if value.device.type != param.device.type:
                 problems.append(f"{name} {key}: on {value.device}, the parameter on {param.device}")

@@ -24,19 +24,25 @@ class HostCopy:
 
     def __init__(self, tensor: torch.Tensor) -> None:
         self._event = None
+        self.in_graph = False
+        """Made while a CUDA graph was captured: every replay copies again into the same
+        pinned memory, and a reader waits for the replay itself (``dmuon.cuda_graphs``)."""
         if tensor.device.type == "cpu":
             self._host = tensor
             return
         self._host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
         self._host.copy_(tensor, non_blocking=True)
-        if not is_fake(tensor):
+        if is_fake(tensor):  # the dry run: nothing to wait for, or to read
+            return
+        self.in_graph = tensor.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        if not self.in_graph:  # an event recorded in a capture cannot be waited on
             self._event = torch.get_device_module(tensor.device).Event()
             self._event.record()
 
     def deferred(self) -> bool:
-        """Whether it must be read later: a CUDA graph is being captured, and waiting on an
-        event is not allowed then."""
-        return self._event is not None and torch.cuda.is_current_stream_capturing()
+        """Whether it must be read later: a CUDA graph is being captured (this copy, made in
+        it, holds values only once the graph is replayed; waiting is not allowed then)."""
+        return (self._event is not None or self.in_graph) and torch.cuda.is_current_stream_capturing()
 
     def read(self) -> list[int] | None:
         """The values (None for a fake tensor, which has none)."""

@@ -13,8 +13,10 @@ May import: no other dmuon layer; only ``dmuon.torch_compat`` (torch's private n
 - ``standard_iteration``: the standard iteration, its buffers kept between matrices of one shape;
 - ``gram_newton_schulz``: the Gram iteration, its flops, when it pays;
 - ``update_rules``: the elementwise rules on one tensor;
+- ``adamw_rules``: AdamW's step through torch's functional AdamW (local shards, cautious decay, ``capturable``);
 - ``update_lists``: the same rules over lists (``foreach``);
 - ``masked_updates``: the rules under a device mask per parameter, exact where it holds;
+- ``device_scalars``: hyperparameters as 0-dim device tensors (``capturable``), and the scaled add they need;
 - ``finite``: whether tensors hold a NaN or inf, decided on the device (``skip_nonfinite``);
 - ``alignment``: a matrix view copied where a reduction would read it from an odd offset;
 - ``functional``: whole-tensor Muon, NorMuon and AdamW steps (the single-process reference).

@@ -27,9 +27,10 @@ from dmuon.numerics.newton_schulz import (
     orthogonalize,
     orthogonalize_row_blocks,
 )
+from dmuon.numerics.masked_updates import device_apply_
 from dmuon.numerics.standard_iteration import NewtonSchulzBuffers
 from dmuon.numerics.update_lists import momentum_ as momentum_lists_
-from dmuon.numerics.update_rules import adamw_step_ as adamw_
+from dmuon.numerics.adamw_rules import adamw_step_ as adamw_
 from dmuon.numerics.update_rules import (
     apply_muon_update_,
     muon_momentum_,
@@ -100,7 +101,7 @@ def muon_(
     lr: float | torch.Tensor,
     momentum: float,
     nesterov: bool,
-    weight_decay: float,
+    weight_decay: float | torch.Tensor,
     adjust_lr: str | None,
     matched_adamw_rms: float,
     split_rows: int | None,
@@ -108,13 +109,15 @@ def muon_(
     updating: Updating = lambda _: contextlib.nullcontext(),
     cautious_weight_decay: bool = False,
     foreach: bool = False,
+    capturable: bool = False,
 ) -> None:
     """torch's single-tensor Muon loop over tensors this rank updates whole: its own
     ``params`` (plain tensors, or local tensors of DTensors of global ``shapes``), with
     ``orthogonalize(i, update)`` computing Newton-Schulz (and NorMuon's normalization)
     where the path puts it. The momentum EMA runs first for every tensor (with
     ``foreach``, one list op: ``dmuon.numerics.update_lists``); the rest, per tensor, keeps one
-    update in hand at a time."""
+    update in hand at a time. ``capturable``: ``lr`` and ``weight_decay`` are 0-dim fp64 device
+    tensors (``dmuon.numerics.device_scalars``)."""
     momentum_lists_(momentum_bufs, grads, momentum, foreach)
     for i, (param, grad, buf) in enumerate(zip(params, grads, momentum_bufs)):
         update = nesterov_lookahead(grad, buf, momentum, nesterov).to(UPDATE_DTYPE, copy=True)
@@ -122,7 +125,10 @@ def muon_(
         scale = update_scale(shapes[i], split_rows=split_rows, adjust_lr=adjust_lr,
                              matched_adamw_rms=matched_adamw_rms)
         with updating(param):
-            apply_muon_update_(param, ortho, lr, weight_decay, scale, cautious_weight_decay)
+            if capturable:
+                device_apply_([param], [ortho], None, lr, weight_decay, scale, cautious_weight_decay, False)
+            else:
+                apply_muon_update_(param, ortho, lr, weight_decay, scale, cautious_weight_decay)
 
 
 def normuon_state(param: torch.Tensor) -> torch.Tensor:
@@ -146,11 +152,11 @@ def normuon_state(param: torch.Tensor) -> torch.Tensor:
     return DTensor.from_local(local, mesh, [Replicate()] * mesh.ndim, run_check=False)
 
 
-def adamw_state(param: torch.Tensor, fused: bool | None = None) -> dict[str, torch.Tensor]:
+def adamw_state(param: torch.Tensor, device_step: bool | None = None) -> dict[str, torch.Tensor]:
     """A parameter's AdamW state before its first step, as torch.optim.AdamW makes it
-    (with ``fused``, the step counter in fp32 on the parameter's device, where the fused
-    kernel reads it; else on the host)."""
-    on_device = torch.zeros((), dtype=torch.float32, device=param.device) if fused else None
+    (``device_step``, for fused or capturable AdamW: the step counter in fp32 on the
+    parameter's device, where those kernels read it; else on the host)."""
+    on_device = torch.zeros((), dtype=torch.float32, device=param.device) if device_step else None
     step = torch.tensor(0.0, dtype=scalar_dtype()) if on_device is None else on_device
     return {
         "step": step,
@@ -160,12 +166,13 @@ def adamw_state(param: torch.Tensor, fused: bool | None = None) -> dict[str, tor
 
 
 def adamw_steps(states: Sequence[dict[str, torch.Tensor]], params: Sequence[torch.Tensor],
-                fused: bool | None) -> list[torch.Tensor]:
-    """Each parameter's AdamW ``step`` counter, for a step with ``fused`` or not. The fused
-    kernel reads it in fp32 on the parameter's device, where torch.optim.AdamW(fused=True)
-    keeps it (and moves a loaded one): a counter made without fused (a checkpoint of
-    another implementation, an optimizer switched to fused) is moved there once, exactly."""
-    if fused:
+                device_step: bool | None) -> list[torch.Tensor]:
+    """Each parameter's AdamW ``step`` counter, for a step whose kernel reads it on the
+    device (``device_step``: fused or capturable) or not. Such a kernel reads it in fp32 on
+    the parameter's device, where torch.optim.AdamW(fused=True) keeps it (and moves a loaded
+    one): a counter made otherwise (a checkpoint of another implementation, an optimizer
+    switched to fused) is moved there once, exactly."""
+    if device_step:
         for state, param in zip(states, params):
             if state["step"].device != param.device or state["step"].dtype != torch.float32:
                 state["step"] = state["step"].to(device=param.device, dtype=torch.float32)

@@ -1,4 +1,4 @@
-"""The Muon and AdamW update rules, as pure elementwise functions on tensors.
+"""The Muon update rules, as pure elementwise functions on tensors (AdamW's: ``dmuon.numerics.adamw_rules``).
 
 Muon, for a matrix W (A x B) with gradient G (torch.optim.Muon semantics)::
 
@@ -30,11 +30,8 @@ import math
 from collections.abc import Sequence
 
 import torch
-from torch.distributed.tensor import DTensor
-from torch.optim.adamw import adamw as _torch_adamw
 
 from dmuon.numerics.newton_schulz import UPDATE_DTYPE, matrix_shape
-from dmuon.torch_compat import default_foreach_for, local_of
 
 # Shape-aware learning-rate scales (``DMuon(adjust_lr=...)``).
 ADJUST_LR_CHOICES = ("original", "match_rms_adamw", "spectral", None)
@@ -177,86 +174,3 @@ def apply_muon_update_(
     else:
         param.mul_(1 - lr * weight_decay)
     param.add_(ortho, alpha=-lr * scale)
-
-
-def _local_lists(*lists: list[torch.Tensor]) -> list[list[torch.Tensor]]:
-    """The lists as their local tensors when every DTensor among a parameter's tensors has
-    the parameter's mesh and placements (FSDP2's case): AdamW is elementwise, so each shard's
-    update is the bits DTensor would compute, without DTensor's dispatch per op (a few
-    microseconds a tensor). Otherwise (a ``Partial`` grad, say, which DTensor redistributes
-    inside the op) the lists as given: a foreach op cannot mix DTensors and local tensors."""
-    for tensors in zip(*lists):
-        param = tensors[0]
-        if any(isinstance(t, DTensor) for t in tensors) and not (
-                isinstance(param, DTensor) and all(isinstance(t, DTensor) and t.device_mesh == param.device_mesh
-                                                   and t.placements == param.placements for t in tensors)):
-            return list(lists)
-    return [[local_of(t) for t in tensors] for tensors in lists]
-
-
-def adamw_direction_sign(exp_avg: torch.Tensor, grad: torch.Tensor, beta1: float) -> torch.Tensor:
-    """The sign of the AdamW step's direction ``m_hat / (sqrt(v_hat) + eps)`` about to be
-    taken: that of the first moment after this grad (the other factors are positive)."""
-    return torch.sign(exp_avg.lerp(grad, 1 - beta1))
-
-
-def adamw_step_(
-    params: list[torch.Tensor],
-    grads: list[torch.Tensor],
-    exp_avgs: list[torch.Tensor],
-    exp_avg_sqs: list[torch.Tensor],
-    steps: list[torch.Tensor],
-    *,
-    lr: float | torch.Tensor,
-    betas: tuple[float, float],
-    eps: float,
-    weight_decay: float,
-    cautious_weight_decay: bool = False,
-    foreach: bool | None = None,
-    fused: bool | None = None,
-    found_inf: torch.Tensor | None = None,
-) -> None:
-    """One AdamW step, delegated to torch's functional AdamW so the bits match
-    ``torch.optim.AdamW`` with the same hyperparameters, a one-element Tensor ``lr``
-    included (it also handles complex tensors; DTensors step as their local tensors where
-    :func:`_local_lists` allows). ``foreach`` and ``fused``:
-    torch's options (None: torch's default for the device; ``fused`` wins over
-    ``foreach``, and needs each ``steps`` entry an fp32 tensor on its parameter's device).
-
-    With ``cautious_weight_decay`` the decay is :func:`cautious_decay_` with AdamW's
-    direction ``u = m_hat / (sqrt(v_hat) + eps)`` (its sign: :func:`adamw_direction_sign`),
-    applied first, as torch applies its decay, and torch's step then runs without
-    decay. (Where ``u`` would underflow to 0 while the moment is not 0, the sign of the
-    moment decides; torch computes ``u`` inside its step.) A complex parameter, whose
-    entries have no sign, keeps the plain decay.
-
-    ``found_inf`` (fused only, as in torch): a 0-dim float on the parameters' device; 1.0
-    skips the step on the device (parameters, moments and step counts keep their bits)."""
-    if cautious_weight_decay and weight_decay != 0:
-        for param, grad, exp_avg in zip(params, grads, exp_avgs):
-            if param.is_complex():
-                local_of(param).mul_(1 - (lr.squeeze() if isinstance(lr, torch.Tensor) else lr) * weight_decay)
-                continue
-            direction = adamw_direction_sign(local_of(exp_avg), local_of(grad), betas[0])
-            cautious_decay_(local_of(param), direction, lr, weight_decay)
-        weight_decay = 0.0
-    if foreach is None and fused is None:  # torch's own default, decided on the tensors as given, not their shards
-        foreach = default_foreach_for(params) and not isinstance(lr, torch.Tensor)
-    tensors = _local_lists(params, grads, exp_avgs, exp_avg_sqs)
-    _torch_adamw(
-        *tensors,
-        [],
-        steps,
-        foreach=foreach,
-        fused=fused,
-        has_complex=any(p.is_complex() for p in params),
-        amsgrad=False,
-        beta1=betas[0],
-        beta2=betas[1],
-        lr=lr,
-        weight_decay=weight_decay,
-        eps=eps,
-        maximize=False,
-        found_inf=found_inf,
-    )
-

@@ -1,0 +1,110 @@
+"""The masks a step reads from its status sums (``dmuon.exchange.grad_status`` starts the
+sums; this is what the step's rules read of them): the step's mask and each DTensor
+parameter's, 0-dim bools on the device, never read on the host in the step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+
+from dmuon.exchange.host_copy import HostCopy
+from dmuon.exchange.status_channel import StatusChannel
+
+STATUS_DTYPE = torch.int32
+BLOCKS = 4
+"""The status's blocks of one entry per parameter (ranks with a grad, without one, a
+disagreement counted over a strict subset of the ranks, ``Partial`` grads), then two
+counts: ranks with a problem, ranks with a non-finite grad (``skip_nonfinite``)."""
+
+
+class StatusMasks(Mapping[torch.Tensor, torch.Tensor]):
+    """The step's mask and each DTensor parameter's (0-dim bools on the device), once the
+    step's status sums arrive. The sums are started by :meth:`GradStatus.agree` and waited
+    for at the first mask read (or :meth:`finish`), so the host work in between (the
+    Muon part's bookkeeping) overlaps the collective's latency; membership needs no wait.
+
+    ``host_ok``: the step's mask as the host knows it without waiting: False where this
+    rank knows the step is masked (its own problem, or an error pending from the last
+    step), True where no other rank takes part (no sums to wait for) and nothing is
+    wrong here, None where only the device knows."""
+
+    def __init__(self, channel: StatusChannel | None, status: torch.Tensor | None, work: Any,
+                 subset_sums: list[torch.Tensor], host_ok: bool | None, masked_here: bool,
+                 device: torch.device | None, pending: list[tuple[list[str], HostCopy]],
+                 finite: torch.Tensor | None = None) -> None:
+        self._channel, self._status, self._work, self._subset_sums = channel, status, work, subset_sums
+        self._finite = finite  # this rank's grads finite, where no other rank takes part (skip_nonfinite)
+        self.host_ok = host_ok
+        self._masked_here = masked_here
+        self._device = device
+        self._pending = pending
+        self._keys = {} if channel is None else {p: None for p in channel.params}
+        self._oks: dict[torch.Tensor, torch.Tensor] | None = None
+        self._step_ok: torch.Tensor | None = None
+
+    def finish(self) -> dict[torch.Tensor, torch.Tensor]:
+        """Wait for the sums (on the device: no host read), make the masks, and send the sums
+        to the host for the next step's :meth:`GradStatus.take_pending`; once."""
+        if self._oks is not None:
+            return self._oks
+        self._oks = {}
+        if self._channel is None:
+            self._step_ok = torch.full((), self.host_ok is not False, dtype=torch.bool, device=self._device)
+            if self._finite is not None and self.host_ok is not False:  # a step that raises is no skip
+                self._step_ok = self._step_ok & self._finite
+                counts = torch.zeros(2, dtype=STATUS_DTYPE, device=self._finite.device)
+                counts[1].copy_(~self._finite)  # [problems, non-finite], as a channel's tail
+                self._pending.append(([], HostCopy(counts)))
+            return self._oks
+        if self._work is not None:
+            self._work.wait()
+        status, n = self._status, len(self._channel.params)
+        has, has_not, uneven_elsewhere, partial = (status[k * n : (k + 1) * n] for k in range(BLOCKS))
+        # Counting the ranks with and without a grad (rather than comparing one count with
+        # the group's size) gives the right answer on a group whose sums are local too.
+        uneven = ((has > 0) & (has_not > 0)) | (uneven_elsewhere > 0) | ((partial > 0) & (partial < has))
+        step_ok = (status[BLOCKS * n] == 0) & (status[BLOCKS * n + 1] == 0) & ~uneven.any()
+        if self._masked_here:  # this rank's problem, or an error pending from the last step
+            step_ok = torch.zeros((), dtype=torch.bool, device=status.device)
+        self._step_ok = step_ok
+        present = has > 0
+        for subset, sums in zip(self._channel.subsets, self._subset_sums):  # counted over their own ranks
+            present = present.index_copy(0, subset.index(status.device), sums[: len(subset.positions)] > 0)
+        self._oks.update(zip(self._channel.params, (present & step_ok).unbind()))
+        self._pending.append((self._channel.names, HostCopy(status)))
+        return self._oks
+
+    def mask_here(self) -> None:
+        """Mask the rest of this step where no other rank takes part, e.g. after torch's
+        AdamW raised (with ``skip_nonfinite`` the mask may already be made: it turns False)."""
+        assert self.alone, "only a step no other rank takes part in is masked here"
+        self.host_ok, self._masked_here = False, True
+        if self._step_ok is not None:  # the masks are made already: every one turns False
+            self._step_ok = torch.zeros_like(self._step_ok)
+            self._oks = {param: self._step_ok for param in self._oks or {}}
+
+    @property
+    def alone(self) -> bool:
+        """Whether no other rank takes part in this step's status."""
+        return self._channel is None or self._channel.group is None
+
+    @property
+    def step_ok(self) -> torch.Tensor:
+        """The step's mask: False on every rank when any rank may not step (0-dim bool)."""
+        self.finish()
+        return self._step_ok
+
+    def __getitem__(self, param: torch.Tensor) -> torch.Tensor:
+        return (self._oks if self._oks is not None else self.finish())[param]  # read per parameter: no call once made
+
+    def __contains__(self, param: object) -> bool:
+        return param in self._keys
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        return iter(self._keys)
+
+    def __len__(self) -> int:
+        return len(self._keys)

@@ -1,0 +1,154 @@
+"""AdamW's update, delegated to torch's functional AdamW so its bits are
+``torch.optim.AdamW``'s: the local-shard lists DMuon hands it, cautious weight decay with
+AdamW's direction, and the ``capturable`` form with device hyperparameters
+(``dmuon.numerics.device_scalars``).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import DTensor
+from torch.optim.adamw import adamw as _torch_adamw
+
+from dmuon.numerics.update_rules import cautious_decay_
+from dmuon.torch_compat import capturable_devices, default_foreach_for, local_of
+
+
+def _local_lists(*lists: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """The lists as their local tensors when every DTensor among a parameter's tensors has
+    the parameter's mesh and placements (FSDP2's case): AdamW is elementwise, so each shard's
+    update is the bits DTensor would compute, without DTensor's dispatch per op (a few
+    microseconds a tensor). Otherwise (a ``Partial`` grad, say, which DTensor redistributes
+    inside the op) the lists as given: a foreach op cannot mix DTensors and local tensors."""
+    for tensors in zip(*lists):
+        param = tensors[0]
+        if any(isinstance(t, DTensor) for t in tensors) and not (
+                isinstance(param, DTensor) and all(isinstance(t, DTensor) and t.device_mesh == param.device_mesh
+                                                   and t.placements == param.placements for t in tensors)):
+            return list(lists)
+    return [[local_of(t) for t in tensors] for tensors in lists]
+
+
+def adamw_direction_sign(exp_avg: torch.Tensor, grad: torch.Tensor, beta1: float) -> torch.Tensor:
+    """The sign of the AdamW step's direction ``m_hat / (sqrt(v_hat) + eps)`` about to be
+    taken: that of the first moment after this grad (the other factors are positive)."""
+    return torch.sign(exp_avg.lerp(grad, 1 - beta1))
+
+
+def adamw_step_(
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    exp_avgs: list[torch.Tensor],
+    exp_avg_sqs: list[torch.Tensor],
+    steps: list[torch.Tensor],
+    *,
+    lr: float | torch.Tensor,
+    betas: tuple[float, float],
+    eps: float,
+    weight_decay: float,
+    cautious_weight_decay: bool = False,
+    foreach: bool | None = None,
+    fused: bool | None = None,
+    found_inf: torch.Tensor | None = None,
+    capturable: bool = False,
+) -> None:
+    """One AdamW step, delegated to torch's functional AdamW so the bits match
+    ``torch.optim.AdamW`` with the same hyperparameters, a one-element Tensor ``lr``
+    included (it also handles complex tensors; DTensors step as their local tensors where
+    :func:`_local_lists` allows). ``foreach`` and ``fused``:
+    torch's options (None: torch's default for the device; ``fused`` wins over
+    ``foreach``, and needs each ``steps`` entry an fp32 tensor on its parameter's device).
+
+    With ``cautious_weight_decay`` the decay is :func:`cautious_decay_` with AdamW's
+    direction ``u = m_hat / (sqrt(v_hat) + eps)`` (its sign: :func:`adamw_direction_sign`),
+    applied first, as torch applies its decay, and torch's step then runs without
+    decay. (Where ``u`` would underflow to 0 while the moment is not 0, the sign of the
+    moment decides; torch computes ``u`` inside its step.) A complex parameter, whose
+    entries have no sign, keeps the plain decay.
+
+    ``found_inf`` (fused only, as in torch): a 0-dim float on the parameters' device; 1.0
+    skips the step on the device (parameters, moments and step counts keep their bits).
+
+    ``capturable``: ``lr`` and ``weight_decay`` are 0-dim fp64 device tensors
+    (``dmuon.numerics.device_scalars``); :func:`adamw_capturable_` runs the step."""
+    if capturable:
+        adamw_capturable_(params, grads, exp_avgs, exp_avg_sqs, steps, lr=lr, betas=betas, eps=eps,
+                          weight_decay=weight_decay, cautious_weight_decay=cautious_weight_decay, foreach=foreach,
+                          fused=fused, found_inf=found_inf)
+        return
+    if cautious_weight_decay and weight_decay != 0:
+        for param, grad, exp_avg in zip(params, grads, exp_avgs):
+            if param.is_complex():
+                local_of(param).mul_(1 - (lr.squeeze() if isinstance(lr, torch.Tensor) else lr) * weight_decay)
+                continue
+            direction = adamw_direction_sign(local_of(exp_avg), local_of(grad), betas[0])
+            cautious_decay_(local_of(param), direction, lr, weight_decay)
+        weight_decay = 0.0
+    if foreach is None and fused is None:  # torch's own default, decided on the tensors as given, not their shards
+        foreach = default_foreach_for(params) and not isinstance(lr, torch.Tensor)
+    tensors = _local_lists(params, grads, exp_avgs, exp_avg_sqs)
+    _torch_adamw(*tensors, [], steps, foreach=foreach, fused=fused, has_complex=any(p.is_complex() for p in params),
+                 amsgrad=False, beta1=betas[0], beta2=betas[1], lr=lr, weight_decay=weight_decay, eps=eps,
+                 maximize=False, found_inf=found_inf)
+
+
+def adamw_capturable_(
+    params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
+    exp_avg_sqs: list[torch.Tensor], steps: list[torch.Tensor], *, lr: torch.Tensor, betas: tuple[float, float],
+    eps: float, weight_decay: torch.Tensor, cautious_weight_decay: bool, foreach: bool | None, fused: bool | None,
+    found_inf: torch.Tensor | None,
+) -> None:
+    """:func:`adamw_step_` with ``lr`` and ``weight_decay`` as 0-dim fp64 device tensors, no
+    host read. The decay ``p *= 1 - lr * wd`` runs first, on the device (torch's own first
+    op on its for-loop and foreach paths; cautious: :func:`cautious_decay_`), then torch's
+    AdamW without decay:
+
+    - on a device torch's ``capturable`` path takes (CUDA): that path (step counts and bias
+      corrections on the device; fused: the kernel reads a Tensor lr in fp32);
+    - elsewhere (the CPU, where torch refuses ``capturable``): the paths torch allows a
+      Tensor lr without it, the for-loop or fused; bits equal to a float ``lr``."""
+    _decay_on_device_(params, grads, exp_avgs, lr, weight_decay, betas[0], cautious_weight_decay, foreach)
+    on_device = params[0].device.type in capturable_devices()
+    if fused and on_device:
+        lr = lr.to(torch.float32)  # torch's fused kernels read a Tensor lr as fp32
+    if not on_device:
+        foreach = False if not fused else foreach  # torch refuses a Tensor lr on the list path without capturable
+    elif foreach is None and fused is None:
+        foreach = default_foreach_for(params)
+    _torch_adamw(*_local_lists(params, grads, exp_avgs, exp_avg_sqs), [], steps, foreach=foreach, fused=fused,
+                 capturable=on_device and not fused, has_complex=any(p.is_complex() for p in params),
+                 amsgrad=False, beta1=betas[0], beta2=betas[1], lr=lr, weight_decay=0.0, eps=eps, maximize=False,
+                 found_inf=found_inf)
+
+
+def _decay_on_device_(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
+                      lr: torch.Tensor, weight_decay: torch.Tensor, beta1: float, cautious_weight_decay: bool,
+                      foreach: bool | None) -> None:
+    """``p *= 1 - lr * weight_decay`` with the factor made on the device, in the dtype ``mul_``
+    by a number computes in (fp32; fp64 for fp64 and complex128), expanded for a narrower
+    parameter; one list op per dtype unless ``foreach`` is False (cautious: per tensor)."""
+    keep = 1 - lr * weight_decay
+    factors: dict[torch.dtype, torch.Tensor] = {}
+    by_dtype: dict[torch.dtype, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+    for param, grad, exp_avg in zip(params, grads, exp_avgs):
+        local = local_of(param)
+        real = torch.float64 if local.dtype in (torch.float64, torch.complex128) else torch.float32
+        if real not in factors:
+            factors[real] = keep.to(real)
+        factor = factors[real] if factors[real].dtype == local.dtype else factors[real].expand(local.shape)
+        if cautious_weight_decay and not param.is_complex():
+            cautious_decay_(local, adamw_direction_sign(local_of(exp_avg), local_of(grad), beta1), lr,
+                            weight_decay, keep=factors[real])
+        else:
+            targets, scales = by_dtype.setdefault(local.dtype, ([], []))
+            targets.append(local)
+            scales.append(factor)
+    for targets, scales in by_dtype.values():
+        if foreach is False:
+            for target, scale in zip(targets, scales):
+                target.mul_(scale)
+        elif scales[0].ndim == 0:  # the list's own dtype: one 0-dim factor for the whole list
+            torch._foreach_mul_(targets, scales[0])
+        else:
+            torch._foreach_mul_(targets, scales)
+

@@ -1,0 +1,74 @@
+"""Hyperparameters as 0-dim device tensors, for a step captured in a CUDA graph (``capturable=True``).
+
+A captured graph replays the scalars it was captured with: a learning rate passed to a kernel
+as a Python number would stay the first step's forever. Under ``capturable`` a group's
+:data:`DEVICE_HYPERPARAMETERS` are 0-dim tensors on the parameters' device, which LR
+schedulers update in place (``fill_``), and every product of them is computed on the device.
+
+Why fp64 (:data:`HYPERPARAMETER_DTYPE`): a Python float is an fp64 number, and IEEE fp64
+arithmetic rounds alike on the host and on every device. So ``1 - lr * weight_decay`` and
+``-lr * scale`` computed on fp64 device tensors are the very numbers ``capturable=False``
+computes on the host, and a kernel fed them (cast as that kernel casts its Python number)
+gives the same bits.
+
+The one kernel whose number has no Tensor form is ``add_(update, alpha=...)``.
+:func:`scaled_add_` gives its bits with ``addcmul_`` and ``alpha`` as a broadcast tensor,
+in the dtype ``add_`` reads its ``alpha`` in (:func:`alpha_dtype`). Checked bit for bit
+against ``add_`` for fp32 and fp64 targets on the CPU (AVX-512, AVX2 and default kernels):
+``tests/test_device_scalars.py``. On the CPU a bf16 or fp16 target's ``add_`` rounds
+``alpha * update`` to the target's dtype in the elements its vector loop leaves over,
+which no Tensor op reproduces: those elements may differ by one rounding.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+# What a device hyperparameter is held in: a Python float's own format (see the module docstring).
+HYPERPARAMETER_DTYPE = torch.float64
+# The group keys held on the device under ``capturable``: what LR schedulers (and weight-decay
+# schedules) change. The rest (momentum, betas, eps, ...) stay Python numbers, fixed at capture.
+DEVICE_HYPERPARAMETERS = ("lr", "weight_decay")
+# Targets whose ``add_(alpha=)`` on the CPU reads ``alpha`` in their own dtype (not fp32).
+_NARROW = (torch.bfloat16, torch.float16)
+
+
+def device_scalar(value: float | torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``value`` (a number or a one-element Tensor) as a 0-dim fp64 tensor on ``device``;
+    made once, when a group is built or loaded, never in a step."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().reshape(()).to(device=device, dtype=HYPERPARAMETER_DTYPE, copy=True)
+    return torch.tensor(float(value), dtype=HYPERPARAMETER_DTYPE, device=device)
+
+
+def alpha_dtype(dtype: torch.dtype, device_type: str) -> torch.dtype:
+    """The dtype ``add_(other, alpha=a)`` on a ``dtype`` tensor reads ``a`` in: fp64 for
+    fp64; on the CPU a bf16 or fp16 tensor's own dtype; else fp32 (CUDA's opmath)."""
+    if dtype == torch.float64:
+        return torch.float64
+    if device_type == "cpu" and dtype in _NARROW:
+        return dtype
+    return torch.float32
+
+
+def scaled_add_(targets: Sequence[torch.Tensor], updates: Sequence[torch.Tensor], alpha: torch.Tensor,
+                foreach: bool) -> None:
+    """``target += alpha * update`` for every pair, ``alpha`` a 0-dim fp64 device tensor,
+    with the bits of ``target.add_(update, alpha=float(alpha))`` (module docstring), and no
+    host read of ``alpha``."""
+    if not targets:
+        return
+    cast: dict[torch.dtype, torch.Tensor] = {}
+    scales = []
+    for target, update in zip(targets, updates):
+        dtype = alpha_dtype(target.dtype, target.device.type)
+        if dtype not in cast:
+            cast[dtype] = alpha.to(dtype)
+        scales.append(cast[dtype].expand(update.shape))
+    if foreach:
+        torch._foreach_addcmul_(list(targets), list(updates), scales)
+        return
+    for target, update, scale in zip(targets, updates, scales):
+        target.addcmul_(update, scale)
