@@ -23,7 +23,8 @@ machine's. Under the table, the issue's acceptance figures (``ACCEPTANCE_OPS``, 
 for the rows that ran.
 
 Optimizers: ``dmuon`` (``DMuon()``, torch's per-device default for ``foreach``),
-``dmuon_foreach`` (``DMuon(foreach=True)``), ``adamw`` (``torch.optim.AdamW(foreach=True)``
+``dmuon_foreach`` (``DMuon(foreach=True)``), ``dmuon_capturable`` (``DMuon(capturable=True)``:
+its hyperparameters on the device, issue 42), ``adamw`` (``torch.optim.AdamW(foreach=True)``
 on every parameter) and ``muon`` (``torch.optim.Muon`` on the 2-D hidden matrices, as
 DTensors, beside ``torch.optim.AdamW(foreach=True)`` for the rest: embeddings, output, norms
 and, in the MoE model, the 3-D expert stacks, which ``torch.optim.Muon`` refuses).
@@ -52,7 +53,7 @@ from torch.distributed.fsdp import fully_shard
 from dmuon.optimizer import DMuon
 from dmuon.torch_compat import TorchDispatchMode
 
-OPTIMIZERS = ("dmuon", "dmuon_foreach", "adamw", "muon")
+OPTIMIZERS = ("dmuon", "dmuon_foreach", "adamw", "muon", "dmuon_capturable")
 RANKS = (1, 2, 4)
 # Issue 25's acceptance: the most aten ops DMuon(foreach=True) may take per step on the
 # busiest rank, by (model, P). Issue 31's: its step time over AdamW(foreach=True)'s at
@@ -177,6 +178,8 @@ def make_optimizers(name: str, model: nn.Module, ns_dtype: str = "auto") -> list
         return [DMuon(named, lr=LR, ns_dtype=ns_dtype)]
     if name == "dmuon_foreach":
         return [DMuon(named, lr=LR, foreach=True, ns_dtype=ns_dtype)]
+    if name == "dmuon_capturable":  # lr and weight_decay as device tensors (torch's default foreach)
+        return [DMuon(named, lr=LR, capturable=True, ns_dtype=ns_dtype)]
     if name == "adamw":
         return [torch.optim.AdamW([p for _, p in named], lr=LR, foreach=True)]
     if name == "muon":

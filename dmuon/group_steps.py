@@ -27,6 +27,7 @@ from dmuon.numerics.functional import (
 )
 from dmuon.exchange.status_channel import distributed
 from dmuon.exchange.status_masks import StatusMasks
+from dmuon.numerics.device_scalars import StepScalars
 from dmuon.numerics.masked_updates import device_apply_, mask_, masked_apply_, masked_momentum_
 from dmuon.numerics.newton_schulz import UPDATE_DTYPE, resolve_ns_algorithm, resolve_ns_dtype
 from dmuon.numerics.standard_iteration import NewtonSchulzBuffers
@@ -58,6 +59,9 @@ class GroupSteps:
         """The optimizer's ``foreach``: None lets torch choose per device (``dmuon.numerics.update_lists``)."""
         self.fused = fused
         """The optimizer's ``fused``: the AdamW part steps with torch's fused AdamW."""
+        self.scalars = StepScalars()
+        """A capturable step's device products of its hyperparameters, made once (a step's
+        ``GroupSteps`` lives for that step only)."""
 
     def orthogonalize(self, matrix: torch.Tensor, group: dict[str, Any],
                       second_moment: torch.Tensor | None = None, ok: torch.Tensor | None = None,
@@ -124,9 +128,10 @@ class GroupSteps:
                             self.lists_for(targets[0].device, group))
                 mine = [targets[k] for k in members], [orthos[k] for k in members]
                 if oks is not None:
-                    masked_apply_(*mine, [oks[k] for k in members], *settings, capturable=capturable(group))
+                    masked_apply_(*mine, [oks[k] for k in members], *settings, capturable=capturable(group),
+                                  scalars=self.scalars)
                 elif capturable(group):  # hyperparameters on the device (dmuon.numerics.device_scalars)
-                    device_apply_(*mine, None, *settings)
+                    device_apply_(*mine, None, *settings, self.scalars)
                 else:
                     apply_muon_updates_(*mine, *settings)
 
@@ -172,7 +177,7 @@ class GroupSteps:
               [local_of(state[p]["momentum_buffer"]) for p in params], shapes=[p.shape for p in params],
               orthogonalize=orthogonalize, updating=self.telemetry.muon_update,
               foreach=bool(local_params) and self.lists_for(local_params[0].device, group),
-              capturable=capturable(group), **{key: group[key] for key in MUON_STEP_KEYS})
+              capturable=capturable(group), scalars=self.scalars, **{key: group[key] for key in MUON_STEP_KEYS})
 
     def muon_off_the_fast_path(self, param_groups: Sequence[dict[str, Any]], paths: Mapping[torch.Tensor, str],
                                grads: Mapping[torch.Tensor, torch.Tensor], status: StatusMasks,

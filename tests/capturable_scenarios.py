@@ -199,3 +199,12 @@ def cuda_graph_schedule_replay(steps: int = 20) -> dict[str, Any]:
     equal = all(torch.equal(eager_params[n].to_local(), graph_params[n].to_local()) for n in eager_params)
     replay.release()
     return {"equal": equal, "skipped": (eager.skipped_steps, graphed.skipped_steps)}
+
+
+def capturable_cases(layout: str, variants: list[str], with_nan: bool) -> dict[str, dict[str, Any]]:
+    """:func:`capturable_matches` for each of ``variants`` and, with ``with_nan``, once more
+    (plain) with a NaN on the last rank: one launch for them all."""
+    found = {variant: capturable_matches(layout, variant) for variant in variants}
+    if with_nan:
+        found["nan"] = capturable_matches(layout, "plain", dist.get_world_size() - 1)
+    return found

@@ -2,8 +2,9 @@
 weight-decay schedule that change every step, with ``skip_nonfinite`` and a NaN grad on
 one rank only, every local bit equals ``capturable=False``'s (parameters, every state
 value, the skipped count), on FSDP at P = 1, 2 and 4 and on TorchTitan's 2 x 2 layouts
-(HSDP, FSDP + TP, TP, EP, EP + FSDP), with NorMuon, cautious decay and Gram Newton-Schulz.
-The workers: tests/capturable_scenarios.py."""
+(HSDP, FSDP + TP, TP, EP, EP + FSDP), with NorMuon, cautious decay and Gram Newton-Schulz;
+and a DCP checkpoint resumes bitwise on another world size. The workers:
+tests/capturable_scenarios.py (one launch per world size and layout)."""
 
 from __future__ import annotations
 
@@ -14,23 +15,36 @@ from tests.multiprocess import run_on_ranks
 
 pytestmark = pytest.mark.multirank
 
+VARIANTS = list(scenarios.VARIANTS)
+
+
+@pytest.fixture(scope="module")
+def fsdp() -> dict[int, list[dict]]:
+    """Each rank's results on the FSDP layout, per world size (a NaN case from P = 2 on)."""
+    return {world: run_on_ranks(scenarios.capturable_cases, world, "fsdp", ["plain"], world > 1)
+            for world in (1, 2, 4)}
+
+
+@pytest.fixture(scope="module")
+def titan_layouts() -> list[dict]:
+    """Each rank's results on the 2 x 2 layouts, every variant and the NaN case."""
+    return run_on_ranks(scenarios.capturable_cases, 4, "mesh_2x2", VARIANTS, True)
+
 
 @pytest.mark.parametrize("world", [1, 2, 4])
-def test_capturable_fsdp_steps_bitwise_like_capturable_off_under_schedules(world):
-    ranks = run_on_ranks(scenarios.capturable_matches, world, "fsdp", "plain")
-    assert [r["differ"] for r in ranks] == [[]] * world
+def test_capturable_fsdp_steps_bitwise_like_capturable_off_under_schedules(fsdp, world):
+    assert [rank["plain"]["differ"] for rank in fsdp[world]] == [[]] * world
 
 
-@pytest.mark.parametrize("variant", ["plain", "normuon", "cautious", "nesterov_off_gram"])
-def test_capturable_titan_layouts_step_bitwise_like_capturable_off(variant):
-    ranks = run_on_ranks(scenarios.capturable_matches, 4, "mesh_2x2", variant)
-    assert [r["differ"] for r in ranks] == [[]] * 4
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_capturable_titan_layouts_step_bitwise_like_capturable_off(titan_layouts, variant):
+    assert [rank[variant]["differ"] for rank in titan_layouts] == [[]] * 4
 
 
 @pytest.mark.parametrize("layout, world", [("fsdp", 2), ("fsdp", 4), ("mesh_2x2", 4)])
-def test_a_nan_on_one_rank_is_skipped_everywhere_alike_with_capturable(layout, world):
-    ranks = run_on_ranks(scenarios.capturable_matches, world, layout, "plain", world - 1)
-    assert [(r["differ"], r["skipped"]) for r in ranks] == [([], 1)] * world
+def test_a_nan_on_one_rank_is_skipped_everywhere_alike_with_capturable(fsdp, titan_layouts, layout, world):
+    ranks = fsdp[world] if layout == "fsdp" else titan_layouts
+    assert [(rank["nan"]["differ"], rank["nan"]["skipped"]) for rank in ranks] == [([], 1)] * world
 
 
 def test_a_capturable_dcp_checkpoint_resumes_bitwise_on_another_world_size(tmp_path):

@@ -111,3 +111,19 @@ def test_the_inputs_would_change_without_the_mask(dtype):
     for ok, before, after, p_before, p_after in zip(OKS, bufs, moved, params, stepped):
         if not ok:
             assert bits(before) != bits(after) and bits(p_before) != bits(p_after)
+
+
+def test_masked_momentum_holds_one_chunk_of_emas_at_a_time():
+    # Three buffers of 0.6 chunk each: one per chunk. Each chunk's out-of-place EMAs must be
+    # freed before the next chunk's are made (found by the dry run: MoE 16B under EP at
+    # P = 1024 held two chunks, over its memory bound). Meta tensors: sizes without data.
+    from dmuon.dry_run.recorder import StepRecorder
+    from dmuon.numerics.masked_updates import MASKED_CHUNK_NUMEL
+
+    numel = MASKED_CHUNK_NUMEL * 6 // 10
+    bufs = [torch.empty(numel, device="meta") for _ in range(3)]
+    grads = [torch.empty(numel, device="meta") for _ in range(3)]
+    oks = [torch.empty((), dtype=torch.bool, device="meta") for _ in range(3)]
+    with StepRecorder() as recorder:
+        masked_momentum_(bufs, grads, 0.9, oks, foreach=True)
+    assert recorder.record.peak_bytes == numel * 4

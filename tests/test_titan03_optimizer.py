@@ -77,6 +77,15 @@ def test_skip_nonfinite_is_a_whole_optimizer_switch_taking_a_bool():
     assert all(o.skip_nonfinite for o in build(dmuon_optimizer(factory_options={"skip_nonfinite": True})))
 
 
+def test_capture_step_is_a_whole_optimizer_switch_refused_on_a_cpu_run_naming_the_field():
+    with pytest.raises(ValueError, match=r"optimizer_factory_kwargs_by_name\['DMuon'\]: capture_step must be a bool"):
+        dmuon_optimizer(factory_options={"capture_step": "yes"})
+    with pytest.raises(ValueError, match=r"^optimizer.optimizer_factory_kwargs_by_name\['DMuon'\]\['capture_step'\] "
+                                         r"captures the optimizer step in a CUDA graph: CUDA only, and this job's "
+                                         r"parameters are on cpu"):
+        build(dmuon_optimizer(factory_options={"capture_step": True}))
+
+
 def test_an_unknown_group_key_is_refused_with_the_known_ones():
     with pytest.raises(ValueError, match=r"unknown key\(s\) \['ns_step'\].*known: .*'ns_steps'"):
         dmuon_optimizer(ns_step=3)

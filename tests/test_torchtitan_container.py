@@ -320,3 +320,15 @@ def test_a_container_with_heads_split_trains_a_model():
         container.step()
         losses.append(loss.item())
     assert losses[-1] < losses[0] - 0.3
+
+
+def test_capture_step_is_refused_on_a_cpu_run_naming_the_field():
+    with pytest.raises(ValueError, match=r"^\[optimizer\] capture_step captures the optimizer step in a CUDA graph: "
+                                         r"CUDA only, and this job's parameters are on cpu .*set it to false"):
+        build([tiny_llama()], "--optimizer.capture_step")
+
+
+def test_capture_step_turns_on_capturable_and_is_off_by_default():
+    assert dmuon_kwargs(optimizer_config("--optimizer.capture_step"))["capturable"] is True
+    (optimizer,) = build([tiny_llama()])
+    assert optimizer.capturable is False and isinstance(optimizer.param_groups[0]["lr"], float)

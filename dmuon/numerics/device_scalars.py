@@ -53,20 +53,45 @@ def alpha_dtype(dtype: torch.dtype, device_type: str) -> torch.dtype:
     return torch.float32
 
 
+class StepScalars:
+    """One step's device products of its hyperparameters (``1 - lr * weight_decay``,
+    ``-lr * scale``) and their casts, each made once and reused for every tensor that needs
+    it: the per-tensor paths would otherwise make them per tensor. Valid for one step (the
+    values change between steps; the tensors they are made of do not)."""
+
+    def __init__(self) -> None:
+        self._made: dict[tuple, torch.Tensor] = {}
+        self._sources: list[torch.Tensor] = []  # kept alive: their ids are the keys
+
+    def _once(self, key: tuple, sources: tuple[torch.Tensor, ...], make) -> torch.Tensor:
+        if key not in self._made:
+            self._made[key] = make()
+            self._sources.extend(sources)
+        return self._made[key]
+
+    def keep(self, lr: torch.Tensor, weight_decay: torch.Tensor) -> torch.Tensor:
+        """``1 - lr * weight_decay`` (fp64, on the device)."""
+        return self._once(("keep", id(lr), id(weight_decay)), (lr, weight_decay), lambda: 1 - lr * weight_decay)
+
+    def alpha(self, lr: torch.Tensor, scale: float) -> torch.Tensor:
+        """``-lr * scale`` (fp64, on the device), as the host computes it."""
+        return self._once(("alpha", id(lr), scale), (lr,), lambda: -lr * scale)
+
+    def cast(self, value: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """``value`` (one made here, or a group's tensor) in ``dtype``."""
+        return self._once(("cast", id(value), dtype), (value,), lambda: value.to(dtype))
+
+
 def scaled_add_(targets: Sequence[torch.Tensor], updates: Sequence[torch.Tensor], alpha: torch.Tensor,
-                foreach: bool) -> None:
+                foreach: bool, scalars: StepScalars | None = None) -> None:
     """``target += alpha * update`` for every pair, ``alpha`` a 0-dim fp64 device tensor,
     with the bits of ``target.add_(update, alpha=float(alpha))`` (module docstring), and no
-    host read of ``alpha``."""
+    host read of ``alpha`` (its casts from ``scalars``, the step's)."""
     if not targets:
         return
-    cast: dict[torch.dtype, torch.Tensor] = {}
-    scales = []
-    for target, update in zip(targets, updates):
-        dtype = alpha_dtype(target.dtype, target.device.type)
-        if dtype not in cast:
-            cast[dtype] = alpha.to(dtype)
-        scales.append(cast[dtype].expand(update.shape))
+    scalars = scalars or StepScalars()
+    scales = [scalars.cast(alpha, alpha_dtype(t.dtype, t.device.type)).expand(u.shape)
+              for t, u in zip(targets, updates)]
     if foreach:
         torch._foreach_addcmul_(list(targets), list(updates), scales)
         return

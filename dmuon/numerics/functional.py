@@ -27,6 +27,7 @@ from dmuon.numerics.newton_schulz import (
     orthogonalize,
     orthogonalize_row_blocks,
 )
+from dmuon.numerics.device_scalars import StepScalars
 from dmuon.numerics.masked_updates import device_apply_
 from dmuon.numerics.standard_iteration import NewtonSchulzBuffers
 from dmuon.numerics.update_lists import momentum_ as momentum_lists_
@@ -110,6 +111,7 @@ def muon_(
     cautious_weight_decay: bool = False,
     foreach: bool = False,
     capturable: bool = False,
+    scalars: StepScalars | None = None,
 ) -> None:
     """torch's single-tensor Muon loop over tensors this rank updates whole: its own
     ``params`` (plain tensors, or local tensors of DTensors of global ``shapes``), with
@@ -117,7 +119,7 @@ def muon_(
     where the path puts it. The momentum EMA runs first for every tensor (with
     ``foreach``, one list op: ``dmuon.numerics.update_lists``); the rest, per tensor, keeps one
     update in hand at a time. ``capturable``: ``lr`` and ``weight_decay`` are 0-dim fp64 device
-    tensors (``dmuon.numerics.device_scalars``)."""
+    tensors (``dmuon.numerics.device_scalars``; ``scalars``: their products, made once a step)."""
     momentum_lists_(momentum_bufs, grads, momentum, foreach)
     for i, (param, grad, buf) in enumerate(zip(params, grads, momentum_bufs)):
         update = nesterov_lookahead(grad, buf, momentum, nesterov).to(UPDATE_DTYPE, copy=True)
@@ -126,7 +128,8 @@ def muon_(
                              matched_adamw_rms=matched_adamw_rms)
         with updating(param):
             if capturable:
-                device_apply_([param], [ortho], None, lr, weight_decay, scale, cautious_weight_decay, False)
+                device_apply_([param], [ortho], None, lr, weight_decay, scale, cautious_weight_decay, False,
+                              scalars)
             else:
                 apply_muon_update_(param, ortho, lr, weight_decay, scale, cautious_weight_decay)
 

@@ -34,7 +34,7 @@ from collections.abc import Sequence
 
 import torch
 
-from dmuon.numerics.device_scalars import scaled_add_
+from dmuon.numerics.device_scalars import StepScalars, scaled_add_
 from dmuon.numerics.update_lists import by_signature
 from dmuon.numerics.update_rules import cautious_decay_
 
@@ -73,6 +73,7 @@ def masked_momentum_(bufs: Tensors, grads: Tensors, momentum: float, oks: Tensor
                 else [bufs[chunk[0]].lerp(grads[chunk[0]], 1 - momentum)])
         for i, new in zip(chunk, news):
             select_(bufs[i], oks[i], new)
+        del news, new  # freed before the next chunk's are made: one chunk alive at a time
 
 
 def _chunks(bufs: Tensors, grads: Tensors) -> list[list[int]]:
@@ -101,31 +102,35 @@ def mask_(tensors: Tensors, oks: Tensors) -> None:
         torch.where(ok, tensor, zeros[key], out=tensor)
 
 
-def decay_factors(keep: float | torch.Tensor, oks: Tensors | None, like: Tensors) -> list[torch.Tensor]:
+def decay_factors(keep: float | torch.Tensor, oks: Tensors | None, like: Tensors,
+                  scalars: StepScalars | None = None) -> list[torch.Tensor]:
     """Each tensor's decay factor: ``keep`` where ``ok`` else 1, in the dtype ``mul_`` by
     a number computes in for that tensor, expanded to its shape (see the module docstring)."""
     # A 0-dim factor of the tensor's own dtype is read exactly (fp32, fp64): no view needed.
     return [factor if factor.dtype == t.dtype else factor.expand(t.shape)
-            for factor, t in zip(scalar_decay_factors(keep, oks, like), like)]
+            for factor, t in zip(scalar_decay_factors(keep, oks, like, scalars), like)]
 
 
-def scalar_decay_factors(keep: float | torch.Tensor, oks: Tensors | None, like: Tensors) -> list[torch.Tensor]:
+def scalar_decay_factors(keep: float | torch.Tensor, oks: Tensors | None, like: Tensors,
+                         scalars: StepScalars | None = None) -> list[torch.Tensor]:
     """:func:`decay_factors` as 0-dim tensors (for :func:`cautious_decay_`'s ``keep``);
-    ``oks`` None: ``keep`` everywhere (a device ``keep``, cast on the device)."""
+    ``oks`` None: ``keep`` everywhere (a device ``keep``, cast on the device, once a step
+    with the step's ``scalars``)."""
     if not like:
         return []
     dtypes = {opmath_dtype(t.dtype) for t in like}
     if oks is None:
         assert isinstance(keep, torch.Tensor), "unmasked factors are made here for a device keep only"
-        one = {dtype: keep.to(dtype) for dtype in dtypes}
-        return [one[opmath_dtype(t.dtype)] for t in like]
+        scalars = scalars or StepScalars()
+        return [scalars.cast(keep, opmath_dtype(t.dtype)) for t in like]
     ok = torch.stack(list(oks))
     by_dtype = {dtype: where_ok(ok, keep, 1.0, dtype).unbind() for dtype in dtypes}
     return [by_dtype[opmath_dtype(t.dtype)][i] for i, t in enumerate(like)]
 
 
-def masked_apply_(params: Tensors, orthos: Tensors, oks: Tensors, lr: float | torch.Tensor, weight_decay: float | torch.Tensor,
-                  scale: float, cautious_weight_decay: bool, foreach: bool, capturable: bool = False) -> None:
+def masked_apply_(params: Tensors, orthos: Tensors, oks: Tensors, lr: float | torch.Tensor,
+                  weight_decay: float | torch.Tensor, scale: float, cautious_weight_decay: bool, foreach: bool,
+                  capturable: bool = False, scalars: StepScalars | None = None) -> None:
     """``dmuon.numerics.update_lists.apply_muon_updates_`` where ``ok``, nothing elsewhere:
     the decay's factor is masked here, and ``orthos`` must already be ``+0.0`` where not
     ``ok`` (:func:`mask_`), so the scaled step adds ``-0.0`` there. ``capturable``: ``lr``
@@ -133,7 +138,7 @@ def masked_apply_(params: Tensors, orthos: Tensors, oks: Tensors, lr: float | to
     if not params:
         return
     if capturable:
-        device_apply_(params, orthos, oks, lr, weight_decay, scale, cautious_weight_decay, foreach)
+        device_apply_(params, orthos, oks, lr, weight_decay, scale, cautious_weight_decay, foreach, scalars)
         return
     if isinstance(lr, torch.Tensor):
         lr = lr.squeeze()
@@ -155,22 +160,25 @@ def masked_apply_(params: Tensors, orthos: Tensors, oks: Tensors, lr: float | to
 
 
 def device_apply_(params: Tensors, orthos: Tensors, oks: Tensors | None, lr: torch.Tensor,
-                  weight_decay: torch.Tensor, scale: float, cautious_weight_decay: bool, foreach: bool) -> None:
+                  weight_decay: torch.Tensor, scale: float, cautious_weight_decay: bool, foreach: bool,
+                  scalars: StepScalars | None = None) -> None:
     """The decay and the scaled step with ``lr`` and ``weight_decay`` as 0-dim fp64 device
     tensors (``capturable``, ``dmuon.numerics.device_scalars``): the bits of
     ``apply_muon_updates_`` / :func:`masked_apply_` with those values as numbers (``oks``
     None: unmasked), and no host read. The decay runs even at ``weight_decay`` 0 (the host
-    cannot look): a product by exactly 1 keeps every bit."""
-    keep = 1 - lr * weight_decay
+    cannot look): a product by exactly 1 keeps every bit. ``scalars``: the step's products,
+    made once a step (``dmuon.numerics.device_scalars.StepScalars``)."""
+    scalars = scalars or StepScalars()
+    keep = scalars.keep(lr, weight_decay)
     if cautious_weight_decay:
-        for param, ortho, factor in zip(params, orthos, scalar_decay_factors(keep, oks, params)):
+        for param, ortho, factor in zip(params, orthos, scalar_decay_factors(keep, oks, params, scalars)):
             cautious_decay_(param, ortho, lr, weight_decay, keep=factor)
     elif foreach:
-        torch._foreach_mul_(list(params), decay_factors(keep, oks, params))
+        torch._foreach_mul_(list(params), decay_factors(keep, oks, params, scalars))
     else:
-        for param, factor in zip(params, decay_factors(keep, oks, params)):
+        for param, factor in zip(params, decay_factors(keep, oks, params, scalars)):
             param.mul_(factor)
-    scaled_add_(params, orthos, -lr * scale, foreach)
+    scaled_add_(params, orthos, scalars.alpha(lr, scale), foreach, scalars)
 
 
 class UnitMasks:

@@ -213,6 +213,16 @@ class Optimizer:
     torch.optim.Muon applies it.
     """
 
+    capture_step: bool = False
+    """
+    Capture DMuon's step in a CUDA graph after three eager warm-up steps and replay it at
+    every step after (dmuon.cuda_graphs): its hundreds of launches become one. Turns on
+    DMuon(capturable=True): the learning rate and weight decay live on the GPU, where the LR
+    scheduler writes them, so the replay follows the schedule, with the bits of an uncaptured
+    step. Grads are then zeroed in place. CUDA only (refused on a CPU run); not with
+    telemetry or QK-clip. Off by default. Not yet run on a GPU.
+    """
+
 
 @dataclass
 class JobConfig:

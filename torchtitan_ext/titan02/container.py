@@ -43,22 +43,27 @@ from ..routing import (
     route_parameters,
     RoutedParameters,
 )
+from ..captured_steps import capture_refusal, CapturedSteps
 from .max_logits import install_max_logit_hooks, require_attentions
 from ..step_figures import combined_figures
 from .kwargs import dmuon_kwargs, qk_clip_wanted
 from .validation import validate_optimizer_config
 
 
+# The config field that captures the step, as messages name it.
+CAPTURE_FIELD = "[optimizer] capture_step"
+
+
 def _numel(params: list[tuple[str, nn.Parameter]]) -> int:
     return sum(p.numel() for _, p in params)
 
 
-class DMuonOptimizersContainer(OptimizersContainer):
+class DMuonOptimizersContainer(CapturedSteps, OptimizersContainer):
     """``OptimizersContainer`` with one ``dmuon.DMuon`` per model part.
 
-    Everything else -- ``step``, ``zero_grad``, DCP ``state_dict`` /
-    ``load_state_dict``, step hooks, and being iterated by the LR-scheduler
-    container -- is TorchTitan's own code.
+    Everything else -- ``step``, ``zero_grad`` (but under ``capture_step``:
+    ``torchtitan_ext.captured_steps``), DCP ``state_dict`` / ``load_state_dict``, step
+    hooks, and being iterated by the LR-scheduler container -- is TorchTitan's own code.
     """
 
     def __init__(
@@ -134,12 +139,16 @@ def build_dmuon_optimizers(
             '[optimizer] name = "DMuon" does not support TorchFT ([fault_tolerance] enable).'
         )
     params = [p for model in model_parts for p in model.parameters() if p.requires_grad]
+    if optimizer_config.capture_step and (refusal := capture_refusal(params, CAPTURE_FIELD)):
+        raise ValueError(refusal)
     container = DMuonOptimizersContainer(
         model_parts, dmuon_kwargs(optimizer_config, params), optimizer_config.adamw_param_regex,
         optimizer_config.split_attention_heads,
     )
     if qk_clip_wanted(optimizer_config):
         hook_attentions(container, parallel_dims)
+    if optimizer_config.capture_step:
+        container.capture_optimizer_steps(CAPTURE_FIELD)
     return container
 
 

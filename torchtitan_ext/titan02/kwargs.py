@@ -61,6 +61,7 @@ def dmuon_kwargs(optimizer_config: Any, params: Iterable[torch.Tensor] = ()) -> 
         "ns_dtype": cfg.ns_dtype,
         "telemetry": cfg.telemetry,
         "skip_nonfinite": cfg.skip_nonfinite,
+        "capturable": cfg.capture_step,
     }
     kwargs.update({name: getattr(cfg, name) for name in LINK_SPEEDS})
     kwargs.update(dmuon_implementation(cfg.implementation, params, IMPLEMENTATIONS_0_2))

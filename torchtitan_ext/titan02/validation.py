@@ -44,7 +44,8 @@ OPTIONAL_FIELDS = ("adamw_lr",)
 NUMBER_NOTES = {"adamw_lr": " (leave it out to use lr)"}
 # The on/off fields only TOML has (dmuon checks nesterov, normuon, cautious_weight_decay with
 # its own message): true / false only, since a string "false" would be truthy.
-FLAG_FIELDS = ("split_attention_heads", "track_max_logits", "telemetry", "skip_nonfinite", "early_step_in_backward")
+FLAG_FIELDS = ("split_attention_heads", "track_max_logits", "telemetry", "skip_nonfinite", "early_step_in_backward",
+               "capture_step")
 # How the 0.2.x config spells a boolean.
 FLAG_SPELLING = "true or false"
 # The config half TorchTitan must parse with, and a field only it adds to [optimizer].

@@ -32,16 +32,21 @@ from dmuon.numerics.newton_schulz import DEFAULT_NS_COEFFICIENTS_NAME
 from dmuon.param_groups import MUON_KEYS
 from dmuon.telemetry import StepFigures
 
+from ..captured_steps import capture_refusal, CapturedSteps
 from ..implementation import dmuon_implementation
 from ..routing import check_some_muon, DEFAULT_ADAMW_PARAM_REGEX, muon_embeddings_warning
 from ..step_figures import combined_figures
 from .groups import check_whole_or_dtensor, split_dmuon_group
 from .max_logits import install_qk_clip, qk_clip_enabled
-from .options import DMUON_DEFAULTS, DMUON_NAME, FACTORY_OPTIONS, validate_dmuon_config
+from .options import CAPTURE_STEP, DMUON_DEFAULTS, DMUON_NAME, FACTORY_DEFAULTS, FACTORY_OPTIONS, validate_dmuon_config
+
+
+# The config field that captures the step, as messages name it.
+CAPTURE_FIELD = f"optimizer.optimizer_factory_kwargs_by_name[{DMUON_NAME!r}][{CAPTURE_STEP!r}]"
 
 
 # -------------------------------------------------------------------- container
-class DMuonOptimizersContainer(OptimizersContainer):
+class DMuonOptimizersContainer(CapturedSteps, OptimizersContainer):
     """TorchTitan 0.3's ``OptimizersContainer`` that also builds ``"DMuon"`` groups."""
 
     @dataclass(kw_only=True, slots=True)
@@ -62,6 +67,8 @@ class DMuonOptimizersContainer(OptimizersContainer):
             dmuon = self._dmuon_of(model)
             if dmuon is not None and qk_clip_enabled(dmuon):
                 self.qk_clip_hooks += install_qk_clip(model, dmuon)
+        if config.optimizer_factory_kwargs_by_name.get(DMUON_NAME, {}).get(CAPTURE_STEP):
+            self.capture_optimizer_steps(CAPTURE_FIELD)
 
     def _check_routing(self, config: OptimizersContainer.Config, model_parts: list[nn.Module]) -> None:
         """Refuse a DMuon whose ``adamw_param_regex`` left Muon no matrix; warn when it
@@ -125,7 +132,11 @@ def build_dmuon(param_groups: list[dict[str, Any]], *, implementation: str, **fa
     ``fused`` (``torchtitan_ext.implementation``: ``"fused"`` fuses the AdamW part where
     torch has the kernel for every parameter of the part)."""
     params = [p for group in param_groups for p in group["params"]]
-    return DMuon(param_groups, **dmuon_implementation(implementation, params), **factory_options)
+    capturable = factory_options.pop(CAPTURE_STEP, False)  # the container captures the step
+    if capturable and (refusal := capture_refusal(params, CAPTURE_FIELD)):
+        raise ValueError(refusal)
+    return DMuon(param_groups, **dmuon_implementation(implementation, params), capturable=capturable,
+                 **factory_options)
 
 
 # ------------------------------------------------------------------- convenience
@@ -159,7 +170,7 @@ def dmuon_optimizer(
     kwargs = {"lr": lr, **defaults, **group_options,
               "adamw_param_regex": adamw_param_regex, "split_attention_heads": split_attention_heads}
     kwargs = {k: v for k, v in kwargs.items() if v is not None or k in group_options}
-    factory = {k: DMUON_DEFAULTS[k] for k in FACTORY_OPTIONS} | (factory_options or {})
+    factory = {k: FACTORY_DEFAULTS[k] for k in FACTORY_OPTIONS} | (factory_options or {})
     return DMuonOptimizersContainer.Config(
         param_groups=[ParamGroupConfig(pattern=r".*", optimizer_name=DMUON_NAME, optimizer_kwargs=kwargs)],
         optimizer_factory_kwargs_by_name={DMUON_NAME: factory},

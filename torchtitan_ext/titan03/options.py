@@ -6,7 +6,8 @@
   routing keys ``adamw_param_regex`` and ``split_attention_heads``: the group's
   ``optimizer_kwargs``;
 * whole-optimizer options (``comm``, ``max_batch_numel``, ``split_replicas``,
-  ``ns_dtype``, ``link_gbps``, ``replica_link_gbps``, ``telemetry``, ``skip_nonfinite``):
+  ``ns_dtype``, ``link_gbps``, ``replica_link_gbps``, ``telemetry``, ``skip_nonfinite``, and
+  the container's ``capture_step``: ``torchtitan_ext.captured_steps``):
   ``optimizer_factory_kwargs_by_name["DMuon"]``.
 
 TorchTitan adds ``fused`` / ``foreach`` (from ``implementation``) to every group
@@ -38,11 +39,14 @@ from ..implementation import dmuon_implementation
 from ..routing import DEFAULT_ADAMW_PARAM_REGEX
 
 DMUON_NAME = "DMuon"
+# The container's whole-optimizer option (not DMuon's): DMuon(capturable=True), its step
+# captured in a CUDA graph (``torchtitan_ext.captured_steps``).
+CAPTURE_STEP = "capture_step"
 # Group keys the container reads to split a DMuon group (DMuon never sees them).
 ROUTING_KEYS = ("adamw_param_regex", "split_attention_heads")
 # DMuon's options that are the whole optimizer's (its constructor's, not a group's).
 FACTORY_OPTIONS = ("comm", "max_batch_numel", "split_replicas", "ns_dtype", "link_gbps",
-                   "replica_link_gbps", "telemetry", "skip_nonfinite")
+                   "replica_link_gbps", "telemetry", "skip_nonfinite", CAPTURE_STEP)
 # Group options dmuon's validator would report under another name (``adamw_lr`` as the AdamW
 # part's ``lr``, ``adamw_betas`` as ``betas``) or that may be None: checked first, as written.
 # A Tensor lr is left to dmuon's validator (torch.optim's one-element rule).
@@ -54,6 +58,8 @@ DMUON_DEFAULTS = {
     name: p.default for name, p in inspect.signature(DMuon.__init__).parameters.items()
     if p.default is not inspect.Parameter.empty
 }
+# The whole-optimizer options' defaults: DMuon's, and the container's capture_step (off).
+FACTORY_DEFAULTS = {**{k: DMUON_DEFAULTS[k] for k in FACTORY_OPTIONS if k != CAPTURE_STEP}, CAPTURE_STEP: False}
 
 
 def check_group_options(options: dict[str, Any], where: str, implementation: dict[str, Any] | None = None) -> None:
@@ -118,12 +124,12 @@ def check_factory_options(options: dict[str, Any], where: str) -> None:
         raise ValueError(f"{where}: unknown key(s) {sorted(unknown)}; it takes DMuon's whole-optimizer "
                          f"options {list(FACTORY_OPTIONS)} (group options go in a param group's "
                          "optimizer_kwargs)")
-    merged = {**DMUON_DEFAULTS, **options}
+    merged = {**FACTORY_DEFAULTS, **options}
     check_optimizer_options(merged["comm"], merged["max_batch_numel"], merged["split_replicas"], where)
     check_ns_dtype(merged["ns_dtype"], where)
     for name in ("link_gbps", "replica_link_gbps"):
         check_link_gbps(merged[name], name, where)
-    for name in ("telemetry", "skip_nonfinite"):
+    for name in ("telemetry", "skip_nonfinite", CAPTURE_STEP):
         if not isinstance(merged[name], bool):
             raise ValueError(f"{where}: {name} must be a bool, got {merged[name]!r}")
 
