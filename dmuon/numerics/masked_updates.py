@@ -173,6 +173,11 @@ def device_apply_(params: Tensors, orthos: Tensors, oks: Tensors | None, lr: tor
     if cautious_weight_decay:
         for param, ortho, factor in zip(params, orthos, scalar_decay_factors(keep, oks, params, scalars)):
             cautious_decay_(param, ortho, lr, weight_decay, keep=factor)
+    elif foreach and oks is None:  # one factor per dtype: the Tensor form, one kernel per list on CUDA
+        for idx in by_signature(params):
+            factor = scalars.cast(keep, opmath_dtype(params[idx[0]].dtype))
+            torch._foreach_mul_([params[i] for i in idx], factor if factor.dtype == params[idx[0]].dtype
+                                else [factor.expand(params[i].shape) for i in idx])
     elif foreach:
         torch._foreach_mul_(list(params), decay_factors(keep, oks, params, scalars))
     else:
