@@ -50,7 +50,7 @@ NO_PATH_FLAGS = {
 
 
 def check_no_path_flags(flags: Mapping[str, Any], where: str = "DMuon") -> None:
-    """``maximize``, ``capturable``, ``differentiable`` (those in ``flags``): False or None."""
+    """``maximize``, ``differentiable`` (those in ``flags``): False or None."""
     for name, value in flags.items():
         if value is True:
             raise ValueError(f"{where}: {name}=True has no path in DMuon ({NO_PATH_FLAGS[name]}); leave {name} "
@@ -84,12 +84,12 @@ def check_capturable_adamw(named: Iterable[tuple[str, torch.Tensor]], foreach: b
 
 def check_tensor_lr_path(lr: Any, foreach: bool | None, fused: bool | None, where: str) -> None:
     """torch.optim.AdamW refuses a Tensor ``lr`` with ``foreach=True`` when it is built (its
-    list path takes a Tensor lr only with ``capturable``, which DMuon's AdamW part does
-    not have); DMuon refuses the same, with torch's words, before any step can half-run."""
+    list path takes a Tensor lr only with ``capturable``); DMuon refuses the same for a group
+    without ``capturable``, with torch's words, before any step can half-run."""
     if isinstance(lr, torch.Tensor) and foreach and not fused:
         raise ValueError(f"{where}: lr as a Tensor is not supported for capturable=False and foreach=True "
-                         "(torch.optim.AdamW's rule; DMuon's AdamW part has no capturable path): give the AdamW "
-                         "part a float lr (adamw_lr), or set foreach=False or None, or fused=True")
+                         "(torch.optim.AdamW's rule): give the AdamW part a float lr (adamw_lr), or set "
+                         "foreach=False or None, or fused=True")
 
 
 def takes_fused_adamw(param: torch.Tensor) -> bool:
@@ -118,7 +118,7 @@ def check_no_fused_muon(options: dict[str, Any], use_muon: bool | None, where: s
 
 def own_flags(members: list[tuple[str, torch.Tensor]], use_muon: bool, options: dict[str, Any], lr: Any,
                implementation: Mapping[str, Any], where: str) -> dict[str, Any]:
-    """The group's own ``foreach`` / ``fused``, checked. An AdamW group is checked with the
+    """The group's own ``foreach`` / ``fused`` / ``capturable``, checked. An AdamW group is checked with the
     flags it will step with, as torch.optim.AdamW checks them (a Tensor lr with foreach;
     fused for a device or dtype torch has no fused kernel for), but here, at construction.
     A Muon group keeps no ``fused``: a split group's Muon part leaves it to the AdamW part

@@ -65,12 +65,9 @@ class CapturedSteps:
     optimizers: list[Any]
     captured_steps: list[CapturedStep | None] | None = None
 
-    def capture_optimizer_steps(self, field: str) -> None:
-        """Step every DMuon through a CapturedStep from now on (``field``: the config field, for messages)."""
-        refusal = capture_refusal((p for o in self.optimizers if isinstance(o, DMuon)
-                                   for g in o.param_groups for p in g["params"]), field)
-        if refusal is not None:
-            raise ValueError(refusal)
+    def capture_optimizer_steps(self) -> None:
+        """Step every DMuon through a CapturedStep from now on (the builders refuse a job off
+        the GPU first, naming their field: :func:`capture_refusal`; CapturedStep refuses it too)."""
         self.captured_steps = [CapturedStep(o) if isinstance(o, DMuon) else None for o in self.optimizers]
         _LIVE.update(c for c in self.captured_steps if c is not None)
         _release_graphs_before_destroy()

@@ -10,6 +10,7 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.optim.adamw import adamw as _torch_adamw
 
+from dmuon.numerics.device_scalars import StepScalars, decay_, opmath_dtype
 from dmuon.numerics.update_rules import cautious_decay_
 from dmuon.torch_compat import capturable_devices, default_foreach_for, local_of
 
@@ -111,8 +112,8 @@ def adamw_capturable_(
     on_device = params[0].device.type in capturable_devices()
     if fused and on_device:
         lr = lr.to(torch.float32)  # torch's fused kernels read a Tensor lr as fp32
-    if not on_device:
-        foreach = False if not fused else foreach  # torch refuses a Tensor lr on the list path without capturable
+    if not on_device and not fused:
+        foreach = False  # torch refuses a Tensor lr on the list path without capturable
     elif foreach is None and fused is None:
         foreach = default_foreach_for(params)
     _torch_adamw(*_local_lists(params, grads, exp_avgs, exp_avg_sqs), [], steps, foreach=foreach, fused=fused,
@@ -124,31 +125,17 @@ def adamw_capturable_(
 def _decay_on_device_(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
                       lr: torch.Tensor, weight_decay: torch.Tensor, beta1: float, cautious_weight_decay: bool,
                       foreach: bool | None) -> None:
-    """``p *= 1 - lr * weight_decay`` with the factor made on the device, in the dtype ``mul_``
-    by a number computes in (fp32; fp64 for fp64 and complex128), expanded for a narrower
-    parameter; one list op per dtype unless ``foreach`` is False (cautious: per tensor)."""
-    keep = 1 - lr * weight_decay
-    factors: dict[torch.dtype, torch.Tensor] = {}
-    by_dtype: dict[torch.dtype, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+    """``p *= 1 - lr * weight_decay`` with the factor made on the device
+    (``dmuon.numerics.device_scalars.decay_``: list ops unless ``foreach`` is False);
+    cautious: per tensor, where update and weight agree in sign (a complex parameter: plain)."""
+    scalars = StepScalars()
+    keep = scalars.keep(lr, weight_decay)
+    plain = []
     for param, grad, exp_avg in zip(params, grads, exp_avgs):
         local = local_of(param)
-        real = torch.float64 if local.dtype in (torch.float64, torch.complex128) else torch.float32
-        if real not in factors:
-            factors[real] = keep.to(real)
-        factor = factors[real] if factors[real].dtype == local.dtype else factors[real].expand(local.shape)
         if cautious_weight_decay and not param.is_complex():
             cautious_decay_(local, adamw_direction_sign(local_of(exp_avg), local_of(grad), beta1), lr,
-                            weight_decay, keep=factors[real])
+                            weight_decay, keep=scalars.cast(keep, opmath_dtype(local.dtype)))
         else:
-            targets, scales = by_dtype.setdefault(local.dtype, ([], []))
-            targets.append(local)
-            scales.append(factor)
-    for targets, scales in by_dtype.values():
-        if foreach is False:
-            for target, scale in zip(targets, scales):
-                target.mul_(scale)
-        elif scales[0].ndim == 0:  # the list's own dtype: one 0-dim factor for the whole list
-            torch._foreach_mul_(targets, scales[0])
-        else:
-            torch._foreach_mul_(targets, scales)
-
+            plain.append(local)
+    decay_(plain, keep, foreach is not False, scalars)

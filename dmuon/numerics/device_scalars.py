@@ -15,7 +15,7 @@ The one kernel whose number has no Tensor form is ``add_(update, alpha=...)``.
 :func:`scaled_add_` gives its bits with ``addcmul_`` and ``alpha`` as a broadcast tensor,
 in the dtype ``add_`` reads its ``alpha`` in (:func:`alpha_dtype`). Checked bit for bit
 against ``add_`` for fp32 and fp64 targets on the CPU (AVX-512, AVX2 and default kernels):
-``tests/test_device_scalars.py``. On the CPU a bf16 or fp16 target's ``add_`` rounds
+``tests/test_capturable.py``. On the CPU a bf16 or fp16 target's ``add_`` rounds
 ``alpha * update`` to the target's dtype in the elements its vector loop leaves over,
 which no Tensor op reproduces: those elements may differ by one rounding.
 """
@@ -41,6 +41,12 @@ def device_scalar(value: float | torch.Tensor, device: torch.device) -> torch.Te
     if isinstance(value, torch.Tensor):
         return value.detach().reshape(()).to(device=device, dtype=HYPERPARAMETER_DTYPE, copy=True)
     return torch.tensor(float(value), dtype=HYPERPARAMETER_DTYPE, device=device)
+
+
+def opmath_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The real dtype an elementwise op by a Python number computes in for ``dtype`` tensors:
+    fp64 for fp64 (and complex128), fp32 for the rest."""
+    return torch.float64 if dtype in (torch.float64, torch.complex128) else torch.float32
 
 
 def alpha_dtype(dtype: torch.dtype, device_type: str) -> torch.dtype:
@@ -97,3 +103,23 @@ def scaled_add_(targets: Sequence[torch.Tensor], updates: Sequence[torch.Tensor]
         return
     for target, update, scale in zip(targets, updates, scales):
         target.addcmul_(update, scale)
+
+
+def decay_(params: Sequence[torch.Tensor], keep: torch.Tensor, foreach: bool,
+           scalars: StepScalars | None = None) -> None:
+    """``p *= keep`` for every parameter, ``keep`` (``1 - lr * weight_decay``, fp64 on the
+    device) cast there to the dtype ``mul_`` by a number computes in (:func:`opmath_dtype`),
+    expanded for a parameter of another dtype (a 0-dim device factor would be read in the
+    parameter's dtype); with ``foreach``, one list op per dtype and device."""
+    scalars = scalars or StepScalars()
+    lists: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+    for param in params:
+        lists.setdefault((param.dtype, param.device), []).append(param)
+    for (dtype, _), targets in lists.items():
+        factor = scalars.cast(keep, opmath_dtype(dtype))
+        factors = [factor if factor.dtype == dtype else factor.expand(t.shape) for t in targets]
+        if foreach:  # the list's own dtype: the Tensor form, one kernel per list on CUDA
+            torch._foreach_mul_(targets, factor if factor.dtype == dtype else factors)
+        else:
+            for target, one in zip(targets, factors):
+                target.mul_(one)

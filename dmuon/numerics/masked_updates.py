@@ -34,7 +34,7 @@ from collections.abc import Sequence
 
 import torch
 
-from dmuon.numerics.device_scalars import StepScalars, scaled_add_
+from dmuon.numerics.device_scalars import StepScalars, decay_, opmath_dtype, scaled_add_
 from dmuon.numerics.update_lists import by_signature
 from dmuon.numerics.update_rules import cautious_decay_
 
@@ -42,11 +42,6 @@ Tensors = Sequence[torch.Tensor]
 # Elements of the out-of-place momentum EMAs one list op computes before they are selected
 # into their buffers (``masked_momentum_``): few launches, a bounded copy (64 MiB in fp32).
 MASKED_CHUNK_NUMEL = 1 << 24
-
-
-def opmath_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype an elementwise op by a Python number computes in for ``dtype`` tensors."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def where_ok(ok: torch.Tensor, value: float | torch.Tensor, otherwise: float, dtype: torch.dtype) -> torch.Tensor:
@@ -173,11 +168,8 @@ def device_apply_(params: Tensors, orthos: Tensors, oks: Tensors | None, lr: tor
     if cautious_weight_decay:
         for param, ortho, factor in zip(params, orthos, scalar_decay_factors(keep, oks, params, scalars)):
             cautious_decay_(param, ortho, lr, weight_decay, keep=factor)
-    elif foreach and oks is None:  # one factor per dtype: the Tensor form, one kernel per list on CUDA
-        for idx in by_signature(params):
-            factor = scalars.cast(keep, opmath_dtype(params[idx[0]].dtype))
-            torch._foreach_mul_([params[i] for i in idx], factor if factor.dtype == params[idx[0]].dtype
-                                else [factor.expand(params[i].shape) for i in idx])
+    elif oks is None:
+        decay_(params, keep, foreach, scalars)
     elif foreach:
         torch._foreach_mul_(list(params), decay_factors(keep, oks, params, scalars))
     else:

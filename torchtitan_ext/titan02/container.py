@@ -148,7 +148,7 @@ def build_dmuon_optimizers(
     if qk_clip_wanted(optimizer_config):
         hook_attentions(container, parallel_dims)
     if optimizer_config.capture_step:
-        container.capture_optimizer_steps(CAPTURE_FIELD)
+        container.capture_optimizer_steps()
     return container
 
 

@@ -68,7 +68,7 @@ class DMuonOptimizersContainer(CapturedSteps, OptimizersContainer):
             if dmuon is not None and qk_clip_enabled(dmuon):
                 self.qk_clip_hooks += install_qk_clip(model, dmuon)
         if config.optimizer_factory_kwargs_by_name.get(DMUON_NAME, {}).get(CAPTURE_STEP):
-            self.capture_optimizer_steps(CAPTURE_FIELD)
+            self.capture_optimizer_steps()
 
     def _check_routing(self, config: OptimizersContainer.Config, model_parts: list[nn.Module]) -> None:
         """Refuse a DMuon whose ``adamw_param_regex`` left Muon no matrix; warn when it
