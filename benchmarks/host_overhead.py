@@ -58,10 +58,11 @@ RANKS = (1, 2, 4)
 # Issue 25's acceptance: the most aten ops DMuon(foreach=True) may take per step on the
 # busiest rank, by (model, P). Issue 31's: its step time over AdamW(foreach=True)'s at
 # P = 2, to be read with ``--ns-dtype float32`` (issue 25 asked for 3.5x).
-# Issue 40's exact masks add one select per momentum buffer and per AdamW tensor (a select
-# keeps a masked tensor's bits, NaN included; no list op selects): issue 25's 3,000 and
-# 1,500 become 3,600 and 2,200 (measured: 3,150 and 1,955 with fp32 Newton-Schulz, 3,524 at
-# P = 2 with bf16 on an AMX CPU).
+# Issue 40's exact masks add one select per momentum buffer and per AdamW tensor on the CPU
+# (a select keeps a masked tensor's bits, NaN included; on the CPU a ``torch.where`` per
+# tensor is cheaper than a list op, which loops there; CUDA runs them as list ops,
+# docs/dry_run.md): issue 25's 3,000 and 1,500 become 3,600 and 2,200 (measured: 3,150 and
+# 1,955 with fp32 Newton-Schulz, 3,524 at P = 2 with bf16 on an AMX CPU).
 ACCEPTANCE_OPS = {("llama3_8b", 2): 3600, ("llama3_8b", 4): 2200}
 ACCEPTANCE_TIME_RATIO = 2.4
 # Timed rounds by default: enough that the median steps over the bursts of a shared VM.

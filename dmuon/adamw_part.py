@@ -8,8 +8,9 @@ bit as it was when the mask is False, without reading the mask on the host:
 - fused AdamW without cautious decay: torch's own device skip, ``found_inf`` (the
   GradScaler path: the kernel writes nothing, the device step counters go back by 1);
 - otherwise: this rank's AdamW tensors (parameters and moments) are copied before the
-  step and selected back with ``torch.where`` after it, one group at a time (the copy's
-  memory: one group's local shards, three times); torch's host step counters are
+  step and selected back after it (``dmuon.numerics.masked_updates.select_``: a few list
+  ops on CUDA), one group at a time (the copy's memory: one group's local shards, three
+  times); torch's host step counters are
   incremented as usual and recorded, so the next step takes them back if the mask was
   False (``dmuon.state_rollback``). Prefer ``fused=True`` where torch has it: it costs nothing.
 """
@@ -25,6 +26,7 @@ from dmuon.exchange.grad_status import usable_grad
 from dmuon.exchange.status_masks import StatusMasks
 from dmuon.exchange.host_staging import ADAMW_MASK, HostStaging
 from dmuon.numerics.functional import adamw_, adamw_state, adamw_steps
+from dmuon.numerics.masked_updates import select_
 from dmuon.state_rollback import StateRollback
 from dmuon.telemetry import Telemetry
 from dmuon.torch_compat import capturable_devices, local_of
@@ -104,6 +106,7 @@ def _group_step(group: dict[str, Any], state: State, status: StatusMasks, mask_o
             # Copies in one list op (a product by exactly 1 keeps every bit), not one per tensor.
             befores = [t.clone() for t in selected] if foreach is False else torch._foreach_mul(selected, 1.0)
             adamw_(params, grads, moments[: len(params)], moments[len(params):], counters, **settings)
-            for after, before in zip(selected, befores):
-                torch.where(mask_on(after.device), after, before, out=after)  # masked: the bits from before
+            masked = {device: ~mask_on(device) for device in {t.device for t in selected}}
+            # masked: the bits from before
+            select_(selected, [masked[t.device] for t in selected], befores, foreach is not False)
             rollback.counted(host)

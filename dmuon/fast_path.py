@@ -247,7 +247,7 @@ class FastPath:
         ok = [oks[p] for p in params]  # the first read waits for the status sums: host work above overlaps them
         here = ok if run.staging is None else run.staging.masks(ok)  # where the elementwise rules run
         moments, rows = run.second_moments(param_groups, state)  # staged after the masks' wait (host_staging)
-        masks = UnitMasks(ok, [u.param for u in run.plan.units])
+        masks = UnitMasks(ok, [u.param for u in run.plan.units], steps.lists_for(run.device))
         for group, members in by_group(range(len(params)), param_groups):
             steps.masked_momentum([local_bufs[j] for j in members], [local_grads[j] for j in members], group,
                                   [here[j] for j in members])

@@ -220,7 +220,7 @@ class GroupSteps:
 
             ortho = (orthogonalize_gathered(update, param, orthogonalize) if paths[param] == REDISTRIBUTE
                      else orthogonalize(update))
-            mask_([ortho], [ok[i]])
+            mask_([ortho], [ok[i]], self.lists_for(ortho.device, group))
             self.apply_many([param], [local_of(param)], [ortho], [group], [ok[i]])
 
 

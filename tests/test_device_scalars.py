@@ -84,6 +84,31 @@ def test_a_concatenation_counts_one_launch_or_one_per_input_where_it_casts(input
     assert sum(ops.values()) == launches
 
 
+@pytest.mark.parametrize("scalar_dtype, launches", [(torch.float32, 1), (torch.float64, 3), (torch.int32, 3)])
+def test_a_list_op_by_a_scalar_tensor_is_one_launch_only_in_the_lists_dtype(scalar_dtype, launches):
+    # CUDA's multi-tensor kernel takes a 0-dim scalar tensor of the list's own dtype; any other
+    # falls back to one kernel per tensor.
+    params = [torch.empty(n, 4, device="meta") for n in (2, 3, 5)]
+    scalar = torch.ones((), dtype=scalar_dtype, device="meta")
+    ops = recorded(lambda: torch._foreach_mul_(params, scalar)).record.device_ops
+    assert sum(ops.values()) == launches
+
+
+def test_a_masked_select_over_shared_masks_is_three_launches_per_mask_and_width():
+    # A step's two masks (its own, and False for parameters without a grad) over tensors of two
+    # widths: three list ops for each (mask, width) pair, whatever the number of tensors.
+    from dmuon.numerics.masked_updates import select_
+
+    targets = [torch.empty(n, 4, dtype=dtype, device="meta") for n, dtype in
+               ((2, torch.float32), (3, torch.float32), (5, torch.bfloat16), (7, torch.float32))]
+    news = [torch.empty_like(t) for t in targets]
+    step_ok, never = (torch.empty((), dtype=torch.bool, device="meta") for _ in range(2))
+    oks = [step_ok, step_ok, step_ok, never]
+    ops = recorded(lambda: select_(targets, oks, news, foreach=True)).record.device_ops
+    list_ops = sum(n for name, n in ops.items() if "_foreach_" in name)
+    assert list_ops == 3 * 3  # (step_ok, fp32), (step_ok, bf16), (never, fp32)
+
+
 # ---------------------------------------------------------------- DMuon's scalars
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from dmuon.numerics import masked_updates
 from dmuon.numerics.masked_updates import mask_, masked_apply_, masked_momentum_
 from dmuon.numerics.update_lists import apply_muon_updates_, momentum_
 
@@ -34,8 +35,22 @@ def tensors(seed: int, dtype: torch.dtype, specials: bool = False) -> list[torch
     return out
 
 
-def oks() -> list[torch.Tensor]:
+def oks(shared: bool = False) -> list[torch.Tensor]:
+    """One mask per tensor, or (``shared``) one True and one False tensor, each read by
+    several tensors as a step's masks are (the rules then run one list op per mask)."""
+    if shared:
+        yes, no = torch.tensor(True), torch.tensor(False)
+        return [yes if ok else no for ok in OKS]
     return list(torch.tensor(OKS).unbind())
+
+
+@pytest.fixture(params=["where", "integer lists"])
+def select_path(request, monkeypatch):
+    """Both ways a select runs: ``torch.where`` per tensor (the CPU's) and integer list ops
+    on the bits (CUDA's), the latter forced here on the CPU."""
+    if request.param == "integer lists":
+        monkeypatch.setattr(masked_updates, "select_by_lists", lambda device: True)
+    return request.param
 
 
 def bits(tensor: torch.Tensor) -> bytes:
@@ -58,28 +73,34 @@ def poisoned(seed: int, dtype: torch.dtype) -> list[torch.Tensor]:
     return out
 
 
+@pytest.mark.parametrize("shared", [False, True], ids=["a mask each", "shared masks"])
+@pytest.mark.parametrize("foreach", [False, True], ids=["for-loop", "foreach"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_masked_momentum_is_the_momentum_where_ok_and_keeps_the_buffers_bits_elsewhere(dtype):
+def test_masked_momentum_is_the_momentum_where_ok_and_keeps_the_buffers_bits_elsewhere(dtype, foreach, shared,
+                                                                                        select_path):
     bufs, grads = tensors(0, dtype, specials=True), poisoned(1, dtype)
     expected = [b.clone() for b in bufs]
     momentum_(expected, grads, 0.95, foreach=True)
     masked = [b.clone() for b in bufs]
-    masked_momentum_(masked, grads, 0.95, oks())
+    masked_momentum_(masked, grads, 0.95, oks(shared), foreach=foreach)
     for got, want, before, ok in zip(masked, expected, bufs, OKS):
         assert bits(got) == bits(want if ok else before)
 
 
+@pytest.mark.parametrize("shared", [False, True], ids=["a mask each", "shared masks"])
+@pytest.mark.parametrize("foreach", [False, True], ids=["for-loop", "foreach"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("cautious", [False, True], ids=["plain decay", "cautious decay"])
-def test_masked_apply_is_the_update_where_ok_and_keeps_the_parameters_bits_elsewhere(dtype, cautious):
+def test_masked_apply_is_the_update_where_ok_and_keeps_the_parameters_bits_elsewhere(dtype, cautious, foreach, shared,
+                                                                                      select_path):
     params = tensors(2, dtype, specials=True)
     orthos = [o.to(torch.bfloat16) for o in poisoned(3, torch.float32)]
     expected = [p.clone() for p in params]
     apply_muon_updates_(expected, orthos, 0.02, 0.1, 1.5, cautious, foreach=True)
     masked_orthos = [o.clone() for o in orthos]
-    mask_(masked_orthos, oks())
+    mask_(masked_orthos, oks(shared), foreach)
     masked = [p.clone() for p in params]
-    masked_apply_(masked, masked_orthos, oks(), 0.02, 0.1, 1.5, cautious, foreach=True)
+    masked_apply_(masked, masked_orthos, oks(shared), 0.02, 0.1, 1.5, cautious, foreach=foreach)
     for got, want, before, ok in zip(masked, expected, params, OKS):
         # Masked off: the bits kept, -0.0 and inf included; a NaN stays NaN (the decay's product by
         # exactly 1 may requiet its payload).
@@ -88,14 +109,40 @@ def test_masked_apply_is_the_update_where_ok_and_keeps_the_parameters_bits_elsew
             assert bits(got.masked_fill(got.isnan(), 0)) == bits(before.masked_fill(before.isnan(), 0))
 
 
-def test_mask_zeroes_exactly_the_results_whose_mask_is_false_nan_and_inf_included():
-    results = [torch.ones(4, 3, dtype=torch.bfloat16) for _ in OKS]
+@pytest.mark.parametrize("shared", [False, True], ids=["a mask each", "shared masks"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_mask_zeroes_exactly_the_results_whose_mask_is_false_nan_and_inf_included(dtype, shared, select_path):
+    results = [torch.ones(4, 3, dtype=dtype) for _ in OKS]
     for result in results:
-        result.view(-1)[:2] = torch.tensor([float("nan"), float("-inf")], dtype=torch.bfloat16)
+        result.view(-1)[:3] = torch.tensor([float("nan"), float("-inf"), -0.0], dtype=dtype)
     before = [r.clone() for r in results]
-    mask_(results, oks())
+    mask_(results, oks(shared), foreach=True)
     for got, was, ok in zip(results, before, OKS):
         assert bits(got) == (bits(was) if ok else bits(torch.zeros_like(was)))
+
+
+def test_foreach_false_selects_per_tensor_even_where_lists_would_run(monkeypatch):
+    """``foreach=False`` (torch's "for-loop") is honoured by the selects too: no list op."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.names: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    monkeypatch.setattr(masked_updates, "select_by_lists", lambda device: True)
+    bufs, grads = tensors(0, torch.float32), tensors(1, torch.float32)
+    with Ops() as ops:
+        masked_momentum_(bufs, grads, 0.95, oks(shared=True), foreach=False)
+        mask_(grads, oks(shared=True), foreach=False)
+    assert ops.names and not [name for name in ops.names if "_foreach_" in name]
+    with Ops() as ops:
+        mask_(grads, oks(shared=True), foreach=True)
+    assert [name for name in ops.names if "_foreach_" in name]  # the check above can fail
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -126,4 +173,5 @@ def test_masked_momentum_holds_one_chunk_of_emas_at_a_time():
     oks = [torch.empty((), dtype=torch.bool, device="meta") for _ in range(3)]
     with StepRecorder() as recorder:
         masked_momentum_(bufs, grads, 0.9, oks, foreach=True)
-    assert recorder.record.peak_bytes == numel * 4
+    # One chunk's EMAs, and the select's 0-dim mask factors beside them (a few bytes).
+    assert numel * 4 <= recorder.record.peak_bytes < numel * 4 + 64

@@ -258,9 +258,10 @@ class HostTensorsStayReal(TorchDispatchMode):
 def _kernel_launches(func: Any, name: str, args: tuple, outputs: list[torch.Tensor]) -> int:
     """The CUDA kernels an op would launch, roughly: none for views and allocations, one
     for an op with a device output, and for a foreach op (in place ones return nothing)
-    one over lists of one dtype whose entries match in shape and are dense (torch's
-    multi-tensor path, ``can_use_fast_route``; its chunking of long lists aside), else one
-    per tensor (its per-tensor fallback: a list of 0-dim or expanded operands takes it)."""
+    one over lists of one dtype whose entries match in shape and are dense, a scalar
+    tensor of that dtype too (torch's multi-tensor path, ``can_use_fast_route``; its
+    chunking of long lists aside), else one per tensor (its per-tensor fallback: a list of
+    0-dim or expanded operands takes it, or a scalar tensor of another dtype)."""
     if name in NO_KERNEL_OPS or func.is_view:
         return 0
     if name.startswith(CONCATENATIONS):
@@ -271,7 +272,8 @@ def _kernel_launches(func: Any, name: str, args: tuple, outputs: list[torch.Tens
     tensors = [t for tensor_list in lists for t in _tensors(tensor_list)]
     if not tensors or all(t.device.type == "cpu" for t in tensors):
         return 0
-    fast = len({t.dtype for t in tensors}) == 1 and all(
+    scalar_tensors = [a for a in args if isinstance(a, torch.Tensor)]  # a ``.Tensor`` overload's scalar
+    fast = len({t.dtype for t in tensors + scalar_tensors}) == 1 and all(
         len({tuple(t.shape) for t in entry}) == 1 and all(t.is_contiguous() for t in entry)
         for entry in zip(*lists))
     return 1 if fast else len(lists[0])

@@ -21,7 +21,8 @@ From the sums every rank computes the same masks on the device
 found a problem or a DTensor parameter has a grad on some ranks but not on others (the
 whole step then changes nothing, on any rank, plain parameters included); and each DTensor
 parameter's mask, the step's and "some rank has its grad" (a parameter without a grad
-anywhere is skipped, as ``torch.optim`` skips it).
+anywhere is skipped, as ``torch.optim`` skips it): where the step's mask holds, that is
+this rank's own answer (``dmuon.exchange.status_masks``).
 
 Errors, the same on every rank. A rank that found a problem of its own raises its
 message at the end of that step, after the collectives every rank runs. The sums are
@@ -93,7 +94,6 @@ class GradStatus:
                            channel.device, STATUS_DTYPE)
         if finite is not None:
             status[BLOCKS * n + 1].copy_(~finite)
-        subset_sums = []
         for subset in channel.subsets:
             sums = to_device([*(has[j] for j in subset.positions), *(1 - has[j] for j in subset.positions),
                               *(partial[j] for j in subset.positions)], channel.device, STATUS_DTYPE)
@@ -103,14 +103,13 @@ class GradStatus:
             some, none, partials = sums[:m], sums[m : 2 * m], sums[2 * m :]
             disagree = ((some > 0) & (none > 0)) | ((partials > 0) & (partials < some))
             status[2 * n : 3 * n].index_copy_(0, subset.index(channel.device), disagree.to(STATUS_DTYPE))
-            subset_sums.append(sums)
         work = None if channel.group is None else dist.all_reduce(status, group=channel.group, async_op=True)
         host_ok: bool | None = None
         if problem_here or masked_here:
             host_ok = False
         elif channel.group is None and finite is None:
             host_ok = True
-        return StatusMasks(channel, status, work, subset_sums, host_ok, masked_here or problem_here, channel.device,
+        return StatusMasks(channel, status, work, has, host_ok, masked_here or problem_here, channel.device,
                            self._pending)
 
     @property

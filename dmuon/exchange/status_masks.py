@@ -1,6 +1,12 @@
 """The masks a step reads from its status sums (``dmuon.exchange.grad_status`` starts the
 sums; this is what the step's rules read of them): the step's mask and each DTensor
 parameter's, 0-dim bools on the device, never read on the host in the step.
+
+A parameter's mask is the step's mask itself where this rank has its grad, and a False
+tensor where it has none. That is "the step's, and some rank has the grad": where the
+step's mask holds, every rank of a parameter has its grad or none has (a disagreement
+masks the step), so this rank's own answer is every rank's. So a step has at most two
+distinct masks, and the rules run one list op per mask (``dmuon.numerics.masked_updates``).
 """
 
 from __future__ import annotations
@@ -32,10 +38,10 @@ class StatusMasks(Mapping[torch.Tensor, torch.Tensor]):
     wrong here, None where only the device knows."""
 
     def __init__(self, channel: StatusChannel | None, status: torch.Tensor | None, work: Any,
-                 subset_sums: list[torch.Tensor], host_ok: bool | None, masked_here: bool,
+                 has: list[int], host_ok: bool | None, masked_here: bool,
                  device: torch.device | None, pending: list[tuple[list[str], HostCopy]],
                  finite: torch.Tensor | None = None) -> None:
-        self._channel, self._status, self._work, self._subset_sums = channel, status, work, subset_sums
+        self._channel, self._status, self._work, self._has = channel, status, work, has  # has: this rank's grads
         self._finite = finite  # this rank's grads finite, where no other rank takes part (skip_nonfinite)
         self.host_ok = host_ok
         self._masked_here = masked_here
@@ -70,10 +76,8 @@ class StatusMasks(Mapping[torch.Tensor, torch.Tensor]):
         if self._masked_here:  # this rank's problem, or an error pending from the last step
             step_ok = torch.zeros((), dtype=torch.bool, device=status.device)
         self._step_ok = step_ok
-        present = has > 0
-        for subset, sums in zip(self._channel.subsets, self._subset_sums):  # counted over their own ranks
-            present = present.index_copy(0, subset.index(status.device), sums[: len(subset.positions)] > 0)
-        self._oks.update(zip(self._channel.params, (present & step_ok).unbind()))
+        never = torch.zeros((), dtype=torch.bool, device=status.device) if not all(self._has) else None
+        self._oks.update((p, step_ok if h else never) for p, h in zip(self._channel.params, self._has))
         self._pending.append((self._channel.names, HostCopy(status)))
         return self._oks
 

@@ -87,6 +87,18 @@ class StepScalars:
         """``value`` (one made here, or a group's tensor) in ``dtype``."""
         return self._once(("cast", id(value), dtype), (value,), lambda: value.to(dtype))
 
+    def masked(self, value: float | torch.Tensor, dtype: torch.dtype, ok: torch.Tensor) -> torch.Tensor:
+        """``value`` (a number, or a device tensor) where the 0-dim bool ``ok`` holds, exactly 1
+        elsewhere, in ``dtype`` on ``ok``'s device (a masked decay's factor)."""
+        tensor = isinstance(value, torch.Tensor)
+
+        def make() -> torch.Tensor:
+            kept = value.to(dtype) if tensor else torch.full((), value, dtype=dtype, device=ok.device)
+            return torch.where(ok, kept, torch.ones((), dtype=dtype, device=ok.device))
+
+        return self._once(("masked", id(value) if tensor else value, dtype, id(ok)), (ok, value) if tensor else (ok,),
+                          make)
+
 
 def scaled_add_(targets: Sequence[torch.Tensor], updates: Sequence[torch.Tensor], alpha: torch.Tensor,
                 foreach: bool, scalars: StepScalars | None = None) -> None:
@@ -105,18 +117,20 @@ def scaled_add_(targets: Sequence[torch.Tensor], updates: Sequence[torch.Tensor]
         target.addcmul_(update, scale)
 
 
-def decay_(params: Sequence[torch.Tensor], keep: torch.Tensor, foreach: bool,
-           scalars: StepScalars | None = None) -> None:
+def decay_(params: Sequence[torch.Tensor], keep: float | torch.Tensor, foreach: bool,
+           scalars: StepScalars | None = None, ok: torch.Tensor | None = None) -> None:
     """``p *= keep`` for every parameter, ``keep`` (``1 - lr * weight_decay``, fp64 on the
     device) cast there to the dtype ``mul_`` by a number computes in (:func:`opmath_dtype`),
     expanded for a parameter of another dtype (a 0-dim device factor would be read in the
-    parameter's dtype); with ``foreach``, one list op per dtype and device."""
+    parameter's dtype); with ``foreach``, one list op per dtype and device. ``ok``: a 0-dim
+    device bool, the factor exactly 1 where it does not hold (``keep`` may then be a number)."""
     scalars = scalars or StepScalars()
     lists: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
     for param in params:
         lists.setdefault((param.dtype, param.device), []).append(param)
     for (dtype, _), targets in lists.items():
-        factor = scalars.cast(keep, opmath_dtype(dtype))
+        factor = (scalars.cast(keep, opmath_dtype(dtype)) if ok is None
+                  else scalars.masked(keep, opmath_dtype(dtype), ok))
         factors = [factor if factor.dtype == dtype else factor.expand(t.shape) for t in targets]
         if foreach:  # the list's own dtype: the Tensor form, one kernel per list on CUDA
             torch._foreach_mul_(targets, factor if factor.dtype == dtype else factors)
