@@ -84,12 +84,15 @@ def test_a_concatenation_counts_one_launch_or_one_per_input_where_it_casts(input
     assert sum(ops.values()) == launches
 
 
-@pytest.mark.parametrize("scalar_dtype, launches", [(torch.float32, 1), (torch.float64, 3), (torch.int32, 3)])
-def test_a_list_op_by_a_scalar_tensor_is_one_launch_only_in_the_lists_dtype(scalar_dtype, launches):
-    # CUDA's multi-tensor kernel takes a 0-dim scalar tensor of the list's own dtype; any other
+@pytest.mark.parametrize("scalar_dtype, device, launches", [
+    (torch.float32, "meta", 1), (torch.float64, "meta", 3), (torch.int32, "meta", 3),
+    (torch.float64, "cpu", 1),  # a CPU scalar is read as a number: the multi-tensor path
+])
+def test_a_list_op_by_a_scalar_tensor_is_one_launch_only_in_the_lists_dtype(scalar_dtype, device, launches):
+    # CUDA's multi-tensor kernel takes a 0-dim device scalar of the list's own dtype; any other
     # falls back to one kernel per tensor.
     params = [torch.empty(n, 4, device="meta") for n in (2, 3, 5)]
-    scalar = torch.ones((), dtype=scalar_dtype, device="meta")
+    scalar = torch.ones((), dtype=scalar_dtype, device=device)
     ops = recorded(lambda: torch._foreach_mul_(params, scalar)).record.device_ops
     assert sum(ops.values()) == launches
 

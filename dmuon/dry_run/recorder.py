@@ -272,7 +272,8 @@ def _kernel_launches(func: Any, name: str, args: tuple, outputs: list[torch.Tens
     tensors = [t for tensor_list in lists for t in _tensors(tensor_list)]
     if not tensors or all(t.device.type == "cpu" for t in tensors):
         return 0
-    scalar_tensors = [a for a in args if isinstance(a, torch.Tensor)]  # a ``.Tensor`` overload's scalar
+    # A ``.Tensor`` overload's 0-dim scalar on the device must match (a CPU one is read as a number).
+    scalar_tensors = [a for a in args if isinstance(a, torch.Tensor) and a.dim() == 0 and a.device.type != "cpu"]
     fast = len({t.dtype for t in tensors + scalar_tensors}) == 1 and all(
         len({tuple(t.shape) for t in entry}) == 1 and all(t.is_contiguous() for t in entry)
         for entry in zip(*lists))

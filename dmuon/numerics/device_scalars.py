@@ -131,9 +131,12 @@ def decay_(params: Sequence[torch.Tensor], keep: float | torch.Tensor, foreach: 
     for (dtype, _), targets in lists.items():
         factor = (scalars.cast(keep, opmath_dtype(dtype)) if ok is None
                   else scalars.masked(keep, opmath_dtype(dtype), ok))
+        if foreach and factor.dtype == dtype:  # the list's own dtype: the Tensor form, one kernel per list on CUDA
+            torch._foreach_mul_(targets, factor)
+            continue
         factors = [factor if factor.dtype == dtype else factor.expand(t.shape) for t in targets]
-        if foreach:  # the list's own dtype: the Tensor form, one kernel per list on CUDA
-            torch._foreach_mul_(targets, factor if factor.dtype == dtype else factors)
+        if foreach:
+            torch._foreach_mul_(targets, factors)
         else:
             for target, one in zip(targets, factors):
                 target.mul_(one)
