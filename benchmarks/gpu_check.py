@@ -222,7 +222,7 @@ def two_ranks() -> dict:
 
     layouts = [name for name, _, _ in scenarios.LAYOUT_CASES]
     os.environ["DMUON_SCENARIO_DEVICE"] = "cuda"
-    result = run_on_ranks(scenarios.layout_exactness, 2, layouts, 1 << 27, backend="gloo", timeout=240)[0]
+    result = run_on_ranks(scenarios.layout_exactness, 2, layouts, 1 << 27, timeout=240, fresh=True)[0]
     equal = result["equal"]
     if equal != dict.fromkeys(layouts, True):
         raise AssertionError(f"layouts not bitwise equal to P = 1: {sorted(k for k, v in equal.items() if not v)}")

@@ -2,7 +2,8 @@
 every launch, no process left behind. The one launcher of the project's multi-rank work:
 ``python -m benchmarks.vs_distmuon --time`` measures P = 1, 2 and 4 from one command (which
 torchrun, one world size a launch, cannot), and the multi-rank tests run their scenarios
-with it (``tests/multiprocess.py``).
+with it (``tests/multiprocess.py``), most of them on shared ranks (``RankPool``, below:
+one launch for many functions).
 
 ``run_on_ranks(fn, world_size, *args)`` starts ``world_size`` processes on a free
 localhost port, runs ``fn(*args)`` in each after ``init_process_group("gloo")`` (or
@@ -142,3 +143,154 @@ def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: f
                 proc.join(timeout=10)
         results.close()
     return [collected[r][1] for r in range(world_size)]
+
+
+# ------------------------------------------------------------------ shared ranks
+
+
+class RankPool:
+    """``world_size`` ranks kept alive across calls: one launch (interpreters, torch's
+    import, the process group) for many functions, each run on every rank in turn.
+
+    :meth:`run` has :func:`run_on_ranks`'s contract for one function: results in rank
+    order, a rank's exception raised with its traceback and the function's name, a run
+    past its ``timeout`` raising ``TimeoutError``. After any failure the pool is closed
+    (every process killed): a rank that raised may have left the others inside a
+    collective, so the next call starts fresh ranks rather than trust them.
+
+    What a function leaves in its process (groups and meshes it made, module caches)
+    stays for the next one: what needs a process of its own uses :func:`run_on_ranks`.
+    A function after which the ranks disagree on how many groups they made (groups made by
+    some ranks only) closes the pool once its results are in: the next group would hang.
+    Ranks end with ``os._exit(0)`` at :meth:`close` (no finalization, so no gloo abort)."""
+
+    def __init__(self, world_size: int, backend: str = "gloo") -> None:
+        ctx = mp.get_context("spawn")
+        self.world_size = world_size
+        self.backend = backend
+        self._results = ctx.Queue()
+        self._jobs = [ctx.Queue() for _ in range(world_size)]
+        port = free_port()
+        self._procs = [ctx.Process(target=_pool_worker, args=(r, world_size, port, backend, self._jobs[r],
+                                                                self._results), daemon=True)
+                       for r in range(world_size)]
+        for proc in self._procs:
+            proc.start()
+        self._calls = 0
+
+    @property
+    def processes(self) -> tuple[Any, ...]:
+        """The ranks' processes, rank 0 first (none once the pool is closed)."""
+        return tuple(self._procs)
+
+    @property
+    def alive(self) -> bool:
+        return bool(self._procs) and all(p.is_alive() for p in self._procs)
+
+    def run(self, fn: Callable[..., Any], *args: Any, timeout: float = DEFAULT_TIMEOUT_S) -> list[Any]:
+        """``[fn(*args) on rank 0, ..., on rank world_size - 1]``, on this pool's ranks."""
+        self._calls += 1
+        call = self._calls
+        for jobs in self._jobs:
+            jobs.put((call, fn, args))
+        collected: dict[int, Any] = {}
+        start = time.monotonic()
+        try:
+            while len(collected) < self.world_size:
+                left = timeout - (time.monotonic() - start)
+                if left <= 0:
+                    raise TimeoutError(f"{fn.__name__} on {self.world_size} shared ranks did not finish in "
+                                       f"{timeout:.0f} s (ranks done: {sorted(collected)})")
+                try:
+                    answer_to, rank, status, value = self._results.get(timeout=min(left, 1.0))
+                except queue.Empty:
+                    dead = {r: _exit_status(p.exitcode) for r, p in enumerate(self._procs) if not p.is_alive()}
+                    if dead and self._results.empty():
+                        raise RuntimeError(f"{fn.__name__}: shared rank(s) {sorted(dead)} died without reporting ("
+                                           + "; ".join(f"rank {r} {how}" for r, how in dead.items()) + ")") from None
+                    continue
+                if answer_to != call:  # cannot happen: a failed call closes the pool
+                    raise RuntimeError(f"{fn.__name__}: rank {rank} answered call {answer_to}, not {call}")
+                if status == "error":
+                    raise RuntimeError(f"{fn.__name__} failed on rank {rank}:\n{value}")
+                collected[rank] = value
+        except BaseException:
+            self.kill()
+            raise
+        if len({groups for _, groups in collected.values()}) > 1:
+            self.close()  # the ranks no longer agree on the next group's name (_groups_made)
+        return [collected[r][0] for r in range(self.world_size)]
+
+    def close(self) -> None:
+        """End every rank (each exits 0 before finalization); kill what does not exit in time."""
+        for jobs in self._jobs:
+            jobs.put(None)
+        exit_by = time.monotonic() + EXIT_TIMEOUT_S
+        for proc in self._procs:
+            proc.join(timeout=max(0.0, exit_by - time.monotonic()))
+        self.kill()
+
+    def kill(self) -> None:
+        for proc in self._procs:
+            if proc.is_alive():
+                proc.kill()
+            proc.join(timeout=10)
+        self._procs = []
+        for q in (*self._jobs, self._results):
+            q.close()
+            q.cancel_join_thread()
+
+
+def _groups_made() -> int | None:
+    """How many process groups this rank has made: torch names a new group by this count
+    unless it is made by its members only (``use_local_synchronization=True``, which DMuon
+    uses for a pipeline stage's ranks, and non-members do not count). Ranks that disagree
+    would wait on different names at their next ``new_group``: a hang."""
+    from torch.distributed import distributed_c10d
+
+    return getattr(getattr(distributed_c10d, "_world", None), "group_count", None)
+
+
+def _pool_worker(rank: int, world_size: int, port: int, backend: str, jobs: Any, results: Any) -> None:
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    try:
+        dist.init_process_group(backend, rank=rank, world_size=world_size)
+    except BaseException:
+        results.put((1, rank, "error", traceback.format_exc()))
+        return
+    while (job := jobs.get()) is not None:
+        call, fn, args = job
+        torch.set_num_threads(1)  # whatever the last function set
+        try:
+            value = fn(*args)
+            results.put((call, rank, "ok", (value, _groups_made())))
+        except BaseException:  # reported; the parent then kills every rank
+            results.put((call, rank, "error", traceback.format_exc()))
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+_POOLS: dict[tuple[int, str], RankPool] = {}
+
+
+def run_on_shared_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = DEFAULT_TIMEOUT_S,
+                        backend: str = "gloo") -> list[Any]:
+    """:func:`run_on_ranks` on this process's :class:`RankPool` of ``world_size`` ranks
+    (started at the first call, started anew after a failure, closed at exit)."""
+    key = (world_size, backend)
+    pool = _POOLS.get(key)
+    if pool is None or not pool.alive:
+        pool = _POOLS[key] = RankPool(world_size, backend)
+    return pool.run(fn, *args, timeout=timeout)
+
+
+@atexit.register
+def _close_pools() -> None:  # registered after multiprocessing's own handler, so it runs first
+    while _POOLS:
+        _POOLS.popitem()[1].close()

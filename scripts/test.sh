@@ -1,8 +1,14 @@
 #!/usr/bin/env bash
-# Sets everything up (scripts/setup.sh: a .venv with torch 2.13.0) and runs the whole
-# test suite. Extra arguments go to pytest, e.g. `bash scripts/test.sh -k plan`.
+# Sets everything up (scripts/setup.sh: a .venv with torch 2.13.0) and runs the test suite's
+# default tier: every test but those marked `extended` (the second tier, which CI runs too:
+# `bash scripts/test.sh -m extended`). Extra arguments go to pytest and win over these
+# defaults, e.g. `bash scripts/test.sh -k plan` or `bash scripts/test.sh -n 0` (one process).
+#
+# Two pytest-xdist workers: one takes every test that starts processes, one at a time (the
+# multi-rank tests on shared ranks, tests/multiprocess.py; TorchTitan's torchrun jobs),
+# while the other runs in-process tests (tests/conftest.py groups them).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python=$(bash scripts/setup.sh)
 export OMP_NUM_THREADS=1
-exec "$python" -m pytest "$@"
+exec "$python" -m pytest -n 2 --dist loadgroup -m "not extended" "$@"

@@ -1,5 +1,6 @@
-"""The rule that every test says what it needs, fixtures shared by the TorchTitan
-end-to-end test files, and the in-process ones (one thread, a one-rank gloo group).
+"""The rule that every test says what it needs, the groups that keep launches apart under
+pytest-xdist, fixtures shared by the TorchTitan end-to-end test files, and the
+in-process ones (one thread, a one-rank gloo group).
 
 Every test carries exactly one of the marks in ``TEST_KINDS`` (registered in
 pyproject.toml); collecting one without, or with two, stops the run, so that
@@ -18,6 +19,21 @@ from pathlib import Path
 import pytest
 
 TEST_KINDS = ("unit", "multirank", "torchrun", "cuda")
+# Under pytest-xdist (``-n 2 --dist loadgroup``, scripts/test.sh), every test that starts
+# processes runs in one worker, in file order, while the other worker takes in-process
+# tests: one launch at a time on a 2-core machine (two at once measured slower than one
+# after the other: 15.4 against 13.8 minutes), and one set of shared ranks per world size
+# (tests/multiprocess.py).
+LAUNCHING_KINDS = ("multirank", "torchrun", "cuda")
+# Tests whose outcome does not depend on the torch release (documents, the import layers,
+# the launchers, the planner's pure functions of shapes): marked ``any_torch``, run by the
+# main suite only, not again by the torch 2.15 and 2.11 legs (docs/development.md).
+ANY_TORCH_FILES = frozenset({
+    "test_docs_links.py", "test_docs_module_paths.py", "test_layers.py", "test_package_boundaries.py",
+    "test_spawned_ranks.py", "test_multiprocess.py", "test_launch_hygiene.py",
+    "test_plan_report.py", "test_plan_answers.py", "test_cost_model.py", "test_titan_log.py",
+    "test_suite_schedule.py",
+})
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m deselects: an unmarked test fails every run, not only unfiltered ones
@@ -32,6 +48,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             f"every test needs exactly one of the marks {', '.join(TEST_KINDS)} (pyproject.toml says what each "
             f"means; set pytestmark in the module or mark the test). These have none or several:\n"
             + "\n".join(wrong))
+
+
+def pytest_itemcollected(item: pytest.Item) -> None:
+    """The marks this file sets by rule, as each test is collected: before any
+    ``pytest_collection_modifyitems`` (xdist's reads ``xdist_group`` in its own, which runs
+    ahead of a conftest's)."""
+    if any(item.get_closest_marker(kind) for kind in LAUNCHING_KINDS):
+        item.add_marker(pytest.mark.xdist_group("launches"))
+    if item.path.name in ANY_TORCH_FILES:
+        item.add_marker(pytest.mark.any_torch)
 
 
 @pytest.fixture(scope="session")

@@ -67,7 +67,7 @@ def run_launch(cases: list[Case], world: int, check_timeout_s: float) -> tuple[l
     error = None
     try:
         run_on_ranks(run_cases, world, [c.id for c in cases], out_dir, check_timeout_s,
-                     timeout=LAUNCH_BASE_S + PER_CASE_S * len(cases))
+                     timeout=LAUNCH_BASE_S + PER_CASE_S * len(cases), fresh=True)  # a fault may desync the group
     except Exception as launch_error:  # noqa: BLE001 - a broken launch is a finding, judged below
         error = f"{type(launch_error).__name__}: {launch_error}"
     observed = _read(out_dir, world)

@@ -38,7 +38,9 @@ def test_a_copy_of_a_dmuon_over_dtensors_steps_bitwise_like_the_original(copies,
 
 @pytest.fixture(scope="module")
 def log_lines() -> list[str]:
-    return run_on_ranks(scenarios.path_log, 2)[0]
+    """What a process logs from its first DMuon on: ranks of its own (a shared rank has
+    logged the once-per-process lines already)."""
+    return run_on_ranks(scenarios.path_log, 2, fresh=True)[0]
 
 
 def test_each_path_is_logged_once_with_its_parameters(log_lines):

@@ -29,7 +29,8 @@ HIDDEN_WEIGHTS = {f"layers.0.{m}.weight" for m in ("attention.wq", "attention.wk
 
 @pytest.fixture(scope="module")
 def runs() -> dict[str, list[dict]]:
-    return {name: run_on_ranks(scenarios.titan_llama3_exactness, world, *degrees)
+    """Each setup on ranks of its own: TorchTitan keeps its meshes in process-wide state."""
+    return {name: run_on_ranks(scenarios.titan_llama3_exactness, world, *degrees, fresh=True)
             for name, (degrees, world) in SETUPS.items()}
 
 

@@ -38,6 +38,7 @@ def _alive(pid: int) -> bool:
 
 @pytest.mark.torchrun
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds processes through /proc")
+@pytest.mark.extended
 def test_a_torchrun_launch_that_hangs_is_stopped_with_every_process_it_started(tmp_path):
     worker = tmp_path / "hang.py"
     worker.write_text(HANGING_WORKER)

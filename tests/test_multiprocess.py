@@ -27,10 +27,10 @@ def _report_then_abort() -> int:
 
 def test_a_rank_that_exits_1_after_reporting_fails_the_run():
     with pytest.raises(RuntimeError, match=r"every rank reported, then rank 1 exited with 1$"):
-        run_on_ranks(_report_then_exit_1_on_the_last_rank, 2, timeout=60)
+        run_on_ranks(_report_then_exit_1_on_the_last_rank, 2, timeout=60, fresh=True)
 
 
 def test_a_rank_killed_by_sigabrt_after_reporting_fails_the_run_too():
     """No exit status is excused: clean ranks leave before gloo can abort them."""
     with pytest.raises(RuntimeError, match=r"every rank reported, then rank 0 was killed by SIGABRT$"):
-        run_on_ranks(_report_then_abort, 1, timeout=60)
+        run_on_ranks(_report_then_abort, 1, timeout=60, fresh=True)

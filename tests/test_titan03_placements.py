@@ -74,7 +74,7 @@ def _one_step(backend: str, model: str, flavor: str, dp_replicate: int, dp_shard
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_parameters_are_dtensors_and_every_muon_matrix_takes_the_owner_exchange(layout, backend):
     ranks, *shape = LAYOUTS[layout]
-    for found in run_on_ranks(_one_step, ranks, backend, *shape, timeout=TIMEOUT_S):
+    for found in run_on_ranks(_one_step, ranks, backend, *shape, timeout=TIMEOUT_S, fresh=True):
         assert found["plain"] == []
         assert found["paths"] and set(found["paths"].values()) == {"all_to_all"}, found["paths"]
         assert found["moved_and_finite"]

@@ -71,6 +71,7 @@ def test_resuming_from_a_checkpoint_reproduces_the_uninterrupted_run_bit_for_bit
     assert_same_checkpoints(checkpoint_dir(run, 10), checkpoint_dir(full_folder, 10), tmp_path / "loaded")
 
 
+@pytest.mark.extended
 def test_an_async_checkpoint_resumes_to_the_uninterrupted_runs_losses(dmuon_run, short_run_args, tmp_path):
     """``checkpoint.async_mode = "async"``: DCP stages the step-5 state and writes it while
     step 6 trains (the last step's checkpoint is written synchronously, as TorchTitan

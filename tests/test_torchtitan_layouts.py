@@ -86,6 +86,7 @@ def test_a_dense_layout_trains_with_dmuon_on_the_owner_exchange(short_run_args, 
     assert "redistribute" not in paths, paths
 
 
+@pytest.mark.extended
 def test_deepseek_v3_with_expert_parallel_2_trains_with_dmuon(short_run_args, tmp_path):
     log, out = torchrun(DMUON_TOML, tmp_path, *short_run_args, *FEW_STEPS, *moe_model("deepseek_v3"), *EP_2)
     assert_trained(log)

@@ -66,6 +66,7 @@ def killed_run(request, tmp_path_factory, short_run_args) -> tuple[Scenario, Pat
 
 
 @pytest.mark.torchrun
+@pytest.mark.extended
 def test_the_armed_rank_kills_itself_at_the_chosen_point_in_the_first_attempt(killed_run):
     scenario, folder = killed_run
     first_attempt = attempt_output(folder, attempt=0, rank=scenario.kill.rank)
@@ -75,12 +76,14 @@ def test_the_armed_rank_kills_itself_at_the_chosen_point_in_the_first_attempt(ki
 
 
 @pytest.mark.torchrun
+@pytest.mark.extended
 def test_torchrun_restarts_the_job_exactly_once(killed_run):
     _, folder = killed_run
     assert attempts(folder) == [0, 1]
 
 
 @pytest.mark.torchrun
+@pytest.mark.extended
 def test_the_restarted_job_resumes_from_the_last_complete_checkpoint(killed_run):
     _, folder = killed_run
     restarted = attempt_output(folder, attempt=1, rank=0)
@@ -90,6 +93,7 @@ def test_the_restarted_job_resumes_from_the_last_complete_checkpoint(killed_run)
 
 
 @pytest.mark.torchrun
+@pytest.mark.extended
 def test_the_restarted_job_logs_exactly_the_uninterrupted_losses(killed_run, dmuon_run):
     _, folder = killed_run
     uninterrupted, _ = dmuon_run
@@ -101,6 +105,7 @@ def test_the_restarted_job_logs_exactly_the_uninterrupted_losses(killed_run, dmu
 
 
 @pytest.mark.torchrun
+@pytest.mark.extended
 def test_the_restarted_job_ends_with_the_uninterrupted_model_and_optimizer_bit_for_bit(
         killed_run, dmuon_run, tmp_path):
     _, folder = killed_run

@@ -70,6 +70,7 @@ def test_a_layout_change_stops_every_rank_before_step_6_naming_the_field_and_the
         assert "Missing key" not in text and "step:  6" not in text
 
 
+@pytest.mark.extended
 def test_a_dmuon_checkpoint_resumed_with_adamw_stops_with_the_recipe_which_then_trains(
         dmuon_run, short_run_args, tmp_path):
     full, folder = dmuon_run
@@ -90,6 +91,7 @@ def adamw_run(tmp_path_factory, short_run_args):
     return log, folder
 
 
+@pytest.mark.extended
 def test_an_adamw_checkpoint_resumed_with_dmuon_stops_with_the_recipe_which_then_trains(
         adamw_run, short_run_args, tmp_path):
     adamw, folder = adamw_run
