@@ -222,7 +222,10 @@ class RankPool:
         return [collected[r][0] for r in range(self.world_size)]
 
     def close(self) -> None:
-        """End every rank (each exits 0 before finalization); kill what does not exit in time."""
+        """End every rank (each exits 0 before finalization); kill what does not exit in time.
+        Nothing to do once closed or killed."""
+        if not self._procs:
+            return
         for jobs in self._jobs:
             jobs.put(None)
         exit_by = time.monotonic() + EXIT_TIMEOUT_S
@@ -231,6 +234,9 @@ class RankPool:
         self.kill()
 
     def kill(self) -> None:
+        """Kill every rank now (after a failure: ranks may be stuck in a collective)."""
+        if not self._procs:
+            return
         for proc in self._procs:
             if proc.is_alive():
                 proc.kill()
@@ -260,7 +266,7 @@ def _pool_worker(rank: int, world_size: int, port: int, backend: str, jobs: Any,
     try:
         dist.init_process_group(backend, rank=rank, world_size=world_size)
     except BaseException:
-        results.put((1, rank, "error", traceback.format_exc()))
+        results.put((1, rank, "error", traceback.format_exc()))  # the answer to the pool's first call
         return
     while (job := jobs.get()) is not None:
         call, fn, args = job

@@ -28,6 +28,10 @@ def _raise_on_rank_1() -> int:
     return dist.get_rank()
 
 
+def _raise_planted() -> None:
+    raise ValueError("planted failure")
+
+
 def _all_reduce_then_hang_on_rank_0() -> None:
     import torch
 
@@ -94,3 +98,12 @@ def test_closing_shared_ranks_ends_each_with_exit_status_0():
     pool.run(_pid_and_rank, timeout=120)
     pool.close()
     assert [proc.exitcode for proc in processes] == [0, 0]
+
+
+def test_a_pool_closed_or_killed_can_be_closed_again_as_at_exit():
+    pool = RankPool(1)
+    with pytest.raises(RuntimeError, match="planted failure"):
+        pool.run(_raise_planted, timeout=60)
+    pool.close()
+    pool.kill()
+    assert not pool.alive
