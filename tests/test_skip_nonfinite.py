@@ -97,3 +97,14 @@ def test_an_error_in_the_adamw_part_leaves_the_muon_part_as_it_was(monkeypatch):
     with pytest.raises(RuntimeError, match="AdamW failed"):
         optimizer.step()
     assert torch.equal(params[0][1], before)  # the device-made mask turned False for the Muon part too
+
+
+@pytest.mark.parametrize("fused", [None, True], ids=["foreach", "fused"])
+def test_a_skipped_step_with_capturable_leaves_the_adamw_part_undecayed(fused):
+    """Issue 49's seam: with ``capturable=True`` the AdamW decay runs on the device before
+    torch's fused kernel, whose ``found_inf`` skips only its own update."""
+    optimizer, params = _run([0, 1], capturable=True, fused=fused)
+    before = _bits(optimizer, params)
+    _grads(params, BAD_STEP, float("nan"))
+    optimizer.step()
+    assert _bits(optimizer, params) == before

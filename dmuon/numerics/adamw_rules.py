@@ -108,7 +108,7 @@ def adamw_capturable_(
       corrections on the device; fused: the kernel reads a Tensor lr in fp32);
     - elsewhere (the CPU, where torch refuses ``capturable``): the paths torch allows a
       Tensor lr without it, the for-loop or fused; bits equal to a float ``lr``."""
-    _decay_on_device_(params, grads, exp_avgs, lr, weight_decay, betas[0], cautious_weight_decay, foreach)
+    _decay_on_device_(params, grads, exp_avgs, lr, weight_decay, betas[0], cautious_weight_decay, foreach, found_inf)
     on_device = params[0].device.type in capturable_devices()
     if fused and on_device:
         lr = lr.to(torch.float32)  # torch's fused kernels read a Tensor lr as fp32
@@ -124,12 +124,16 @@ def adamw_capturable_(
 
 def _decay_on_device_(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
                       lr: torch.Tensor, weight_decay: torch.Tensor, beta1: float, cautious_weight_decay: bool,
-                      foreach: bool | None) -> None:
+                      foreach: bool | None, found_inf: torch.Tensor | None = None) -> None:
     """``p *= 1 - lr * weight_decay`` with the factor made on the device
     (``dmuon.numerics.device_scalars.decay_``: list ops unless ``foreach`` is False);
-    cautious: per tensor, where update and weight agree in sign (a complex parameter: plain)."""
+    cautious: per tensor, where update and weight agree in sign (a complex parameter: plain).
+    ``found_inf`` (torch's skip, 1.0: skip) makes the factor exactly 1 on the device: the
+    fused kernel that reads it skips only its own update, not this decay before it."""
     scalars = StepScalars()
     keep = scalars.keep(lr, weight_decay)
+    if found_inf is not None:
+        keep = torch.where(found_inf.to(device=keep.device, dtype=torch.bool), torch.ones_like(keep), keep)
     plain = []
     for param, grad, exp_avg in zip(params, grads, exp_avgs):
         local = local_of(param)
