@@ -21,9 +21,9 @@ import pytest
 TEST_KINDS = ("unit", "multirank", "torchrun", "cuda")
 # Under pytest-xdist (``-n 2 --dist loadgroup``, scripts/test.sh), every test that starts
 # processes runs in one worker, in file order, while the other worker takes in-process
-# tests: one launch at a time on a 2-core machine (two at once measured slower than one
-# after the other: 15.4 against 13.8 minutes), and one set of shared ranks per world size
-# (tests/multiprocess.py).
+# tests: one launch at a time on a 2-core machine (the default tier took 12:21 with launches
+# spread over both workers, 10:05 with them in one: docs/development.md), and one set of
+# shared ranks per world size (tests/multiprocess.py).
 LAUNCHING_KINDS = ("multirank", "torchrun", "cuda")
 # Tests whose outcome does not depend on the torch release (documents, the import layers,
 # the launchers, the planner's pure functions of shapes): marked ``any_torch``, run by the

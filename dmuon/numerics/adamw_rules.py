@@ -133,7 +133,7 @@ def _decay_on_device_(params: list[torch.Tensor], grads: list[torch.Tensor], exp
     scalars = StepScalars()
     keep = scalars.keep(lr, weight_decay)
     if found_inf is not None:
-        keep = torch.where(found_inf.to(device=keep.device, dtype=torch.bool), torch.ones_like(keep), keep)
+        keep = scalars.masked(keep, keep.dtype, found_inf == 0)
     plain = []
     for param, grad, exp_avg in zip(params, grads, exp_avgs):
         local = local_of(param)
