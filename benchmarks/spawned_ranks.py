@@ -97,6 +97,32 @@ def _exit_status(code: int | None) -> str:
     return f"exited with {code}"
 
 
+def _collect(name: str, procs: list[Any], results: Any, timeout: float, ranks: str) -> dict[int, Any]:
+    """Each rank's reported value (rank -> value) once every rank of ``procs`` has reported
+    ``(rank, "ok" or "error", value)`` on ``results``. Raises, naming ``name``, when a rank
+    reports an error (with its traceback), dies without reporting, or ``timeout`` passes
+    (``ranks`` says which ranks in that message)."""
+    collected: dict[int, Any] = {}
+    start = time.monotonic()
+    while len(collected) < len(procs):
+        left = timeout - (time.monotonic() - start)
+        if left <= 0:
+            raise TimeoutError(f"{name} on {len(procs)} {ranks} did not finish in {timeout:.0f} s "
+                               f"(ranks done: {sorted(collected)})")
+        try:
+            rank, status, value = results.get(timeout=min(left, 1.0))
+        except queue.Empty:
+            dead = {r: _exit_status(p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (0, None)}
+            if dead and results.empty():
+                raise RuntimeError(f"{name}: rank(s) {sorted(dead)} died without reporting ("
+                                   + "; ".join(f"rank {r} {how}" for r, how in dead.items()) + ")") from None
+            continue
+        if status == "error":
+            raise RuntimeError(f"{name} failed on rank {rank}:\n{value}")
+        collected[rank] = value
+    return collected
+
+
 def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = DEFAULT_TIMEOUT_S,
                  backend: str = "gloo") -> list[Any]:
     """``[fn(*args) on rank 0, ..., on rank world_size - 1]``."""
@@ -109,25 +135,8 @@ def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: f
              for r in range(world_size)]
     for proc in procs:
         proc.start()
-    collected: dict[int, tuple[str, Any]] = {}
     try:
-        start = time.monotonic()
-        while len(collected) < world_size:
-            deadline_left = timeout - (time.monotonic() - start)
-            if deadline_left <= 0:
-                raise TimeoutError(f"{fn.__name__} on {world_size} ranks did not finish in {timeout:.0f} s "
-                                   f"(ranks done: {sorted(collected)})")
-            try:
-                rank, status, value = results.get(timeout=min(deadline_left, 1.0))
-            except queue.Empty:
-                if any(not p.is_alive() and p.exitcode not in (0, None) for p in procs) and results.empty():
-                    dead = {r: _exit_status(p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (0, None)}
-                    raise RuntimeError(f"{fn.__name__}: rank(s) {sorted(dead)} died without reporting ("
-                                       + "; ".join(f"rank {r} {how}" for r, how in dead.items()) + ")") from None
-                continue
-            collected[rank] = (status, value)
-            if status == "error":
-                raise RuntimeError(f"{fn.__name__} failed on rank {rank}:\n{value}")
+        collected = _collect(fn.__name__, procs, results, timeout, "ranks")
         all_reported.set()
         exit_by = time.monotonic() + EXIT_TIMEOUT_S
         for proc in procs:
@@ -142,7 +151,7 @@ def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: f
                 proc.kill()
                 proc.join(timeout=10)
         results.close()
-    return [collected[r][1] for r in range(world_size)]
+    return [collected[r] for r in range(world_size)]
 
 
 # ------------------------------------------------------------------ shared ranks
@@ -176,7 +185,6 @@ class RankPool:
                        for r in range(world_size)]
         for proc in self._procs:
             proc.start()
-        self._calls = 0
 
     @property
     def processes(self) -> tuple[Any, ...]:
@@ -189,32 +197,11 @@ class RankPool:
 
     def run(self, fn: Callable[..., Any], *args: Any, timeout: float = DEFAULT_TIMEOUT_S) -> list[Any]:
         """``[fn(*args) on rank 0, ..., on rank world_size - 1]``, on this pool's ranks."""
-        self._calls += 1
-        call = self._calls
         for jobs in self._jobs:
-            jobs.put((call, fn, args))
-        collected: dict[int, Any] = {}
-        start = time.monotonic()
+            jobs.put((fn, args))
         try:
-            while len(collected) < self.world_size:
-                left = timeout - (time.monotonic() - start)
-                if left <= 0:
-                    raise TimeoutError(f"{fn.__name__} on {self.world_size} shared ranks did not finish in "
-                                       f"{timeout:.0f} s (ranks done: {sorted(collected)})")
-                try:
-                    answer_to, rank, status, value = self._results.get(timeout=min(left, 1.0))
-                except queue.Empty:
-                    dead = {r: _exit_status(p.exitcode) for r, p in enumerate(self._procs) if not p.is_alive()}
-                    if dead and self._results.empty():
-                        raise RuntimeError(f"{fn.__name__}: shared rank(s) {sorted(dead)} died without reporting ("
-                                           + "; ".join(f"rank {r} {how}" for r, how in dead.items()) + ")") from None
-                    continue
-                if answer_to != call:  # cannot happen: a failed call closes the pool
-                    raise RuntimeError(f"{fn.__name__}: rank {rank} answered call {answer_to}, not {call}")
-                if status == "error":
-                    raise RuntimeError(f"{fn.__name__} failed on rank {rank}:\n{value}")
-                collected[rank] = value
-        except BaseException:
+            collected = _collect(fn.__name__, self._procs, self._results, timeout, "shared ranks")
+        except BaseException:  # the ranks may be inside a collective: none is trusted again
             self.kill()
             raise
         if len({groups for _, groups in collected.values()}) > 1:
@@ -266,16 +253,16 @@ def _pool_worker(rank: int, world_size: int, port: int, backend: str, jobs: Any,
     try:
         dist.init_process_group(backend, rank=rank, world_size=world_size)
     except BaseException:
-        results.put((1, rank, "error", traceback.format_exc()))  # the answer to the pool's first call
+        results.put((rank, "error", traceback.format_exc()))
         return
     while (job := jobs.get()) is not None:
-        call, fn, args = job
+        fn, args = job
         torch.set_num_threads(1)  # whatever the last function set
         try:
             value = fn(*args)
-            results.put((call, rank, "ok", (value, _groups_made())))
+            results.put((rank, "ok", (value, _groups_made())))
         except BaseException:  # reported; the parent then kills every rank
-            results.put((call, rank, "error", traceback.format_exc()))
+            results.put((rank, "error", traceback.format_exc()))
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
