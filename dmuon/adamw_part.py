@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from dmuon.exchange.grad_status import usable_grad
-from dmuon.exchange.status_masks import StatusMasks
+from dmuon.exchange.status_masks import StatusMasks, StepMask
 from dmuon.exchange.host_staging import ADAMW_MASK, HostStaging
 from dmuon.numerics.functional import adamw_, adamw_state, adamw_steps
 from dmuon.numerics.masked_updates import select_
@@ -40,7 +40,7 @@ def adamw_part(param_groups: Sequence[dict[str, Any]], state: State, status: Sta
     """Every AdamW group's step under ``status`` (``summed``: the replicated parameters'
     grads, :func:`dmuon.exchange.grad_status.usable_grad`); what torch raises is returned
     (``DMuon.step`` raises it at its end, after the collectives every rank runs)."""
-    if status.host_ok is False:  # masked here
+    if status.mask is StepMask.MASKED:
         return None
     mask_on = _MaskOn(status)
     try:
@@ -92,7 +92,7 @@ def _group_step(group: dict[str, Any], state: State, status: StatusMasks, mask_o
                     capturable=bool(group.get("capturable")))
     grads = [usable_grad(p, summed) for p in params]
     with telemetry.adamw_update([local_of(p) for p in params]):
-        if status.host_ok:
+        if status.mask is StepMask.STANDS:
             adamw_(params, grads, moments[: len(params)], moments[len(params):], counters, **settings)
         elif fused and not group["cautious_weight_decay"]:
             found_inf = (~mask_on(local_of(params[0]).device)).to(torch.float32)

@@ -59,9 +59,9 @@ def capture_problems(optimizer: DMuon) -> list[str]:
     if not all(group.get("capturable") for group in optimizer.param_groups):
         problems.append("capturable=False: lr and weight_decay would be the capture's forever; construct DMuon "
                         "with capturable=True")
-    if optimizer._telemetry.enabled:
+    if optimizer.phases.telemetry.enabled:
         problems.append("telemetry=True: it times each step with host events; turn it off for the captured run")
-    if optimizer._attention_clip.targets:
+    if optimizer.phases.attention_clip.targets:
         problems.append("QK-clip: its reports are host bookkeeping of the forward; run QK-clip steps eagerly")
     off_gpu = [optimizer.param_name(p) for g in optimizer.param_groups for p in g["params"]
                if local_of(p).device.type != "cuda"]
@@ -103,9 +103,9 @@ class CapturedStep:
         ``step()`` would); the skipped steps are counted (``DMuon.skipped_steps``)."""
         torch.cuda.current_stream().synchronize()
         if self.graph is not None:  # the last replay's status, in the pinned memory the graph writes
-            self.optimizer._grad_status.read_replayed(self._status_copies)
+            self.optimizer.phases.grad_status.read_replayed(self._status_copies)
         settle_last_step(self.optimizer)
-        error = self.optimizer._grad_status.take_held()
+        error = self.optimizer.phases.grad_status.take_held()
         if error is not None:
             raise error
 
@@ -114,7 +114,7 @@ class CapturedStep:
         holds an error (then the step is not captured: it would be captured masked)."""
         torch.cuda.current_stream().synchronize()
         settle_last_step(self.optimizer)
-        return self.optimizer._grad_status.holds_error()
+        return self.optimizer.phases.grad_status.holds_error()
 
     def release(self) -> None:
         """Free the graph (its memory pool and the collectives it holds): call it before the
@@ -138,7 +138,7 @@ class CapturedStep:
         with torch.cuda.graph(graph):
             self.optimizer.step()  # recorded, not run: the replay that follows runs it
         self.graph, self._captured = graph, self._fingerprint()
-        self._status_copies = self.optimizer._grad_status.take_graph_copies()
+        self._status_copies = self.optimizer.phases.grad_status.take_graph_copies()
 
     def _fingerprint(self) -> list[tuple[Any, ...]]:
         """Each group's tensors the graph reads (by identity) and its other options (by value)."""

@@ -150,6 +150,12 @@ class FastPath:
             self._paths = choose_paths(muon_params, self.comm, name_of)
         return self._paths
 
+    @property
+    def owner_run(self) -> OwnerRun | None:
+        """The owner plan with its process group and this rank's blocks, once made (None
+        before the first step, or without fast parameters): what the dry run inspects."""
+        return self._run
+
     def owner_plans(self) -> list[OwnerPlan]:
         """The one owner plan once made and checked (none before, or without fast parameters)."""
         return [self._run.plan] if self._run is not None else []
@@ -244,13 +250,13 @@ class FastPath:
         local_grads, local_bufs = run.grads_and_bufs(grads, state)
         bufs = run.blocks.kept("momentum_buffer", local_bufs)
         targets = run.blocks.kept("param", run.locals(), flat=True)
-        ok = [oks[p] for p in params]  # the first read waits for the status sums: host work above overlaps them
+        ok = [oks[p] for p in params]  # made by the step's wait (dmuon.step_phases)
         here = ok if run.staging is None else run.staging.masks(ok)  # where the elementwise rules run
         moments, rows = run.second_moments(param_groups, state)  # staged after the masks' wait (host_staging)
         masks = UnitMasks(ok, [u.param for u in run.plan.units], steps.lists_for(run.device))
         for group, members in by_group(range(len(params)), param_groups):
-            steps.masked_momentum([local_bufs[j] for j in members], [local_grads[j] for j in members], group,
-                                  [here[j] for j in members])
+            steps.momentum([local_bufs[j] for j in members], [local_grads[j] for j in members], group,
+                           [here[j] for j in members])
         grad_blocks: dict[int, list[torch.Tensor]] = {}  # this step's grads, split on first use
 
         def pack_blocks(units: Sequence[int]) -> list[torch.Tensor]:

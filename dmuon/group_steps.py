@@ -10,7 +10,7 @@ wherever Newton-Schulz runs, on the whole matrix, with the rows of the state it 
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable, Iterator, Mapping, MutableMapping, Sequence
+from collections.abc import Iterable, Mapping, MutableMapping, Sequence
 from typing import Any
 
 import torch
@@ -26,13 +26,13 @@ from dmuon.numerics.functional import (
     update_scale,
 )
 from dmuon.exchange.status_channel import distributed
-from dmuon.exchange.status_masks import StatusMasks
+from dmuon.exchange.status_masks import StatusMasks, StepMask
 from dmuon.numerics.device_scalars import StepScalars
-from dmuon.numerics.masked_updates import device_apply_, mask_, masked_apply_, masked_momentum_
+from dmuon.numerics.masked_updates import mask_
 from dmuon.numerics.newton_schulz import UPDATE_DTYPE, resolve_ns_algorithm, resolve_ns_dtype
 from dmuon.numerics.standard_iteration import NewtonSchulzBuffers
 from dmuon.numerics.update_rules import nesterov_lookahead
-from dmuon.numerics.update_lists import apply_muon_updates_, lookahead, momentum_, resolve_foreach
+from dmuon.numerics.update_lists import apply_muon_, lookahead, momentum_, resolve_foreach
 from dmuon.plan.paths import ALL_TO_ALL, REDISTRIBUTE
 from dmuon.state_rollback import StateRollback
 from dmuon.telemetry import Telemetry
@@ -91,15 +91,12 @@ class GroupSteps:
         group's ``foreach`` where it sets one (torch keeps it per group), else the optimizer's."""
         return resolve_foreach(self.foreach if group is None else group.get("foreach", self.foreach), device)
 
-    def momentum(self, bufs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], group: dict[str, Any]) -> None:
-        """The momentum EMA of one group's local tensors, in place."""
+    def momentum(self, bufs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], group: dict[str, Any],
+                 oks: Sequence[torch.Tensor] | None = None) -> None:
+        """The momentum EMA of one group's local tensors, in place; with ``oks``, where each
+        0-dim device bool holds (``dmuon.numerics.update_lists.momentum_``)."""
         if bufs:
-            momentum_(bufs, grads, group["momentum"], self.lists_for(bufs[0].device, group))
-
-    def masked_momentum(self, bufs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], group: dict[str, Any],
-                        oks: Sequence[torch.Tensor]) -> None:
-        """The momentum EMA where each 0-dim device bool of ``oks`` holds (``dmuon.numerics.masked_updates``)."""
-        masked_momentum_(bufs, grads, group["momentum"], oks, bool(bufs) and self.lists_for(bufs[0].device, group))
+            momentum_(bufs, grads, group["momentum"], self.lists_for(bufs[0].device, group), oks)
 
     def lookahead(self, grads: Sequence[torch.Tensor], bufs: Sequence[torch.Tensor], group: dict[str, Any]
                   ) -> list[torch.Tensor]:
@@ -124,16 +121,12 @@ class GroupSteps:
         targets, orthos = map(list, zip(*(_same_shape(t, o) for t, o in zip(targets, orthos))))
         with self.telemetry.muon_updates(targets):
             for group, scale, members in buckets.values():
-                settings = (group["lr"], group["weight_decay"], scale, group["cautious_weight_decay"],
-                            self.lists_for(targets[0].device, group))
-                mine = [targets[k] for k in members], [orthos[k] for k in members]
-                if oks is not None:
-                    masked_apply_(*mine, [oks[k] for k in members], *settings, capturable=capturable(group),
-                                  scalars=self.scalars)
-                elif capturable(group):  # hyperparameters on the device (dmuon.numerics.device_scalars)
-                    device_apply_(*mine, None, *settings, self.scalars)
-                else:
-                    apply_muon_updates_(*mine, *settings)
+                apply_muon_([targets[k] for k in members], [orthos[k] for k in members], lr=group["lr"],
+                            weight_decay=group["weight_decay"], scale=scale,
+                            cautious_weight_decay=group["cautious_weight_decay"],
+                            foreach=self.lists_for(targets[0].device, group),
+                            oks=None if oks is None else [oks[k] for k in members], capturable=capturable(group),
+                            scalars=self.scalars)
 
     @staticmethod
     def make_muon_state(grads: Mapping[torch.Tensor, torch.Tensor], groups: Mapping[torch.Tensor, dict[str, Any]],
@@ -186,11 +179,12 @@ class GroupSteps:
         (:meth:`muon_masked`), every step; the plain ones with a grad here as they are
         (:meth:`muon_whole`) where the host knows the step stands, under the step's mask
         where only the device knows, not at all where it is masked."""
-        plain = {} if status.host_ok is not None else {p: status.step_ok for p in grads if not distributed(p)}
-        oks = _Masks(status, plain)
+        plain = ({p: status.step_ok for p in grads if not distributed(p)} if status.mask is StepMask.ON_DEVICE
+                 else {})
+        oks = {**status, **plain}  # each DTensor parameter's mask, then the plain ones' (the step's)
         for group in (g for g in param_groups if g["use_muon"]):
             self.muon_masked(group, paths, grads, oks, state)
-            if status.host_ok:
+            if status.mask is StepMask.STANDS:
                 self.muon_whole(group, paths, grads, state)
 
     def muon_masked(self, group: dict[str, Any], paths: Mapping[torch.Tensor, str],
@@ -207,7 +201,7 @@ class GroupSteps:
         bufs = [local_of(state[p]["momentum_buffer"]) if "momentum_buffer" in state.get(p, {})
                 else torch.zeros_like(local_of(p)) for p in params]
         local_grads = [local_of(grads[p]) if p in grads else buf for p, buf in zip(params, bufs)]
-        self.masked_momentum(bufs, local_grads, group, ok)
+        self.momentum(bufs, local_grads, group, ok)
         for i, param in enumerate(params):
             update = nesterov_lookahead(local_grads[i], bufs[i], group["momentum"], group["nesterov"])
             update = update.to(UPDATE_DTYPE, copy=True)
@@ -265,23 +259,3 @@ def by_group(indices: Iterable[int], group_at: Sequence[dict[str, Any]]) -> list
         group = group_at[k]
         buckets.setdefault(id(group), (group, []))[1].append(k)
     return list(buckets.values())
-
-
-class _Masks(Mapping[torch.Tensor, torch.Tensor]):
-    """The status's masks of the DTensor parameters, and ``plain``'s (the step's mask)."""
-
-    def __init__(self, status: StatusMasks, plain: Mapping[torch.Tensor, torch.Tensor]) -> None:
-        self._status, self._plain = status, plain
-
-    def __getitem__(self, param: torch.Tensor) -> torch.Tensor:
-        return self._plain[param] if param in self._plain else self._status[param]
-
-    def __contains__(self, param: object) -> bool:
-        return param in self._plain or param in self._status
-
-    def __iter__(self) -> Iterator[torch.Tensor]:
-        yield from self._status
-        yield from self._plain
-
-    def __len__(self) -> int:
-        return len(self._status) + len(self._plain)

@@ -1,15 +1,15 @@
 """DMuon: Muon for matrices, AdamW for the rest, native to DTensor/FSDP2.
 
-One ``step()``, in phases (``DMuon.step`` reads top to bottom in them):
+One ``step()``, in five phases, methods of :class:`dmuon.step_phases.StepPhases` (the object
+that holds what they share; ``DMuon.step`` reads top to bottom in them):
 
-1. **check locally**: host facts only, nothing raised yet: the error the last step's
-   status sums show (``dmuon.exchange.grad_status``; the last step's host changes taken
-   back if it was masked, ``dmuon.state_rollback``) or QK-clip's reports; this rank's own
-   invalid grads and shards (``dmuon.grad_checks``);
+1. **check locally**: host facts only, nothing changed: the error the last step's status
+   sums show (``dmuon.exchange.grad_status``) or QK-clip's reports; this rank's own invalid
+   grads and shards (``dmuon.grad_checks``);
 2. **agree**: one small device ``all_reduce`` over the DMuon's ranks sums which DTensor
-   parameters (Muon and AdamW) have a grad here and whether a rank found a problem: the
-   step's mask and each parameter's, on the device;
-3. **compute and apply**, under the masks: the AdamW part (``dmuon.adamw_part``; no
+   parameters (Muon and AdamW) have a grad here and whether a rank found a problem;
+3. **wait**: the one wait of the step; the step's mask and each parameter's, on the device;
+4. **compute and apply**, under the masks: the AdamW part (``dmuon.adamw_part``; no
    collective); each matrix orthogonalized once, on the path ``dmuon.plan.paths`` chose
    for it: on its owner rank, batch by batch (``all_to_all`` fast path: ``dmuon.fast_path``
    over ``dmuon.exchange.owner_exchange``), on every rank (``redistribute`` reference path,
@@ -17,12 +17,13 @@ One ``step()``, in phases (``DMuon.step`` reads top to bottom in them):
    then QK-clip for the attentions registered with :meth:`DMuon.clip_attention` (one
    ``all_reduce(MAX)`` of their per-head logits, rows of ``W_q``/``W_k`` scaled where they
    lie, ``dmuon.attention.clipping``);
-4. **report**: telemetry's reduction, then the step's first error, raised on this rank
+5. **report**: telemetry's reduction, then the step's first error, raised on this rank
    after every collective of the step.
 
-The math is ``dmuon.numerics.functional`` (run with a group's settings, counted and timed, by
-``dmuon.group_steps``); the groups are ``dmuon.param_groups``'. This class holds the
-state and the configuration, and calls them in that order.
+Before them the plan is made (at the first step) and the last step's status read (its host
+changes taken back if it was masked, ``dmuon.state_rollback``). The math is
+``dmuon.numerics.functional`` (run with a group's settings, counted and timed, by
+``dmuon.group_steps``); the groups are ``dmuon.param_groups``'.
 
 The collectives a rank runs depend only on the parameters, never on its grads, values
 or errors, so ranks cannot fall out of step; no host collective runs in a step.
@@ -36,14 +37,12 @@ from typing import Any
 import torch
 from torch.optim.optimizer import Optimizer
 
-from dmuon.attention.clipping import AttentionClip
+from dmuon.attention.max_logits import MaxLogitTracker
 from dmuon.attention.qk_clip import AttentionHeads
 from dmuon.device_hyperparameters import held_values, keep_after_load, place_on_device
 from dmuon.exchange.comm import CommStats, ScratchMeter
-from dmuon import step_phases as phases
-from dmuon.exchange.grad_status import GradStatus
 from dmuon.fast_path import FastPath
-from dmuon.group_steps import MUON_STATE_KEYS, GroupSteps
+from dmuon.group_steps import MUON_STATE_KEYS
 from dmuon.numerics.newton_schulz import (
     DEFAULT_GRAM_RESTARTS,
     DEFAULT_NS_ALGORITHM,
@@ -61,21 +60,21 @@ from dmuon.options import (
     check_ns_dtype,
     check_optimizer_options,
 )
-from dmuon.param_groups import build_param_groups, muon_groups, split_options
+from dmuon.param_groups import build_param_groups, split_options
 from dmuon.optimizer_hooks import attach_hooks
-from dmuon.optimizer_queries import OptimizerQueries
 from dmuon.pickling import PicklesConfiguration
 from dmuon.state_loading import keep_saved_dtypes
 from dmuon.plan.batches import DEFAULT_BATCH_NUMEL
 from dmuon.plan.cost_model import CostModel
+from dmuon.plan.owner_plan import OwnerPlan
 from dmuon.plan.paths import ALL_TO_ALL
-from dmuon.state_rollback import StateRollback
-from dmuon.telemetry import Telemetry
+from dmuon.step_phases import StepOptions, StepPhases
+from dmuon.telemetry import StepFigures, Telemetry
 from dmuon.torch_compat import local_of
 
 ParamsArg = Iterable[torch.Tensor] | Iterable[tuple[str, torch.Tensor]] | Iterable[dict[str, Any]]
 
-class DMuon(OptimizerQueries, PicklesConfiguration, Optimizer):
+class DMuon(PicklesConfiguration, Optimizer):
     """Distributed Muon with an AdamW fallback, for plain tensors and DTensors.
 
     Args (each option's rules in full: docs/optimizer.md):
@@ -180,23 +179,29 @@ class DMuon(OptimizerQueries, PicklesConfiguration, Optimizer):
                                                   check_link_gbps(replica_link_gbps, "replica_link_gbps", "DMuon"))
         self._names: dict[torch.Tensor, str] = {}
         self._groups_added = 0  # groups as the user wrote them, before any split
-        self._start_afresh(telemetry)
+        self.start_afresh(telemetry)
         # The options a group may set (comm, ns_dtype and the rest are the whole optimizer's).
         super().__init__(params, dict(muon_defaults, adamw_lr=adamw_lr, adamw_betas=adamw_betas,
                                       adamw_eps=adamw_eps, adamw_weight_decay=adamw_weight_decay))
         attach_hooks(self)  # load_state_dict keeps the options; state_dict settles the last step
 
-    def _start_afresh(self, telemetry: bool) -> None:
-        """Measurements from zero, and no paths or plan yet (made at the first step)."""
-        self.comm_stats = CommStats()  # bytes and collectives of the fast path since construction
-        self.scratch_stats = ScratchMeter()  # live and peak bytes of its scratch (peak reset each step)
-        self._telemetry = Telemetry(telemetry)
-        self._fast_path = FastPath(self.comm, self.max_batch_numel, self.split_replicas, self.ns_dtype,
-                                   self.link_gbps, self.replica_link_gbps)
-        self._attention_clip = AttentionClip()
-        self._grad_status = GradStatus()
-        self._rollback = StateRollback()
-        self._plan_signature: tuple | None = None  # what the plan was made for (dmuon.step_phases.plan)
+    def start_afresh(self, telemetry: bool) -> None:
+        """The step's phases with measurements from zero, and no paths or plan yet (made at the
+        first step): at construction, and on a copy (``dmuon.pickling``)."""
+        fast_path = FastPath(self.comm, self.max_batch_numel, self.split_replicas, self.ns_dtype,
+                             self.link_gbps, self.replica_link_gbps)
+        self.phases = StepPhases(fast_path, Telemetry(telemetry),
+                                 StepOptions(self.ns_dtype, self.skip_nonfinite, self.foreach, self.fused))
+
+    @property
+    def comm_stats(self) -> CommStats:
+        """Bytes and collectives of the fast path since construction."""
+        return self.phases.comm_stats
+
+    @property
+    def scratch_stats(self) -> ScratchMeter:
+        """Live and peak bytes of the fast path's scratch (the peak reset each step)."""
+        return self.phases.scratch_stats
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group; one without ``use_muon`` is split into a Muon and an AdamW group
@@ -208,40 +213,65 @@ class DMuon(OptimizerQueries, PicklesConfiguration, Optimizer):
         for names, group in built:
             self._names.update(zip(group["params"], names))
             self.param_groups.append(group)
-        self._forget_plan()
+        self.phases.forget_plan()
 
     def clip_attention(self, name: str, q_weight: torch.Tensor, k_weight: torch.Tensor, heads: AttentionHeads) -> None:
         """Watch one attention for QK-clip (``dmuon.attention.clipping``); every rank registers the same ones."""
-        self._attention_clip.add(name, q_weight, k_weight, heads, self.param_name)
-
-    def _paths(self) -> dict[torch.Tensor, str]:
-        return self._fast_path.paths(list(muon_groups(self.param_groups)), self.param_name)
+        self.phases.attention_clip.add(name, q_weight, k_weight, heads, self.param_name)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        """Plan, check locally, agree, compute and apply, report (``dmuon.step_phases``)."""
+        """The five phases of ``dmuon.step_phases``, in order."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         place_on_device(self.param_groups)  # capturable: lr and weight_decay where the step reads them
-        muon_groups = phases.plan(self)
-        checked = phases.check_locally(self, muon_groups)
-        status = self._grad_status.agree(checked.has_usable_grad, bool(checked.problems), checked.pending is not None,
-                                         self._device(), phases.finite_grads(self, checked))
-        failure = phases.compute_and_apply(self, muon_groups, checked, status)
-        errors = checked.errors(failure)
-        self._telemetry.end_step(self.comm_stats.bytes_sent, complete=not errors)
-        if errors:
-            raise errors[0]
+        phases, groups, name_of, device = self.phases, self.param_groups, self.param_name, self._device()
+        muon_groups, last_error = phases.prepare(groups, name_of)
+        checked = phases.check_locally(groups, muon_groups, last_error, name_of)
+        status = phases.agree(groups, checked, device)
+        phases.wait(status)
+        failure = phases.compute_and_apply(groups, self.state, muon_groups, checked, status, name_of, device)
+        phases.report(checked, failure)
         return loss
 
     def _device(self) -> torch.device:  # where the step's small tensors live (a DTensor's: its shard's)
         return local_of(self.param_groups[0]["params"][0]).device
 
-    def _forget_plan(self) -> None:  # paths, plan and status channel: made again at the next step
-        self._fast_path.forget()
-        self._grad_status.forget()
+    # ------------------------------------------------------------ read-only queries
+    # None of them runs a collective: each is safe to call on one rank only (logging code).
+
+    @property
+    def max_logits(self) -> MaxLogitTracker:
+        """Where the model reports attention logits for QK-clip (``dmuon.attention.max_logits``)."""
+        return self.phases.attention_clip.tracker
+
+    def last_max_logits(self) -> dict[str, torch.Tensor]:
+        """Each attention's per-head largest logit of the last step, before clipping."""
+        return self.phases.attention_clip.last_max_logits()
+
+    def param_name(self, param: torch.Tensor) -> str:
+        """The name a parameter was given (or its group position)."""
+        return self._names.get(param, "<unnamed parameter>")
+
+    def comm_paths(self) -> dict[str, str]:
+        """Name -> path (``local``, ``all_to_all`` or ``redistribute``) of every Muon parameter."""
+        return {self.param_name(p): path for p, path in self.phases.paths(self.param_groups, self.param_name).items()}
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps ``skip_nonfinite`` skipped, counted when the next ``step()`` or ``state_dict()`` reads them."""
+        return self.phases.grad_status.skipped_steps
+
+    def telemetry(self) -> StepFigures | None:
+        """The last step's figures (``dmuon.telemetry``), None if off or before a step; local to this rank."""
+        figures = self.phases.telemetry.last_step()
+        return None if figures is None else figures.with_skipped(self.skipped_steps)
+
+    def owner_plans(self) -> list[OwnerPlan]:
+        """The fast path's plan of each mesh (made at the first ``step()``; empty before)."""
+        return self.phases.fast_path.owner_plans()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """torch's, but Muon's state keeps its saved dtype (``dmuon.state_loading``), a capturable
@@ -250,5 +280,5 @@ class DMuon(OptimizerQueries, PicklesConfiguration, Optimizer):
         super().load_state_dict(state_dict)
         keep_saved_dtypes(self, state_dict, MUON_STATE_KEYS)
         keep_after_load(self.param_groups, held)  # capturable: the loaded values in the groups' own device tensors
-        self._forget_plan()
+        self.phases.forget_plan()
 

@@ -12,12 +12,13 @@ from __future__ import annotations
 from typing import Any
 
 from dmuon import resume_contract
+from dmuon.torch_compat import has_optimizer_hook
 
 
 def attach_hooks(optimizer: Any) -> None:
     """Attach both hooks to ``optimizer`` (a ``DMuon``), once."""
     resume_contract.attach(optimizer)
-    if settle_last_step not in optimizer._optimizer_state_dict_pre_hooks.values():
+    if not has_optimizer_hook(optimizer, "state_dict", settle_last_step):
         optimizer.register_state_dict_pre_hook(settle_last_step)
 
 
@@ -26,5 +27,4 @@ def settle_last_step(optimizer: Any) -> None:
     outside ``step()``) and take back the host changes of a step it masked (torch's host
     AdamW counters, state made for a first grad), so the saved state is the one of a run
     that never took that step. An error it shows is still raised by the next ``step()``."""
-    if optimizer._grad_status.settle():
-        optimizer._rollback.undo()
+    optimizer.phases.settle_last_step()

@@ -24,12 +24,12 @@ TELEMETRY_STATE_KEY = "telemetry_enabled"
 
 class PicklesConfiguration:
     """``__getstate__`` / ``__setstate__`` for :class:`dmuon.DMuon` (a mixin before
-    ``torch.optim.Optimizer``); the class provides ``_telemetry`` and ``_start_afresh``."""
+    ``torch.optim.Optimizer``); the class provides ``phases`` and ``start_afresh``."""
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
         state.update({name: getattr(self, name) for name in PICKLED_ATTRIBUTES})
-        state[TELEMETRY_STATE_KEY] = self._telemetry.enabled
+        state[TELEMETRY_STATE_KEY] = self.phases.telemetry.enabled
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -43,5 +43,5 @@ class PicklesConfiguration:
         self.defaults.pop("differentiable", None)
         fill_in_variant_defaults(self.param_groups)  # a state_dict from before they existed
         if telemetry is not None:  # a copy, not load_state_dict: nothing derived came with it
-            self._start_afresh(telemetry)
+            self.start_afresh(telemetry)
             attach_hooks(self)  # torch's hooks do not pickle: the copy keeps them

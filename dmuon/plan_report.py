@@ -44,7 +44,7 @@ from dmuon.plan.batches import DEFAULT_BATCH_NUMEL
 from dmuon.plan.cost_model import CostModel, exchange_ms, newton_schulz_ms, overlapped_ms
 from dmuon.plan.layout import Layout
 from dmuon.plan.owner_plan import make_owner_plan
-from dmuon.plan.owners import lpt_bound_flops
+from dmuon.plan.owner_plan import lpt_bound_flops
 from dmuon.plan.units import ParamSpec
 
 

@@ -27,6 +27,8 @@ from typing import Any
 
 import torch
 
+from dmuon.torch_compat import has_optimizer_hook
+
 logger = logging.getLogger("dmuon")
 
 # Options applied from the optimizer as constructed (not from the state dict) on load.
@@ -47,7 +49,7 @@ REFUSAL_FIX = ("Construct DMuon with the options the state was saved with, or do
 
 def attach(optimizer: torch.optim.Optimizer) -> None:
     """Enforce the contract on ``optimizer.load_state_dict`` (idempotent)."""
-    if apply_resume_contract not in optimizer._optimizer_load_state_dict_pre_hooks.values():
+    if not has_optimizer_hook(optimizer, "load_state_dict", apply_resume_contract):
         optimizer.register_load_state_dict_pre_hook(apply_resume_contract)
 
 

@@ -1,29 +1,47 @@
-"""The phases of ``DMuon.step`` after planning: check locally, then (after the status is
-agreed) compute and apply. Each phase is one function with one job, so a reader can
-audit the order the step's guarantees depend on (docs/architecture.md, "What a step
-guarantees"): nothing collective or state-changing before the status agrees, every
-collective on every rank whatever its grads, every error raised after the last one.
+"""One ``DMuon``'s step as the phases of one object, :class:`StepPhases`, which holds what
+they share: the paths and the owner plan (``dmuon.fast_path``), the status channel
+(``dmuon.exchange.grad_status``), the host changes a masked step takes back
+(``dmuon.state_rollback``), QK-clip's attentions (``dmuon.attention.clipping``), the
+telemetry and the communication counters. ``DMuon.step`` calls them in order::
+
+    groups, last = phases.prepare(...)       # the plan (once); the last step's status read
+    checked = phases.check_locally(...)      # 1. host facts only: nothing changes
+    status = phases.agree(...)               # 2. the status sums start (one device all_reduce)
+    phases.wait(status)                      # 3. the one wait: the masks are made
+    failure = phases.compute_and_apply(...)  # 4. every update, under the masks
+    phases.report(checked, failure)          # 5. telemetry; the step's first error raised
+
+The order is what the step's guarantees rest on (docs/architecture.md, "What a step
+guarantees"): nothing collective or state-changing before the status is agreed, every
+collective on every rank whatever its grads, every error raised after the last collective.
+The wait in phase 3 is a stream wait on an accelerator (no host read); on the CPU (gloo)
+the host waits there for the sums.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from dmuon.adamw_part import adamw_part
-from dmuon.attention.clipping import muon_group_threshold
-from dmuon.exchange.grad_status import usable_grad
-from dmuon.exchange.status_masks import StatusMasks
+from dmuon.attention.clipping import AttentionClip, muon_group_threshold
+from dmuon.exchange.comm import CommStats, ScratchMeter
+from dmuon.exchange.grad_status import GradStatus, usable_grad
+from dmuon.exchange.status_masks import StatusMasks, StepMask
+from dmuon.fast_path import FastPath
 from dmuon.grad_checks import step_problems
 from dmuon.group_steps import GroupSteps
-from dmuon.param_groups import muon_groups as param_muon_groups
 from dmuon.numerics.finite import all_finite
+from dmuon.param_groups import muon_groups as param_muon_groups
+from dmuon.state_rollback import StateRollback
+from dmuon.telemetry import Telemetry
 from dmuon.torch_compat import local_of
 
-if TYPE_CHECKING:
-    from dmuon.optimizer import DMuon
+ParamGroups = list[dict[str, Any]]
+NameOf = Callable[[torch.Tensor], str]
 
 
 @dataclass
@@ -49,76 +67,135 @@ class LocalChecks:
         return [e for e in (self.pending, own, failure) if e is not None]
 
 
-def plan(optimizer: DMuon) -> dict[torch.Tensor, dict[str, Any]]:
-    """Each Muon parameter's group, after making the paths, the owner plan and the status
-    channel at the first step, and again when the parameters or a Muon group's Newton-Schulz
-    settings changed (a direct edit of ``param_groups``, ``load_state_dict``); no collective
-    but the groups a plan may make."""
-    signature = plan_signature(optimizer.param_groups)
-    if signature != optimizer._plan_signature:
-        optimizer._forget_plan()
-        optimizer._plan_signature = signature
-    muon_groups = param_muon_groups(optimizer.param_groups)
-    optimizer._fast_path.plan(muon_groups, optimizer.param_name)
-    optimizer._grad_status.plan([p for g in optimizer.param_groups for p in g["params"]], optimizer.param_name)
-    return muon_groups
+@dataclass(frozen=True)
+class StepOptions:
+    """The optimizer-wide options the phases read (``DMuon``'s constructor checked them)."""
+
+    ns_dtype: str
+    skip_nonfinite: bool
+    foreach: bool | None
+    fused: bool | None
 
 
-def plan_signature(param_groups: list[dict[str, Any]]) -> tuple:
+class StepPhases:
+    """One ``DMuon``'s step, phase by phase, and everything the phases keep between steps."""
+
+    def __init__(self, fast_path: FastPath, telemetry: Telemetry, options: StepOptions) -> None:
+        self.options = options
+        self.fast_path = fast_path
+        self.telemetry = telemetry
+        self.comm_stats = CommStats()  # bytes and collectives of the fast path since construction
+        self.scratch_stats = ScratchMeter()  # live and peak bytes of its scratch (peak reset each step)
+        self.attention_clip = AttentionClip()
+        self.grad_status = GradStatus()
+        self.rollback = StateRollback()
+        self.plan_signature: tuple | None = None  # what the plan was made for (:meth:`prepare`)
+
+    def forget_plan(self) -> None:
+        """Paths, plan and status channel: made again at the next step (the parameters changed)."""
+        self.fast_path.forget()
+        self.grad_status.forget()
+
+    def paths(self, param_groups: ParamGroups, name_of: NameOf) -> dict[torch.Tensor, str]:
+        """Each Muon parameter's path (``dmuon.plan.paths``), made once."""
+        return self.fast_path.paths(list(param_muon_groups(param_groups)), name_of)
+
+    def settle_last_step(self) -> None:
+        """Read the last step's status now (a wait for the device, outside ``step()``: for
+        ``state_dict``) and take back the host changes of a step it masked."""
+        if self.grad_status.settle():
+            self.rollback.undo()
+
+    # --------------------------------------------------------------- before the phases
+
+    def prepare(self, param_groups: ParamGroups, name_of: NameOf) -> tuple[dict[torch.Tensor, dict[str, Any]],
+                                                                          Exception | None]:
+        """Each Muon parameter's group, after making the paths, the owner plan and the status
+        channel (at the first step, and again when the parameters or a Muon group's
+        Newton-Schulz settings changed: a direct edit of ``param_groups``, ``load_state_dict``;
+        no collective but the groups a plan may make); and the last step's error, read from
+        its status, with its host changes taken back if it was masked."""
+        signature = plan_signature(param_groups)
+        if signature != self.plan_signature:
+            self.forget_plan()
+            self.plan_signature = signature
+        muon_groups = param_muon_groups(param_groups)
+        self.fast_path.plan(muon_groups, name_of)
+        self.grad_status.plan([p for g in param_groups for p in g["params"]], name_of)
+        last_error = self.grad_status.take_pending()
+        if self.grad_status.last_masked:  # an error, or a non-finite grad skipped (skip_nonfinite)
+            self.rollback.undo()
+        else:
+            self.rollback.keep()
+        return muon_groups, last_error
+
+    # --------------------------------------------------------------------- the phases
+
+    def check_locally(self, param_groups: ParamGroups, muon_groups: dict[torch.Tensor, dict[str, Any]],
+                      last_error: Exception | None, name_of: NameOf) -> LocalChecks:
+        """Phase 1, host facts only, nothing changed: the error every rank raises alike (the
+        last step's, or QK-clip's reports), this rank's own problems, and QK-clip's thresholds
+        (a configuration error raises here, on every rank alike, before any collective)."""
+        thresholds = self.attention_clip.thresholds(muon_group_threshold(muon_groups, name_of))
+        pending = last_error or self.attention_clip.take_pending()
+        invalid, problems = step_problems(param_groups, name_of, self.fast_path.shard_problem)
+        return LocalChecks(pending, invalid, problems, thresholds)
+
+    def agree(self, param_groups: ParamGroups, checked: LocalChecks, device: torch.device) -> StatusMasks:
+        """Phase 2: start summing every rank's status (one asynchronous device ``all_reduce``):
+        which DTensor parameters have a usable grad, whether a rank found a problem, and with
+        ``skip_nonfinite`` whether a grad holds a NaN or inf (checked on the device)."""
+        finite = None
+        if self.options.skip_nonfinite:
+            grads = [local_of(p.grad) for g in param_groups for p in g["params"] if checked.has_usable_grad(p)]
+            finite = all_finite(grads, self.grad_status.device or device)  # where the status is summed
+        return self.grad_status.agree(checked.has_usable_grad, bool(checked.problems), checked.pending is not None,
+                                      device, finite)
+
+    @staticmethod
+    def wait(status: StatusMasks) -> None:
+        """Phase 3, the one wait of the step: the status sums are in and the masks made (on an
+        accelerator a stream wait, no host read); the sums go to the host for the next step."""
+        status.wait()
+
+    def compute_and_apply(self, param_groups: ParamGroups, state: dict[torch.Tensor, dict[str, Any]],
+                          muon_groups: dict[torch.Tensor, dict[str, Any]], checked: LocalChecks,
+                          status: StatusMasks, name_of: NameOf, device: torch.device) -> Exception | None:
+        """Phase 4: every update of the step under the masks, the same collectives on every
+        rank whatever they say: the replicated grads summed, the AdamW part, Muon on each
+        path, QK-clip. What torch's AdamW raised is returned (phase 5 raises it)."""
+        self.telemetry.begin_step(device, self.comm_stats.bytes_sent)
+        options = self.options
+        steps = GroupSteps(options.ns_dtype, self.comm_stats, self.telemetry, options.foreach, options.fused)
+        summed = self.grad_status.sum_replicated(checked.has_usable_grad)  # on every rank, whatever its grads
+        grads = {p: usable_grad(p, summed) for p in muon_groups if checked.has_usable_grad(p)}
+        failure = adamw_part(param_groups, state, status, self.telemetry, options.foreach, options.fused,
+                             self.rollback, summed)
+        if failure is not None and status.mask is not StepMask.MASKED and status.alone:
+            status.mask_here()  # the Muon part stays as it is too
+        if status.mask is not StepMask.MASKED:
+            steps.make_muon_state(grads, muon_groups, state, self.rollback)
+        self.scratch_stats.reset_peak()
+        self.fast_path.step(grads, status, muon_groups, state, steps, self.comm_stats, self.scratch_stats)
+        steps.muon_off_the_fast_path(param_groups, self.paths(param_groups, name_of), grads, status, state)
+        step_ok = None if status.mask is StepMask.STANDS else status.step_ok
+        if clip := self.attention_clip.step(checked.thresholds, step_ok):
+            self.telemetry.qk_clip(clip.largest, clip.clipped_heads)
+        return failure
+
+    def report(self, checked: LocalChecks, failure: Exception | None) -> None:
+        """Phase 5: the telemetry's figures of the step, then its first error, raised here
+        after every collective of the step (the same on every rank where it is shared)."""
+        errors = checked.errors(failure)
+        self.telemetry.end_step(self.comm_stats.bytes_sent, complete=not errors)
+        if errors:
+            raise errors[0]
+
+
+def plan_signature(param_groups: ParamGroups) -> tuple:
     """What the plan is made from besides the parameters' shapes and placements: which
     parameters each group holds and a Muon group's Newton-Schulz settings (the units it cuts
     and the work it balances)."""
     return tuple((g["use_muon"], tuple(map(id, g["params"])), *(
         (g["ns_steps"], g["split_rows"], g["ns_algorithm"], tuple(g["ns_gram_restarts"])) if g["use_muon"] else ()))
         for g in param_groups)
-
-
-def check_locally(optimizer: DMuon, muon_groups: dict[torch.Tensor, dict[str, Any]]) -> LocalChecks:
-    """The error the last step's sums and QK-clip's reports show (the same on every rank;
-    the last step's host changes taken back if it was masked), this rank's own problems,
-    and QK-clip's thresholds (a configuration error raises here, on every rank alike,
-    before any collective)."""
-    thresholds = optimizer._attention_clip.thresholds(muon_group_threshold(muon_groups, optimizer.param_name))
-    masked = optimizer._grad_status.take_pending()
-    if optimizer._grad_status.last_masked:  # an error, or a non-finite grad skipped (skip_nonfinite)
-        optimizer._rollback.undo()
-    else:
-        optimizer._rollback.keep()
-    pending = masked or optimizer._attention_clip.take_pending()
-    invalid, problems = step_problems(optimizer.param_groups, optimizer.param_name,
-                                      optimizer._fast_path.shard_problem)
-    return LocalChecks(pending, invalid, problems, thresholds)
-
-
-def finite_grads(optimizer: DMuon, checked: LocalChecks) -> torch.Tensor | None:
-    """With ``skip_nonfinite``: whether every usable grad on this rank is finite (a 0-dim
-    device bool, ``dmuon.numerics.finite``), summed into the step's status; else None."""
-    if not optimizer.skip_nonfinite:
-        return None
-    grads = [local_of(p.grad) for g in optimizer.param_groups for p in g["params"] if checked.has_usable_grad(p)]
-    return all_finite(grads, optimizer._grad_status.device or optimizer._device())  # where the status is summed
-
-
-def compute_and_apply(optimizer: DMuon, muon_groups: dict[torch.Tensor, dict[str, Any]], checked: LocalChecks,
-                      status: StatusMasks) -> Exception | None:
-    """Every update of the step under the status's masks, the same collectives on every
-    rank whatever they say; what torch's AdamW raised is returned."""
-    telemetry = optimizer._telemetry
-    telemetry.begin_step(optimizer._device(), optimizer.comm_stats.bytes_sent)
-    steps = GroupSteps(optimizer.ns_dtype, optimizer.comm_stats, telemetry, optimizer.foreach, optimizer.fused)
-    summed = optimizer._grad_status.sum_replicated(checked.has_usable_grad)  # on every rank, whatever its grads
-    grads = {p: usable_grad(p, summed) for p in muon_groups if checked.has_usable_grad(p)}
-    failure = adamw_part(optimizer.param_groups, optimizer.state, status, telemetry, optimizer.foreach,
-                         optimizer.fused, optimizer._rollback, summed)
-    if failure is not None and status.host_ok is not False and status.alone:  # the Muon part stays as it is too
-        status.mask_here()
-    if status.host_ok is not False:
-        steps.make_muon_state(grads, muon_groups, optimizer.state, optimizer._rollback)
-    optimizer.scratch_stats.reset_peak()
-    optimizer._fast_path.step(grads, status, muon_groups, optimizer.state, steps, optimizer.comm_stats,
-                              optimizer.scratch_stats)
-    steps.muon_off_the_fast_path(optimizer.param_groups, optimizer._paths(), grads, status, optimizer.state)
-    status.finish()  # the sums go to the host for the next step even where no mask was read
-    if clip := optimizer._attention_clip.step(checked.thresholds, None if status.host_ok else status.step_ok):
-        telemetry.qk_clip(clip.largest, clip.clipped_heads)
-    return failure

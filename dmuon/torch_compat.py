@@ -25,10 +25,14 @@ moves one, this module is the one to change, and its tests say which entry broke
 | ``local_of`` (``DTensor._local_tensor``) | the step's elementwise rules read and write each DTensor's local tensor itself: ``to_local()`` makes a new view (an op) per call, per parameter per step | 2.11.0, 2.13.0, 2.15.0 |
 | ``flattened_group`` (``DeviceMesh._flatten``) | a group of an n-D mesh's ranks (a pipeline stage's mesh), made as DeviceMesh makes its own: every rank of the root mesh makes every slice's group together, so no rank waits in a group creation its peers skip | 2.11.0, 2.13.0, 2.15.0 |
 | ``dtensor_where_it_is`` (``DTensor(local, DTensorSpec(...))``, as FSDP2's ``_from_local_no_grad``) | NorMuon's state under FSDP2's CPU offload: a DTensor on the device mesh whose local tensor stays on the host (``DTensor.from_local`` moves it to the mesh's device) | 2.11.0, 2.13.0, 2.15.0 |
+| ``has_optimizer_hook`` (``Optimizer._optimizer_state_dict_pre_hooks``, ``_optimizer_load_state_dict_pre_hooks``) | DMuon's hooks attached once, also on a copy (torch's hooks do not pickle) | 2.11.0, 2.13.0, 2.15.0 |
 | ``host_tensor_ops`` (``torch._subclasses.fake_tensor.unset_fake_temporarily``) | host-side bookkeeping (mesh ranks, shard offsets, agreement counts) on real CPU tensors also while a ``FakeTensorMode`` is active (``python -m dmuon.dry_run``) | 2.11.0, 2.13.0, 2.15.0 |
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -146,3 +150,11 @@ def resolve_process_group(group_name: str) -> dist.ProcessGroup:
     from torch.distributed.distributed_c10d import _resolve_process_group
 
     return _resolve_process_group(group_name)
+
+
+def has_optimizer_hook(optimizer: torch.optim.Optimizer, kind: str, hook: Callable[..., Any]) -> bool:
+    """Whether ``hook`` is already one of ``optimizer``'s ``kind`` pre-hooks (``"state_dict"`` or
+    ``"load_state_dict"``): torch keeps them in private dicts and offers no query."""
+    hooks = {"state_dict": optimizer._optimizer_state_dict_pre_hooks,
+             "load_state_dict": optimizer._optimizer_load_state_dict_pre_hooks}[kind]
+    return hook in hooks.values()

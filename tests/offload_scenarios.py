@@ -64,7 +64,7 @@ def _staged_and_direct(run) -> dict[str, Any]:  # noqa: ANN001 - run(waits) -> (
     finally:
         host_staging.FORCE = False
     equal = {n: direct[n].dtype == staged[n].dtype and torch.equal(direct[n], staged[n]) for n in direct}
-    fast = optimizer._fast_path._run  # noqa: SLF001 - the plan whose waits are counted
+    fast = optimizer.phases.fast_path.owner_run  # the plan whose waits are counted
     batches = [] if fast is None else fast.plan.batches
     return {"equal": equal, "names": sorted(staged), "waits": dict(Counter(waits)),
             "batches_received": sum(bool(fast.layout(b).scatter_recv_units) for b in batches),

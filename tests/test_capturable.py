@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from dmuon import DMuon
-from dmuon.numerics.device_scalars import alpha_dtype, scaled_add_
+from dmuon.numerics.device_scalars import alpha_dtype
+from dmuon.numerics.update_lists import apply_muon_
 
 pytestmark = pytest.mark.unit
 
@@ -116,8 +117,9 @@ def test_the_scaled_add_with_a_device_alpha_has_the_bits_of_add_with_a_number(dt
         updates = [torch.randn(n, generator=gen).to(torch.bfloat16) for _ in range(2)]
         lr, scale = float(torch.rand((), generator=gen)) * 0.1, math.sqrt(1 + trial)
         expected = [t.clone().add_(u, alpha=-lr * scale) for t, u in zip(targets, updates)]
-        alpha = -torch.tensor(lr, dtype=torch.float64) * scale
-        scaled_add_(targets, updates, alpha, foreach)
+        # lr on the device, the decay a product by exactly 1 (weight_decay 0): only the add shows.
+        apply_muon_(targets, updates, lr=torch.tensor(lr, dtype=torch.float64), scale=scale,
+                    weight_decay=torch.zeros((), dtype=torch.float64), foreach=foreach, capturable=True)
         assert all(torch.equal(t, e) for t, e in zip(targets, expected)), trial
 
 

@@ -1,6 +1,6 @@
-"""The optimizer's core stays a thin shell over small parts (issue 14): ``DMuon``'s class
-at most 200 lines, no function in dmuon/ over 60 (read with ast); the cost model's
-network options; the process-group cache of the fast path."""
+"""The optimizer's core reads as its parts: ``DMuon.step`` is the five phases of
+``dmuon.step_phases`` in order, no function in dmuon/ over 60 lines (read with ast); the
+cost model's network options; the process-group cache of the fast path."""
 
 from __future__ import annotations
 
@@ -21,7 +21,8 @@ from dmuon.plan.cost_model import CostModel
 pytestmark = pytest.mark.unit
 
 DMUON = Path(__file__).resolve().parents[1] / "dmuon"
-MAX_CLASS_LINES = 200
+# What DMuon.step calls on its phases object, in order (docs/architecture.md, "The step").
+PHASES = ("prepare", "check_locally", "agree", "wait", "compute_and_apply", "report")
 MAX_FUNCTION_LINES = 60
 
 
@@ -29,10 +30,22 @@ def _lines(node: ast.AST) -> int:
     return node.end_lineno - node.lineno + 1
 
 
-def test_dmuon_class_is_at_most_200_lines():
-    tree = ast.parse((DMUON / "optimizer.py").read_text())
-    (dmuon,) = [node for node in tree.body if isinstance(node, ast.ClassDef) and node.name == "DMuon"]
-    assert _lines(dmuon) <= MAX_CLASS_LINES
+def phase_calls(source: str) -> list[str]:
+    """The methods ``DMuon.step`` calls on ``phases``, in source order."""
+    (dmuon,) = [node for node in ast.parse(source).body if isinstance(node, ast.ClassDef) and node.name == "DMuon"]
+    (step,) = [node for node in dmuon.body if isinstance(node, ast.FunctionDef) and node.name == "step"]
+    calls = [node for node in ast.walk(step) if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+             and isinstance(node.func.value, ast.Name) and node.func.value.id == "phases"]
+    return [call.func.attr for call in sorted(calls, key=lambda call: (call.lineno, call.col_offset))]
+
+
+def test_dmuon_step_reads_as_the_phases_in_order():
+    assert phase_calls((DMUON / "optimizer.py").read_text()) == list(PHASES)
+
+
+def test_a_step_that_skips_or_reorders_a_phase_is_caught():
+    source = (DMUON / "optimizer.py").read_text()
+    assert phase_calls(source.replace("        phases.wait(status)\n", "")) != list(PHASES)
 
 
 def test_no_function_in_dmuon_is_over_60_lines():
@@ -59,7 +72,7 @@ def test_link_options_default_to_the_cost_models_and_reach_it():
         400.0, 400.0)
     chosen = DMuon(_params(), link_gbps=200, replica_link_gbps=25.5)
     assert (chosen.link_gbps, chosen.replica_link_gbps) == (200.0, 25.5)
-    cost = chosen._fast_path.cost_model("cpu")
+    cost = chosen.phases.fast_path.cost_model("cpu")
     assert (cost.link_gbps, cost.replica_link_gbps) == (200.0, 25.5)
 
 
@@ -82,7 +95,7 @@ def test_copies_keep_the_link_options():
     optimizer = DMuon(_params(), link_gbps=100.0, replica_link_gbps=12.5)
     copied = copy.deepcopy(optimizer)
     assert (copied.link_gbps, copied.replica_link_gbps) == (100.0, 12.5)
-    assert copied._fast_path.cost_model("cpu").replica_link_gbps == 12.5
+    assert copied.phases.fast_path.cost_model("cpu").replica_link_gbps == 12.5
 
 
 # ------------------------------------------------------------------ process groups

@@ -18,8 +18,9 @@ import pytest
 import torch
 
 from dmuon.dry_run.recorder import StepRecorder
-from dmuon.numerics.update_lists import _decay_factor, apply_muon_updates_
-from dmuon.numerics.update_rules import apply_muon_update_, cautious_decay_
+from dmuon.numerics.device_scalars import StepScalars
+from dmuon.numerics.update_lists import apply_muon_, decay_factor
+from dmuon.numerics.update_rules import cautious_decay_
 from tests.dry_runs import dry_run, needs_cuda_build
 
 pytestmark = pytest.mark.unit
@@ -117,13 +118,14 @@ def test_a_masked_select_over_shared_masks_is_three_launches_per_mask_and_width(
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_the_list_decay_factor_is_an_fp32_cpu_scalar_whatever_the_lists_device(dtype):
-    factor = _decay_factor(1 - LR * WD, torch.empty(2, dtype=dtype, device="meta"))
+    factor, as_is = decay_factor(1 - LR * WD, dtype, StepScalars())
+    assert as_is
     assert factor.device.type == "cpu" and factor.dtype == torch.float32 and factor.ndim == 0
     assert factor.item() == torch.tensor(1 - LR * WD, dtype=torch.float32).item()
 
 
 def test_the_list_decay_of_fp64_parameters_keeps_an_fp64_factor():
-    assert _decay_factor(0.998, torch.empty(2, dtype=torch.float64)).dtype == torch.float64
+    assert decay_factor(0.998, torch.float64, StepScalars())[0].dtype == torch.float64
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -132,9 +134,10 @@ def test_the_list_decay_of_reduced_precision_parameters_has_the_per_tensor_bits(
     params = [torch.randn(5, 7).to(dtype) for _ in range(3)]
     orthos = [torch.randn(5, 7).to(dtype) for _ in range(3)]
     lists, loop = [p.clone() for p in params], [p.clone() for p in params]
-    apply_muon_updates_(lists, orthos, LR, WD, 0.5, cautious_weight_decay=False, foreach=True)
-    for param, ortho in zip(loop, orthos):
-        apply_muon_update_(param, ortho, LR, WD, 0.5)
+    apply_muon_(lists, orthos, lr=LR, weight_decay=WD, scale=0.5, foreach=True)
+    for param, ortho in zip(loop, orthos):  # torch.optim.Muon's per-tensor ops, with numbers
+        param.mul_(1 - LR * WD)
+        param.add_(ortho, alpha=-LR * 0.5)
     assert all(torch.equal(a, b) for a, b in zip(lists, loop))
     assert not all(torch.equal(a, p) for a, p in zip(lists, params))
 
@@ -143,8 +146,13 @@ def test_the_list_decay_of_reduced_precision_parameters_has_the_per_tensor_bits(
 def test_the_list_decay_on_the_device_has_no_host_sync_and_no_precision_hazard(dtype):
     params = [torch.empty(4, 4, dtype=dtype, device="meta") for _ in range(3)]
     orthos = [torch.empty(4, 4, dtype=dtype, device="meta") for _ in range(3)]
-    record = recorded(lambda: apply_muon_updates_(params, orthos, LR, WD, 0.5, False, foreach=True)).record
+    record = recorded(lambda: apply_muon_(params, orthos, lr=LR, weight_decay=WD, scale=0.5, foreach=True)).record
     assert record.host_syncs == [] and record.precision_hazards == []
+
+
+def _cautious_factor(param: torch.Tensor) -> torch.Tensor:
+    """``1 - LR * WD`` as cautious decay reads it: on the parameter's device (``decay_factor``)."""
+    return decay_factor(1 - LR * WD, param.dtype, StepScalars(), device=param.device)[0]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -152,7 +160,7 @@ def test_cautious_decay_fills_its_factor_on_the_device_with_no_host_sync_or_prec
     # (On meta, torch.as_tensor(x, device=...) dispatches nothing; on fake CUDA it is a
     # copy from the host, which the dry runs of tests/test_dry_run.py count.)
     param, update = torch.empty(4, 4, dtype=dtype, device="meta"), torch.empty(4, 4, dtype=dtype, device="meta")
-    record = recorded(lambda: cautious_decay_(param, update, LR, WD)).record
+    record = recorded(lambda: cautious_decay_(param, update, _cautious_factor(param))).record
     assert record.device_ops["aten.full.default"] == 1
     assert record.host_syncs == [] and record.precision_hazards == []
 
@@ -166,7 +174,7 @@ def test_cautious_decay_keeps_the_plain_decays_bits_where_every_sign_agrees():
     param = torch.randn(64, 64, generator=generator).bfloat16()
     update = (param.float().sign() * torch.rand(64, 64, generator=generator)).bfloat16()  # every sign agrees
     cautious, plain = param.clone(), param.clone()
-    cautious_decay_(cautious, update, LR, WD)
+    cautious_decay_(cautious, update, _cautious_factor(cautious))
     plain.mul_(1 - LR * WD)
     bf16_factor = param * torch.tensor(1 - LR * WD, dtype=torch.bfloat16)
     assert (plain != param).sum() >= 10 and (plain != bf16_factor).sum() >= 10

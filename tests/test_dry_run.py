@@ -85,11 +85,11 @@ def test_a_host_read_injected_into_the_step_fails_the_dry_run(tmp_path):
         import json, dmuon.group_steps as group_steps
         from dmuon.dry_run.__main__ import make_config, parse_args
         from dmuon.dry_run.run import run_rank
-        momentum = group_steps.masked_momentum_
+        momentum = group_steps.momentum_
         def reading_momentum(bufs, *args, **kwargs):
             momentum(bufs, *args, **kwargs)
             float(bufs[0].norm())  # a device value read on the host
-        group_steps.masked_momentum_ = reading_momentum
+        group_steps.momentum_ = reading_momentum
         config, _ = make_config(parse_args(["--model", "debug", "--world-size", "2"]))
         report = run_rank(config, 1)
         print(json.dumps({"syncs": report.host_syncs_per_step, "sites": report.host_sync_sites,

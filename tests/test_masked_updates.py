@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from dmuon.numerics import masked_updates
-from dmuon.numerics.masked_updates import mask_, masked_apply_, masked_momentum_
-from dmuon.numerics.update_lists import apply_muon_updates_, momentum_
+from dmuon.numerics.masked_updates import mask_
+from dmuon.numerics.update_lists import apply_muon_, momentum_
 
 pytestmark = pytest.mark.unit
 
@@ -82,7 +82,7 @@ def test_masked_momentum_is_the_momentum_where_ok_and_keeps_the_buffers_bits_els
     expected = [b.clone() for b in bufs]
     momentum_(expected, grads, 0.95, foreach=True)
     masked = [b.clone() for b in bufs]
-    masked_momentum_(masked, grads, 0.95, oks(shared), foreach=foreach)
+    momentum_(masked, grads, 0.95, foreach, oks(shared))
     for got, want, before, ok in zip(masked, expected, bufs, OKS):
         assert bits(got) == bits(want if ok else before)
 
@@ -96,11 +96,12 @@ def test_masked_apply_is_the_update_where_ok_and_keeps_the_parameters_bits_elsew
     params = tensors(2, dtype, specials=True)
     orthos = [o.to(torch.bfloat16) for o in poisoned(3, torch.float32)]
     expected = [p.clone() for p in params]
-    apply_muon_updates_(expected, orthos, 0.02, 0.1, 1.5, cautious, foreach=True)
+    apply_muon_(expected, orthos, lr=0.02, weight_decay=0.1, scale=1.5, cautious_weight_decay=cautious, foreach=True)
     masked_orthos = [o.clone() for o in orthos]
     mask_(masked_orthos, oks(shared), foreach)
     masked = [p.clone() for p in params]
-    masked_apply_(masked, masked_orthos, oks(shared), 0.02, 0.1, 1.5, cautious, foreach=foreach)
+    apply_muon_(masked, masked_orthos, lr=0.02, weight_decay=0.1, scale=1.5, cautious_weight_decay=cautious,
+                foreach=foreach, oks=oks(shared))
     for got, want, before, ok in zip(masked, expected, params, OKS):
         # Masked off: the bits kept, -0.0 and inf included; a NaN stays NaN (the decay's product by
         # exactly 1 may requiet its payload).
@@ -137,7 +138,7 @@ def test_foreach_false_selects_per_tensor_even_where_lists_would_run(monkeypatch
     monkeypatch.setattr(masked_updates, "select_by_lists", lambda device: True)
     bufs, grads = tensors(0, torch.float32), tensors(1, torch.float32)
     with Ops() as ops:
-        masked_momentum_(bufs, grads, 0.95, oks(shared=True), foreach=False)
+        momentum_(bufs, grads, 0.95, False, oks(shared=True))
         mask_(grads, oks(shared=True), foreach=False)
     assert ops.names and not [name for name in ops.names if "_foreach_" in name]
     with Ops() as ops:
@@ -153,8 +154,8 @@ def test_the_inputs_would_change_without_the_mask(dtype):
     momentum_(moved, grads, 0.95, foreach=True)
     params = tensors(2, dtype, specials=True)
     stepped = [p.clone() for p in params]
-    apply_muon_updates_(stepped, [o.to(torch.bfloat16) for o in poisoned(3, torch.float32)], 0.02, 0.1, 1.5, False,
-                        foreach=True)
+    apply_muon_(stepped, [o.to(torch.bfloat16) for o in poisoned(3, torch.float32)], lr=0.02, weight_decay=0.1,
+                scale=1.5, foreach=True)
     for ok, before, after, p_before, p_after in zip(OKS, bufs, moved, params, stepped):
         if not ok:
             assert bits(before) != bits(after) and bits(p_before) != bits(p_after)
@@ -165,13 +166,13 @@ def test_masked_momentum_holds_one_chunk_of_emas_at_a_time():
     # freed before the next chunk's are made (found by the dry run: MoE 16B under EP at
     # P = 1024 held two chunks, over its memory bound). Meta tensors: sizes without data.
     from dmuon.dry_run.recorder import StepRecorder
-    from dmuon.numerics.masked_updates import MASKED_CHUNK_NUMEL
+    from dmuon.numerics.update_lists import MASKED_CHUNK_NUMEL
 
     numel = MASKED_CHUNK_NUMEL * 6 // 10
     bufs = [torch.empty(numel, device="meta") for _ in range(3)]
     grads = [torch.empty(numel, device="meta") for _ in range(3)]
     oks = [torch.empty((), dtype=torch.bool, device="meta") for _ in range(3)]
     with StepRecorder() as recorder:
-        masked_momentum_(bufs, grads, 0.9, oks, foreach=True)
+        momentum_(bufs, grads, 0.9, True, oks)
     # One chunk's EMAs, and the select's 0-dim mask factors beside them (a few bytes).
     assert numel * 4 <= recorder.record.peak_bytes < numel * 4 + 64

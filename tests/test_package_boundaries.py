@@ -27,7 +27,7 @@ TORCH_COMPAT = "dmuon.torch_compat"
 
 
 def test_imports_are_read_from_the_source_including_relative_ones():
-    assert "dmuon.plan.owner_plan" in _imports(REPO / "dmuon" / "optimizer_queries.py")
+    assert "dmuon.plan.owner_plan" in _imports(REPO / "dmuon" / "optimizer.py")
     assert "torchtitan_ext.titan02.config" in _imports(REPO / "torchtitan_ext" / "__init__.py")
     assert "torchtitan_ext.corpus" in _imports(REPO / "torchtitan_ext" / "datasets.py")
 

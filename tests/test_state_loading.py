@@ -49,7 +49,7 @@ def test_a_bf16_normuon_resume_is_bitwise_the_uninterrupted_run():
 def test_loading_a_state_dict_forgets_the_plan(monkeypatch):
     _, optimizer = _bf16_normuon_run(1)
     forgotten = []
-    monkeypatch.setattr(optimizer, "_forget_plan", lambda: forgotten.append(True))
+    monkeypatch.setattr(optimizer.phases, "forget_plan", lambda: forgotten.append(True))
     optimizer.load_state_dict(optimizer.state_dict())
     assert forgotten
 
@@ -58,8 +58,8 @@ def test_loading_a_state_dict_forgets_the_plan(monkeypatch):
 def test_editing_a_groups_newton_schulz_setting_remakes_the_plan_at_the_next_step(monkeypatch, key, value):
     layer, optimizer = _bf16_normuon_run(1)
     forgotten = []
-    original = optimizer._forget_plan
-    monkeypatch.setattr(optimizer, "_forget_plan", lambda: (forgotten.append(True), original()))
+    original = optimizer.phases.forget_plan
+    monkeypatch.setattr(optimizer.phases, "forget_plan", lambda: (forgotten.append(True), original()))
     layer.weight.grad = torch.ones_like(layer.weight)
     optimizer.step()
     assert not forgotten  # nothing changed: the plan stands

@@ -142,7 +142,7 @@ def test_every_option_of_dmuon_optimizer_reaches_dmuon():
     optimizer = build(config).optimizers[0]
     muon, adamw = (next(g for g in optimizer.param_groups if g["use_muon"] is use) for use in (True, False))
     assert (muon["lr"], muon["momentum"], muon["ns_steps"], adamw["lr"]) == (0.03, 0.9, 6, 1e-3)
-    assert (optimizer.comm, optimizer._telemetry.enabled, optimizer.ns_dtype) == ("redistribute", True, "float32")
+    assert (optimizer.comm, optimizer.phases.telemetry.enabled, optimizer.ns_dtype) == ("redistribute", True, "float32")
 
 
 # ------------------------------------------------------------- command line

@@ -63,13 +63,13 @@ def test_without_a_threshold_no_attention_is_hooked():
     model = _debug_model()
     container = _container(model)
     assert container.qk_clip_hooks == []
-    assert container.optimizers[0]._attention_clip.targets == []
+    assert container.optimizers[0].phases.attention_clip.targets == []
 
 
 def test_every_attention_is_registered_by_its_module_name_with_the_fused_layout():
     model = _debug_model()
     container = _container(model, qk_clip_threshold=NO_CLIP)
-    targets = container.optimizers[0]._attention_clip.targets
+    targets = container.optimizers[0].phases.attention_clip.targets
     assert [t.name for t in targets] == [f"layers.{i}.attention" for i in range(len(model.layers))]
     wqkv = model.layers["0"].attention.qkv_linear.wqkv.weight
     assert targets[0].q_weight is wqkv and targets[0].k_weight is wqkv

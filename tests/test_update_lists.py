@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dmuon.numerics.update_lists import apply_muon_updates_, by_signature, lookahead, momentum_, resolve_foreach
-from dmuon.numerics.update_rules import apply_muon_update_, nesterov_lookahead
+from dmuon.numerics.update_lists import apply_muon_, by_signature, lookahead, momentum_, resolve_foreach
+from dmuon.numerics.update_rules import nesterov_lookahead
 from dmuon.optimizer import DMuon
 
 pytestmark = pytest.mark.unit
@@ -28,6 +28,19 @@ def _clones(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
 
 def _equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
     return all(x.dtype == y.dtype and torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+def _apply(params, orthos, lr, weight_decay, scale, cautious, foreach):
+    apply_muon_(params, orthos, lr=lr, weight_decay=weight_decay, scale=scale, cautious_weight_decay=cautious,
+                foreach=foreach)
+
+
+def _torch_rule(param: torch.Tensor, ortho: torch.Tensor, lr, weight_decay: float, scale: float) -> None:
+    """Muon's apply as torch.optim.Muon writes it, one tensor with torch's own ops: the
+    reference the rule is checked against (a Tensor lr with its own arithmetic)."""
+    lr = lr.squeeze() if isinstance(lr, torch.Tensor) else lr
+    param.mul_(1 - lr * weight_decay)
+    param.add_(ortho, alpha=-lr * scale)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -62,9 +75,14 @@ def test_lookahead_leaves_grads_and_buffers_unchanged():
 def test_the_update_as_list_ops_is_bitwise_the_per_tensor_rule(param_dtype, update_dtype, weight_decay, cautious):
     orthos = _tensors(2, update_dtype)
     params, expected = _tensors(3, param_dtype), _tensors(3, param_dtype)
-    apply_muon_updates_(params, orthos, 0.02, weight_decay, 1.7, cautious, foreach=True)
-    apply_muon_updates_(expected, orthos, 0.02, weight_decay, 1.7, cautious, foreach=False)
+    _apply(params, orthos, 0.02, weight_decay, 1.7, cautious, foreach=True)
+    _apply(expected, orthos, 0.02, weight_decay, 1.7, cautious, foreach=False)
     assert _equal(params, expected)
+    if not cautious:
+        reference = _tensors(3, param_dtype)
+        for param, ortho in zip(reference, orthos):
+            _torch_rule(param, ortho, 0.02, weight_decay, 1.7)
+        assert _equal(params, reference)
 
 
 def test_a_list_mixing_dtypes_is_stepped_per_signature_with_the_same_bits():
@@ -72,8 +90,8 @@ def test_a_list_mixing_dtypes_is_stepped_per_signature_with_the_same_bits():
     params = _tensors(3, torch.float32)[:2] + _tensors(3, torch.bfloat16)[2:]
     expected = _clones(params)
     assert by_signature(params, orthos) == [[0, 1], [2, 3]]
-    apply_muon_updates_(params, orthos, 0.02, 0.1, 1.0, False, foreach=True)
-    apply_muon_updates_(expected, orthos, 0.02, 0.1, 1.0, False, foreach=False)
+    _apply(params, orthos, 0.02, 0.1, 1.0, False, foreach=True)
+    _apply(expected, orthos, 0.02, 0.1, 1.0, False, foreach=False)
     assert _equal(params, expected)
 
 
@@ -83,17 +101,17 @@ TENSOR_LR, TENSOR_LR_DECAY, TENSOR_LR_SCALE = 0.017, 0.1, 1.7
 
 
 def test_a_tensor_lr_through_the_list_form_gives_the_bits_of_the_per_tensor_rule():
-    """``apply_muon_updates_(foreach=True)`` with a Tensor lr against
-    ``update_rules.apply_muon_update_`` one tensor at a time, with that Tensor."""
+    """``apply_muon_(foreach=True)`` with a Tensor lr against torch.optim.Muon's own ops one
+    tensor at a time, with that Tensor."""
     orthos, lr = _tensors(2, torch.bfloat16), torch.tensor(TENSOR_LR)
     params, expected = _tensors(3, torch.float32), _tensors(3, torch.float32)
-    apply_muon_updates_(params, orthos, lr, TENSOR_LR_DECAY, TENSOR_LR_SCALE, False, foreach=True)
+    _apply(params, orthos, lr, TENSOR_LR_DECAY, TENSOR_LR_SCALE, False, foreach=True)
     for param, ortho in zip(expected, orthos):
-        apply_muon_update_(param, ortho, lr, TENSOR_LR_DECAY, TENSOR_LR_SCALE)
+        _torch_rule(param, ortho, lr, TENSOR_LR_DECAY, TENSOR_LR_SCALE)
     assert _equal(params, expected)
     # The list ops with the lr as a number give other bits: a list form that took them would show.
     as_number = _tensors(3, torch.float32)
-    apply_muon_updates_(as_number, orthos, lr.item(), TENSOR_LR_DECAY, TENSOR_LR_SCALE, False, foreach=True)
+    _apply(as_number, orthos, lr.item(), TENSOR_LR_DECAY, TENSOR_LR_SCALE, False, foreach=True)
     assert not _equal(as_number, expected)
 
 

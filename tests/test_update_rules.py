@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from dmuon.numerics.update_rules import ADJUST_LR_CHOICES, apply_muon_update_, muon_momentum_, shape_scale
+from dmuon.numerics.functional import apply_muon_update_, muon_momentum_
+from dmuon.numerics.update_rules import ADJUST_LR_CHOICES, shape_scale
 
 pytestmark = pytest.mark.unit
 

@@ -20,7 +20,10 @@ from torch import nn
 from dmuon import DMuon
 from dmuon.numerics.functional import newton_schulz
 from dmuon.numerics.newton_schulz import KELLER_COEFFICIENTS
-from dmuon.numerics.update_rules import apply_muon_update_, cautious_decay_, cautious_mask, normuon_normalize_
+from dmuon.numerics.device_scalars import StepScalars
+from dmuon.numerics.functional import apply_muon_update_
+from dmuon.numerics.update_lists import decay_factor
+from dmuon.numerics.update_rules import cautious_decay_, cautious_mask, normuon_normalize_
 
 pytestmark = pytest.mark.unit
 
@@ -146,7 +149,7 @@ def test_cautious_decay_where_every_sign_agrees_is_the_plain_decay_bitwise():
 
 def test_cautious_decay_leaves_disagreeing_entries_alone():
     param = torch.tensor([1.0, -2.0, 3.0])
-    cautious_decay_(param, torch.tensor([-1.0, 1.0, 1.0]), 0.5, 0.1)
+    cautious_decay_(param, torch.tensor([-1.0, 1.0, 1.0]), decay_factor(1 - 0.5 * 0.1, param.dtype, StepScalars())[0])
     assert param.tolist() == [1.0, -2.0, torch.tensor(3.0 * (1 - 0.05)).item()]
 
 

@@ -50,8 +50,8 @@ def plan_host_bytes(optimizer: DMuon) -> int:
     plan with this rank's blocks, and every batch's buffer layout, made here as the first
     step would make them (the step then finds them made)."""
     with retained_heap() as heap:
-        optimizer._fast_path.plan(muon_groups(optimizer.param_groups), optimizer.param_name)  # noqa: SLF001
-        run = optimizer._fast_path._run  # noqa: SLF001 - the plan and its batch layouts
+        optimizer.phases.fast_path.plan(muon_groups(optimizer.param_groups), optimizer.param_name)
+        run = optimizer.phases.fast_path.owner_run  # the plan and its batch layouts
         if run is not None:
             for batch in run.plan.batches:
                 run.layout(batch)

@@ -38,7 +38,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from dmuon.exchange.packing import stages_casts
-from dmuon.numerics.masked_updates import MASKED_CHUNK_NUMEL
+from dmuon.numerics.update_lists import MASKED_CHUNK_NUMEL
 from dmuon.numerics.newton_schulz import matrix_shape, resolve_ns_dtype
 from dmuon.optimizer import DMuon
 from dmuon.plan.owner_plan import WIRE_BYTES
@@ -107,7 +107,7 @@ def _exchange(optimizer: DMuon, groups: dict, rank: int, ns_bytes: int) -> int:
     if not plans:
         return 0
     (plan,) = plans
-    run = optimizer._fast_path._run  # noqa: SLF001 - the plan's parameters and batch layouts
+    run = optimizer.phases.fast_path.owner_run  # the plan's parameters and batch layouts
     params = run.params
     workspace = elementwise = 0
     widest = max(p.element_size() for p in params)
@@ -132,7 +132,7 @@ def _exchange(optimizer: DMuon, groups: dict, rank: int, ns_bytes: int) -> int:
 
 def _whole(optimizer: DMuon, groups: dict, ns_bytes: int) -> int:
     largest = 0
-    for param, path in optimizer._paths().items():  # noqa: SLF001 - the paths the step took
+    for param, path in optimizer.phases.paths(optimizer.param_groups, optimizer.param_name).items():  # the step's
         if path == ALL_TO_ALL:
             continue
         group = groups[param]

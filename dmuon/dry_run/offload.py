@@ -18,7 +18,7 @@ from dmuon.optimizer import DMuon
 
 def documented_waits(optimizer: DMuon, options: dict) -> dict[str, int]:
     """The waits of one steady step of ``optimizer`` (run with DMuon ``options``), by kind."""
-    run = optimizer._fast_path._run  # noqa: SLF001 - the dry run reads the plan it checks
+    run = optimizer.phases.fast_path.owner_run  # the dry run reads the plan it checks
     if run is None:
         return {}
     batches = run.plan.batches

@@ -288,7 +288,7 @@ def state_layout_problems(optimizer: DMuon) -> list[str]:
 
 def _plan_rank(optimizer: DMuon) -> int:
     """This rank's place in the fast path's plan (its rank in the plan's group)."""
-    run = optimizer._fast_path._run  # noqa: SLF001 - the dry run reads the plan it checks
+    run = optimizer.phases.fast_path.owner_run  # the dry run reads the plan it checks
     return run.rank if run is not None else 0
 
 

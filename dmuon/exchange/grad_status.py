@@ -48,7 +48,7 @@ from torch.distributed.tensor import DTensor
 from dmuon.exchange.host_copy import HostCopy, to_device
 from dmuon.exchange.replicated_grads import partial_grad, sum_replicated_grads
 from dmuon.exchange.status_channel import StatusChannel, status_channel
-from dmuon.exchange.status_masks import BLOCKS, STATUS_DTYPE, StatusMasks
+from dmuon.exchange.status_masks import BLOCKS, STATUS_DTYPE, StatusMasks, StepMask
 
 class GradStatus:
     """One optimizer's status channel: :meth:`take_pending` and :meth:`agree` each step."""
@@ -80,8 +80,9 @@ class GradStatus:
         (a 0-dim device bool; ``skip_nonfinite``), or None (not checked)."""
         channel = self._channel
         if channel is None:
-            host_ok = False if problem_here or masked_here else None if finite is not None else True
-            return StatusMasks(None, None, None, [], host_ok, masked_here, device, self._pending, finite)
+            mask = (StepMask.MASKED if problem_here or masked_here else
+                    StepMask.ON_DEVICE if finite is not None else StepMask.STANDS)
+            return StatusMasks(None, None, None, [], mask, masked_here, device, self._pending, finite)
         has = [int(has_grad(p)) for p in channel.params]
         partial = [int(h and partial_grad(p.grad)) for h, p in zip(has, channel.params)]
         n = len(has)
@@ -104,12 +105,12 @@ class GradStatus:
             disagree = ((some > 0) & (none > 0)) | ((partials > 0) & (partials < some))
             status[2 * n : 3 * n].index_copy_(0, subset.index(channel.device), disagree.to(STATUS_DTYPE))
         work = None if channel.group is None else dist.all_reduce(status, group=channel.group, async_op=True)
-        host_ok: bool | None = None
+        mask = StepMask.ON_DEVICE
         if problem_here or masked_here:
-            host_ok = False
+            mask = StepMask.MASKED
         elif channel.group is None and finite is None:
-            host_ok = True
-        return StatusMasks(channel, status, work, has, host_ok, masked_here or problem_here, channel.device,
+            mask = StepMask.STANDS
+        return StatusMasks(channel, status, work, has, mask, masked_here or problem_here, channel.device,
                            self._pending)
 
     @property

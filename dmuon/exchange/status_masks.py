@@ -11,6 +11,7 @@ distinct masks, and the rules run one list op per mask (``dmuon.numerics.masked_
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -26,24 +27,32 @@ disagreement counted over a strict subset of the ranks, ``Partial`` grads), then
 counts: ranks with a problem, ranks with a non-finite grad (``skip_nonfinite``)."""
 
 
+class StepMask(enum.Enum):
+    """What the host knows of the step's mask without waiting for the device."""
+
+    STANDS = "stands"
+    """The step applies: no other rank takes part, nothing is wrong here, nothing to check on the device."""
+    MASKED = "masked"
+    """Nothing changes: this rank's own problem, or an error pending from the last step."""
+    ON_DEVICE = "on_device"
+    """Only the device knows (the ranks' sums, or ``skip_nonfinite``'s check): the rules read the masks."""
+
+
 class StatusMasks(Mapping[torch.Tensor, torch.Tensor]):
     """The step's mask and each DTensor parameter's (0-dim bools on the device), once the
     step's status sums arrive. The sums are started by :meth:`GradStatus.agree` and waited
-    for at the first mask read (or :meth:`finish`), so the host work in between (the
+    for at the first mask read (or :meth:`wait`), so the host work in between (the
     Muon part's bookkeeping) overlaps the collective's latency; membership needs no wait.
 
-    ``host_ok``: the step's mask as the host knows it without waiting: False where this
-    rank knows the step is masked (its own problem, or an error pending from the last
-    step), True where no other rank takes part (no sums to wait for) and nothing is
-    wrong here, None where only the device knows."""
+    ``mask``: the step's mask as the host knows it without waiting (:class:`StepMask`)."""
 
     def __init__(self, channel: StatusChannel | None, status: torch.Tensor | None, work: Any,
-                 has: list[int], host_ok: bool | None, masked_here: bool,
+                 has: list[int], mask: StepMask, masked_here: bool,
                  device: torch.device | None, pending: list[tuple[list[str], HostCopy]],
                  finite: torch.Tensor | None = None) -> None:
         self._channel, self._status, self._work, self._has = channel, status, work, has  # has: this rank's grads
         self._finite = finite  # this rank's grads finite, where no other rank takes part (skip_nonfinite)
-        self.host_ok = host_ok
+        self.mask = mask
         self._masked_here = masked_here
         self._device = device
         self._pending = pending
@@ -51,15 +60,15 @@ class StatusMasks(Mapping[torch.Tensor, torch.Tensor]):
         self._oks: dict[torch.Tensor, torch.Tensor] | None = None
         self._step_ok: torch.Tensor | None = None
 
-    def finish(self) -> dict[torch.Tensor, torch.Tensor]:
-        """Wait for the sums (on the device: no host read), make the masks, and send the sums
-        to the host for the next step's :meth:`GradStatus.take_pending`; once."""
+    def wait(self) -> dict[torch.Tensor, torch.Tensor]:
+        """Wait for the sums (on an accelerator a stream wait, no host read), make the masks,
+        and send the sums to the host for the next step's :meth:`GradStatus.take_pending`; once."""
         if self._oks is not None:
             return self._oks
         self._oks = {}
         if self._channel is None:
-            self._step_ok = torch.full((), self.host_ok is not False, dtype=torch.bool, device=self._device)
-            if self._finite is not None and self.host_ok is not False:  # a step that raises is no skip
+            self._step_ok = torch.full((), self.mask is not StepMask.MASKED, dtype=torch.bool, device=self._device)
+            if self._finite is not None and self.mask is not StepMask.MASKED:  # a step that raises is no skip
                 self._step_ok = self._step_ok & self._finite
                 counts = torch.zeros(2, dtype=STATUS_DTYPE, device=self._finite.device)
                 counts[1].copy_(~self._finite)  # [problems, non-finite], as a channel's tail
@@ -85,7 +94,7 @@ class StatusMasks(Mapping[torch.Tensor, torch.Tensor]):
         """Mask the rest of this step where no other rank takes part, e.g. after torch's
         AdamW raised (with ``skip_nonfinite`` the mask may already be made: it turns False)."""
         assert self.alone, "only a step no other rank takes part in is masked here"
-        self.host_ok, self._masked_here = False, True
+        self.mask, self._masked_here = StepMask.MASKED, True
         if self._step_ok is not None:  # the masks are made already: every one turns False
             self._step_ok = torch.zeros_like(self._step_ok)
             self._oks = {param: self._step_ok for param in self._oks or {}}
@@ -98,11 +107,11 @@ class StatusMasks(Mapping[torch.Tensor, torch.Tensor]):
     @property
     def step_ok(self) -> torch.Tensor:
         """The step's mask: False on every rank when any rank may not step (0-dim bool)."""
-        self.finish()
+        self.wait()
         return self._step_ok
 
     def __getitem__(self, param: torch.Tensor) -> torch.Tensor:
-        return (self._oks if self._oks is not None else self.finish())[param]  # read per parameter: no call once made
+        return (self._oks if self._oks is not None else self.wait())[param]  # read per parameter: no call once made
 
     def __contains__(self, param: object) -> bool:
         return param in self._keys

@@ -10,7 +10,8 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.optim.adamw import adamw as _torch_adamw
 
-from dmuon.numerics.device_scalars import StepScalars, decay_, opmath_dtype
+from dmuon.numerics.device_scalars import StepScalars
+from dmuon.numerics.update_lists import decay_, decay_factor
 from dmuon.numerics.update_rules import cautious_decay_
 from dmuon.torch_compat import capturable_devices, default_foreach_for, local_of
 
@@ -78,12 +79,14 @@ def adamw_step_(
                           fused=fused, found_inf=found_inf)
         return
     if cautious_weight_decay and weight_decay != 0:
+        keep, scalars = 1 - (lr.squeeze() if isinstance(lr, torch.Tensor) else lr) * weight_decay, StepScalars()
         for param, grad, exp_avg in zip(params, grads, exp_avgs):
+            local = local_of(param)
             if param.is_complex():
-                local_of(param).mul_(1 - (lr.squeeze() if isinstance(lr, torch.Tensor) else lr) * weight_decay)
+                local.mul_(keep)
                 continue
             direction = adamw_direction_sign(local_of(exp_avg), local_of(grad), betas[0])
-            cautious_decay_(local_of(param), direction, lr, weight_decay)
+            cautious_decay_(local, direction, decay_factor(keep, local.dtype, scalars, device=local.device)[0])
         weight_decay = 0.0
     if foreach is None and fused is None:  # torch's own default, decided on the tensors as given, not their shards
         foreach = default_foreach_for(params) and not isinstance(lr, torch.Tensor)
@@ -125,21 +128,20 @@ def adamw_capturable_(
 def _decay_on_device_(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
                       lr: torch.Tensor, weight_decay: torch.Tensor, beta1: float, cautious_weight_decay: bool,
                       foreach: bool | None, found_inf: torch.Tensor | None = None) -> None:
-    """``p *= 1 - lr * weight_decay`` with the factor made on the device
-    (``dmuon.numerics.device_scalars.decay_``: list ops unless ``foreach`` is False);
-    cautious: per tensor, where update and weight agree in sign (a complex parameter: plain).
-    ``found_inf`` (torch's skip, 1.0: skip) makes the factor exactly 1 on the device: the
-    fused kernel that reads it skips only its own update, not this decay before it."""
+    """``p *= 1 - lr * weight_decay`` with the factor made on the device (the one decay,
+    ``dmuon.numerics.update_lists.decay_``: list ops unless ``foreach`` is False); cautious:
+    per tensor, where update and weight agree in sign (a complex parameter: plain).
+    ``found_inf`` (torch's skip, 1.0: skip) masks it: the factor is exactly 1 where it is
+    set, since the fused kernel that reads it skips only its own update, not this decay."""
     scalars = StepScalars()
     keep = scalars.keep(lr, weight_decay)
-    if found_inf is not None:
-        keep = scalars.masked(keep, keep.dtype, found_inf == 0)
+    ok = None if found_inf is None else found_inf == 0
     plain = []
     for param, grad, exp_avg in zip(params, grads, exp_avgs):
         local = local_of(param)
         if cautious_weight_decay and not param.is_complex():
-            cautious_decay_(local, adamw_direction_sign(local_of(exp_avg), local_of(grad), beta1), lr,
-                            weight_decay, keep=scalars.cast(keep, opmath_dtype(local.dtype)))
+            factor, _ = decay_factor(keep, local.dtype, scalars, ok, capturable=True)
+            cautious_decay_(local, adamw_direction_sign(local_of(exp_avg), local_of(grad), beta1), factor)
         else:
             plain.append(local)
-    decay_(plain, keep, foreach is not False, scalars)
+    decay_(plain, keep, foreach is not False, scalars, None if ok is None else [ok] * len(plain), capturable=True)

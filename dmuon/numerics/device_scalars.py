@@ -12,8 +12,8 @@ computes on the host, and a kernel fed them (cast as that kernel casts its Pytho
 gives the same bits.
 
 The one kernel whose number has no Tensor form is ``add_(update, alpha=...)``.
-:func:`scaled_add_` gives its bits with ``addcmul_`` and ``alpha`` as a broadcast tensor,
-in the dtype ``add_`` reads its ``alpha`` in (:func:`alpha_dtype`). Checked bit for bit
+``dmuon.numerics.update_lists.apply_muon_`` gives its bits with ``addcmul_`` and ``alpha`` as a
+broadcast tensor, in the dtype ``add_`` reads its ``alpha`` in (:func:`alpha_dtype`). Checked bit for bit
 against ``add_`` for fp32 and fp64 targets on the CPU (AVX-512, AVX2 and default kernels):
 ``tests/test_capturable.py``. On the CPU a bf16 or fp16 target's ``add_`` rounds
 ``alpha * update`` to the target's dtype in the elements its vector loop leaves over,
@@ -60,10 +60,12 @@ def alpha_dtype(dtype: torch.dtype, device_type: str) -> torch.dtype:
 
 
 class StepScalars:
-    """One step's device products of its hyperparameters (``1 - lr * weight_decay``,
-    ``-lr * scale``) and their casts, each made once and reused for every tensor that needs
-    it: the per-tensor paths would otherwise make them per tensor. Valid for one step (the
-    values change between steps; the tensors they are made of do not)."""
+    """One step's scalars, each made once and reused for every tensor that needs it (the
+    per-tensor forms would otherwise make them per tensor): the device products of
+    ``capturable`` hyperparameters (``1 - lr * weight_decay``, ``-lr * scale``) and their
+    casts, the masked decay factors, and numbers made 0-dim tensors. Valid for one step (the
+    values change between steps; the tensors they are made of do not). The factors are
+    chosen by ``dmuon.numerics.update_lists.decay_factor``; this class only keeps them."""
 
     def __init__(self) -> None:
         self._made: dict[tuple, torch.Tensor] = {}
@@ -87,6 +89,14 @@ class StepScalars:
         """``value`` (one made here, or a group's tensor) in ``dtype``."""
         return self._once(("cast", id(value), dtype), (value,), lambda: value.to(dtype))
 
+    def on_host(self, value: float, dtype: torch.dtype) -> torch.Tensor:
+        """The number ``value`` as a 0-dim ``dtype`` tensor on the CPU (a scalar every device reads)."""
+        return self._once(("host", value, dtype), (), lambda: torch.tensor(value, dtype=dtype))
+
+    def filled(self, value: float, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """The number ``value`` as a 0-dim ``dtype`` tensor on ``device``, filled there (no copy from the host)."""
+        return self._once(("filled", value, dtype, device), (), lambda: torch.full((), value, dtype=dtype, device=device))
+
     def masked(self, value: float | torch.Tensor, dtype: torch.dtype, ok: torch.Tensor) -> torch.Tensor:
         """``value`` (a number, or a device tensor) where the 0-dim bool ``ok`` holds, exactly 1
         elsewhere, in ``dtype`` on ``ok``'s device (a masked decay's factor)."""
@@ -98,45 +108,3 @@ class StepScalars:
 
         return self._once(("masked", id(value) if tensor else value, dtype, id(ok)), (ok, value) if tensor else (ok,),
                           make)
-
-
-def scaled_add_(targets: Sequence[torch.Tensor], updates: Sequence[torch.Tensor], alpha: torch.Tensor,
-                foreach: bool, scalars: StepScalars | None = None) -> None:
-    """``target += alpha * update`` for every pair, ``alpha`` a 0-dim fp64 device tensor,
-    with the bits of ``target.add_(update, alpha=float(alpha))`` (module docstring), and no
-    host read of ``alpha`` (its casts from ``scalars``, the step's)."""
-    if not targets:
-        return
-    scalars = scalars or StepScalars()
-    scales = [scalars.cast(alpha, alpha_dtype(t.dtype, t.device.type)).expand(u.shape)
-              for t, u in zip(targets, updates)]
-    if foreach:
-        torch._foreach_addcmul_(list(targets), list(updates), scales)
-        return
-    for target, update, scale in zip(targets, updates, scales):
-        target.addcmul_(update, scale)
-
-
-def decay_(params: Sequence[torch.Tensor], keep: float | torch.Tensor, foreach: bool,
-           scalars: StepScalars | None = None, ok: torch.Tensor | None = None) -> None:
-    """``p *= keep`` for every parameter, ``keep`` (``1 - lr * weight_decay``, fp64 on the
-    device) cast there to the dtype ``mul_`` by a number computes in (:func:`opmath_dtype`),
-    expanded for a parameter of another dtype (a 0-dim device factor would be read in the
-    parameter's dtype); with ``foreach``, one list op per dtype and device. ``ok``: a 0-dim
-    device bool, the factor exactly 1 where it does not hold (``keep`` may then be a number)."""
-    scalars = scalars or StepScalars()
-    lists: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
-    for param in params:
-        lists.setdefault((param.dtype, param.device), []).append(param)
-    for (dtype, _), targets in lists.items():
-        factor = (scalars.cast(keep, opmath_dtype(dtype)) if ok is None
-                  else scalars.masked(keep, opmath_dtype(dtype), ok))
-        if foreach and factor.dtype == dtype:  # the list's own dtype: the Tensor form, one kernel per list on CUDA
-            torch._foreach_mul_(targets, factor)
-            continue
-        factors = [factor if factor.dtype == dtype else factor.expand(t.shape) for t in targets]
-        if foreach:
-            torch._foreach_mul_(targets, factors)
-        else:
-            for target, one in zip(targets, factors):
-                target.mul_(one)

@@ -4,7 +4,8 @@ process groups. ``DMuon`` decides where each piece runs; these say what it compu
 
 A Muon step of one parameter is three pieces, so the distributed paths can run each
 where it belongs (momentum and the update on the local shard, Newton-Schulz on the
-owner): :func:`muon_momentum_`, :func:`newton_schulz` and :func:`apply_muon_update_`.
+owner): :func:`muon_momentum_`, :func:`newton_schulz` and :func:`apply_muon_update_`, each
+one tensor's call of the one list implementation (``dmuon.numerics.update_lists``).
 :func:`muon_` chains them for tensors this rank orthogonalizes as they come.
 """
 
@@ -28,13 +29,10 @@ from dmuon.numerics.newton_schulz import (
     orthogonalize_row_blocks,
 )
 from dmuon.numerics.device_scalars import StepScalars
-from dmuon.numerics.masked_updates import device_apply_
 from dmuon.numerics.standard_iteration import NewtonSchulzBuffers
-from dmuon.numerics.update_lists import momentum_ as momentum_lists_
+from dmuon.numerics.update_lists import apply_muon_, momentum_
 from dmuon.numerics.adamw_rules import adamw_step_ as adamw_
 from dmuon.numerics.update_rules import (
-    apply_muon_update_,
-    muon_momentum_,
     nesterov_lookahead,
     normuon_normalize_,
     normuon_second_moment_shape,
@@ -120,18 +118,34 @@ def muon_(
     ``foreach``, one list op: ``dmuon.numerics.update_lists``); the rest, per tensor, keeps one
     update in hand at a time. ``capturable``: ``lr`` and ``weight_decay`` are 0-dim fp64 device
     tensors (``dmuon.numerics.device_scalars``; ``scalars``: their products, made once a step)."""
-    momentum_lists_(momentum_bufs, grads, momentum, foreach)
+    momentum_(momentum_bufs, grads, momentum, foreach)
+    scalars = scalars or StepScalars()
     for i, (param, grad, buf) in enumerate(zip(params, grads, momentum_bufs)):
         update = nesterov_lookahead(grad, buf, momentum, nesterov).to(UPDATE_DTYPE, copy=True)
         ortho = orthogonalize(i, update)
         scale = update_scale(shapes[i], split_rows=split_rows, adjust_lr=adjust_lr,
                              matched_adamw_rms=matched_adamw_rms)
         with updating(param):
-            if capturable:
-                device_apply_([param], [ortho], None, lr, weight_decay, scale, cautious_weight_decay, False,
-                              scalars)
-            else:
-                apply_muon_update_(param, ortho, lr, weight_decay, scale, cautious_weight_decay)
+            apply_muon_([param], [ortho], lr=lr, weight_decay=weight_decay, scale=scale,
+                        cautious_weight_decay=cautious_weight_decay, capturable=capturable, scalars=scalars)
+
+
+def muon_momentum_(grad: torch.Tensor, buf: torch.Tensor, momentum: float, nesterov: bool) -> torch.Tensor:
+    """Update the momentum buffer in place; return the tensor to orthogonalize: the
+    look-ahead cast to bf16 with a copy, so it never aliases ``buf`` and orthogonalizing it
+    cannot corrupt momentum."""
+    momentum_([buf], [grad], momentum, foreach=False)
+    return nesterov_lookahead(grad, buf, momentum, nesterov).to(UPDATE_DTYPE, copy=True)
+
+
+def apply_muon_update_(param: torch.Tensor, ortho: torch.Tensor, lr: float | torch.Tensor, weight_decay: float,
+                       scale: float, cautious_weight_decay: bool = False) -> None:
+    """Decoupled weight decay with the unscaled ``lr`` (only where ``ortho`` and ``param``
+    agree in sign with ``cautious_weight_decay``), then the scaled orthogonal step. A Tensor
+    ``lr`` (one element, any shape) is used as torch.optim.Muon uses it, so the bits are
+    torch's for that Tensor."""
+    apply_muon_([param], [ortho], lr=lr, weight_decay=weight_decay, scale=scale,
+                cautious_weight_decay=cautious_weight_decay)
 
 
 def normuon_state(param: torch.Tensor) -> torch.Tensor:

@@ -1,18 +1,35 @@
-"""The elementwise rules of ``dmuon.numerics.update_rules`` over lists of tensors.
+"""Muon's elementwise rules over lists of tensors, each written once: the momentum EMA
+(:func:`momentum_`), the look-ahead (:func:`lookahead`), the decay (:func:`decay_`, its factor
+made by :func:`decay_factor` only) and the apply, decay then scaled step (:func:`apply_muon_`).
 
-With ``foreach`` each rule is one ``torch._foreach_*`` op per device and dtype
-signature of its tensors (as torch.optim's foreach path groups them), so a step's
-host work and kernel launches do not grow with the parameter count; without it, the
-per-tensor rule in a loop. Both give the same bits: each foreach op computes what
-its per-tensor op computes (``_foreach_lerp_`` is ``lerp_``, ``_foreach_mul_`` by a
-number is ``mul_`` by that number, ``_foreach_add_(alpha=)`` is ``add_(alpha=)``, in
-the same opmath), which ``tests/test_update_lists.py`` checks bit for bit.
+Each rule is one function with one dispatch, as torch.optim's: ``foreach`` picks the list
+form (one ``torch._foreach_*`` op per device and dtype signature, as torch.optim groups
+them, so host work and kernel launches do not grow with the parameter count) or the
+for-loop form (one op per tensor); inside each form, the same code serves
 
-Callers pass plain tensors (a DTensor's local tensor): a foreach op on DTensors
-would pay DTensor's dispatch per op and refuse lists spanning meshes.
+- **the mask** ``oks`` (each tensor's 0-dim bool on the device, ``dmuon.exchange.status_masks``):
+  None, the rule as is; else exactly the rule's bits where ``ok`` holds and the tensor's own
+  bits where it does not, without a host read (how: below);
+- **the hyperparameters' form**: Python numbers; a one-element Tensor ``lr``, with
+  torch.optim.Muon's own tensor arithmetic (per tensor, as torch steps it); or, under
+  ``capturable``, 0-dim fp64 device tensors (``dmuon.numerics.device_scalars``), read only
+  by kernels, with the bits of the same values as numbers.
 
-A Tensor ``lr`` steps per tensor, as ``torch.optim.Muon`` does: its arithmetic makes
-0-dim tensors that a foreach op could place differently.
+Both forms give the same bits (``tests/test_update_lists.py``): a list op computes what its
+per-tensor op computes, in the same opmath. Callers pass plain tensors (a DTensor's local
+tensor): a list op on DTensors would pay DTensor's dispatch per op.
+
+How the masked forms stay exact:
+
+- momentum: the EMA computed out of place, then selected into the buffer
+  (``dmuon.numerics.masked_updates.select_``): arithmetic with a zero weight would not do
+  (``0 * NaN`` is NaN, ``-0.0 + 0.0`` is ``+0.0``); one chunk of at most
+  :data:`MASKED_CHUNK_NUMEL` elements alive at a time;
+- decay ``p = p * factor``: the factor is ``1 - lr * weight_decay`` or exactly 1 (``x * 1``
+  is ``x``), in the dtype ``mul_`` by a number computes in (:func:`decay_factor`);
+- the step ``p = p - lr * scale * O``: ``O`` is ``+0.0`` where masked
+  (``dmuon.numerics.masked_updates.mask_``, on the owner, before it travels), and
+  ``p + (-lr * scale) * (+0.0)`` adds ``-0.0``, which leaves every ``p`` as it is.
 """
 
 from __future__ import annotations
@@ -21,10 +38,16 @@ from collections.abc import Sequence
 
 import torch
 
-from dmuon.numerics.update_rules import apply_muon_update_, cautious_decay_, nesterov_lookahead
+from dmuon.numerics.device_scalars import StepScalars, alpha_dtype, opmath_dtype
+from dmuon.numerics.masked_updates import by_mask, select_
+from dmuon.numerics.update_rules import cautious_decay_, nesterov_lookahead
 from dmuon.torch_compat import default_foreach
 
 Tensors = Sequence[torch.Tensor]
+Number = float | torch.Tensor
+# Elements of the out-of-place momentum EMAs one list op computes before they are selected
+# into their buffers (masked :func:`momentum_`): few launches, a bounded copy (64 MiB in fp32).
+MASKED_CHUNK_NUMEL = 1 << 24
 
 
 def resolve_foreach(foreach: bool | None, device: torch.device) -> bool:
@@ -46,14 +69,40 @@ def by_signature(*lists: Tensors) -> list[list[int]]:
     return list(groups.values())
 
 
-def momentum_(bufs: Tensors, grads: Tensors, momentum: float, foreach: bool) -> None:
-    """``buf = lerp(buf, grad, 1 - momentum)`` for every pair, in place."""
-    if not foreach:
-        for buf, grad in zip(bufs, grads):
-            buf.lerp_(grad, 1 - momentum)
+# ------------------------------------------------------------------------ momentum
+
+
+def momentum_(bufs: Tensors, grads: Tensors, momentum: float, foreach: bool, oks: Tensors | None = None) -> None:
+    """``buf = lerp(buf, grad, 1 - momentum)`` for every pair, in place; with ``oks``, only
+    where each ``ok`` holds (``buf`` keeps its bits elsewhere, whatever ``grad`` holds)."""
+    if oks is None:
+        if not foreach:
+            for buf, grad in zip(bufs, grads):
+                buf.lerp_(grad, 1 - momentum)
+            return
+        for idx in by_signature(bufs, grads):
+            torch._foreach_lerp_([bufs[i] for i in idx], [grads[i] for i in idx], 1 - momentum)
         return
+    for chunk in _chunks(bufs, grads) if foreach else [[i] for i in range(len(bufs))]:
+        news = (torch._foreach_lerp([bufs[i] for i in chunk], [grads[i] for i in chunk], 1 - momentum) if foreach
+                else [bufs[chunk[0]].lerp(grads[chunk[0]], 1 - momentum)])
+        select_([bufs[i] for i in chunk], [oks[i] for i in chunk], news, foreach)
+        del news  # freed before the next chunk's are made: one chunk alive at a time
+
+
+def _chunks(bufs: Tensors, grads: Tensors) -> list[list[int]]:
+    """Indices of one device-and-dtype signature each, at most ``MASKED_CHUNK_NUMEL``
+    elements a chunk (a larger tensor alone): the out-of-place EMAs alive at once."""
+    chunks: list[list[int]] = []
     for idx in by_signature(bufs, grads):
-        torch._foreach_lerp_([bufs[i] for i in idx], [grads[i] for i in idx], 1 - momentum)
+        size = MASKED_CHUNK_NUMEL
+        for i in idx:
+            if size + bufs[i].numel() > MASKED_CHUNK_NUMEL:
+                chunks.append([])
+                size = 0
+            chunks[-1].append(i)
+            size += bufs[i].numel()
+    return chunks
 
 
 def lookahead(grads: Tensors, bufs: Tensors, momentum: float, nesterov: bool, foreach: bool) -> list[torch.Tensor]:
@@ -68,37 +117,101 @@ def lookahead(grads: Tensors, bufs: Tensors, momentum: float, nesterov: bool, fo
     return out
 
 
-def apply_muon_updates_(
-    params: Tensors, orthos: Tensors, lr: float | torch.Tensor, weight_decay: float, scale: float,
-    cautious_weight_decay: bool, foreach: bool,
-) -> None:
-    """:func:`~dmuon.numerics.update_rules.apply_muon_update_` of every pair (``params`` of one
-    group and one shape scale): the decay, then the scaled step."""
-    if not foreach or isinstance(lr, torch.Tensor):
-        for param, ortho in zip(params, orthos):
-            apply_muon_update_(param, ortho, lr, weight_decay, scale, cautious_weight_decay)
+# ------------------------------------------------------------------------- decay
+
+
+def decay_factor(keep: Number, dtype: torch.dtype, scalars: StepScalars, ok: torch.Tensor | None = None,
+                 capturable: bool = False, device: torch.device | None = None) -> tuple[torch.Tensor, bool]:
+    """The one place a decay factor is made: ``keep`` (``1 - lr * weight_decay``) for a
+    ``dtype`` tensor, exactly 1 where the 0-dim device bool ``ok`` does not hold, in the dtype
+    ``mul_`` by a number computes in (fp32; fp64 for fp64); and whether to multiply by it as
+    it is (else it is expanded for a tensor of another dtype, :func:`decay_`):
+
+    - masked: made on ``ok``'s device (``StepScalars.masked``);
+    - capturable: the fp64 device value, cast on the device (no host read);
+    - a Tensor ``lr``'s: torch.optim.Muon's own value, multiplied by as it is;
+    - a number: a 0-dim **CPU** tensor. ``_foreach_mul_`` by a plain number rounds it to the
+      list's dtype on the CPU (0.998 -> 0.99609375 in bf16), and a 0-dim device tensor of
+      another dtype is rounded to the tensor's on CUDA; a CPU scalar is read exactly by both
+      (CUDA's multi-tensor kernel takes its value as an fp32 opmath number: one launch, no
+      sync), and by ``mul_`` one tensor at a time.
+
+    ``device``: the factor wanted there as a tensor (cautious decay's ``torch.where``)."""
+    opmath = opmath_dtype(dtype)
+    if ok is not None:
+        return scalars.masked(keep, opmath, ok), False
+    if capturable:
+        return scalars.cast(keep, opmath), False
+    if isinstance(keep, torch.Tensor):
+        return keep if device is None else keep.to(device=device, dtype=opmath), True
+    return (scalars.on_host(keep, opmath) if device is None else scalars.filled(keep, opmath, device)), True
+
+
+def decay_(params: Tensors, keep: Number, foreach: bool, scalars: StepScalars, oks: Tensors | None = None,
+           capturable: bool = False) -> None:
+    """``p *= keep`` for every parameter, where its ``ok`` holds (``p *= 1`` elsewhere): one
+    factor per mask and dtype (:func:`decay_factor`), expanded to a tensor of another dtype
+    where it is a device tensor (read as the tensor's dtype otherwise); with ``foreach``, one
+    list op per mask, dtype and device (the Tensor form, one kernel on CUDA, where the
+    factor is the list's dtype or read as a scalar)."""
+    for ok, idx in by_mask(oks) if oks is not None else [(None, range(len(params)))]:
+        lists: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+        for i in idx:
+            lists.setdefault((params[i].dtype, params[i].device), []).append(params[i])
+        for (dtype, _), targets in lists.items():
+            factor, as_scalar = decay_factor(keep, dtype, scalars, ok, capturable)
+            one = as_scalar or factor.dtype == dtype
+            if foreach:
+                torch._foreach_mul_(targets, factor if one else [factor.expand(t.shape) for t in targets])
+                continue
+            for target in targets:
+                target.mul_(factor if one else factor.expand(target.shape))
+
+
+# ------------------------------------------------------------------------- apply
+
+
+def apply_muon_(params: Tensors, orthos: Tensors, *, lr: Number, weight_decay: Number, scale: float,
+                cautious_weight_decay: bool = False, foreach: bool = False, oks: Tensors | None = None,
+                capturable: bool = False, scalars: StepScalars | None = None) -> None:
+    """Muon's apply for every pair (``params`` of one group and one shape scale): the decay
+    ``p *= 1 - lr * weight_decay`` (with ``cautious_weight_decay`` only where ``ortho`` and
+    ``p`` agree in sign), then the step ``p += -lr * scale * ortho``. ``oks``: only where each
+    ``ok`` holds, ``orthos`` already ``+0.0`` elsewhere (module docstring). ``capturable``:
+    ``lr`` and ``weight_decay`` are 0-dim fp64 device tensors, read by kernels only; the decay
+    then runs even at 0 (the host cannot look: a product by exactly 1 keeps every bit).
+    ``scalars``: the step's products of them, made once a step."""
+    if not params:
         return
-    for idx in by_signature(params, orthos):
-        targets, steps = [params[i] for i in idx], [orthos[i] for i in idx]
-        if cautious_weight_decay:
-            for target, step in zip(targets, steps):  # its mask is a torch.where per tensor
-                cautious_decay_(target, step, lr, weight_decay)
-        elif weight_decay != 0:  # x * 1.0 is x: skipping the op keeps the bits
-            torch._foreach_mul_(targets, _decay_factor(1 - lr * weight_decay, targets[0]))
-        torch._foreach_add_(targets, steps, alpha=-lr * scale)
+    scalars = scalars or StepScalars()
+    if isinstance(lr, torch.Tensor) and not capturable:  # torch.optim.Muon's arithmetic, per tensor
+        lr, foreach = lr.squeeze(), False
+    keep = scalars.keep(lr, weight_decay) if capturable else 1 - lr * weight_decay
+    if cautious_weight_decay:  # its mask is a torch.where per tensor
+        for i, (param, ortho) in enumerate(zip(params, orthos)):
+            ok = None if oks is None else oks[i]
+            cautious_decay_(param, ortho, decay_factor(keep, param.dtype, scalars, ok, capturable, param.device)[0])
+    elif capturable or oks is not None or weight_decay != 0:  # x * 1.0 is x: skipping the op keeps the bits
+        decay_(params, keep, foreach, scalars, oks, capturable)
+    if capturable:
+        _scaled_add_(params, orthos, scalars.alpha(lr, scale), foreach, scalars)
+    elif foreach:
+        for idx in by_signature(params, orthos):
+            torch._foreach_add_([params[i] for i in idx], [orthos[i] for i in idx], alpha=-lr * scale)
+    else:
+        for param, ortho in zip(params, orthos):
+            param.add_(ortho, alpha=-lr * scale)
 
 
-def _decay_factor(value: float, like: torch.Tensor) -> torch.Tensor:
-    """``value`` as the number ``mul_`` by a Python float multiplies with (fp32; fp64 for
-    fp64 tensors), held in a 0-dim **CPU** tensor, whatever ``like``'s device.
-
-    Both alternatives lose bits on a bf16 (or fp16) list. ``_foreach_mul_`` by a plain
-    number rounds it to the list's dtype on the CPU (0.998 -> 0.99609375, about twice the
-    decay at lr 0.02, wd 0.1). A 0-dim fp32 tensor on the GPU is worse: CUDA's
-    ``_foreach_mul_`` falls back to one ``mul_`` per tensor for a scalar of another dtype,
-    and that ``mul_`` reads a non-CPU operand as the tensor's own dtype. A CPU scalar
-    tensor is what both devices read exactly: CUDA's ``_foreach_mul_`` passes its value
-    to the multi-tensor kernel as an fp32 opmath number (one launch, no device sync: the
-    value is already on the host), and the CPU computes ``mul_`` with it in fp32."""
-    dtype = torch.float64 if like.dtype == torch.float64 else torch.float32
-    return torch.tensor(value, dtype=dtype)
+def _scaled_add_(targets: Tensors, updates: Tensors, alpha: torch.Tensor, foreach: bool,
+                 scalars: StepScalars) -> None:
+    """``target += alpha * update``, ``alpha`` a 0-dim fp64 device tensor, with the bits of
+    ``target.add_(update, alpha=float(alpha))``: ``addcmul_`` with ``alpha`` broadcast, in the
+    dtype ``add_`` reads its ``alpha`` in (``dmuon.numerics.device_scalars.alpha_dtype``)."""
+    scales = [scalars.cast(alpha, alpha_dtype(t.dtype, t.device.type)).expand(u.shape)
+              for t, u in zip(targets, updates)]
+    if foreach:
+        torch._foreach_addcmul_(list(targets), list(updates), scales)
+        return
+    for target, update, scale in zip(targets, updates, scales):
+        target.addcmul_(update, scale)

@@ -66,16 +66,6 @@ def shape_scale(shape: Sequence[int], adjust_lr: str | None, matched_adamw_rms: 
     raise ValueError(f"unknown adjust_lr {adjust_lr!r}; expected one of {ADJUST_LR_CHOICES}")
 
 
-def muon_momentum_(grad: torch.Tensor, buf: torch.Tensor, momentum: float, nesterov: bool) -> torch.Tensor:
-    """Update the momentum buffer in place; return the tensor to orthogonalize.
-
-    The result is cast to bf16 with a copy: it never aliases ``buf``, whatever the
-    buffer's dtype, so orthogonalizing it cannot corrupt momentum.
-    """
-    buf.lerp_(grad, 1 - momentum)
-    return nesterov_lookahead(grad, buf, momentum, nesterov).to(UPDATE_DTYPE, copy=True)
-
-
 def nesterov_lookahead(grad: torch.Tensor, buf: torch.Tensor, momentum: float, nesterov: bool) -> torch.Tensor:
     """What Muon orthogonalizes, in the parameter's dtype, once ``buf`` holds this step's
     momentum: ``lerp(grad, buf, momentum)`` (a new tensor) with Nesterov, else ``buf``."""
@@ -137,40 +127,14 @@ def cautious_mask(update: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     return torch.sign(update) * torch.sign(param) >= 0
 
 
-def cautious_decay_(param: torch.Tensor, update: torch.Tensor, lr: float | torch.Tensor, weight_decay: float,
-                    keep: torch.Tensor | None = None) -> None:
+def cautious_decay_(param: torch.Tensor, update: torch.Tensor, factor: torch.Tensor) -> None:
     """Decoupled weight decay only where ``update`` and ``param`` agree in sign
     (Chen et al., arXiv 2510.12402, Algorithm 1: ``x -= lr * wd * I(u x >= 0) * x``).
 
-    Where the mask holds, ``param`` is multiplied by ``1 - lr * weight_decay`` exactly
-    as the plain decay does it, so with every sign agreeing the bits are the plain
-    decay's; elsewhere it is left as it is. ``keep``: the factor ``1 - lr * weight_decay``
-    already made on the device (0-dim, fp32; fp64 for fp64), e.g. 1 where a step is masked.
+    Where the mask holds, ``param`` is multiplied by ``factor``, the plain decay's factor
+    ``1 - lr * weight_decay`` (0-dim, in the dtype ``mul_`` by a number computes in: made by
+    ``dmuon.numerics.update_lists.decay_factor``, e.g. exactly 1 where a step is masked), so
+    with every sign agreeing the bits are the plain decay's; elsewhere it is left as it is.
     """
-    dtype = torch.float64 if param.dtype == torch.float64 else torch.float32  # what mul_ by a number computes in
-    if keep is None and isinstance(lr, torch.Tensor):  # torch's own arithmetic on the Tensor, moved only if it must
-        keep = (1 - lr.squeeze() * weight_decay).to(device=param.device, dtype=dtype)
-    elif keep is None:  # filled on the device: a tensor copied from a Python number would wait for the device
-        keep = torch.full((), 1 - lr * weight_decay, dtype=dtype, device=param.device)
-    param.mul_(torch.where(cautious_mask(update, param), keep, torch.ones((), dtype=dtype, device=param.device)))
-
-
-def apply_muon_update_(
-    param: torch.Tensor, ortho: torch.Tensor, lr: float | torch.Tensor, weight_decay: float, scale: float,
-    cautious_weight_decay: bool = False,
-) -> None:
-    """Decoupled weight decay with the unscaled ``lr`` (only where ``ortho`` and
-    ``param`` agree in sign with ``cautious_weight_decay``), then the scaled
-    orthogonal step.
-
-    A Tensor ``lr`` (one element, any shape) is used as torch.optim.Muon uses it: as a
-    0-dim tensor (``alpha`` takes no other), with the same tensor arithmetic, so the bits
-    are torch's for that Tensor.
-    """
-    if isinstance(lr, torch.Tensor):
-        lr = lr.squeeze()
-    if cautious_weight_decay:
-        cautious_decay_(param, ortho, lr, weight_decay)
-    else:
-        param.mul_(1 - lr * weight_decay)
-    param.add_(ortho, alpha=-lr * scale)
+    one = torch.ones((), dtype=factor.dtype, device=param.device)
+    param.mul_(torch.where(cautious_mask(update, param), factor, one))

@@ -12,9 +12,9 @@ May import: ``dmuon.numerics`` (the flop counts of Newton-Schulz) and
 - ``cutting``: parameters cut into units (``make_units``), and what the exchange cannot move;
 - ``owners``: one owner per unit, balanced by Newton-Schulz flops (LPT);
 - ``batches``: units grouped into batches under the memory cap;
-- ``schedule``: the exchange's events per batch and the scratch each holds;
+- ``schedule``: the exchange's events per batch, in order;
 - ``owner_plan``: ``OwnerPlan`` (units, owners, batches; a rank's splits, bytes, peak
-  scratch) and ``make_owner_plan``;
+  scratch and the scratch events behind it), ``make_owner_plan`` and the LPT bound;
 - ``paths``: which path (``local``, ``all_to_all``, ``redistribute``) each parameter takes;
 - ``cost_model``: predicted times, and the HSDP split-replicas choice;
 - ``pack_layout``: where each block of a batch lies in a rank's buffers;
@@ -25,8 +25,8 @@ The names below are the plan's vocabulary, importable as ``dmuon.plan.<name>``.
 
 from dmuon.plan.batches import DEFAULT_BATCH_NUMEL, OVERLAP_BATCHES
 from dmuon.plan.cutting import layout_problem, make_units
-from dmuon.plan.owner_plan import WIRE_BYTES, OwnerPlan, make_owner_plan
-from dmuon.plan.owners import assign_owners, lpt_bound_flops
+from dmuon.plan.owner_plan import WIRE_BYTES, OwnerPlan, lpt_bound_flops, make_owner_plan, scratch_events
+from dmuon.plan.owners import assign_owners
 from dmuon.plan.paths import ALL_TO_ALL, COMM_CHOICES, LOCAL, PATHS, REDISTRIBUTE, choose_paths, comm_path, layout_of
 from dmuon.plan.schedule import (
     COLLECTIVE_EVENTS,
@@ -36,7 +36,6 @@ from dmuon.plan.schedule import (
     START_GATHER,
     START_SCATTER,
     batch_schedule,
-    scratch_events,
 )
 from dmuon.plan.units import Block, ParamSpec, Unit
 

@@ -26,7 +26,7 @@ from dmuon.plan.batches import DEFAULT_BATCH_NUMEL, make_batches
 from dmuon.plan.cutting import make_units
 from dmuon.plan.layout import Layout
 from dmuon.plan.owners import whole_step_owners
-from dmuon.plan.schedule import scratch_events
+from dmuon.plan.schedule import FINISH_GATHER, NEWTON_SCHULZ, START_GATHER, START_SCATTER, batch_schedule
 from dmuon.plan.units import ParamSpec, Unit, owned_cost, owned_costs
 
 # Wire dtype size: blocks travel in bf16.
@@ -203,3 +203,56 @@ class _ByKind:
         if kind not in self._answers:
             self._answers[kind] = self._answer(unit)
         return self._answers[kind]
+
+def lpt_bound_flops(plan: OwnerPlan) -> int:
+    """The largest per-rank Newton-Schulz load of a whole-step LPT assignment with no
+    batching: the best any whole-matrix ownership can do (rank loads are the plan's)."""
+    return max(owned_costs(plan.units, range(len(plan.units)), plan.world_size)) if plan.units else 0
+
+
+def scratch_events(plan: OwnerPlan, rank: int) -> list[int]:
+    """The step's scratch allocations (+numel) and frees (-numel) on ``rank``, in order:
+    ``dmuon.plan.schedule.batch_schedule``, each event as the buffers it makes and frees.
+
+    - start gather(b): send buffer (each chunk's blocks packed straight into it: their
+      look-ahead is the elementwise scratch of ``dmuon.dry_run.memory_bound``); receive buffer;
+    - finish gather(b): send freed; the owned whole matrices, one buffer, are cut from
+      the receive buffer (receive freed);
+    - Newton-Schulz(b): units kept local: update copy, result, both freed; owned
+      travelling units: their results, then the whole matrices' buffer freed;
+    - start scatter(b): the results flattened into one buffer and freed, the send
+      buffer filled from it and it freed (even row chunks, blocks of columns: the send
+      buffer filled from the results, freed); receive buffer;
+    - finish scatter(b): send freed, blocks applied, receive freed.
+    """
+    sizes = []
+    for batch in plan.batches:
+        gather_send, gather_recv = plan.gather_splits(batch, rank)
+        scatter_send, scatter_recv = plan.scatter_splits(batch, rank)
+        owned_units = [plan.units[i] for i in plan.travelling(batch) if plan.units[i].owner == rank]
+        owned = [unit.numel for unit in owned_units]
+        local = [plan.units[i].numel for i in plan.kept_local(batch, rank)]
+        rows_only = all(u.rows_only for u in owned_units) and not all(u.even_rows(plan.world_size) for u in owned_units)
+        sizes.append((sum(gather_send), sum(gather_recv), owned, rows_only, local, sum(scatter_send),
+                      sum(scatter_recv)))
+
+    events: list[int] = []
+    for event, b in batch_schedule(len(sizes)):
+        send, recv, owned, rows_only, local, scatter_send, scatter_recv = sizes[b]
+        if event == START_GATHER:
+            events.extend((send, recv))
+        elif event == FINISH_GATHER:
+            events.extend((-send, sum(owned), -recv))
+        elif event == NEWTON_SCHULZ:
+            for numel in local:
+                events.extend((numel, numel, -numel, -numel))
+            events.extend(owned)  # the results; the whole matrices are one buffer, freed after them
+            events.append(-sum(owned))
+        elif event == START_SCATTER:
+            if rows_only:  # results flattened into one buffer, freed; the send buffer filled from it
+                events.extend((sum(owned), -sum(owned), scatter_send, -sum(owned), scatter_recv))
+            else:  # the send buffer filled from the results (by chunks, or block by block), freed
+                events.extend((scatter_send, -sum(owned), scatter_recv))
+        else:
+            events.extend((-scatter_send, -scatter_recv))
+    return events

@@ -5,12 +5,8 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
-from dmuon.plan.units import Unit, owned_costs
-
-if TYPE_CHECKING:
-    from dmuon.plan.owner_plan import OwnerPlan
+from dmuon.plan.units import Unit
 
 
 def assign_owners(
@@ -62,9 +58,3 @@ def whole_step_owners(units: Sequence[Unit], world_size: int) -> tuple[int, ...]
     for i, owner in zip(free, chosen):
         owners[i] = owner
     return tuple(owners)
-
-
-def lpt_bound_flops(plan: OwnerPlan) -> int:
-    """The largest per-rank Newton-Schulz load of a whole-step LPT assignment with no
-    batching: the best any whole-matrix ownership can do (rank loads are the plan's)."""
-    return max(owned_costs(plan.units, range(len(plan.units)), plan.world_size)) if plan.units else 0
