@@ -36,6 +36,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--ep", type=int, default=1)
     parser.add_argument("--all", action="store_true", help="every parameter, not only layer 0 and the rest")
+    parser.add_argument("--layers", type=int, default=None,
+                        help="build only the first N transformer blocks (every block is placed alike)")
     return parser.parse_args()
 
 
@@ -53,6 +55,8 @@ def build_model(args: argparse.Namespace) -> torch.nn.Module:
     parallel_dims = ParallelDims.from_config(parallelism, dist.get_world_size())
     dist_utils.set_spmd_backend(args.backend)
     spec = importlib.import_module(f"torchtitan.models.{args.model}").model_registry(args.flavor)
+    if getattr(args, "layers", None):  # fewer blocks, the same placements: each block is parallelized alike
+        spec.model.layers = spec.model.layers[: args.layers]
     training = TrainingConfig(local_batch_size=2, seq_len=64, steps=1)
     # Sets each module's sharding config from the parallelism (as the Trainer does).
     spec.model.update_from_config(config=SimpleNamespace(parallelism=parallelism))

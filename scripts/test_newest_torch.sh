@@ -2,11 +2,12 @@
 # The newest torch the registry serves (2.15.0; the CUDA build, ~3.7 GB, runs on CPU), in
 # two environments, one per TorchTitan line (the two releases cannot share one):
 #
-#   .venv-torch2.15  torch 2.15 + TorchTitan 0.2.2: every in-process and multi-rank test
-#                    whose outcome can depend on the torch release (all but those marked
-#                    `any_torch`: documents, import layers, launchers, the planner's pure
-#                    functions; core exactness on every layout, DCP resharding, the dry run
-#                    on torch's CUDA build, TorchTitan's own parallelize), then two 0.2.x
+#   .venv-torch2.15  torch 2.15 + TorchTitan 0.2.2: every in-process test whose outcome can
+#                    depend on the torch release (all but those marked `any_torch`:
+#                    documents, import layers, launchers, the planner's pure functions; the
+#                    dry run on torch's CUDA build included) and the multi-rank tests marked
+#                    `every_torch` (exactness on every layout at P = 1, 2, 4, the 2 x 2
+#                    meshes, TorchTitan's own parallelize, DCP resharding), then two 0.2.x
 #                    end-to-end runs (the loss, and train, checkpoint, resume bit for bit);
 #   .venv-titan0.3   TorchTitan 0.3.0 and its own requirements, over .venv-torch2.15's
 #                    packages (scripts/setup_titan03.sh): the 0.3.x adapter's
@@ -25,7 +26,7 @@ export OMP_NUM_THREADS=1
 
 python=$(DMUON_VENV=.venv-torch2.15 TORCH_VERSION=2.15.0 bash scripts/setup.sh)
 "$python" -c "import torch, torchtitan; print('torch', torch.__version__, '+ TorchTitan 0.2 line')"
-"$python" -m pytest -n 2 --dist loadgroup -m "(unit or multirank) and not any_torch and not extended" "$@"
+"$python" -m pytest -n 2 --dist loadgroup -m "(unit or every_torch) and not any_torch and not extended" "$@"
 "$python" -m pytest tests/test_torchtitan_e2e.py -k "resuming_from_a_checkpoint or loss_at_the_last_step" "$@"
 
 python=$(bash scripts/setup_titan03.sh)

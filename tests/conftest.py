@@ -34,6 +34,15 @@ ANY_TORCH_FILES = frozenset({
     "test_plan_report.py", "test_plan_answers.py", "test_cost_model.py", "test_titan_log.py",
     "test_suite_schedule.py",
 })
+# The multi-rank files every torch leg runs (marked ``every_torch``): exactness on every
+# layout at P = 1, 2 and 4, the 2 x 2 meshes, TorchTitan's own layouts and DCP resharding,
+# on shared ranks. The rest of the multi-rank tests run on the main leg only: what they
+# check (faults, transport, telemetry, offload waits) is dmuon's own host logic, and their
+# torch-dependent part (DTensor, FSDP2, DCP, gloo) is what these files exercise.
+EVERY_TORCH_FILES = frozenset({
+    "test_distributed_exactness.py", "test_distributed_meshes.py", "test_distributed_titan_layouts.py",
+    "test_distributed_state.py",
+})
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m deselects: an unmarked test fails every run, not only unfiltered ones
@@ -58,6 +67,8 @@ def pytest_itemcollected(item: pytest.Item) -> None:
         item.add_marker(pytest.mark.xdist_group("launches"))
     if item.path.name in ANY_TORCH_FILES:
         item.add_marker(pytest.mark.any_torch)
+    if item.path.name in EVERY_TORCH_FILES:
+        item.add_marker(pytest.mark.every_torch)
 
 
 @pytest.fixture(scope="session")
