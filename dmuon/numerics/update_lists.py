@@ -191,7 +191,7 @@ def apply_muon_(params: Tensors, orthos: Tensors, *, lr: Number, weight_decay: N
         for i, (param, ortho) in enumerate(zip(params, orthos)):
             ok = None if oks is None else oks[i]
             cautious_decay_(param, ortho, decay_factor(keep, param.dtype, scalars, ok, capturable, param.device)[0])
-    elif capturable or oks is not None or weight_decay != 0:  # x * 1.0 is x: skipping the op keeps the bits
+    elif capturable or weight_decay != 0:  # x * 1.0 is x: skipping the op keeps the bits (masked or not)
         decay_(params, keep, foreach, scalars, oks, capturable)
     if capturable:
         _scaled_add_(params, orthos, scalars.alpha(lr, scale), foreach, scalars)
