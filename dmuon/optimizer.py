@@ -190,8 +190,7 @@ class DMuon(PicklesConfiguration, Optimizer):
         first step): at construction, and on a copy (``dmuon.pickling``)."""
         fast_path = FastPath(self.comm, self.max_batch_numel, self.split_replicas, self.ns_dtype,
                              self.link_gbps, self.replica_link_gbps)
-        self.phases = StepPhases(fast_path, Telemetry(telemetry),
-                                 StepOptions(self.ns_dtype, self.skip_nonfinite, self.foreach, self.fused))
+        self.phases = StepPhases(fast_path, Telemetry(telemetry))
 
     @property
     def comm_stats(self) -> CommStats:
@@ -230,9 +229,10 @@ class DMuon(PicklesConfiguration, Optimizer):
         phases, groups, name_of, device = self.phases, self.param_groups, self.param_name, self._device()
         muon_groups, last_error = phases.prepare(groups, name_of)
         checked = phases.check_locally(groups, muon_groups, last_error, name_of)
-        status = phases.agree(groups, checked, device)
+        options = StepOptions(self.ns_dtype, self.skip_nonfinite, self.foreach, self.fused)
+        status = phases.agree(groups, checked, device, options)
         phases.wait(status)
-        failure = phases.compute_and_apply(groups, self.state, muon_groups, checked, status, name_of, device)
+        failure = phases.compute_and_apply(groups, self.state, muon_groups, checked, status, name_of, device, options)
         phases.report(checked, failure)
         return loss
 

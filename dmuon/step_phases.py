@@ -69,7 +69,8 @@ class LocalChecks:
 
 @dataclass(frozen=True)
 class StepOptions:
-    """The optimizer-wide options the phases read (``DMuon``'s constructor checked them)."""
+    """The optimizer-wide options the phases read, as ``DMuon`` holds them at this step
+    (its constructor checked them; read each step, as before the phases were an object)."""
 
     ns_dtype: str
     skip_nonfinite: bool
@@ -80,8 +81,7 @@ class StepOptions:
 class StepPhases:
     """One ``DMuon``'s step, phase by phase, and everything the phases keep between steps."""
 
-    def __init__(self, fast_path: FastPath, telemetry: Telemetry, options: StepOptions) -> None:
-        self.options = options
+    def __init__(self, fast_path: FastPath, telemetry: Telemetry) -> None:
         self.fast_path = fast_path
         self.telemetry = telemetry
         self.comm_stats = CommStats()  # bytes and collectives of the fast path since construction
@@ -141,12 +141,13 @@ class StepPhases:
         invalid, problems = step_problems(param_groups, name_of, self.fast_path.shard_problem)
         return LocalChecks(pending, invalid, problems, thresholds)
 
-    def agree(self, param_groups: ParamGroups, checked: LocalChecks, device: torch.device) -> StatusMasks:
+    def agree(self, param_groups: ParamGroups, checked: LocalChecks, device: torch.device,
+              options: StepOptions) -> StatusMasks:
         """Phase 2: start summing every rank's status (one asynchronous device ``all_reduce``):
         which DTensor parameters have a usable grad, whether a rank found a problem, and with
         ``skip_nonfinite`` whether a grad holds a NaN or inf (checked on the device)."""
         finite = None
-        if self.options.skip_nonfinite:
+        if options.skip_nonfinite:
             grads = [local_of(p.grad) for g in param_groups for p in g["params"] if checked.has_usable_grad(p)]
             finite = all_finite(grads, self.grad_status.device or device)  # where the status is summed
         return self.grad_status.agree(checked.has_usable_grad, bool(checked.problems), checked.pending is not None,
@@ -160,12 +161,12 @@ class StepPhases:
 
     def compute_and_apply(self, param_groups: ParamGroups, state: dict[torch.Tensor, dict[str, Any]],
                           muon_groups: dict[torch.Tensor, dict[str, Any]], checked: LocalChecks,
-                          status: StatusMasks, name_of: NameOf, device: torch.device) -> Exception | None:
+                          status: StatusMasks, name_of: NameOf, device: torch.device,
+                          options: StepOptions) -> Exception | None:
         """Phase 4: every update of the step under the masks, the same collectives on every
         rank whatever they say: the replicated grads summed, the AdamW part, Muon on each
         path, QK-clip. What torch's AdamW raised is returned (phase 5 raises it)."""
         self.telemetry.begin_step(device, self.comm_stats.bytes_sent)
-        options = self.options
         steps = GroupSteps(options.ns_dtype, self.comm_stats, self.telemetry, options.foreach, options.fused)
         summed = self.grad_status.sum_replicated(checked.has_usable_grad)  # on every rank, whatever its grads
         grads = {p: usable_grad(p, summed) for p in muon_groups if checked.has_usable_grad(p)}

@@ -108,3 +108,16 @@ def test_a_skipped_step_with_capturable_leaves_the_adamw_part_undecayed(fused):
     _grads(params, BAD_STEP, float("nan"))
     optimizer.step()
     assert _bits(optimizer, params) == before
+
+
+def test_skip_nonfinite_set_after_construction_is_read_at_the_next_step():
+    # The step reads the optimizer's options as they are at each step (dmuon.step_phases.StepOptions).
+    torch.manual_seed(0)
+    weight = torch.nn.Parameter(torch.randn(4, 4))
+    optimizer = DMuon([weight], lr=0.02)
+    optimizer.skip_nonfinite = True
+    before = weight.detach().clone()
+    weight.grad = torch.full_like(weight, float("nan"))
+    optimizer.step()
+    optimizer.state_dict()  # reads the step's status: the skip is counted
+    assert torch.equal(weight.detach(), before) and optimizer.skipped_steps == 1
