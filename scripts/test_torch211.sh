@@ -5,11 +5,12 @@
 # 1. the GPU check's rehearsal (bash scripts/gpu_check.sh --rehearse), while the environment
 #    holds only what the GPU machine's image holds (scripts/gpu_image_packages.txt) plus the
 #    wheels of scripts/gpu_wheels.sh, so a missing wheel or a broken import shows here;
-# 2. then dmuon with its TorchTitan 0.2.2 extra, and the stated subset, as the torch 2.15 leg's:
-#    the in-process tests whose outcome can depend on the torch release (not `any_torch`; the
-#    dry run included), the multi-rank tests marked `every_torch` (exactness on every layout,
-#    the 2 x 2 meshes, TorchTitan's own layouts, DCP resharding; tests/conftest.py), in one
-#    pytest call on two workers, and one TorchTitan 0.2.2 run.
+# 2. then dmuon with its TorchTitan 0.2.2 extra, and the torch 2.15 leg's subset less the
+#    dry-run sweeps: the in-process tests whose outcome can depend on the torch release (not
+#    `any_torch`; the dry run's rules, each on its first case: not `dry_run_sweep`, which
+#    torch 2.15's leg runs, tests/dry_runs.py), the multi-rank tests marked `every_torch`
+#    (exactness on every layout, the 2 x 2 meshes, TorchTitan's own layouts, DCP resharding;
+#    tests/conftest.py), in one pytest call on two workers, and one TorchTitan 0.2.2 run.
 #
 #   PYTHON          the Python 3.12 that makes the environment (default: the first Python 3.12
 #                   that runs: python3.12, then pyenv's 3.12 installs; else python3)
@@ -48,6 +49,6 @@ fi
 PYTHON=$python bash scripts/gpu_check.sh --rehearse outputs/gpu_rehearsal
 
 "$python" -m pip install --quiet --no-cache-dir -e ".[torchtitan,test]"
-"$python" -m pytest -n 2 --dist loadgroup -m "(unit or every_torch) and not any_torch and not extended" "$@"
+"$python" -m pytest -n 2 --dist loadgroup -m "(unit or every_torch) and not any_torch and not extended and not dry_run_sweep" "$@"
 "$python" -m pytest tests/test_torchtitan_e2e.py -k loss_at_the_last_step "$@"
 if [[ ${DMUON_DROP_VENV:-0} == 1 ]]; then rm -rf "$venv"; fi

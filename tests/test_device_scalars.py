@@ -21,7 +21,7 @@ from dmuon.dry_run.recorder import StepRecorder
 from dmuon.numerics.device_scalars import StepScalars
 from dmuon.numerics.update_lists import apply_muon_, decay_factor
 from dmuon.numerics.update_rules import cautious_decay_
-from tests.dry_runs import dry_run, needs_cuda_build
+from tests.dry_runs import dry_run, needs_cuda_build, sweep
 
 pytestmark = pytest.mark.unit
 
@@ -185,7 +185,7 @@ def test_cautious_decay_keeps_the_plain_decays_bits_where_every_sign_agrees():
 
 
 @needs_cuda_build
-@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("dtype", [sweep("bfloat16", first_of_rule=True), sweep("float16")])
 def test_a_dry_run_with_reduced_precision_parameters_finds_no_precision_hazard(dtype):
     for report in dry_run("--model", "debug", "--world-size", "4", "--ranks", "0,3", "--param-dtype", dtype,
                           "--cautious-weight-decay"):

@@ -19,7 +19,7 @@ import torch
 from dmuon.dry_run.__main__ import main
 from dmuon.dry_run.fake_cuda import DryRunError, check_cuda_build
 from dmuon.dry_run.layouts import parse_layout
-from tests.dry_runs import dry_run, needs_cuda_build
+from tests.dry_runs import dry_run, dry_run_sweep, needs_cuda_build, sweep
 
 pytestmark = pytest.mark.unit
 
@@ -36,7 +36,8 @@ def assert_clean(reports) -> None:
 
 
 @needs_cuda_build
-@pytest.mark.parametrize("layout, world_size", [("fsdp", 4), ("hsdp:2x3", 6), ("fsdp_tp:2", 8), ("tp", 4)])
+@pytest.mark.parametrize("layout, world_size", [sweep("fsdp", 4, first_of_rule=True), sweep("hsdp:2x3", 6),
+                                               sweep("fsdp_tp:2", 8), sweep("tp", 4)])
 def test_a_dense_layout_steps_without_host_syncs_with_the_planned_bytes_and_bounded_memory(layout, world_size):
     assert_clean(dry_run("--model", "debug", "--world-size", str(world_size), "--layout", layout, "--ranks",
                          f"0,{world_size - 1}"))
@@ -48,7 +49,7 @@ def test_experts_split_among_ranks_step_without_host_syncs():
 
 
 @needs_cuda_build
-@pytest.mark.parametrize("layout", ["fsdp", "fsdp_tp:2"])
+@pytest.mark.parametrize("layout", [sweep("fsdp", first_of_rule=True), sweep("fsdp_tp:2")])
 def test_normuon_cautious_decay_qk_clip_and_skip_nonfinite_add_no_host_sync(layout):
     reports = dry_run("--model", "debug", "--world-size", "4", "--layout", layout, "--ranks", "0,3", "--normuon",
                       "--cautious-weight-decay", "--qk-clip", "30", "--skip-nonfinite")
@@ -63,6 +64,7 @@ def test_normuon_cautious_decay_qk_clip_and_skip_nonfinite_add_no_host_sync(layo
 
 
 @needs_cuda_build
+@dry_run_sweep
 def test_llama3_8b_on_64_ranks_sends_exactly_the_planned_bytes():
     (report,) = dry_run("--model", "llama3-8b", "--world-size", "64", "--layout", "fsdp", "--ranks", "63")
     assert_clean([report])

@@ -13,7 +13,7 @@ import pytest
 
 from dmuon.dry_run.__main__ import main
 from dmuon.exchange.host_staging import ADAMW_MASK, MASKS, NORMUON_ROWS, QK_CLIP_FACTORS, RESULTS
-from tests.dry_runs import dry_run, needs_cuda_build
+from tests.dry_runs import dry_run, dry_run_sweep, needs_cuda_build, sweep
 
 pytestmark = pytest.mark.unit
 
@@ -29,13 +29,15 @@ def assert_offloaded_and_clean(reports) -> None:
 
 
 @needs_cuda_build
-@pytest.mark.parametrize("layout, world_size", [("fsdp", 4), ("hsdp:2x2", 4), ("fsdp_tp:2", 4)])
+@pytest.mark.parametrize("layout, world_size", [sweep("fsdp", 4, first_of_rule=True), sweep("hsdp:2x2", 4),
+                                               sweep("fsdp_tp:2", 4)])
 def test_an_offloaded_layout_steps_with_the_planned_bytes_and_only_the_documented_waits(layout, world_size):
     assert_offloaded_and_clean(dry_run("--model", "debug", "--world-size", str(world_size), "--layout", layout,
                                        "--ranks", f"0,{world_size - 1}", "--cpu-offload"))
 
 
 @needs_cuda_build
+@dry_run_sweep
 def test_offloaded_normuon_and_qk_clip_wait_once_more_each():
     reports = dry_run("--model", "debug", "--world-size", "4", "--layout", "fsdp", "--ranks", "0,3", "--normuon",
                       "--cautious-weight-decay", "--qk-clip", "30", "--cpu-offload")
@@ -44,6 +46,7 @@ def test_offloaded_normuon_and_qk_clip_wait_once_more_each():
 
 
 @needs_cuda_build
+@dry_run_sweep
 def test_offloaded_llama3_8b_on_64_ranks_sends_the_bytes_it_sends_without_offload():
     (report,) = dry_run("--model", "llama3-8b", "--world-size", "64", "--layout", "fsdp", "--ranks", "63",
                         "--cpu-offload")

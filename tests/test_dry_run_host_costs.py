@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from dmuon.dry_run.recorder import StepRecorder
-from tests.dry_runs import dry_run, needs_cuda_build
+from tests.dry_runs import dry_run, dry_run_sweep, needs_cuda_build, sweep
 
 pytestmark = pytest.mark.unit
 
@@ -55,6 +55,7 @@ def test_steps_with_the_same_numbers_show_no_scalar_change():
 
 
 @needs_cuda_build
+@dry_run_sweep
 def test_the_steady_step_repeats_its_program_and_its_plan_heap_is_measured():
     for report in dry_run("--model", "debug", "--world-size", "4", "--ranks", "0,3"):
         assert report.same_program and report.problems() == []
@@ -66,8 +67,9 @@ def test_the_steady_step_repeats_its_program_and_its_plan_heap_is_measured():
 
 @needs_cuda_build
 @pytest.mark.parametrize("layout, world, extra", [
-    ("fsdp", 4, ()), ("hsdp:2x2", 4, ()), ("fsdp_tp:2", 4, ()), ("fsdp", 4, ("--param-dtype", "bfloat16")),
-    ("fsdp", 4, ("--normuon", "--cautious-weight-decay", "--skip-nonfinite")),
+    sweep("fsdp", 4, (), first_of_rule=True), sweep("hsdp:2x2", 4, ()), sweep("fsdp_tp:2", 4, ()),
+    sweep("fsdp", 4, ("--param-dtype", "bfloat16")),
+    sweep("fsdp", 4, ("--normuon", "--cautious-weight-decay", "--skip-nonfinite")),
 ])
 def test_a_capturable_step_launches_the_same_program_with_the_same_host_values_every_step(layout, world, extra):
     for report in dry_run("--model", "debug", "--world-size", str(world), "--layout", layout, "--ranks",
@@ -93,7 +95,8 @@ def test_capturable_requires_the_same_scalars_and_says_which_ops_moved():
 
 
 @needs_cuda_build
-@pytest.mark.parametrize("nccl_alone", [False, True], ids=["cpu-capable default group", "nccl alone"])
+@pytest.mark.parametrize("nccl_alone", [sweep(False, first_of_rule=True), sweep(True)],
+                         ids=["cpu-capable default group", "nccl alone"])
 def test_the_step_runs_no_host_collective_and_makes_no_group(nccl_alone):
     flags = ("--nccl-alone",) if nccl_alone else ()
     for report in dry_run("--model", "debug", "--world-size", "4", "--ranks", "0,3", *flags):
