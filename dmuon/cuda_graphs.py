@@ -20,27 +20,33 @@ Use (docs/optimizer.md, "A captured step")::
 
 What a replay does not do (the host code of ``step()`` does not run): it raises no error
 of the step's status (a bad grad still masks the step on the device, on every rank) and
-counts no skipped step. :meth:`CapturedStep.check` reads the last replay's status (a wait
-for the device) and raises or counts what it shows: call it where the job already waits,
-e.g. when it logs the loss. A status of an earlier replay is overwritten by the next one.
+counts no skipped step as it goes. Each replay adds its status to counts kept on the device
+(``dmuon.exchange.status_masks.ReplayTally``); :meth:`CapturedStep.check` waits for the device, counts
+the skipped steps since its last call (``DMuon.skipped_steps``) and raises the error of the
+first replay that found one: call it where the job already waits, e.g. when it logs the
+loss (TorchTitan's captured container does, at each logging step).
 
 Refused at construction, each with the reason: ``capturable=False`` (the learning rate
 would be the capture's forever), telemetry (it times with host events), QK-clip (its
 reports are host bookkeeping of the forward), parameters off the GPU (FSDP2's CPU offload:
-the step runs on the host); at capture: a parameter without a grad. At each replay, host
-checks only: a replaced grad or hyperparameter tensor, or a changed option (momentum,
-``ns_steps``, ...: fixed at capture), raises instead of replaying a stale graph.
+the step runs on the host); at capture: a parameter without a grad. Before each replay,
+host checks only (``dmuon.replay_guard``): a replaced or moved grad, parameter, state or
+hyperparameter tensor, or a changed option (momentum, ``ns_steps``, ...: fixed at capture),
+raises instead of replaying a stale graph; a number written to ``lr`` or ``weight_decay``
+is copied into the tensor the graph reads. ``load_state_dict`` copies the loaded state into
+the tensors the graph reads (``dmuon.state_loading``).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
-from dmuon.device_hyperparameters import SCHEDULER_VALUES
-from dmuon.numerics.device_scalars import DEVICE_HYPERPARAMETERS
+from dmuon.device_hyperparameters import place_on_device
+from dmuon.exchange.status_masks import ReplayTally
 from dmuon.optimizer_hooks import settle_last_step
+from dmuon.replay_guard import ReplayGuard
 from dmuon.torch_compat import local_of
 
 if TYPE_CHECKING:
@@ -48,9 +54,6 @@ if TYPE_CHECKING:
 
 # Eager steps before the capture: state, plan, layouts and NCCL's communicators made.
 DEFAULT_WARMUP_STEPS = 3
-# Group keys a replay may see change: the device hyperparameters (read on the device) and
-# what schedulers keep beside them.
-_MAY_CHANGE = {"params", *DEVICE_HYPERPARAMETERS, *SCHEDULER_VALUES}
 
 
 def capture_problems(optimizer: DMuon) -> list[str]:
@@ -84,8 +87,8 @@ class CapturedStep:
         self.optimizer, self.warmup_steps = optimizer, warmup_steps
         self.eager_steps = 0
         self.graph: torch.cuda.CUDAGraph | None = None
-        self._captured: list[tuple[Any, ...]] = []  # what each replay must still find
-        self._status_copies: list[tuple[Any, Any]] = []  # the status the graph copies to the host
+        self._guard: ReplayGuard | None = None  # what each replay must still find (held for it)
+        self._tally: ReplayTally | None = None  # the replays' statuses, counted on the device
 
     def step(self) -> None:
         """One optimizer step: eager during the warm-up, then the graph."""
@@ -95,17 +98,19 @@ class CapturedStep:
                 self._eager_step()  # an error the last status holds is raised by it, as eagerly
                 return
             self._capture()
-        self._check_unchanged()
+        self._guard.check()
         self.graph.replay()
 
     def check(self) -> None:
-        """Wait for the last replay and raise what the step's status found (as the next eager
-        ``step()`` would); the skipped steps are counted (``DMuon.skipped_steps``)."""
+        """Wait for the replays so far and raise the error the first one with an error found
+        (as the next eager ``step()`` would); count their skipped steps (``DMuon.skipped_steps``).
+        Each replay is counted once, however often this is called."""
         torch.cuda.current_stream().synchronize()
-        if self.graph is not None:  # the last replay's status, in the pinned memory the graph writes
-            self.optimizer.phases.grad_status.read_replayed(self._status_copies)
-        settle_last_step(self.optimizer)
-        error = self.optimizer.phases.grad_status.take_held()
+        status = self.optimizer.phases.grad_status
+        settle_last_step(self.optimizer)  # the eager steps' last status
+        error = status.take_held()
+        if self._tally is not None:
+            error = status.count_replays(self._tally) or error
         if error is not None:
             raise error
 
@@ -118,37 +123,38 @@ class CapturedStep:
 
     def release(self) -> None:
         """Free the graph (its memory pool and the collectives it holds): call it before the
-        process group is destroyed. A later ``step()`` captures again."""
+        process group is destroyed. A later ``step()`` captures again. The skipped steps of
+        its replays not yet counted by :meth:`check` are counted now; an error is dropped."""
         if self.graph is not None:
             torch.cuda.synchronize()
+            self.optimizer.phases.grad_status.count_replays(self._tally)
             self.graph.reset()
-        self.graph, self._captured = None, []
+        self.graph, self._guard, self._tally = None, None, None
         self.eager_steps = 0
 
     def _eager_step(self) -> None:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm-up on a side stream, as torch's capture recipe does
-            self.optimizer.step()
-        torch.cuda.current_stream().wait_stream(side)
+        try:
+            with torch.cuda.stream(side):  # warm-up on a side stream, as torch's capture recipe does
+                self.optimizer.step()
+        finally:  # joined whatever happens: the caller's next kernels must not race the side stream's
+            torch.cuda.current_stream().wait_stream(side)
         self.eager_steps += 1
 
     def _capture(self) -> None:
+        # A number written to lr or weight_decay becomes a device tensor now: inside the
+        # capture its host-to-device copy would fail it.
+        place_on_device(self.optimizer.param_groups)
+        status = self.optimizer.phases.grad_status
+        status.start_tally(local_of(self.optimizer.param_groups[0]["params"][0]).device)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            self.optimizer.step()  # recorded, not run: the replay that follows runs it
-        self.graph, self._captured = graph, self._fingerprint()
-        self._status_copies = self.optimizer.phases.grad_status.take_graph_copies()
-
-    def _fingerprint(self) -> list[tuple[Any, ...]]:
-        """Each group's tensors the graph reads (by identity) and its other options (by value)."""
-        found = []
-        for group in self.optimizer.param_groups:
-            grads = tuple(id(p.grad) for p in group["params"])
-            scalars = tuple(id(group[key]) for key in DEVICE_HYPERPARAMETERS)
-            options = tuple(sorted((k, repr(v)) for k, v in group.items() if k not in _MAY_CHANGE))
-            found.append((grads, scalars, options))
-        return found
+        try:
+            with torch.cuda.graph(graph):
+                self.optimizer.step()  # recorded, not run: the replay that follows runs it
+        finally:
+            tally = status.end_tally()
+        self.graph, self._guard, self._tally = graph, ReplayGuard(self.optimizer), tally
 
     def _check_grads(self) -> None:
         missing = [self.optimizer.param_name(p) for g in self.optimizer.param_groups for p in g["params"]
@@ -157,17 +163,3 @@ class CapturedStep:
             raise ValueError(f"dmuon.cuda_graphs: no grad for {missing[:3]}{' ...' if len(missing) > 3 else ''}: a "
                              "captured step reads every grad where it is; give every parameter a grad and zero them "
                              "with zero_grad(set_to_none=False)")
-
-    def _check_unchanged(self) -> None:
-        now = self._fingerprint()
-        for index, (before, after) in enumerate(zip(self._captured, now)):
-            what = [name for name, a, b in zip(("a grad tensor (zero_grad(set_to_none=False) keeps them)",
-                                                "lr or weight_decay's tensor (fill_ it in place)",
-                                                "an option"), before, after) if a != b]
-            if what:
-                raise RuntimeError(f"dmuon.cuda_graphs: param group {index} changed since the capture ({what[0]}); "
-                                   "the graph would replay the old one: call release() and step again to capture "
-                                   "anew")
-        if len(now) != len(self._captured):
-            raise RuntimeError("dmuon.cuda_graphs: param groups were added since the capture: call release() and "
-                               "step again to capture anew")

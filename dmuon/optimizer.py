@@ -63,7 +63,7 @@ from dmuon.options import (
 from dmuon.param_groups import build_param_groups, split_options
 from dmuon.optimizer_hooks import attach_hooks
 from dmuon.pickling import PicklesConfiguration
-from dmuon.state_loading import keep_saved_dtypes
+from dmuon.state_loading import keep_saved_dtypes, keep_state_tensors, state_tensors
 from dmuon.plan.batches import DEFAULT_BATCH_NUMEL
 from dmuon.plan.cost_model import CostModel
 from dmuon.plan.owner_plan import OwnerPlan
@@ -274,11 +274,13 @@ class DMuon(PicklesConfiguration, Optimizer):
         return self.phases.fast_path.owner_plans()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """torch's, but Muon's state keeps its saved dtype (``dmuon.state_loading``), a capturable
-        group its device hyperparameters (``dmuon.device_hyperparameters``), and the plan is made anew."""
-        held = held_values(self.param_groups)
+        """torch's, but Muon's state keeps its saved dtype, a capturable group its state tensors
+        (``dmuon.state_loading``) and its device hyperparameters (``dmuon.device_hyperparameters``),
+        and the plan is made anew."""
+        held, tensors = held_values(self.param_groups), state_tensors(self)
         super().load_state_dict(state_dict)
         keep_saved_dtypes(self, state_dict, MUON_STATE_KEYS)
         keep_after_load(self.param_groups, held)  # capturable: the loaded values in the groups' own device tensors
+        keep_state_tensors(self, tensors)  # capturable: the loaded state in the tensors a captured step reads
         self.phases.forget_plan()
 

@@ -96,6 +96,12 @@ class StepPhases:
         self.fast_path.forget()
         self.grad_status.forget()
 
+    def replay_buffers(self) -> tuple[Any, ...]:
+        """What holds device memory a step made once and every later step reads (the owner
+        plan's run, the status channel): a CUDA graph of the step holds these while it may
+        replay, so that a :meth:`forget_plan` (a load) frees nothing a replay reads."""
+        return self.fast_path.owner_run, self.grad_status.channel
+
     def paths(self, param_groups: ParamGroups, name_of: NameOf) -> dict[torch.Tensor, str]:
         """Each Muon parameter's path (``dmuon.plan.paths``), made once."""
         return self.fast_path.paths(list(param_muon_groups(param_groups)), name_of)

@@ -37,6 +37,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
+from torch._prims_common import is_non_overlapping_and_dense_or_false
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch._subclasses.fake_tensor import unset_fake_temporarily as host_tensor_ops
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
@@ -129,6 +130,12 @@ def flattened_group(mesh: "torch.distributed.device_mesh.DeviceMesh", name: str)
     """The group of every rank of ``mesh`` (n-D, with dim names), from ``mesh._flatten(name)``:
     made once per root mesh and name, every rank of the root mesh taking part."""
     return mesh._flatten(name).get_group()
+
+
+def non_overlapping_and_dense(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor``'s elements fill its storage span once each, in any dim order (what
+    torch's multi-tensor kernels require of every operand, ``ForeachUtils.h``)."""
+    return is_non_overlapping_and_dense_or_false(tensor)
 
 
 def is_fake(tensor: torch.Tensor) -> bool:

@@ -27,8 +27,9 @@ from tests.mesh_scenarios import MESH_CASES
 
 STEPS = 5
 BAD_STEP = 2
-# A weight decay per step (0.0 included: the capturable step multiplies by exactly 1 there).
-WEIGHT_DECAYS = (0.1, 0.05, 0.0, 0.2, 0.1)
+# A weight decay per step (0.0 included: the capturable step multiplies by exactly 1 there;
+# not at BAD_STEP, where a masked decay left unmasked would change the parameters: issue 52).
+WEIGHT_DECAYS = (0.1, 0.05, 0.2, 0.0, 0.1)
 # The parameter whose grad gets the NaN (its last row: in the last rank's block, not in the others').
 POISONED = {"fsdp": "rows", "mesh_2x2": "hsdp.rows"}
 VARIANTS = {
@@ -109,7 +110,9 @@ def capturable_matches(layout: str, variant: str, nan_rank: int | None = None) -
     """``capturable`` on and off, bit for bit on this rank: the keys that differ (none expected)."""
     off = run(layout, variant, False, nan_rank)
     on = run(layout, variant, True, nan_rank)
-    return {"differ": sorted(k for k in off if off[k] != on.get(k)), "skipped": on["skipped_steps"]}
+    # Both key sets: a state key only the capturable run makes is a difference too.
+    return {"differ": sorted(k for k in off.keys() | on.keys() if off.get(k) != on.get(k)),
+            "skipped": on["skipped_steps"]}
 
 
 def _fsdp_run(capturable: bool, steps: range, checkpoint: tuple[str, str] | None = None) -> dict[str, Any]:
@@ -207,4 +210,89 @@ def capturable_cases(layout: str, variants: list[str], with_nan: bool) -> dict[s
     found = {variant: capturable_matches(layout, variant) for variant in variants}
     if with_nan:
         found["nan"] = capturable_matches(layout, "plain", dist.get_world_size() - 1)
+    return found
+
+
+def cuda_graph_guards(steps: int = 6) -> dict[str, Any]:
+    """Issue 50's defects on one GPU, each as what a captured step does about it (plain CUDA
+    parameters; an eager twin steps the same grads and hyperparameters):
+
+    - ``replaced_grad``: a grad replaced after the capture (``zero_grad(set_to_none=True)``
+      and a new one) is refused before the replay, naming the parameter;
+    - ``load_reaches_graph``: after both twins load a third optimizer's state, the replays
+      stay bitwise equal to the eager twin's steps;
+    - ``lr_numbers``: a number written to ``lr`` before the capture and between replays
+      (bitwise equal to the eager twin, no capture failure);
+    - ``skipped_once``: a NaN grad in one replay, ``check()`` called twice: counted once;
+    - ``side_stream_joined``: a warm-up step that raises after writing on the side stream:
+      the default stream sees the write."""
+    from dmuon.cuda_graphs import CapturedStep
+
+    device = _device()
+    generator = torch.Generator().manual_seed(0)
+    start = [torch.randn(48, 32, generator=generator) for _ in range(3)]
+    grads = [[torch.randn(48, 32, generator=generator) for _ in start] for _ in range(2 * steps)]
+
+    def twin(**options: Any) -> tuple[list[tuple[str, nn.Parameter]], DMuon]:
+        params = [(f"w{i}", nn.Parameter(w.to(device))) for i, w in enumerate(start)]
+        for _, p in params:
+            p.grad = torch.zeros_like(p)
+        return params, DMuon(params, lr=0.02, weight_decay=0.1, capturable=True, skip_nonfinite=True, **options)
+
+    def feed(params, step: int, nan: bool = False) -> None:
+        for (_, p), g in zip(params, grads[step]):
+            p.grad.copy_(g.to(device))
+            if nan:
+                p.grad[0, 0] = float("nan")
+
+    found: dict[str, Any] = {}
+    (eager_params, eager), (graph_params, graphed) = twin(), twin()
+    other_params, other = twin()
+    replay = CapturedStep(graphed, warmup_steps=2)
+    for step in range(steps):
+        lr = 0.02 * (1 - step / (2 * steps))
+        for optimizer in (eager, graphed):
+            optimizer.param_groups[0]["lr"] = lr  # a number: copied into the tensor the graph reads
+        feed(eager_params, step), feed(graph_params, step)
+        eager.step()
+        replay.step()
+    torch.cuda.synchronize()
+    found["lr_numbers"] = all(torch.equal(a, b) for (_, a), (_, b) in zip(eager_params, graph_params))
+    feed(other_params, steps)
+    other.step()
+    saved = other.state_dict()
+    eager.load_state_dict(saved)
+    graphed.load_state_dict(saved)
+    for step in range(steps, 2 * steps):
+        feed(eager_params, step, nan=step == steps + 1), feed(graph_params, step, nan=step == steps + 1)
+        eager.step()
+        replay.step()
+    replay.check()
+    replay.check()
+    torch.cuda.synchronize()
+    found["load_reaches_graph"] = all(torch.equal(a, b) for (_, a), (_, b) in zip(eager_params, graph_params))
+    found["skipped_once"] = graphed.skipped_steps == 1
+    graph_params[0][1].grad = None
+    graph_params[0][1].grad = torch.zeros_like(graph_params[0][1])
+    try:
+        replay.step()
+        found["replaced_grad"] = "replayed"
+    except RuntimeError as error:
+        found["replaced_grad"] = "the grad of 'w0'" in str(error)
+    replay.release()
+
+    written = torch.zeros(1 << 22, device=device)
+    raising = CapturedStep(twin()[1], warmup_steps=1)
+
+    def write_then_raise() -> None:
+        for _ in range(20):  # long enough to still run when the caller's stream reads
+            written.add_(1.0)
+        raise ValueError("a warm-up step that raises")
+
+    raising.optimizer.step = write_then_raise
+    try:
+        raising.step()
+    except ValueError:
+        pass
+    found["side_stream_joined"] = bool((written == 20.0).all().item())
     return found

@@ -151,6 +151,16 @@ def test_a_captured_capturable_step_replays_a_schedule_and_a_skipped_step_bitwis
     assert result == {"equal": True, "skipped": (1, 1)}
 
 
+def test_a_captured_step_guards_its_replays_counts_skips_once_and_reaches_loaded_state():
+    """Issue 50, items 1 to 4 and 6 on a GPU (tests/capturable_scenarios.py says what each
+    finding means); their host logic is also checked on the CPU, tests/test_cuda_graphs.py."""
+    from tests import capturable_scenarios
+
+    (found,) = _nccl(capturable_scenarios.cuda_graph_guards, 1)
+    assert found == {"lr_numbers": True, "load_reaches_graph": True, "skipped_once": True, "replaced_grad": True,
+                     "side_stream_joined": True}
+
+
 # ------------------------------------------------------------------ several GPUs
 
 

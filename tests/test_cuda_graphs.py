@@ -1,8 +1,14 @@
-"""``dmuon.cuda_graphs.CapturedStep`` (issue 42, item 3) on the CPU: what it refuses to
-capture, each with the reason, and the host checks that stop a stale graph from replaying.
+"""``dmuon.cuda_graphs.CapturedStep`` on the CPU: what it refuses to capture, each with the
+reason; with stand-ins for torch.cuda's streams and graphs, its host logic (issues 42, 50):
+the replay guard, numbers written to ``lr``, a load reaching what the graph reads, the
+replays' counts read by ``check()``, the side stream joined after a failed warm-up step.
 The capture and replay themselves need a GPU: tests/test_cuda.py."""
 
 from __future__ import annotations
+
+import contextlib
+import gc
+import weakref
 
 import pytest
 import torch
@@ -40,53 +46,204 @@ def test_every_option_that_cannot_be_captured_is_named_with_what_to_do():
     assert "construct DMuon with capturable=True" in problems[0]
 
 
-def _unchecked(optimizer: DMuon) -> CapturedStep:
-    """A CapturedStep past its constructor's device check (the host checks run on any device)."""
-    captured = CapturedStep.__new__(CapturedStep)
-    captured.optimizer, captured.warmup_steps, captured.eager_steps, captured.graph = optimizer, 1, 0, None
-    captured._captured, captured._status_copies = [], []
-    return captured
+class _Stream:
+    """A stand-in for a CUDA stream: records which streams it was made to wait for."""
+
+    def __init__(self) -> None:
+        self.waited_for: list[_Stream] = []
+
+    def wait_stream(self, other: _Stream) -> None:
+        self.waited_for.append(other)
+
+    def synchronize(self) -> None:
+        pass
 
 
-def _captured_now():
-    """A capturable DMuon with every grad, and a CapturedStep that took its fingerprint now."""
-    params = _params()
-    optimizer = DMuon(params, capturable=True)
+class _Graph:
+    """A stand-in for ``torch.cuda.CUDAGraph``: a replay runs ``on_replay`` (what the test
+    says the recorded kernels do), never the step's host code."""
+
+    def __init__(self) -> None:
+        self.replays = 0
+        self.on_replay = lambda: None
+
+    def replay(self) -> None:
+        self.replays += 1
+        self.on_replay()
+
+    def reset(self) -> None:
+        pass
+
+
+class _Capture:
+    """A stand-in for ``torch.cuda.graph``: the "captured" step runs eagerly on the CPU (its
+    host code is what these tests check); the hyperparameters it finds are recorded."""
+
+    def __init__(self, optimizer: DMuon) -> None:
+        self.optimizer, self.lr_seen = optimizer, []
+
+    def __call__(self, graph: _Graph) -> contextlib.AbstractContextManager:
+        self.lr_seen.append([group["lr"] for group in self.optimizer.param_groups])
+        return contextlib.nullcontext()
+
+
+def _on_cpu(optimizer: DMuon, monkeypatch, warmup_steps: int = 1) -> tuple[CapturedStep, _Stream, _Capture]:
+    """A CapturedStep whose CUDA stream and graph calls are stand-ins, so its host logic runs
+    on the CPU: the warm-up steps run eagerly, the capture runs the step once, replays run
+    nothing of the step's host code."""
+    main, capture = _Stream(), _Capture(optimizer)
+    monkeypatch.setattr("dmuon.cuda_graphs.capture_problems", lambda optimizer: [])
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: main)
+    monkeypatch.setattr(torch.cuda, "Stream", _Stream)
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", _Graph)
+    monkeypatch.setattr(torch.cuda, "graph", capture)
+    return CapturedStep(optimizer, warmup_steps=warmup_steps), main, capture
+
+
+def _with_grads(params, seed: int = 1):
+    gen = torch.Generator().manual_seed(seed)
     for _, p in params:
-        p.grad = torch.zeros_like(p)
-    captured = _unchecked(optimizer)
-    captured._captured = captured._fingerprint()
+        p.grad = torch.randn(p.shape, generator=gen)
+    return params
+
+
+def _replaying(monkeypatch, **options):
+    """A capturable DMuon with every grad, its CapturedStep warmed up and captured."""
+    params = _with_grads(_params())
+    optimizer = DMuon(params, capturable=True, **options)
+    captured, main, capture = _on_cpu(optimizer, monkeypatch)
+    captured.step()  # the warm-up step, eager
+    captured.step()  # the capture, then the first replay
+    assert captured.graph is not None and captured.graph.replays == 1
     return optimizer, params, captured
 
 
-def test_a_parameter_without_a_grad_is_refused_before_any_step_naming_it():
+def test_a_parameter_without_a_grad_is_refused_before_any_step_naming_it(monkeypatch):
     params = _params()
-    captured = _unchecked(DMuon(params, capturable=True))
+    captured, _, _ = _on_cpu(DMuon(params, capturable=True), monkeypatch)
     params[0][1].grad = torch.zeros(8, 8)
     with pytest.raises(ValueError, match=r"no grad for \['wk', 'bias'\].*zero_grad\(set_to_none=False\)"):
         captured.step()
 
 
 @pytest.mark.parametrize("change, what", [
-    (lambda opt, params: setattr(params[0][1], "grad", torch.zeros(8, 8)), "a grad tensor"),
+    (lambda opt, params: setattr(params[0][1], "grad", torch.zeros(8, 8)), "the grad of 'wq'"),
+    # The same grad object on new storage: an identity check alone would replay on the old.
+    (lambda opt, params: params[1][1].grad.set_(torch.zeros(8, 8)), "the grad of 'wk'"),
     (lambda opt, params: opt.param_groups[0].__setitem__("lr", torch.tensor(0.1, dtype=torch.float64)),
-     "lr or weight_decay's tensor"),
-    (lambda opt, params: opt.param_groups[0].__setitem__("momentum", 0.5), "an option"),
+     "lr of param group 0"),
+    (lambda opt, params: opt.state[params[0][1]].__setitem__("momentum_buffer", torch.zeros(8, 8)),
+     "the state 'momentum_buffer' of 'wq'"),
+    (lambda opt, params: opt.param_groups[0].__setitem__("momentum", 0.5), r"the option\(s\) \['momentum'\]"),
 ])
-def test_a_replay_after_a_change_the_graph_cannot_see_is_refused(change, what):
-    optimizer, params, captured = _captured_now()
-    captured._check_unchanged()  # nothing changed: no error
+def test_a_replay_after_a_change_the_graph_cannot_see_is_refused_naming_it(change, what, monkeypatch):
+    optimizer, params, captured = _replaying(monkeypatch)
     change(optimizer, params)
-    with pytest.raises(RuntimeError, match=rf"param group 0 changed since the capture \({what}"):
-        captured._check_unchanged()
+    with pytest.raises(RuntimeError, match=what):
+        captured.step()
+    assert captured.graph.replays == 1  # refused before the replay
 
 
-def test_a_scheduled_lr_filled_in_place_is_no_change():
-    optimizer, _, captured = _captured_now()
+def test_the_guard_holds_a_replaced_grad_so_its_memory_is_never_handed_to_another_tensor(monkeypatch):
+    _, params, captured = _replaying(monkeypatch)
+    old = weakref.ref(params[0][1].grad)
+    params[0][1].grad = None  # zero_grad(set_to_none=True): the graph still reads the old grad's memory
+    gc.collect()
+    assert old() is not None
+    params[0][1].grad = torch.zeros(8, 8)
+    with pytest.raises(RuntimeError, match="the grad of 'wq' was replaced since the capture.*set_to_none=False"):
+        captured.step()
+
+
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before")  # its steps ran before it
+def test_a_scheduled_lr_filled_in_place_is_no_change(monkeypatch):
+    optimizer, _, captured = _replaying(monkeypatch)
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=10)
-    optimizer.step()
     scheduler.step()
-    captured._check_unchanged()
+    captured.step()
+    assert captured.graph.replays == 2
+
+
+def test_a_number_written_to_lr_before_the_capture_is_on_the_device_when_it_starts(monkeypatch):
+    params = _with_grads(_params())
+    optimizer = DMuon(params, capturable=True)
+    captured, _, capture = _on_cpu(optimizer, monkeypatch)
+    captured.step()
+    optimizer.param_groups[0]["lr"] = 0.01  # a scheduler that assigns numbers
+    captured.step()
+    (lrs,) = capture.lr_seen
+    assert isinstance(lrs[0], torch.Tensor) and lrs[0].dtype == torch.float64 and lrs[0].item() == 0.01
+
+
+def test_a_number_written_to_lr_between_replays_is_copied_into_the_tensor_the_graph_reads(monkeypatch):
+    optimizer, _, captured = _replaying(monkeypatch)
+    held = optimizer.param_groups[0]["lr"]
+    optimizer.param_groups[0]["lr"] = 0.005
+    captured.step()
+    assert optimizer.param_groups[0]["lr"] is held and held.item() == 0.005
+    assert captured.graph.replays == 2
+
+
+def test_load_state_dict_puts_the_loaded_state_into_the_tensors_the_graph_reads(monkeypatch):
+    optimizer, params, captured = _replaying(monkeypatch)
+    read = {key: value for key, value in optimizer.state[params[0][1]].items()}
+    other = DMuon(_with_grads(_params(), seed=7), capturable=True)
+    other.step()
+    saved = other.state_dict()
+    optimizer.load_state_dict(saved)
+    for key, tensor in optimizer.state[params[0][1]].items():
+        assert tensor is read[key], key
+        assert torch.equal(tensor, saved["state"][0][key]), key
+    captured.step()  # the guard finds every tensor it holds
+    assert captured.graph.replays == 2
+
+
+def test_a_warm_up_step_that_raises_still_joins_the_side_stream(monkeypatch):
+    optimizer = DMuon(_with_grads(_params()), capturable=True)
+    captured, main, _ = _on_cpu(optimizer, monkeypatch)
+
+    def raising() -> None:
+        raise ValueError("a step that raises")
+
+    monkeypatch.setattr(optimizer, "step", raising)
+    with pytest.raises(ValueError, match="a step that raises"):
+        captured.step()
+    assert len(main.waited_for) == 1  # the caller's stream waits for the side stream's kernels
+
+
+# What a replay's recorded status kernels add to the tally: a plain step, a skipped one (a
+# non-finite grad under skip_nonfinite) and one with an error (a rank's problem), as the
+# two counts of a status without DTensor parameters: [ranks with a problem, non-finite].
+CLEAN, SKIPPED, ERROR = [0, 0], [0, 1], [1, 0]
+
+
+def _replays_of(statuses, monkeypatch):
+    """A captured skip_nonfinite step whose next replays find ``statuses`` in turn."""
+    optimizer, _, captured = _replaying(monkeypatch, skip_nonfinite=True)
+    found = iter(statuses)
+    captured.graph.on_replay = lambda: captured._tally.add_(torch.tensor(next(found), dtype=torch.int32))
+    return optimizer, captured
+
+
+def test_a_skip_in_any_replay_is_counted_once_however_often_check_is_called(monkeypatch):
+    optimizer, captured = _replays_of([SKIPPED, CLEAN, SKIPPED, CLEAN], monkeypatch)
+    for _ in range(4):
+        captured.step()
+    captured.check()
+    captured.check()
+    assert optimizer.skipped_steps == 2
+
+
+def test_the_first_replayed_error_is_raised_once_by_check(monkeypatch):
+    optimizer, captured = _replays_of([CLEAN, ERROR, SKIPPED], monkeypatch)
+    for _ in range(3):
+        captured.step()
+    with pytest.raises(ValueError, match="1 rank\\(s\\) found an invalid gradient"):
+        captured.check()
+    captured.check()  # read once
+    assert optimizer.skipped_steps == 1
 
 
 @pytest.mark.parametrize("warmup", [0, 1.5])

@@ -14,6 +14,8 @@ foreach kernel reads at full precision) and cautious decay fills its scalars on 
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
@@ -96,6 +98,21 @@ def test_a_list_op_by_a_scalar_tensor_is_one_launch_only_in_the_lists_dtype(scal
     scalar = torch.ones((), dtype=scalar_dtype, device=device)
     ops = recorded(lambda: torch._foreach_mul_(params, scalar)).record.device_ops
     assert sum(ops.values()) == launches
+
+
+@pytest.mark.parametrize("others, launches", [
+    (lambda ps: [p.clone() for p in ps], 1),
+    (lambda ps: [p.clone().t().contiguous().t() for p in ps], 1),  # dense, the same strides as the params
+    (lambda ps: [p.clone().contiguous() for p in ps], 3),  # dense, other strides: one kernel per pair
+    (lambda ps: [torch.empty((), device="meta").expand(p.shape) for p in ps], 3),  # expanded: not dense
+])
+def test_a_list_op_is_one_launch_where_torch_takes_its_multi_tensor_route(others, launches):
+    # torch's rule (ForeachUtils.h): one device and dtype, every operand non-overlapping and
+    # dense, the operands at one position of the same sizes and strides.
+    params = [torch.empty(4, n, device="meta").t() for n in (2, 3, 5)]  # dense, not contiguous
+    operands = others(params)
+    ops = recorded(lambda: torch._foreach_add_(params, operands)).record.device_ops
+    assert ops["aten._foreach_add_.List"] == launches
 
 
 def test_a_masked_select_over_shared_masks_is_three_launches_per_mask_and_width():
@@ -202,3 +219,14 @@ def test_newton_schulz_returns_a_contiguous_result_for_the_scatter_to_flatten(sh
 
     result = orthogonalize(torch.randn(shape).bfloat16(), dtype=ns_dtype)
     assert result.is_contiguous() and result.dtype == torch.bfloat16 and result.shape == shape
+
+
+def test_the_device_products_of_lr_and_weight_decay_are_the_numbers_the_host_computes():
+    # Over many pairs: a product made in fp32 and widened (or any other rounding) shows.
+    draw = random.Random(0)
+    for _ in range(500):
+        lr, weight_decay, scale = draw.uniform(1e-5, 0.1), draw.uniform(0.0, 0.5), draw.uniform(0.1, 4.0)
+        lr_t, wd_t = (torch.tensor(v, dtype=torch.float64) for v in (lr, weight_decay))
+        scalars = StepScalars()
+        assert scalars.keep(lr_t, wd_t).item() == 1 - lr * weight_decay, (lr, weight_decay)
+        assert scalars.alpha(lr_t, scale).item() == -lr * scale, (lr, scale)

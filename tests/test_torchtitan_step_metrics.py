@@ -88,3 +88,43 @@ def test_without_telemetry_the_step_line_and_metrics_are_torchtitans(optimizers,
     ((metrics, _),) = processor.logger.logged
     assert metrics["lr"] == 0.01  # TorchTitan's own metrics still arrive
     assert not any(key.startswith("dmuon/") for key in metrics)
+
+
+def _captured(check):
+    """A container with captured steps (telemetry is off under them): ``check`` stands in for
+    ``CapturedSteps.check_captured_steps``."""
+    return SimpleNamespace(telemetry=lambda: None, check_captured_steps=check)
+
+
+def test_with_captured_steps_a_skipped_step_ends_the_step_line_and_reaches_the_metrics(caplog):
+    processor = _processor(_captured(lambda: 2))
+    line = _log_step(processor, caplog)
+    assert line.endswith("mfu: 0.00%  skipped: 2")
+    ((metrics, _),) = processor.logger.logged
+    assert metrics["dmuon/skipped_steps"] == 2
+
+
+def test_with_captured_steps_and_no_skip_the_step_line_is_torchtitans(caplog):
+    assert _log_step(_processor(_captured(lambda: 0)), caplog).endswith("mfu: 0.00%")
+
+
+def test_with_captured_steps_an_error_their_replays_found_is_raised_at_the_logging_step(caplog):
+    def check() -> int:
+        raise ValueError("DMuon: 1 rank(s) found an invalid gradient or shard in the previous step")
+
+    with pytest.raises(ValueError, match="invalid gradient"):
+        _log_step(_processor(_captured(check)), caplog)
+
+
+def test_the_container_checks_every_captured_step_and_counts_its_dmuons_skips():
+    import torch
+
+    from dmuon import DMuon
+    from torchtitan_ext.captured_steps import CapturedSteps
+
+    checked = []
+    container = CapturedSteps()
+    container.optimizers = [DMuon([("w", torch.nn.Parameter(torch.ones(4, 4)))]), torch.optim.SGD([torch.ones(1)])]
+    assert container.check_captured_steps() is None  # not captured
+    container.captured_steps = [SimpleNamespace(check=lambda: checked.append(1)), None]
+    assert container.check_captured_steps() == 0 and checked == [1]

@@ -8,7 +8,11 @@ eager for a few warm-up steps, then one graph replayed at every step. The contai
 ``zero_grad`` then keeps the grad tensors (``set_to_none=False``, as TorchTitan 0.3's own
 graphs of the forward and backward need too), since the graph reads them where they are;
 and ``torch.distributed.destroy_process_group`` first releases the graphs (their NCCL
-work must not outlive the process group).
+work must not outlive the process group). A replay raises no error and counts no skipped
+step by itself: :meth:`CapturedSteps.check_captured_steps` does (``CapturedStep.check``),
+and the metrics processor calls it at each logging step (``torchtitan_ext.step_figures``),
+where TorchTitan already waits for the loss: an error the replays found is raised there,
+and the step line ends with ``skipped: N`` once a step was skipped.
 
 Refused where it cannot hold, with the field named: on a job whose parameters are not on
 a CUDA device (CPU runs, FSDP2's CPU offload), and by ``CapturedStep`` for telemetry and
@@ -71,6 +75,17 @@ class CapturedSteps:
         self.captured_steps = [CapturedStep(o) if isinstance(o, DMuon) else None for o in self.optimizers]
         _LIVE.update(c for c in self.captured_steps if c is not None)
         _release_graphs_before_destroy()
+
+    def check_captured_steps(self) -> int | None:
+        """Read what the replays since the last call found (a wait for the GPU): raise the
+        first error, return this rank's skipped steps so far over its DMuons (None when the
+        steps are not captured)."""
+        if self.captured_steps is None:
+            return None
+        for captured in self.captured_steps:
+            if captured is not None:
+                captured.check()
+        return sum(o.skipped_steps for o in self.optimizers if isinstance(o, DMuon))
 
     def step(self, *args: Any, **kwargs: Any) -> None:
         if self.captured_steps is None:

@@ -77,6 +77,14 @@ def figures_of(optimizers: Any) -> StepFigures | None:
     return read() if callable(read) else None
 
 
+def captured_skips_of(optimizers: Any) -> int | None:
+    """A container with captured steps: what their replays found, read now (its first error
+    raised here; ``captured_steps.CapturedSteps.check_captured_steps``), as the skipped
+    steps so far; else ``None``."""
+    check = getattr(optimizers, "check_captured_steps", None)
+    return check() if callable(check) else None
+
+
 @contextlib.contextmanager
 def _appended_to_step_line(text: str) -> Iterator[None]:
     """Append ``text`` to the step line logged inside the block.
@@ -104,8 +112,9 @@ class StepFiguresLog:
 
     When the processor's optimizers are a DMuon container with telemetry on, ``log``
     adds the figures to ``extra_metrics`` (which TorchTitan hands to its metric
-    loggers) and appends their text to the one step line TorchTitan prints.
-    Otherwise it is TorchTitan's ``log`` unchanged.
+    loggers) and appends their text to the one step line TorchTitan prints. With captured
+    steps (telemetry is off then) it reads what their replays found: an error is raised,
+    skipped steps are logged as ``skipped: N``. Otherwise it is TorchTitan's ``log`` unchanged.
     """
 
     optimizers: Any
@@ -114,10 +123,16 @@ class StepFiguresLog:
     def log(self, step: int, global_avg_loss: float, global_max_loss: float, grad_norm: float,
             extra_metrics: dict[str, Any] | None = None) -> None:
         figures = figures_of(self.optimizers)
-        if figures is None:
+        skipped = captured_skips_of(self.optimizers)
+        if figures is None and not skipped:
             return super().log(step, global_avg_loss, global_max_loss, grad_norm,  # type: ignore[misc]
                                extra_metrics=extra_metrics)
-        extra = {**(extra_metrics or {}), **metric_values(figures)}
-        with _appended_to_step_line(console_text(figures, self.color)):
+        if figures is None:  # captured steps: no figures, the skipped steps only
+            extra = {**(extra_metrics or {}), "dmuon/skipped_steps": skipped}
+            text = f"{self.color.white}skipped: {skipped}{self.color.reset}"
+        else:
+            extra = {**(extra_metrics or {}), **metric_values(figures)}
+            text = console_text(figures, self.color)
+        with _appended_to_step_line(text):
             return super().log(step, global_avg_loss, global_max_loss, grad_norm,  # type: ignore[misc]
                                extra_metrics=extra)

@@ -136,6 +136,9 @@ def format_table(config: DryRunConfig, reports: list[RankReport]) -> str:
     if changed := next((r for r in reports if r.scalar_changes), None):
         lines.append(f"rank {changed.rank}: the program changes with the learning rate and weight decay (a CUDA "
                      f"graph would replay step 2's values), e.g. {changed.scalar_changes[0]}")
+    if off_route := next((r for r in reports if r.per_tensor_list_ops), None):
+        ops = ", ".join(f"{count}x {op.split('.', 1)[1]}" for op, count in sorted(off_route.per_tensor_list_ops.items()))
+        lines.append(f"rank {off_route.rank}: list ops off torch's multi-tensor route (one kernel per tensor): {ops}")
     for r in reports if config.cpu_offload else []:
         lines.append(f"rank {r.rank:>4} offload waits per step: {r.offload_waits} (documented: "
                      f"{r.documented_offload_waits})")

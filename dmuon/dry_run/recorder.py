@@ -52,7 +52,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from dmuon.exchange.host_staging import listening
-from dmuon.torch_compat import FakeTensor, TorchDispatchMode, host_tensor_ops, resolve_process_group
+from dmuon.torch_compat import (FakeTensor, TorchDispatchMode, host_tensor_ops, non_overlapping_and_dense,
+                                 resolve_process_group)
 
 # Ops that allocate or describe but launch no kernel.
 NO_KERNEL_OPS = frozenset({
@@ -101,6 +102,8 @@ class StepRecord:
     bytes_sent: int = 0
     """Bytes this rank's device ``all_to_all`` calls send to other ranks."""
     device_ops: Counter = field(default_factory=Counter)
+    per_tensor_list_ops: Counter = field(default_factory=Counter)
+    """``torch._foreach_*`` calls off torch's multi-tensor route (one kernel per tensor), by op."""
     peak_bytes: int = 0
     """The most device bytes the step's own allocations held at once."""
     offload_waits: list[str] = field(default_factory=list)
@@ -159,6 +162,8 @@ class StepRecorder(TorchDispatchMode):
         outputs = [t for t in _tensors(out) if t.device.type != "cpu"]
         if launches := _kernel_launches(func, name, args, outputs):
             self.record.device_ops[name] += launches
+            if name.startswith("aten._foreach_") and not _multi_tensor_route(args):
+                self.record.per_tensor_list_ops[name] += 1
         if launches or func.namespace in ("c10d", "_c10d_functional"):
             self.record.program.append((name, *((tuple(t.shape), t.dtype, t.device.type) for t in tensors)))
             self.record.scalars.append(_scalars((args, kwargs)))
@@ -258,26 +263,41 @@ class HostTensorsStayReal(TorchDispatchMode):
 def _kernel_launches(func: Any, name: str, args: tuple, outputs: list[torch.Tensor]) -> int:
     """The CUDA kernels an op would launch, roughly: none for views and allocations, one
     for an op with a device output, and for a foreach op (in place ones return nothing)
-    one over lists of one dtype whose entries match in shape and are dense, a scalar
-    tensor of that dtype too (torch's multi-tensor path, ``can_use_fast_route``; its
-    chunking of long lists aside), else one per tensor (its per-tensor fallback: a list of
-    0-dim or expanded operands takes it, or a scalar tensor of another dtype)."""
+    one where torch takes its multi-tensor route (``ForeachUtils.h``,
+    ``check_fast_path_restrictions``: every operand of one device and dtype, a scalar
+    tensor too, non-overlapping and dense, and the entries at one position of the same
+    sizes and strides; its chunking of long lists aside), else one per tensor (its
+    per-tensor fallback: a list of 0-dim or expanded operands takes it, or a scalar
+    tensor of another dtype)."""
     if name in NO_KERNEL_OPS or func.is_view:
         return 0
     if name.startswith(CONCATENATIONS):
         return _concat_launches(name, args, outputs)
     if not name.startswith("aten._foreach_"):
         return 1 if outputs else 0
-    lists = [a for a in args if isinstance(a, (list, tuple)) and a and isinstance(a[0], torch.Tensor)]
+    route = _multi_tensor_route(args)
+    if route is None:
+        return 0
+    return 1 if route else len(_tensor_lists(args)[0])
+
+
+def _tensor_lists(args: tuple) -> list[list[torch.Tensor]]:
+    return [a for a in args if isinstance(a, (list, tuple)) and a and isinstance(a[0], torch.Tensor)]
+
+
+def _multi_tensor_route(args: tuple) -> bool | None:
+    """For a ``torch._foreach_*`` op's ``args``: whether torch runs it as one multi-tensor
+    kernel (:func:`_kernel_launches`), or None where it launches nothing (CPU lists)."""
+    lists = _tensor_lists(args)
     tensors = [t for tensor_list in lists for t in _tensors(tensor_list)]
     if not tensors or all(t.device.type == "cpu" for t in tensors):
-        return 0
+        return None
     # A ``.Tensor`` overload's 0-dim scalar on the device must match (a CPU one is read as a number).
     scalar_tensors = [a for a in args if isinstance(a, torch.Tensor) and a.dim() == 0 and a.device.type != "cpu"]
-    fast = len({t.dtype for t in tensors + scalar_tensors}) == 1 and all(
-        len({tuple(t.shape) for t in entry}) == 1 and all(t.is_contiguous() for t in entry)
-        for entry in zip(*lists))
-    return 1 if fast else len(lists[0])
+    operands = tensors + scalar_tensors
+    return (len({t.dtype for t in operands}) == 1 and len({t.device for t in operands}) == 1
+            and all(non_overlapping_and_dense(t) for t in tensors)
+            and all(len({(tuple(t.shape), t.stride()) for t in entry}) == 1 for entry in zip(*lists)))
 
 
 def _concat_launches(name: str, args: tuple, outputs: list[torch.Tensor]) -> int:

@@ -98,6 +98,9 @@ class RankReport:
     """Collectives on CPU tensors in the steady step (each meets every host of its group)."""
     process_groups_made: int = 0
     """Process groups made from DMuon's construction to the end of the fourth step."""
+    per_tensor_list_ops: dict[str, int] = field(default_factory=dict)
+    """``torch._foreach_*`` calls of the steady step off torch's multi-tensor route (one kernel
+    per tensor), by op: reported, not a problem (docs/dry_run.md says which and why)."""
     plan_host_bytes: int = 0
     """Python heap the plan keeps (``tracemalloc``): paths, owner plan, blocks, layouts."""
     plan_heap_bound_bytes: int = PLAN_HEAP_BASE_BYTES
@@ -245,6 +248,7 @@ def _report(rank: int, optimizer: DMuon, record: StepRecord, seconds: float) -> 
         plan_bytes_sent_per_rank=sum(plan.bytes_sent(_plan_rank(optimizer), WIRE_BYTES) for plan in plans),
         collectives=[asdict(row) for row in record.collectives.values()],
         device_ops_per_step=sum(record.device_ops.values()),
+        per_tensor_list_ops=dict(record.per_tensor_list_ops),
         state_bytes=sum(_local_bytes(t) for s in optimizer.state.values() for t in s.values()
                         if isinstance(t, torch.Tensor) and t.device.type != "cpu"),
         peak_step_bytes=record.peak_bytes,

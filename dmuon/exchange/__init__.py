@@ -14,7 +14,8 @@ or the optimizer's own modules.
 - ``groups``: the process group of each rank set, for device collectives and host sums;
 - ``grad_status``: which grads a step applies, summed on the device, its errors raised on every rank;
 - ``status_channel``: which parameters share that sum, over which ranks (made at planning);
-- ``status_masks``: the step's and each parameter's masks read from those sums (0-dim device bools);
+- ``status_masks``: the step's and each parameter's masks read from those sums (0-dim device bools),
+  and the tally a captured step's replays add them to;
 - ``replicated_grads``: the grads of parameters replicated on every mesh dim (``Partial`` or
   not), summed by every rank alike;
 - ``host_copy``: small host facts up and device sums down through pinned memory, without a sync;

@@ -39,7 +39,6 @@ in the sums, but the step's mask covers them too.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -48,7 +47,7 @@ from torch.distributed.tensor import DTensor
 from dmuon.exchange.host_copy import HostCopy, to_device
 from dmuon.exchange.replicated_grads import partial_grad, sum_replicated_grads
 from dmuon.exchange.status_channel import StatusChannel, status_channel
-from dmuon.exchange.status_masks import BLOCKS, STATUS_DTYPE, StatusMasks, StepMask
+from dmuon.exchange.status_masks import BLOCKS, STATUS_DTYPE, ReplayTally, StatusMasks, StepMask
 
 class GradStatus:
     """One optimizer's status channel: :meth:`take_pending` and :meth:`agree` each step."""
@@ -63,6 +62,7 @@ class GradStatus:
         self._held: Exception | None = None  # an error :meth:`settle` read, for the next step to raise
         self._channel: StatusChannel | None = None
         self._planned = False
+        self._tally: ReplayTally | None = None  # while a CUDA graph is captured: its replays' counts
 
     def plan(self, params: Sequence[torch.Tensor], name_of: Callable[[torch.Tensor], str]) -> None:
         """Make the channel of ``params`` (every parameter of the optimizer), once."""
@@ -82,7 +82,7 @@ class GradStatus:
         if channel is None:
             mask = (StepMask.MASKED if problem_here or masked_here else
                     StepMask.ON_DEVICE if finite is not None else StepMask.STANDS)
-            return StatusMasks(None, None, None, [], mask, masked_here, device, self._pending, finite)
+            return StatusMasks(None, None, None, [], mask, masked_here, device, self._pending, self._tally, finite)
         has = [int(has_grad(p)) for p in channel.params]
         partial = [int(h and partial_grad(p.grad)) for h, p in zip(has, channel.params)]
         n = len(has)
@@ -111,24 +111,41 @@ class GradStatus:
         elif channel.group is None and finite is None:
             mask = StepMask.STANDS
         return StatusMasks(channel, status, work, has, mask, masked_here or problem_here, channel.device,
-                           self._pending)
+                           self._pending, self._tally)
+
+    @property
+    def channel(self) -> StatusChannel | None:
+        """The status channel, once planned (None before, or without DTensor parameters)."""
+        return self._channel
 
     @property
     def device(self) -> torch.device | None:
         """Where the status is summed (the meshes' device; None without a channel)."""
         return None if self._channel is None else self._channel.device
 
-    def take_graph_copies(self) -> list[tuple[Any, Any]]:
-        """The status copies a CUDA graph captured, taken out of the queue: each replay writes
-        them again, so they are read only after a wait for it (``dmuon.cuda_graphs``)."""
-        copies = [(names, copy) for names, copy in self._pending if copy.in_graph]
-        self._pending = [(names, copy) for names, copy in self._pending if not copy.in_graph]
-        return copies
+    def start_tally(self, device: torch.device) -> None:
+        """Count the status of every step recorded from now on in a :class:`ReplayTally` (a
+        CUDA graph's capture: ``dmuon.cuda_graphs``); made and zeroed now, before the capture."""
+        names = [] if self._channel is None else self._channel.names
+        self._tally = ReplayTally(names, self.device or device)
 
-    def read_replayed(self, copies: list[tuple[Any, Any]]) -> None:
-        """Queue ``copies`` (:meth:`take_graph_copies`, after the replay was waited for) to be read
-        by the next :meth:`take_pending`, as a step's own copies are."""
-        self._pending = [*self._pending, *copies]
+    def end_tally(self) -> ReplayTally:
+        """The tally :meth:`start_tally` began (each replay of the graph adds to it); the
+        status copies the capture queued are dropped: the tally counts those steps."""
+        tally, self._tally = self._tally, None
+        assert tally is not None, "end_tally without start_tally"
+        self._pending = [(names, copy) for names, copy in self._pending if not copy.in_graph]
+        return tally
+
+    def count_replays(self, tally: ReplayTally) -> Exception | None:
+        """Count the skipped steps of the replays since the last call (after a wait for them)
+        and return the error of the first replay that found one (None if none did)."""
+        skipped, errors, first = tally.take()
+        self.skipped_steps += skipped
+        if not errors:
+            return None
+        problems, _, uneven, mixed = _read_sums(tally.names, first)
+        return _status_error(problems, mixed, uneven)
 
     def holds_error(self) -> bool:
         """Whether :meth:`settle` read an error the next step raises."""
@@ -166,30 +183,15 @@ class GradStatus:
             sums = copy.read()
             if sums is None:  # a fake run's: no values
                 continue
-            n = len(names)
-            problems = max(problems, sums[BLOCKS * n])
-            nonfinite += bool(sums[BLOCKS * n + 1])
-            uneven += [name for name, yes, no, elsewhere in zip(names, sums[:n], sums[n : 2 * n], sums[2 * n : 3 * n])
-                       if (yes and no) or elsewhere]
-            mixed += [name for name, yes, part in zip(names, sums[:n], sums[3 * n : 4 * n]) if 0 < part < yes]
+            its_problems, its_nonfinite, its_uneven, its_mixed = _read_sums(names, sums)
+            problems = max(problems, its_problems)
+            nonfinite += its_nonfinite
+            uneven += its_uneven
+            mixed += its_mixed
         self.last_masked = bool(problems or mixed or uneven or nonfinite)
         if not (problems or mixed or uneven):
             self.skipped_steps += nonfinite  # a non-finite grad somewhere: skipped everywhere, no error
-        if problems:
-            return ValueError(
-                f"DMuon: {problems} rank(s) found an invalid gradient or shard in the previous step; see their "
-                "error message. That step changed no parameter or state on any rank.")
-        if mixed:
-            return RuntimeError(
-                f"DMuon: ranks disagree on how gradients are placed: {mixed} was a Partial sum on some ranks and "
-                "replicated on others in the previous step, which changed no parameter or state on any rank. "
-                "Every rank of a parameter's mesh must give its grad the same placements.")
-        if uneven:
-            return RuntimeError(
-                f"DMuon: ranks disagree on which parameters have gradients: {uneven} had a grad on some ranks "
-                "but not on others (or a Partial one on some ranks only) in the previous step, which changed no "
-                "parameter or state on any rank. Every rank must produce the same set of grads (set unused grads to zeros, or to None on every rank).")
-        return None
+        return _status_error(problems, mixed, uneven)
 
     def sum_replicated(self, usable: Callable[[torch.Tensor], bool]) -> dict[torch.Tensor, torch.Tensor]:
         """The replicated parameters' grads, summed by every rank alike (``usable``: whether
@@ -199,6 +201,35 @@ class GradStatus:
     def forget(self) -> None:
         """Drop the channel (the parameters changed); made again at the next step."""
         self._channel, self._planned = None, False
+
+
+def _read_sums(names: list[str], sums: list[int]) -> tuple[int, bool, list[str], list[str]]:
+    """One status's sums read on the host: ranks with a problem, whether a grad was
+    non-finite, the parameters whose grads the ranks disagree on, those ``Partial`` on some only."""
+    n = len(names)
+    uneven = [name for name, yes, no, elsewhere in zip(names, sums[:n], sums[n : 2 * n], sums[2 * n : 3 * n])
+              if (yes and no) or elsewhere]
+    mixed = [name for name, yes, part in zip(names, sums[:n], sums[3 * n : 4 * n]) if 0 < part < yes]
+    return sums[BLOCKS * n], bool(sums[BLOCKS * n + 1]), uneven, mixed
+
+
+def _status_error(problems: int, mixed: list[str], uneven: list[str]) -> Exception | None:
+    """The error every rank raises alike for what a status showed (None: nothing wrong)."""
+    if problems:
+        return ValueError(
+            f"DMuon: {problems} rank(s) found an invalid gradient or shard in the previous step; see their "
+            "error message. That step changed no parameter or state on any rank.")
+    if mixed:
+        return RuntimeError(
+            f"DMuon: ranks disagree on how gradients are placed: {mixed} was a Partial sum on some ranks and "
+            "replicated on others in the previous step, which changed no parameter or state on any rank. "
+            "Every rank of a parameter's mesh must give its grad the same placements.")
+    if uneven:
+        return RuntimeError(
+            f"DMuon: ranks disagree on which parameters have gradients: {uneven} had a grad on some ranks "
+            "but not on others (or a Partial one on some ranks only) in the previous step, which changed no "
+            "parameter or state on any rank. Every rank must produce the same set of grads (set unused grads to zeros, or to None on every rank).")
+    return None
 
 
 def usable_grad(param: torch.Tensor, summed: Mapping[torch.Tensor, torch.Tensor]) -> torch.Tensor:

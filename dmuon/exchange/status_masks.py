@@ -38,6 +38,17 @@ class StepMask(enum.Enum):
     """Only the device knows (the ranks' sums, or ``skip_nonfinite``'s check): the rules read the masks."""
 
 
+def _disagreement(status: torch.Tensor, n: int) -> torch.Tensor:
+    """Whether the ranks disagree on some parameter's grad (0-dim device bool): some have it
+    and some do not, a strict subset of them disagrees, or it is ``Partial`` on some only.
+    Counting the ranks with and without a grad (rather than comparing one count with the
+    group's size) gives the right answer on a group whose sums are local too."""
+    if n == 0:
+        return torch.zeros((), dtype=torch.bool, device=status.device)
+    has, has_not, uneven_elsewhere, partial = (status[k * n : (k + 1) * n] for k in range(BLOCKS))
+    return (((has > 0) & (has_not > 0)) | (uneven_elsewhere > 0) | ((partial > 0) & (partial < has))).any()
+
+
 class StatusMasks(Mapping[torch.Tensor, torch.Tensor]):
     """The step's mask and each DTensor parameter's (0-dim bools on the device), once the
     step's status sums arrive. The sums are started by :meth:`GradStatus.agree` and waited
@@ -49,13 +60,14 @@ class StatusMasks(Mapping[torch.Tensor, torch.Tensor]):
     def __init__(self, channel: StatusChannel | None, status: torch.Tensor | None, work: Any,
                  has: list[int], mask: StepMask, masked_here: bool,
                  device: torch.device | None, pending: list[tuple[list[str], HostCopy]],
-                 finite: torch.Tensor | None = None) -> None:
+                 tally: ReplayTally | None = None, finite: torch.Tensor | None = None) -> None:
         self._channel, self._status, self._work, self._has = channel, status, work, has  # has: this rank's grads
         self._finite = finite  # this rank's grads finite, where no other rank takes part (skip_nonfinite)
         self.mask = mask
         self._masked_here = masked_here
         self._device = device
         self._pending = pending
+        self._tally = tally  # while a CUDA graph is captured: counts each replay's status (dmuon.cuda_graphs)
         self._keys = {} if channel is None else {p: None for p in channel.params}
         self._oks: dict[torch.Tensor, torch.Tensor] | None = None
         self._step_ok: torch.Tensor | None = None
@@ -72,23 +84,26 @@ class StatusMasks(Mapping[torch.Tensor, torch.Tensor]):
                 self._step_ok = self._step_ok & self._finite
                 counts = torch.zeros(2, dtype=STATUS_DTYPE, device=self._finite.device)
                 counts[1].copy_(~self._finite)  # [problems, non-finite], as a channel's tail
-                self._pending.append(([], HostCopy(counts)))
+                self._send_to_host([], counts)
             return self._oks
         if self._work is not None:
             self._work.wait()
         status, n = self._status, len(self._channel.params)
-        has, has_not, uneven_elsewhere, partial = (status[k * n : (k + 1) * n] for k in range(BLOCKS))
-        # Counting the ranks with and without a grad (rather than comparing one count with
-        # the group's size) gives the right answer on a group whose sums are local too.
-        uneven = ((has > 0) & (has_not > 0)) | (uneven_elsewhere > 0) | ((partial > 0) & (partial < has))
-        step_ok = (status[BLOCKS * n] == 0) & (status[BLOCKS * n + 1] == 0) & ~uneven.any()
+        step_ok = (status[BLOCKS * n] == 0) & (status[BLOCKS * n + 1] == 0) & ~_disagreement(status, n)
         if self._masked_here:  # this rank's problem, or an error pending from the last step
             step_ok = torch.zeros((), dtype=torch.bool, device=status.device)
         self._step_ok = step_ok
         never = torch.zeros((), dtype=torch.bool, device=status.device) if not all(self._has) else None
         self._oks.update((p, step_ok if h else never) for p, h in zip(self._channel.params, self._has))
-        self._pending.append((self._channel.names, HostCopy(status)))
+        self._send_to_host(self._channel.names, status)
         return self._oks
+
+    def _send_to_host(self, names: list[str], status: torch.Tensor) -> None:
+        """Queue the summed ``status`` for the next step's read (and count it in the tally of
+        a graph being captured, whose replays the host does not read one by one)."""
+        self._pending.append((names, HostCopy(status)))
+        if self._tally is not None:
+            self._tally.add_(status)
 
     def mask_here(self) -> None:
         """Mask the rest of this step where no other rank takes part, e.g. after torch's
@@ -121,3 +136,37 @@ class StatusMasks(Mapping[torch.Tensor, torch.Tensor]):
 
     def __len__(self) -> int:
         return len(self._keys)
+
+
+class ReplayTally:
+    """What the replays of a captured step found, counted on the device (``dmuon.cuda_graphs``).
+
+    An eager step's status sums go to the host and the next step reads them. A replayed
+    graph runs no host code and copies into the same pinned memory each time, so a host
+    reader would see the last replay only. A tally is recorded into the graph instead: each
+    replay adds whether its step was skipped (a non-finite grad under ``skip_nonfinite``,
+    nothing else wrong) and whether it found an error, and keeps the status of the first
+    replay with an error; the reader takes the counts and resets them, so each replay is
+    counted once however often it is read. Its tensors are made and zeroed before the
+    capture: zeroed inside it, the zeroing would run at every replay."""
+
+    def __init__(self, names: list[str], device: torch.device) -> None:
+        self.names = names  # the status's parameters (BLOCKS entries each, then the two counts)
+        self.counts = torch.zeros(2, dtype=torch.int64, device=device)  # [skipped, with an error]
+        self.first_error = torch.zeros(BLOCKS * len(names) + 2, dtype=STATUS_DTYPE, device=device)
+
+    def add_(self, status: torch.Tensor) -> None:
+        """Count one step's summed ``status`` (device ops only: recorded into the graph)."""
+        n = len(self.names)
+        error = (status[BLOCKS * n] > 0) | _disagreement(status, n)
+        skipped = (status[BLOCKS * n + 1] > 0) & ~error
+        self.first_error.copy_(torch.where(error & (self.counts[1] == 0), status, self.first_error))
+        self.counts.add_(torch.stack([skipped, error]).to(self.counts.dtype))
+
+    def take(self) -> tuple[int, int, list[int]]:
+        """(skipped steps, steps with an error, the first such step's status) since the last
+        take, read on the host (a wait: call it after the replays were waited for); then reset."""
+        skipped, errors = self.counts.tolist()
+        first = self.first_error.tolist()
+        self.counts.zero_()
+        return skipped, errors, first
