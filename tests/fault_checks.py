@@ -178,8 +178,10 @@ def check_unchanged(case: Case, want: Expected, mode: str, ranks: list[dict[str,
         return []
     failures = []
     for r in want.scope:
-        if mode == "skipped":  # no error, and step k changed nothing
+        if mode == "skipped":  # no error, step k changed nothing, and it counts as one skipped step
             moved = ranks[r]["changed"]["by_k"]
+            if ranks[r]["skipped_steps"] != 1:
+                failures.append((4, f"rank {r}: counted {ranks[r]['skipped_steps']} skipped steps; one was skipped"))
         elif mode == "qk":
             raised = [s for s in (case.k, case.k + 1) if ranks[r]["outcomes"][s] is not None]
             moved = ranks[r]["changed"]["by_k" if raised[:1] == [case.k] else "by_k1"] if raised else []

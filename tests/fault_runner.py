@@ -185,6 +185,7 @@ def run_steps(case: Case, model: Model, rank: int, skip: frozenset[int] = frozen
                 # counters of a skipped step (else the next step() does).
                 model.optimizer.state_dict()
             out["snaps"][f"after{step}"] = snapshot(model)
+    out["skipped_steps"] = model.optimizer.skipped_steps  # read by the steps after k (skip_nonfinite)
     return out
 
 

@@ -160,12 +160,14 @@ def test_a_capturable_muon_step_reads_no_hyperparameter_on_the_host(monkeypatch)
         original = getattr(torch.Tensor, name)
 
         def read(self, *args, **kwargs):
-            if self.dtype == torch.float64:  # a device hyperparameter, or a product of them
+            # A device hyperparameter, a product of them, or a comparison of one (``if weight_decay
+            # == 0:`` reads a bool tensor): any 0-dim read of something made from them.
+            if self.dtype in (torch.float64, torch.bool) and self.ndim == 0:
                 reads.append(name)
             return original(self, *args, **kwargs)
         monkeypatch.setattr(torch.Tensor, name, read)
 
-    for name in ("item", "__float__", "__bool__", "tolist"):
+    for name in ("item", "__float__", "__bool__", "__int__", "__index__", "tolist"):
         spy(name)
     _grads(params, 1)
     optimizer.step()
@@ -225,3 +227,47 @@ def test_a_copied_capturable_optimizer_steps_like_the_original():
     optimizer.step()
     twin.step()
     assert _bits(twin, twin_params) == _bits(optimizer, params)
+
+
+class _ListOps(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records the names of the ``torch._foreach_*`` ops run inside it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        if str(func).startswith("aten._foreach_"):
+            self.names.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("options", [{}, {"cautious_weight_decay": True}, {"normuon": True}],
+                         ids=["plain", "cautious", "normuon"])
+def test_a_capturable_step_with_foreach_false_runs_no_list_op(options):
+    params = _model()
+    optimizer = DMuon(params, lr=0.03, weight_decay=0.1, capturable=True, foreach=False, **options)
+    _grads(params, 0)
+    optimizer.step()
+    _grads(params, 1)
+    with _ListOps() as ops:
+        optimizer.step()
+    assert ops.names == []
+
+
+def test_a_capturable_step_over_parameters_of_two_dtypes_has_the_bits_of_the_float_step():
+    # One step's products are cast once per dtype: an fp64 parameter beside an fp32 one of
+    # the same shape reads its own fp64 factors, not the fp32 ones made for its neighbour.
+    def run(capturable: bool) -> list[bytes]:
+        gen = torch.Generator().manual_seed(0)
+        params = [("w32", torch.nn.Parameter(torch.randn(16, 12, generator=gen))),
+                  ("w64", torch.nn.Parameter(torch.randn(16, 12, generator=gen, dtype=torch.float64)))]
+        optimizer = DMuon(params, lr=0.03, weight_decay=0.1, capturable=capturable)
+        for step in range(3):
+            grads = torch.Generator().manual_seed(100 + step)
+            for _, p in params:
+                p.grad = torch.randn(p.shape, generator=grads).to(p.dtype)
+            optimizer.step()
+        return _bits(optimizer, params)
+
+    assert run(True) == run(False)

@@ -81,3 +81,20 @@ def test_every_skipped_combination_says_why_and_the_rest_have_an_outcome():
     assert len(cases) > 10_000 and all(reason for _, reason in skipped)
     outcomes = {expected(case, rank).outcome for case in cases for rank in case.ranks[:1]}
     assert {"valid", "local_error", "disagree", "local_error_or_agreed", "qk"} <= outcomes
+
+
+# A grad missing on one rank of a parameter on the grid's row under two_meshes (P = 4): the
+# ranks disagree within a strict subset of the DMuon's ranks (a row parameter's grads are
+# counted over its row only), which reaches the other rows only through the status's subset
+# block. At P = 2 the grid is 2 x 1 and no strict subset exists; the sample may miss it (issue 52).
+SUBSET_CASES = ["P4-two_meshes-base-none-muon-r1-k1", "P4-two_meshes-foreach_off-none-adamw-r2-k0"]
+
+
+@pytest.mark.multirank
+def test_a_grad_missing_on_one_rank_of_a_row_mesh_stops_the_step_on_every_rank():
+    cases = [parse(case_id) for case_id in SUBSET_CASES]
+    assert {expected(case, 0).outcome for case in cases} == {"disagree"}
+    start = time.perf_counter()
+    results = sweep(cases, per_launch=len(cases), check_timeout_s=45.0, log=lambda *a, **k: None)
+    assert not any(r.failures for r in results), summary(results, time.perf_counter() - start)
+    assert len(results) == len(cases)

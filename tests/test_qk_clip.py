@@ -167,6 +167,19 @@ def test_with_a_zero_step_every_clipped_head_lands_on_the_threshold(n_kv_heads):
     torch.testing.assert_close(after[0], torch.full((4,), THRESHOLD), rtol=1e-5, atol=0)
 
 
+def test_the_clip_scales_the_weights_after_the_update_lands():
+    """Kimi K2's order: the step's update first, then each clipped head's rows scaled (under
+    MHA by the square root of threshold / max logit for q and for k). Scaled first and then
+    updated, the rows would differ by the update times (1 - factor)."""
+    clipped_model, plain_model = Attention(4, 4), Attention(4, 4)
+    optimizer, _ = _train(clipped_model, THRESHOLD, steps=1, lr=0.02)
+    _train(plain_model, None, steps=1, lr=0.02)
+    factor = (THRESHOLD / optimizer.last_max_logits()["attn"]).clamp(max=1.0).sqrt()
+    rows = factor.repeat_interleave(HEAD_DIM)[:, None]
+    torch.testing.assert_close(clipped_model.wq.detach(), plain_model.wq.detach() * rows, rtol=1e-6, atol=0)
+    torch.testing.assert_close(clipped_model.wk.detach(), plain_model.wk.detach() * rows, rtol=1e-6, atol=0)
+
+
 @pytest.mark.parametrize("n_kv_heads", [4, 2], ids=["mha", "gqa"])
 def test_heads_under_the_threshold_step_bit_for_bit_as_without_clip(n_kv_heads):
     """One step from the same state (a later step's update would differ anyway: Newton-

@@ -46,9 +46,11 @@ def _run(steps: list[int], poison: float | None = None, **options):
     return optimizer, params
 
 
+# capturable: its masked decay is a device factor (exactly 1 where masked), not the host's skip.
+@pytest.mark.parametrize("capturable", [False, True], ids=["float", "capturable"])
 @pytest.mark.parametrize("poison", [float("nan"), float("inf"), float("-inf")])
-def test_a_non_finite_grad_step_changes_no_parameter_state_or_step_count(poison):
-    optimizer, params = _run([0, 1])
+def test_a_non_finite_grad_step_changes_no_parameter_state_or_step_count(poison, capturable):
+    optimizer, params = _run([0, 1], capturable=capturable)
     before = _bits(optimizer, params)
     _grads(params, BAD_STEP, poison)
     optimizer.step()
@@ -121,3 +123,15 @@ def test_skip_nonfinite_set_after_construction_is_read_at_the_next_step():
     optimizer.step()
     optimizer.state_dict()  # reads the step's status: the skip is counted
     assert torch.equal(weight.detach(), before) and optimizer.skipped_steps == 1
+
+
+def test_a_huge_finite_grad_is_no_skip():
+    # 1e20 is finite in fp32, its square is not: whether a grad is finite is decided on its
+    # largest magnitude, never on a sum of squares.
+    params = _params()
+    optimizer = DMuon(params, lr=0.02, weight_decay=0.1, skip_nonfinite=True)
+    _grads(params, 0)
+    params[1][1].grad[3] = 1e20
+    optimizer.step()
+    optimizer.state_dict()
+    assert optimizer.skipped_steps == 0

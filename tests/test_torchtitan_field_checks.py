@@ -32,6 +32,7 @@ BAD_TOML = [
     ("split_attention_heads = 1", f"[optimizer]: split_attention_heads {FLAG}1"),
     ('early_step_in_backward = "no"', f"[optimizer]: early_step_in_backward {FLAG}'no'"),
     ('skip_nonfinite = "true"', f"[optimizer]: skip_nonfinite {FLAG}'true'"),
+    ('capture_step = "false"', f"[optimizer]: capture_step {FLAG}'false'"),
     ('nesterov = "true"', "[optimizer]: nesterov must be a bool (True or False), got 'true'"),
     # item 7: numbers must be finite
     ("lr = inf", "[optimizer]: lr must be in [0.0, inf), got inf"),

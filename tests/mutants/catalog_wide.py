@@ -1,0 +1,275 @@
+"""The mutants over the replicated-grad sum, QK-clip, the owner plan and exchange, state
+loading and the resume contract, TorchTitan's field checks, the implementation flags,
+Newton-Schulz and the update rules, and the grad and option checks (issue 52);
+tests/mutants/__init__.py says what a mutant is."""
+
+from __future__ import annotations
+
+from tests.mutants import Mutant
+
+WIDE = [
+    # ------------------------------------------------ the replicated-grad sum (dmuon/exchange/replicated_grads.py)
+    Mutant(
+        name="replicated-sum-sends-every-rank",
+        guarantee="A replicated grad of a parameter replicated on every mesh dim is sent by the dim's first rank "
+                  "only (-0.0 from the others), so its sum is its own bits, as DTensor's own sum gives them.",
+        path="dmuon/exchange/replicated_grads.py",
+        old="if not isinstance(kind, Partial) and coordinate[dim] != 0:",
+        new="if kind is None and coordinate[dim] != 0:",
+        tests=("tests/test_bad_input_regressions.py::"
+               "test_a_replicated_parameters_partial_grad_steps_bitwise_like_dtensors_own_sum[2]",),
+    ),
+    Mutant(
+        name="replicated-sum-reduces-the-callers-grad-in-place",
+        guarantee="Summing a replicated parameter's Partial grad leaves the caller's grad as it was (the sum is "
+                  "made in a copy), so the step has DTensor's own sum's bits.",
+        path="dmuon/exchange/replicated_grads.py",
+        old="value = local_of(grad).clone()  # the caller's grad stays as it was",
+        new="value = local_of(grad)",
+        tests=("tests/test_bad_input_regressions.py::"
+               "test_a_replicated_parameters_partial_grad_steps_bitwise_like_dtensors_own_sum[2]",),
+    ),
+    # ------------------------------------------------ QK-clip (dmuon/attention)
+    Mutant(
+        name="qk-clip-mha-factor-not-split-by-sqrt",
+        guarantee="Multi-head attention: sqrt(gamma_h) on the head's rows of W_q and of W_k, so a clipped "
+                  "head's logit lands on the threshold (docs/optimizer.md, QK-clip).",
+        path="dmuon/attention/qk_clip.py",
+        old="q_head = k_head = gamma.sqrt()",
+        new="q_head = k_head = gamma",
+        tests=("tests/test_qk_clip.py::test_multi_head_attention_splits_the_factor_between_q_and_k",
+               "tests/test_qk_clip.py::test_with_a_zero_step_every_clipped_head_lands_on_the_threshold"),
+    ),
+    Mutant(
+        name="qk-clip-scales-rows-of-the-wrong-heads",
+        guarantee="Each head's factor scales that head's block of head_dim rows of W_q / W_k, and heads at or "
+                  "under the threshold keep their bits.",
+        path="dmuon/attention/qk_clip.py",
+        old="q_rows = q_head.repeat_interleave(heads.head_dim)",
+        new="q_rows = q_head.repeat(heads.head_dim)",
+        tests=("tests/test_qk_clip.py::test_multi_head_attention_splits_the_factor_between_q_and_k",
+               "tests/test_qk_clip.py::test_grouped_query_attention_scales_queries_only",
+               "tests/test_qk_clip.py::test_heads_under_the_threshold_step_bit_for_bit_as_without_clip"),
+    ),
+    Mutant(
+        name="max-logits-count-evaluation-forwards",
+        guarantee="QK-clip measures the training step's logits: forwards under no_grad (evaluation) are not "
+                  "counted (docs/optimizer.md, QK-clip, Measuring).",
+        path="dmuon/attention/max_logits.py",
+        old="if not self.enabled or not torch.is_grad_enabled():",
+        new="if not self.enabled:",
+        tests=("tests/test_qk_clip.py::test_evaluation_forwards_are_not_counted",),
+    ),
+    # ------------------------------------------------ the owner plan and exchange (dmuon/plan, dmuon/exchange)
+    Mutant(
+        name="owners-balance-matrix-count-not-flops",
+        guarantee="Each matrix's owner is chosen over all ranks so every rank carries the same Newton-Schulz "
+                  "cost: longest-processing-time by flops over the whole step.",
+        path="dmuon/plan/owners.py",
+        old="loads[rank] += costs[index]",
+        new="loads[rank] += 1",
+        tests=("tests/test_plan.py::test_assign_owners_is_longest_processing_time_first",
+               "tests/test_plan.py::test_assign_owners_balances_loads_within_one_largest_cost",
+               "tests/test_plan.py::test_assign_owners_starts_from_the_loads_ranks_already_carry"),
+    ),
+    Mutant(
+        name="gather-receive-read-by-unit-not-by-source",
+        guarantee="The owner rebuilds exactly the bf16 matrix a single process would hold: the gather's receive "
+                  "buffer is cut by source rank, then batch order, as all_to_all_single lays it out.",
+        path="dmuon/plan/pack_layout.py",
+        old="recv = [(i, s) for s in range(plan.world_size) for i in in_batch_order if units[i].is_source(s)]",
+        new="recv = [(i, s) for i in in_batch_order for s in range(plan.world_size) if units[i].is_source(s)]",
+        tests=("tests/test_comm_packing.py::test_gather_gives_each_owner_exactly_its_whole_matrices",
+               "tests/test_comm_packing.py::test_scatter_gives_each_holder_exactly_its_block_of_the_results"),
+    ),
+    Mutant(
+        name="column-block-placed-at-column-zero",
+        guarantee="Column-sharded weights (TP's Shard(1)) travel as blocks placed at their offset in the whole "
+                  "matrix, so the owner sees a single process's matrix and each holder gets its block back.",
+        path="dmuon/exchange/packing.py",
+        old="return matrix[row : row + rows, col : col + cols]",
+        new="return matrix[row : row + rows, :cols]",
+        tests=("tests/test_comm_packing.py::test_gather_gives_each_owner_exactly_its_whole_matrices",
+               "tests/test_comm_packing.py::test_scatter_gives_each_holder_exactly_its_block_of_the_results"),
+    ),
+    Mutant(
+        name="gather-sends-blocks-in-fp32",
+        guarantee="Blocks travel to the owner in bf16 (4 N (P-1) / P^2 bytes per rank), the bf16 matrix a "
+                  "single process would orthogonalize.",
+        path="dmuon/exchange/packing.py",
+        old="send = out if out is not None else track(meter, torch.empty(total, dtype=WIRE_DTYPE, device=device))",
+        new="send = out if out is not None else track(meter, torch.empty(total, dtype=torch.float32, device=device))",
+        tests=("tests/test_comm_packing.py::test_rank_with_no_rows_and_no_owned_matrix_sends_and_receives_nothing",
+               "tests/test_comm_packing.py::test_gather_gives_each_owner_exactly_its_whole_matrices"),
+    ),
+    Mutant(
+        name="gather-splits-count-every-replica-as-a-source",
+        guarantee="Under HSDP only the owner's replica sends its blocks (exactly one copy of every element "
+                  "reaches the owner); every replica receives the result.",
+        path="dmuon/plan/owner_plan.py",
+        old="if mine(unit) and unit.in_owner_replica(rank):",
+        new="if mine(unit):",
+        tests=("tests/test_comm_packing.py", "tests/test_plan_answers.py", "-k", "2x2 or split or apart"),
+    ),
+    # ------------------------------------------------ state_dict, copies, the resume contract
+    Mutant(
+        name="copy-keeps-torchs-differentiable-default",
+        guarantee="A deep copy or pickle of a DMuon keeps torch's state and DMuon's configuration, its defaults "
+                  "still the keys a group may set, and steps bitwise like the original (as torch optimizers do).",
+        path="dmuon/pickling.py",
+        old="        self.defaults.pop(\"differentiable\", None)\n",
+        new="",
+        tests=("tests/test_torch_optim_contract.py::"
+               "test_copied_optimizer_steps_bitwise_like_the_original_as_torch_optimizers_do",),
+    ),
+    Mutant(
+        name="resume-accepts-normuon-toggled",
+        guarantee="Options that decide the state's layout (use_muon, normuon, split_rows) are refused on resume "
+                  "before anything loads, naming the key.",
+        path="dmuon/resume_contract.py",
+        old="LAYOUT_KEYS = (\"use_muon\", \"normuon\", \"split_rows\")",
+        new="LAYOUT_KEYS = (\"use_muon\", \"split_rows\")",
+        tests=("tests/test_resume_contract.py::"
+               "test_turning_normuon_on_or_off_is_refused_naming_the_key_before_anything_loads",
+               "tests/test_resume_contract.py::test_a_copy_keeps_the_contract"),
+    ),
+    Mutant(
+        name="resume-scales-scheduled-lr-by-old-over-new",
+        guarantee="Under an LR scheduler a changed initial lr scales the saved lr by new / old, so the schedule "
+                  "keeps its place.",
+        path="dmuon/resume_contract.py",
+        old="group[LR] = saved[LR] * (new / old) if old else mine[LR]",
+        new="group[LR] = saved[LR] * (old / new) if old else mine[LR]",
+        tests=("tests/test_resume_contract.py::"
+               "test_under_a_scheduler_a_changed_initial_lr_scales_the_saved_lr_and_keeps_the_schedule",),
+    ),
+    # ------------------------------------------------ TorchTitan's field checks and resume checks (torchtitan_ext)
+    Mutant(
+        name="field-number-check-lets-infinity-through",
+        guarantee="Each [optimizer] number field is a finite number in its range, refused at parse time naming "
+                  "the field as the TOML spells it (adamw_lr = inf).",
+        path="torchtitan_ext/field_checks.py",
+        old="if not (is_number(value) and math.isfinite(value) and value in interval):",
+        new="if not (is_number(value) and value in interval):",
+        tests=("tests/test_torchtitan_field_checks.py::"
+               "test_a_bad_toml_value_is_refused_at_parse_time_naming_the_field_as_written",),
+    ),
+    Mutant(
+        name="field-flag-check-takes-numbers",
+        guarantee="An on/off [optimizer] field takes a TOML boolean only: a string or a number such as 1 is "
+                  "refused at parse time, not read by its truthiness.",
+        path="torchtitan_ext/field_checks.py",
+        old="if not isinstance(value, bool):",
+        new="if isinstance(value, str):",
+        tests=("tests/test_torchtitan_field_checks.py::"
+               "test_a_bad_toml_value_is_refused_at_parse_time_naming_the_field_as_written",),
+    ),
+    Mutant(
+        name="routing-check-misses-muon-to-adamw-moves",
+        guarantee="Resuming after adamw_param_regex moved parameters between Muon and AdamW is refused before "
+                  "DCP loads, naming the parameters that moved (docs/torchtitan.md, changing options on resume).",
+        path="torchtitan_ext/titan02/routing_check.py",
+        old="if name in saved and saved[name] != muon}",
+        new="if name in saved and muon and not saved[name]}",
+        tests=("tests/test_torchtitan_container.py::"
+               "test_resuming_after_changing_adamw_param_regex_names_the_moved_parameters",),
+    ),
+    # ------------------------------------------------ foreach, fused and the per-tensor forms
+    Mutant(
+        name="adamw-group-foreach-loses-to-the-optimizers",
+        guarantee="A group's foreach wins over the optimizer's, as torch reads group['foreach']: foreach=False "
+                  "steps that group's AdamW part one tensor at a time.",
+        path="dmuon/adamw_part.py",
+        old="foreach = group.get(\"foreach\", foreach)",
+        new="foreach = foreach if foreach is not None else group.get(\"foreach\")",
+        tests=("tests/test_implementation_flags.py::"
+               "test_a_groups_foreach_false_steps_its_adamw_part_one_tensor_at_a_time",),
+    ),
+    Mutant(
+        name="adamw-part-drops-fused",
+        guarantee="fused=True steps the AdamW part with torch's fused AdamW kernel (the torch AdamW path its "
+                  "flags name, with torch AdamW's bits).",
+        path="dmuon/numerics/adamw_rules.py",
+        old="fused=fused, has_complex",
+        new="fused=None, has_complex",
+        tests=("tests/test_implementation_flags.py::test_the_adamw_part_runs_the_torch_adamw_path_its_flags_name",),
+    ),
+    Mutant(
+        name="per-tensor-apply-skips-the-last-tensor",
+        guarantee="The for-loop form of Muon's apply (foreach=False) gives every tensor the bits the list form "
+                  "gives it.",
+        path="dmuon/numerics/update_lists.py",
+        old="        for param, ortho in zip(params, orthos):\n            param.add_(ortho, alpha=-lr * scale)",
+        new="        for param, ortho in zip(params[:-1], orthos):\n            param.add_(ortho, alpha=-lr * scale)",
+        tests=("tests/test_update_lists.py::test_the_update_as_list_ops_is_bitwise_the_per_tensor_rule",
+               "tests/test_update_lists.py::test_dmuon_with_foreach_steps_the_bits_of_dmuon_without"),
+    ),
+    Mutant(
+        name="foreach-false-lookahead-takes-a-list-op",
+        guarantee="foreach=False runs every update rule per tensor: no torch._foreach_* rule on the Muon "
+                  "parameters' path.",
+        path="dmuon/numerics/update_lists.py",
+        old="    if not (foreach and nesterov):",
+        new="    if not nesterov:",
+        tests=("tests/test_bad_input_regressions.py::test_foreach_false_runs_every_update_rule_per_tensor",),
+    ),
+    # ------------------------------------------------ Newton-Schulz and the update rules (dmuon/numerics)
+    Mutant(
+        name="ns-polynomial-coefficients-swapped",
+        guarantee="The 2-D standard Newton-Schulz is torch.optim.Muon's quintic iteration, bit for bit "
+                  "(X <- a X + (b S + c S S) X).",
+        path="dmuon/numerics/standard_iteration.py",
+        old="beta=b, alpha=c)",
+        new="beta=c, alpha=b)",
+        tests=("tests/test_newton_schulz.py::test_2d_result_is_bitwise_torch_optim_muon_newton_schulz",
+               "tests/test_newton_schulz.py::test_singular_values_of_result_lie_near_one"),
+    ),
+    Mutant(
+        name="ns-tall-matrix-not-transposed",
+        guarantee="A tall matrix is orthogonalized in its wide orientation, as the transpose of its wide form "
+                  "(torch.optim.Muon's bits).",
+        path="dmuon/numerics/newton_schulz.py",
+        old="tall = update.size(0) > update.size(1)",
+        new="tall = False",
+        tests=("tests/test_newton_schulz.py::test_tall_input_is_orthogonalized_as_the_transpose_of_its_wide_form",
+               "tests/test_newton_schulz.py::test_2d_result_is_bitwise_torch_optim_muon_newton_schulz"),
+    ),
+    Mutant(
+        name="shape-scale-original-uses-cols-over-rows",
+        guarantee="adjust_lr='original' scales the update by sqrt(max(1, A / B)) for an A x B matrix "
+                  "(torch.optim.Muon's default).",
+        path="dmuon/numerics/update_rules.py",
+        old="return math.sqrt(max(1, rows / cols))",
+        new="return math.sqrt(max(1, cols / rows))",
+        tests=("tests/test_update_rules.py::test_shape_scale",
+               "tests/test_update_rules.py::test_every_advertised_adjust_lr_choice_gives_its_documented_scale"),
+    ),
+    Mutant(
+        name="nesterov-lookahead-operands-swapped",
+        guarantee="With Nesterov Muon orthogonalizes lerp(G, buf, momentum), torch.optim.Muon's look-ahead.",
+        path="dmuon/numerics/update_rules.py",
+        old="return grad.lerp(buf, momentum) if nesterov else buf",
+        new="return buf.lerp(grad, momentum) if nesterov else buf",
+        tests=("tests/test_update_rules.py::test_muon_momentum_with_nesterov_matches_hand_formula",
+               "tests/test_update_lists.py::test_lookahead_of_a_list_is_bitwise_the_per_tensor_rule"),
+    ),
+    # ------------------------------------------------ the grad checks and options validation
+    Mutant(
+        name="grad-check-compares-ndim-not-shape",
+        guarantee="A grad whose shape differs from its parameter's is a problem: the step raises ValueError "
+                  "naming the parameter and both shapes, and changes nothing.",
+        path="dmuon/grad_checks.py",
+        old="    if grad.shape != param.shape:\n",
+        new="    if grad.ndim != param.ndim:\n",
+        tests=("tests/test_validation.py::test_grad_shape_mismatch_in_muon_is_rejected_at_step",),
+    ),
+    Mutant(
+        name="ns-steps-upper-bound-inclusive",
+        guarantee="ns_steps must be an int in [1, 100) (torch.optim.Muon refuses 100 or more): ValueError at "
+                  "construction naming the option.",
+        path="dmuon/options.py",
+        old="not 1 <= steps < MAX_NS_STEPS",
+        new="not 1 <= steps <= MAX_NS_STEPS",
+        tests=("tests/test_validation.py::test_bad_optimizer_option_is_rejected_naming_it",),
+    ),
+]
