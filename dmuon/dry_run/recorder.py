@@ -160,9 +160,10 @@ class StepRecorder(TorchDispatchMode):
         before = {_storage_id(t) for t in on_device}
         out = func(*args, **kwargs)
         outputs = [t for t in _tensors(out) if t.device.type != "cpu"]
-        if launches := _kernel_launches(func, name, args, outputs):
+        launches, per_tensor = _kernel_launches(func, name, args, outputs)
+        if launches:
             self.record.device_ops[name] += launches
-            if name.startswith("aten._foreach_") and not _multi_tensor_route(args):
+            if per_tensor:
                 self.record.per_tensor_list_ops[name] += 1
         if launches or func.namespace in ("c10d", "_c10d_functional"):
             self.record.program.append((name, *((tuple(t.shape), t.dtype, t.device.type) for t in tensors)))
@@ -260,7 +261,7 @@ class HostTensorsStayReal(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-def _kernel_launches(func: Any, name: str, args: tuple, outputs: list[torch.Tensor]) -> int:
+def _kernel_launches(func: Any, name: str, args: tuple, outputs: list[torch.Tensor]) -> tuple[int, bool]:
     """The CUDA kernels an op would launch, roughly: none for views and allocations, one
     for an op with a device output, and for a foreach op (in place ones return nothing)
     one where torch takes its multi-tensor route (``ForeachUtils.h``,
@@ -268,17 +269,17 @@ def _kernel_launches(func: Any, name: str, args: tuple, outputs: list[torch.Tens
     tensor too, non-overlapping and dense, and the entries at one position of the same
     sizes and strides; its chunking of long lists aside), else one per tensor (its
     per-tensor fallback: a list of 0-dim or expanded operands takes it, or a scalar
-    tensor of another dtype)."""
+    tensor of another dtype). With it, whether the op is a list op off that route."""
     if name in NO_KERNEL_OPS or func.is_view:
-        return 0
+        return 0, False
     if name.startswith(CONCATENATIONS):
-        return _concat_launches(name, args, outputs)
+        return _concat_launches(name, args, outputs), False
     if not name.startswith("aten._foreach_"):
-        return 1 if outputs else 0
+        return (1 if outputs else 0), False
     route = _multi_tensor_route(args)
     if route is None:
-        return 0
-    return 1 if route else len(_tensor_lists(args)[0])
+        return 0, False
+    return (1, False) if route else (len(_tensor_lists(args)[0]), True)
 
 
 def _tensor_lists(args: tuple) -> list[list[torch.Tensor]]:
