@@ -19,11 +19,14 @@ from pathlib import Path
 import pytest
 
 TEST_KINDS = ("unit", "multirank", "torchrun", "cuda")
-# Under pytest-xdist (``-n 2 --dist loadgroup``, scripts/test.sh), every test that starts
-# processes runs in one worker, in file order, while the other worker takes in-process
-# tests: one launch at a time on a 2-core machine (the default tier took 12:21 with launches
-# spread over both workers, 10:05 with them in one: docs/development.md), and one set of
-# shared ranks per world size (tests/multiprocess.py).
+# Under pytest-xdist (``-n 2 --dist loadgroup``, scripts/test.sh), the tests that start
+# processes run in two groups, each in one worker in file order: the multi-rank (and cuda)
+# tests, on one set of shared ranks per world size (tests/multiprocess.py), and the torchrun
+# jobs; the in-process tests fill both workers. At most two launches run at once, one of
+# each kind: a TorchTitan job leaves a core idle much of its time (start-up, checkpoints,
+# gloo waits). The default tier took 12:21 with launches spread test by test over both
+# workers (two sets of shared ranks), 12:04 with every launch in one worker, 7:11 with the
+# two groups (docs/development.md).
 LAUNCHING_KINDS = ("multirank", "torchrun", "cuda")
 # Tests whose outcome does not depend on the torch release (documents, the import layers,
 # the launchers, the planner's pure functions of shapes): marked ``any_torch``, run by the
@@ -63,7 +66,9 @@ def pytest_itemcollected(item: pytest.Item) -> None:
     """The marks this file sets by rule, as each test is collected: before any
     ``pytest_collection_modifyitems`` (xdist's reads ``xdist_group`` in its own, which runs
     ahead of a conftest's)."""
-    if any(item.get_closest_marker(kind) for kind in LAUNCHING_KINDS):
+    if item.get_closest_marker("torchrun"):
+        item.add_marker(pytest.mark.xdist_group("torchruns"))
+    elif any(item.get_closest_marker(kind) for kind in LAUNCHING_KINDS):
         item.add_marker(pytest.mark.xdist_group("launches"))
     if item.path.name in ANY_TORCH_FILES:
         item.add_marker(pytest.mark.any_torch)

@@ -1,6 +1,6 @@
 """How scripts/test.sh spreads the suite over two pytest-xdist workers (tests/conftest.py):
-every test that starts processes runs in one worker, one launch at a time, and the
-in-process tests fill the other. Checked on a small generated suite, in a pytest of its
+the multi-rank tests run in one worker and the torchrun tests in the other, each kind one
+launch at a time, and the in-process tests fill both. Checked on a small generated suite, in a pytest of its
 own, so that an upgrade that silently drops the groups (pytest 9 with pytest-xdist 3.8
 does: pyproject.toml) fails here instead of making the suite slower."""
 
@@ -50,6 +50,7 @@ def _workers_by_kind(folder: Path) -> dict[str, set[str]]:
     return found
 
 
-def test_every_launching_test_runs_in_one_worker(tmp_path):
+def test_each_launching_kind_runs_in_one_worker_and_the_two_kinds_in_different_ones(tmp_path):
     found = _workers_by_kind(tmp_path)
-    assert len(found["ranks"] | found["torchrun"]) == 1, found
+    assert len(found["ranks"]) == 1 and len(found["torchrun"]) == 1, found
+    assert found["ranks"] != found["torchrun"], found
