@@ -272,4 +272,23 @@ WIDE = [
         new="not 1 <= steps <= MAX_NS_STEPS",
         tests=("tests/test_validation.py::test_bad_optimizer_option_is_rejected_naming_it",),
     ),
+    # ------------------------------------------------ low-precision momentum (dmuon/numerics/momentum_storage.py)
+    Mutant(
+        name="int8-momentum-without-its-scale",
+        guarantee="An int8 momentum block is rounded in units of its scale (absmax / 127), so what the next step "
+                  "reads is within half a step of the EMA (issue 51).",
+        path="dmuon/numerics/momentum_storage.py",
+        old="values = torch.where(scales > 0, blocks / scales, 0.0)",
+        new="values = torch.where(scales > 0, blocks, 0.0)",
+        tests=("tests/test_momentum_storage.py::test_dequantized_values_are_within_half_a_step_of_the_input",),
+    ),
+    Mutant(
+        name="int8-momentum-blocks-cross-rows",
+        guarantee="int8 momentum blocks lie inside rows, so a rank's rows (any Shard(0) split, empty ones included) "
+                  "quantize to the bits of the whole matrix (issue 51).",
+        path="dmuon/numerics/momentum_storage.py",
+        old="    rows = x.reshape(1, -1) if x.ndim < 2 else x\n    blocks = _blocks(rows.to(torch.float32))\n    scales",
+        new="    rows = x.reshape(1, -1)\n    blocks = _blocks(rows.to(torch.float32))\n    scales",
+        tests=("tests/test_momentum_storage.py::test_a_ranks_rows_quantize_to_the_bits_of_the_whole_matrix",),
+    ),
 ]

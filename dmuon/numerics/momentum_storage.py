@@ -1,0 +1,120 @@
+"""Muon's momentum held in less than the parameter's dtype (issue 51): bf16, or int8 with one
+fp32 scale per block of :data:`INT8_BLOCK` consecutive elements of a row.
+
+The momentum rule stays the one in ``dmuon.numerics.update_lists``; what changes is where its
+result is kept between steps. Each step reads the stored momentum back as the parameter's
+dtype (:func:`dequantize`), runs the EMA there, and rounds the result into the store
+(:func:`quantize`), so the update of the step sees the EMA before it is rounded and only what
+the next step reads has been rounded once.
+
+Why blocks along a row, and why that keeps DMuon exact across world sizes: every scale is
+read from, and applies to, the elements of one block of one row of the matrix (for ``[E, A,
+B]`` experts, of one expert; for a 4-D+ weight, of the ``[O, rest]`` matrix's rows). A rank
+holding whole rows (FSDP's ``Shard(0)``, HSDP, EP, uneven or empty shards) holds whole blocks,
+and quantizing its rows gives the bits quantizing the whole matrix gives for them. A layout
+that splits a row (TP's ``Shard(1)``) keeps that property only where each shard starts on a
+block boundary (:func:`row_split_on_blocks`).
+
+int8, per block ``x`` of at most :data:`INT8_BLOCK` elements (the last block of a row may be
+shorter)::
+
+    scale = max(|x|) / 127           # fp32; 0 for a block of zeros
+    q     = round(x / scale)         # round half to even, in [-127, 127]; 0 where scale is 0
+    x'    = q * scale                # what the next step reads
+
+Block size 128: the scale adds 4 / 128 = 0.03 bytes per element (1.03 bytes in all, a
+quarter of fp32's 4 and within the 1.05 the issue allows), and one outlier in a block costs
+the resolution of 127 other elements at most; 256 would save 0.016 bytes an element for
+twice the reach of an outlier. The common hidden sizes (multiples of 128) split into whole
+blocks, so a TP degree that splits them in equal parts of a multiple of 128 columns keeps
+every block whole.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+# The momentum dtypes a group can choose (``momentum_dtype``): None keeps the parameter's.
+MOMENTUM_DTYPES = (None, "bfloat16", "int8")
+# Elements per fp32 scale along the last dim of a row (module docstring: why 128).
+INT8_BLOCK = 128
+# The largest magnitude an int8 value takes: symmetric, so -x quantizes to -q.
+INT8_MAX = 127
+
+
+def parse_momentum_dtype(value: object) -> str | None:
+    """``value`` as one of :data:`MOMENTUM_DTYPES` (``torch.bfloat16`` reads as ``"bfloat16"``);
+    ValueError naming the allowed values otherwise."""
+    if value is torch.bfloat16:
+        return "bfloat16"
+    if value in MOMENTUM_DTYPES:
+        return value  # type: ignore[return-value]
+    raise ValueError(f"momentum_dtype must be one of None (the parameter's dtype), torch.bfloat16 or 'bfloat16', "
+                     f"or 'int8' (block-wise, {INT8_BLOCK} elements a scale); got {value!r}")
+
+
+def blocks_per_row(columns: int) -> int:
+    """How many scales a row of ``columns`` elements has."""
+    return -(-columns // INT8_BLOCK)
+
+
+def scales_shape(shape: Sequence[int]) -> tuple[int, ...]:
+    """The shape of the fp32 scales of an int8 momentum of ``shape`` (a 1-D tensor is one row)."""
+    return (*shape[:-1], blocks_per_row(shape[-1])) if len(shape) else (1,)
+
+
+def row_split_on_blocks(offset: int) -> bool:
+    """Whether a shard whose rows start at column ``offset`` of the matrix holds whole blocks:
+    its blocks are then the matrix's (module docstring)."""
+    return offset % INT8_BLOCK == 0
+
+
+def bytes_per_element(shape: Sequence[int], momentum_dtype: str | None, param_dtype: torch.dtype) -> float:
+    """The momentum's bytes per element of a tensor of ``shape`` (scales included)."""
+    numel = 1
+    for size in shape:
+        numel *= size
+    if momentum_dtype is None:
+        return float(param_dtype.itemsize)
+    if momentum_dtype == "bfloat16":
+        return 2.0
+    scales = 1
+    for size in scales_shape(shape):
+        scales *= size
+    return (numel + 4 * scales) / max(numel, 1)
+
+
+def _blocks(x: torch.Tensor) -> torch.Tensor:
+    """``x`` (``[..., columns]``, fp32) as ``[..., blocks, INT8_BLOCK]``, the last block of each
+    row padded with zeros (which change no block's maximum)."""
+    columns = x.shape[-1]
+    padded = blocks_per_row(columns) * INT8_BLOCK
+    if padded != columns:
+        x = torch.nn.functional.pad(x, (0, padded - columns))
+    return x.reshape(*x.shape[:-1], padded // INT8_BLOCK, INT8_BLOCK)
+
+
+def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` (any float dtype, ``[..., columns]``; a 0-dim or 1-D tensor is one row) as int8
+    values of its shape and fp32 scales of :func:`scales_shape`, block by block of each row
+    (module docstring). New tensors; ``x`` is read once."""
+    shape = x.shape
+    rows = x.reshape(1, -1) if x.ndim < 2 else x
+    blocks = _blocks(rows.to(torch.float32))
+    scales = blocks.abs().amax(dim=-1, keepdim=True).div_(INT8_MAX)
+    values = torch.where(scales > 0, blocks / scales, 0.0).round_().clamp_(-INT8_MAX, INT8_MAX)
+    values = values.to(torch.int8).reshape(*rows.shape[:-1], blocks.shape[-2] * INT8_BLOCK)[..., : rows.shape[-1]]
+    return values.reshape(shape).contiguous(), scales.squeeze(-1).reshape(scales_shape(shape))
+
+
+def dequantize_int8(values: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``values * scale`` block by block, as a new tensor of ``dtype`` and ``values``' shape
+    (computed in fp32, then cast: exact for fp32, one rounding for bf16)."""
+    shape = values.shape
+    rows = values.reshape(1, -1) if values.ndim < 2 else values
+    blocks = _blocks(rows.to(torch.float32))
+    out = blocks.mul_(scales.reshape(*blocks.shape[:-1], 1))
+    out = out.reshape(*rows.shape[:-1], blocks.shape[-2] * INT8_BLOCK)[..., : rows.shape[-1]]
+    return out.reshape(shape).to(dtype)

@@ -1,0 +1,110 @@
+"""Momentum stored in bf16 or block-wise int8 (``dmuon.numerics.momentum_storage``, issue 51):
+the blocks lie in rows, so a rank's rows quantize to the bits the whole matrix gives them,
+and a row split is exact exactly where it falls on a block boundary."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dmuon.numerics.momentum_storage import (
+    INT8_BLOCK,
+    bytes_per_element,
+    dequantize_int8,
+    parse_momentum_dtype,
+    quantize_int8,
+    row_split_on_blocks,
+    scales_shape,
+)
+
+pytestmark = pytest.mark.unit
+
+
+def _momentum(*shape: int, seed: int = 0) -> torch.Tensor:
+    """A momentum-like tensor: mostly small values, a few outliers."""
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=generator) * 1e-3
+    x.view(-1)[:: 97] *= 50
+    return x
+
+
+@pytest.mark.parametrize("rows", [[3, 5, 0, 2], [10], [0, 10], [4, 4, 2]], ids=str)
+def test_a_ranks_rows_quantize_to_the_bits_of_the_whole_matrix(rows):
+    whole = _momentum(sum(rows), 300)
+    values, scales = quantize_int8(whole)
+    start = 0
+    for count in rows:  # uneven and empty shards, as FSDP's Shard(0) makes them
+        part_values, part_scales = quantize_int8(whole[start : start + count])
+        assert torch.equal(part_values, values[start : start + count])
+        assert torch.equal(part_scales, scales[start : start + count])
+        start += count
+
+
+def test_each_expert_of_a_stack_quantizes_alone():
+    stack = _momentum(4, 6, 256, seed=1)
+    values, scales = quantize_int8(stack)
+    for e in range(4):
+        one_values, one_scales = quantize_int8(stack[e])
+        assert torch.equal(one_values, values[e]) and torch.equal(one_scales, scales[e])
+
+
+@pytest.mark.parametrize("split, exact", [(256, True), (128, True), (200, False)])
+def test_a_column_split_is_exact_only_on_a_block_boundary(split, exact):
+    whole = _momentum(8, 512, seed=2)
+    values, _ = quantize_int8(whole)
+    left, _ = quantize_int8(whole[:, :split])
+    right, _ = quantize_int8(whole[:, split:])
+    assert row_split_on_blocks(split) == exact
+    assert torch.equal(torch.cat([left, right], dim=1), values) == exact
+
+
+def test_dequantized_values_are_within_half_a_step_of_the_input():
+    x = _momentum(16, 300, seed=3)
+    values, scales = quantize_int8(x)
+    back = dequantize_int8(values, scales, torch.float32)
+    step = torch.repeat_interleave(scales, INT8_BLOCK, dim=-1)[:, :300]
+    assert torch.all((back - x).abs() <= step / 2 * (1 + 1e-6))
+    assert values.dtype == torch.int8 and values.abs().max() == 127
+    assert scales.shape == scales_shape(x.shape) == (16, 3)
+
+
+def test_a_block_of_zeros_has_scale_zero_and_reads_back_zeros():
+    x = _momentum(2, 256, seed=4)
+    x[0, :INT8_BLOCK] = 0
+    values, scales = quantize_int8(x)
+    assert scales[0, 0] == 0 and torch.all(values[0, :INT8_BLOCK] == 0)
+    assert torch.all(dequantize_int8(values, scales, torch.float32)[0, :INT8_BLOCK] == 0)
+
+
+def test_quantizing_again_what_was_read_back_keeps_the_values():
+    values, scales = quantize_int8(_momentum(8, 384, seed=5))
+    again, _ = quantize_int8(dequantize_int8(values, scales, torch.float32))
+    assert torch.equal(again, values)
+
+
+def test_the_negated_momentum_quantizes_to_the_negated_values():
+    x = _momentum(4, 130, seed=6)
+    values, scales = quantize_int8(x)
+    negated, same_scales = quantize_int8(-x)
+    assert torch.equal(negated, -values) and torch.equal(same_scales, scales)
+
+
+@pytest.mark.parametrize("momentum_dtype, shape, most", [
+    ("int8", (4096, 4096), 1.05), ("int8", (14336, 4096), 1.05), ("int8", (8, 256, 4096), 1.05),
+    ("bfloat16", (4096, 4096), 2.0),
+])
+def test_the_state_bytes_per_element_stay_within_the_issues_bounds(momentum_dtype, shape, most):
+    assert bytes_per_element(shape, momentum_dtype, torch.float32) <= most
+    assert bytes_per_element(shape, None, torch.float32) == 4.0
+
+
+@pytest.mark.parametrize("given, read", [(None, None), (torch.bfloat16, "bfloat16"), ("bfloat16", "bfloat16"),
+                                         ("int8", "int8")])
+def test_a_momentum_dtype_is_read_from_its_names(given, read):
+    assert parse_momentum_dtype(given) == read
+
+
+@pytest.mark.parametrize("given", ["fp8", torch.float16, "float32", 8])
+def test_another_momentum_dtype_is_refused_naming_the_allowed_ones(given):
+    with pytest.raises(ValueError, match="None .*bfloat16.*'int8'"):
+        parse_momentum_dtype(given)
