@@ -4,9 +4,9 @@
 # `bash scripts/test.sh -m extended`). Extra arguments go to pytest and win over these
 # defaults, e.g. `bash scripts/test.sh -k plan` or `bash scripts/test.sh -n 0` (one process).
 #
-# Two pytest-xdist workers: one takes every test that starts processes, one at a time (the
-# multi-rank tests on shared ranks, tests/multiprocess.py; TorchTitan's torchrun jobs),
-# while the other runs in-process tests (tests/conftest.py groups them).
+# Two pytest-xdist workers: one takes the multi-rank tests (on shared ranks,
+# tests/multiprocess.py), the other TorchTitan's torchrun jobs, each one launch at a time,
+# and the in-process tests fill both (tests/conftest.py groups them).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python=$(bash scripts/setup.sh)

@@ -17,6 +17,7 @@ May import: no other dmuon layer; only ``dmuon.torch_compat`` (torch's private n
 - ``update_lists``: Muon's rules, each written once (momentum, decay and its factor, the apply), for-loop or
   list form, the mask and ``capturable`` inside each;
 - ``masked_updates``: the mask primitives (select, zero), exact on the bits;
+- ``momentum_storage``: momentum kept in bf16 or block-wise int8 (blocks inside rows), and back;
 - ``device_scalars``: hyperparameters as 0-dim device tensors (``capturable``), their products made once a step;
 - ``finite``: whether tensors hold a NaN or inf, decided on the device (``skip_nonfinite``);
 - ``alignment``: a matrix view copied where a reduction would read it from an odd offset;
