@@ -19,6 +19,7 @@ moves one, this module is the one to change, and its tests say which entry broke
 | ``resolve_process_group`` (``torch.distributed.distributed_c10d._resolve_process_group``) | ``dmuon.dry_run``: the group of a functional collective (DTensor's), named by a string | 2.11.0, 2.15.0 |
 | ``default_foreach`` (``torch.utils._foreach_utils._get_foreach_kernels_supported_devices``) | ``DMuon(foreach=None)``: torch.optim's own per-device choice of the list path (CUDA: yes, CPU: no) | 2.11.0, 2.13.0, 2.15.0 |
 | ``default_foreach_for`` (``torch.optim.optimizer._default_to_fused_or_foreach``) | the AdamW part: torch's list-path choice made on the parameters as given (DTensors, or fake tensors in the dry run), then applied to their local shards | 2.11.0, 2.13.0, 2.15.0 |
+| ``fake_tensors_take_the_list_path`` (``torch.optim.optimizer._foreach_supported_types``) | ``dmuon.dry_run``: a plain parameter's fake stand-in takes the AdamW part's list path as the real tensor would (the list names the types torch's rule takes) | 2.13.0, 2.15.0 |
 | ``fused_adamw_devices`` (``torch.utils._foreach_utils._get_fused_kernels_supported_devices``) | ``DMuon(fused=True)``: the device types torch.optim.AdamW(fused=True) takes, checked at construction (CUDA and CPU among them) | 2.11.0, 2.13.0, 2.15.0 |
 | ``capturable_devices`` (``torch.optim.optimizer._get_capturable_supported_devices``) | ``DMuon(capturable=True)``: the device types torch.optim.AdamW(capturable=True) steps (CUDA among them, not the CPU); the AdamW part takes torch's capturable path there | 2.11.0, 2.13.0, 2.15.0 |
 | ``chunk_cat`` (``torch._chunk_cat``) | the owner exchange: many blocks (any shapes, one dtype) flattened into a send buffer in one op, as FSDP2 packs its reduce-scatter | 2.11.0, 2.13.0, 2.15.0 |
@@ -44,6 +45,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import _StridedShard as StridedShard
 from torch.optim.optimizer import _default_to_fused_or_foreach, _get_capturable_supported_devices
+from torch.optim.optimizer import _foreach_supported_types as _optim_foreach_types
 from torch.optim.optimizer import _get_scalar_dtype as scalar_dtype
 from torch.utils._foreach_utils import _get_foreach_kernels_supported_devices, _get_fused_kernels_supported_devices
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -53,7 +55,7 @@ OLDEST_TESTED_TORCH = "2.11.0"
 NEWEST_TESTED_TORCH = "2.15.0"
 
 __all__ = ["FakeTensor", "FakeTensorMode", "StridedShard", "TorchDispatchMode", "capturable_devices", "chunk_cat",
-           "compute_local_shape_and_global_offset", "default_foreach", "default_foreach_for", "dtensor_where_it_is", "fake_store", "flattened_group", "fused_adamw_devices", "host_tensor_ops", "is_fake",
+           "compute_local_shape_and_global_offset", "default_foreach", "default_foreach_for", "dtensor_where_it_is", "fake_store", "fake_tensors_take_the_list_path", "flattened_group", "fused_adamw_devices", "host_tensor_ops", "is_fake",
            "local_of",
            "avx512_bf16_supported", "amx_tile_supported", "mkldnn_bf16_supported", "mkldnn_fp16_supported", "resolve_process_group", "scalar_dtype"]
 
@@ -86,6 +88,15 @@ def amx_tile_supported() -> bool:
 def default_foreach(device: torch.device) -> bool:
     """Whether torch.optim takes its foreach path by default for plain tensors on ``device``."""
     return device.type in _get_foreach_kernels_supported_devices()
+
+
+def fake_tensors_take_the_list_path() -> None:
+    """Let torch.optim's default list-path rule take a ``FakeTensor`` as the plain tensor it
+    stands for (the dry run): the rule lists the tensor types it takes (``torch.Tensor``,
+    ``Parameter``, and ``DTensor``, which registers itself the same way), and a plain
+    tensor's fake stand-in is a subclass it does not list."""
+    if FakeTensor not in _optim_foreach_types:
+        _optim_foreach_types.append(FakeTensor)
 
 
 def default_foreach_for(params: list[torch.Tensor]) -> bool:

@@ -79,6 +79,16 @@ def test_a_capturable_step_launches_the_same_program_with_the_same_host_values_e
 
 
 @needs_cuda_build
+def test_a_plain_adamw_parameter_takes_the_list_path_a_real_tensor_would():
+    # Under TP alone the debug model's norms stay plain tensors: fake ones in the dry run,
+    # which torch.optim's list-path rule must take as the torch.Tensor they stand for
+    # (dmuon.torch_compat.fake_tensors_take_the_list_path); else the AdamW part steps tensor by
+    # tensor, and the capturable AdamW's list ops (torch's div_ among them) never show.
+    (report,) = dry_run("--model", "debug", "--world-size", "2", "--layout", "tp", "--ranks", "0", "--capturable")
+    assert report.per_tensor_list_ops.get("aten._foreach_div_.List") == 2, report.per_tensor_list_ops
+
+
+@needs_cuda_build
 def test_experts_under_ep_step_capturable_with_the_same_host_values():
     for report in dry_run("--model", "moe-debug", "--world-size", "4", "--layout", "ep", "--ranks", "0,3",
                           "--capturable"):

@@ -5,7 +5,9 @@ strides but no data (``FakeTensorMode``), and PyTorch's fake process group lets 
 process be rank ``r`` of ``W`` ranks: every collective returns at once. Together they
 run the real FSDP2, DTensor and DMuon code on the CUDA path, at any world size, on a
 laptop. Without a driver, three functions of ``torch.cuda`` must answer as if one GPU
-were there (:func:`pretend_one_gpu`); nothing else is replaced.
+were there (:func:`pretend_one_gpu`), and torch.optim's list-path rule must take a fake
+plain tensor as the plain tensor it stands for
+(``dmuon.torch_compat.fake_tensors_take_the_list_path``); nothing else is replaced.
 
 Use it for a model of your own::
 
@@ -24,7 +26,7 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
-from dmuon.torch_compat import FakeTensorMode, fake_store
+from dmuon.torch_compat import FakeTensorMode, fake_store, fake_tensors_take_the_list_path
 
 # How to get a CUDA build, for the error on a CPU-only one.
 CUDA_BUILD_HINT = (
@@ -61,6 +63,7 @@ def fake_cuda_rank(rank: int, world_size: int, nccl_alone: bool = False) -> Iter
     if not 0 <= rank < world_size:
         raise DryRunError(f"rank {rank} is not in a world of {world_size} ranks; pass ranks 0..{world_size - 1}")
     pretend_one_gpu()
+    fake_tensors_take_the_list_path()  # torch.optim's list-path rule, as for the real tensors
     if dist.is_initialized():
         dist.destroy_process_group()
     # "cuda:fake": a default group for CUDA tensors only, as NCCL alone (TorchTitan's GPU default).
