@@ -24,9 +24,9 @@ TEST_KINDS = ("unit", "multirank", "torchrun", "cuda")
 # tests, on one set of shared ranks per world size (tests/multiprocess.py), and the torchrun
 # jobs; the in-process tests fill both workers. At most two launches run at once, one of
 # each kind: a TorchTitan job leaves a core idle much of its time (start-up, checkpoints,
-# gloo waits). The default tier took 12:21 with launches spread test by test over both
-# workers (two sets of shared ranks), 12:04 with every launch in one worker, 7:11 with the
-# two groups (docs/development.md).
+# gloo waits). Back to back, the default tier took 8:21 with every launch in one worker and
+# 7:11 with the two groups; spreading launches test by test over both workers (two sets of
+# shared ranks) was slower still on an earlier tree (docs/development.md).
 LAUNCHING_KINDS = ("multirank", "torchrun", "cuda")
 # Tests whose outcome does not depend on the torch release (documents, the import layers,
 # the launchers, the planner's pure functions of shapes): marked ``any_torch``, run by the

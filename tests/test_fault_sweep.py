@@ -53,15 +53,16 @@ class Sweeps:
     cases after it run in a new one)."""
 
     def __init__(self) -> None:
+        self.named = _named_cases()  # drawn once: the sample walks every generated case
         self.results: dict[str, Result] = {}
         self.summaries: dict[int, str] = {}
 
     def check(self, name: str) -> None:
         """Every case of ``name`` ran and kept every item of the contract."""
-        cases = _named_cases()[name]
+        cases = self.named[name]
         world = cases[0].world
         if world not in self.summaries:
-            batch = {c.id: c for named in _named_cases().values() for c in named if c.world == world}
+            batch = {c.id: c for named in self.named.values() for c in named if c.world == world}
             start = time.perf_counter()
             results = sweep(list(batch.values()), per_launch=len(batch), check_timeout_s=45.0,
                             log=lambda *a, **k: None, max_failed=MAX_FAILED)
@@ -86,13 +87,13 @@ def test_generated_faults_keep_the_contract_on_every_rank(sweeps, world):
 @pytest.mark.multirank
 @pytest.mark.parametrize("world", sorted(SKIPPED_CASES), ids=lambda p: f"P{p}")
 def test_a_non_finite_grad_on_some_ranks_skips_the_step_on_every_rank(sweeps, world):
-    assert {expected(case, 0).outcome for case in _named_cases()[f"skipped P{world}"]} == {"skipped"}
+    assert {expected(case, 0).outcome for case in sweeps.named[f"skipped P{world}"]} == {"skipped"}
     sweeps.check(f"skipped P{world}")
 
 
 @pytest.mark.multirank
 def test_a_grad_missing_on_one_rank_of_a_row_mesh_stops_the_step_on_every_rank(sweeps):
-    assert {expected(case, 0).outcome for case in _named_cases()["subset P4"]} == {"disagree"}
+    assert {expected(case, 0).outcome for case in sweeps.named["subset P4"]} == {"disagree"}
     sweeps.check("subset P4")
 
 

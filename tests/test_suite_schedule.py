@@ -1,8 +1,8 @@
 """How scripts/test.sh spreads the suite over two pytest-xdist workers (tests/conftest.py):
 the multi-rank tests run in one worker and the torchrun tests in the other, each kind one
-launch at a time, and the in-process tests fill both. Checked on a small generated suite, in a pytest of its
-own, so that an upgrade that silently drops the groups (pytest 9 with pytest-xdist 3.8
-does: pyproject.toml) fails here instead of making the suite slower."""
+launch at a time, and the in-process tests fill both. Checked on a small generated suite,
+in a pytest of its own, so that an upgrade that silently drops the groups (pytest 9 with
+pytest-xdist 3.8 does: pyproject.toml) fails here instead of making the suite slower."""
 
 from __future__ import annotations
 

@@ -32,6 +32,7 @@ every block whole.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -73,17 +74,12 @@ def row_split_on_blocks(offset: int) -> bool:
 
 def bytes_per_element(shape: Sequence[int], momentum_dtype: str | None, param_dtype: torch.dtype) -> float:
     """The momentum's bytes per element of a tensor of ``shape`` (scales included)."""
-    numel = 1
-    for size in shape:
-        numel *= size
     if momentum_dtype is None:
         return float(param_dtype.itemsize)
     if momentum_dtype == "bfloat16":
         return 2.0
-    scales = 1
-    for size in scales_shape(shape):
-        scales *= size
-    return (numel + 4 * scales) / max(numel, 1)
+    numel = math.prod(shape)
+    return (numel + 4 * math.prod(scales_shape(shape))) / max(numel, 1)
 
 
 def _blocks(x: torch.Tensor) -> torch.Tensor:
