@@ -160,6 +160,7 @@ def run_benchmark(cfg: BenchConfig) -> dict:
         "min_bytes_per_rank": min_bytes_per_rank(cfg.layout, cfg.mesh_shape, muon_elements, cfg.split_replicas),
         "ns_flops_total": ns_flops_total,
         "ns_algorithm": cfg.ns_algorithm,
+        "momentum_dtype": cfg.momentum_dtype,
         "max_batch_numel": cfg.max_batch_numel,
         "left_out": {name: SLOW_BF16_REASON for name in left_out},
         "results": results,
@@ -188,7 +189,8 @@ def _bench_single(cfg: BenchConfig, device: torch.device) -> dict[str, float]:
     model = build_model(cfg, device)
     grads = [g.full_tensor() for g in make_grads(model)]
     params = [nn.Parameter(p.full_tensor()) for p in model.parameters()]
-    optimizer = DMuon(params, lr=LR, ns_dtype=cfg.ns_dtype, ns_algorithm=cfg.ns_algorithm)
+    optimizer = DMuon(params, lr=LR, ns_dtype=cfg.ns_dtype, ns_algorithm=cfg.ns_algorithm,
+                      momentum_dtype=cfg.momentum_dtype)
 
     def step() -> None:
         if dist.get_rank() == 0:
@@ -203,9 +205,10 @@ def _make_optimizer(name: str, params: list[torch.Tensor], cfg: BenchConfig) -> 
     if name in ("dmuon", "dmuon_bf16"):
         return DMuon(params, lr=LR, comm="all_to_all", max_batch_numel=cfg.max_batch_numel,
                      split_replicas=cfg.split_replicas, ns_dtype="bfloat16" if name == "dmuon_bf16" else cfg.ns_dtype,
-                     ns_algorithm=cfg.ns_algorithm)
+                     ns_algorithm=cfg.ns_algorithm, momentum_dtype=cfg.momentum_dtype)
     if name == "redistribute":
-        return DMuon(params, lr=LR, comm="redistribute", ns_dtype=cfg.ns_dtype, ns_algorithm=cfg.ns_algorithm)
+        return DMuon(params, lr=LR, comm="redistribute", ns_dtype=cfg.ns_dtype, ns_algorithm=cfg.ns_algorithm,
+                     momentum_dtype=cfg.momentum_dtype)
     if name == "vanilla":
         return torch.optim.Muon(params, lr=LR)
     if name == "adamw":
@@ -236,6 +239,8 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
                         help="DMuon's Newton-Schulz compute dtype (default %(default)s)")
     parser.add_argument("--ns-algorithm", choices=NS_ALGORITHMS, default=defaults.ns_algorithm,
                         help="DMuon's Newton-Schulz algorithm (default %(default)s)")
+    parser.add_argument("--momentum-dtype", choices=("bfloat16", "int8"), default=None,
+                        help="DMuon's momentum_dtype for the DMuon rows (default: the parameters' dtype)")
     parser.add_argument("--bf16-rows", action="store_true",
                         help=f"run {' and '.join(BF16_ROWS)} (Newton-Schulz in bf16, like torch.optim.Muon) also on a "
                              "CPU without a native bf16 matmul, where they take minutes a step (default: left out there)")
@@ -253,7 +258,7 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
     mesh_shape = tuple(int(n) for n in args.mesh.split(",") if n)
     return BenchConfig(args.dim, args.layers, args.steps, args.warmup, args.threads, chosen, args.max_batch_numel,
                        args.device, args.layout, mesh_shape, not args.no_split_replicas, args.ns_dtype,
-                       args.ns_algorithm, bf16_rows, args.json, args.plot)
+                       args.ns_algorithm, args.momentum_dtype, bf16_rows, args.json, args.plot)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -57,6 +57,8 @@ class BenchConfig:
     """DMuon's ns_dtype for the DMuon rows (``dmuon_bf16`` always runs bf16)."""
     ns_algorithm: str = DEFAULT_NS_ALGORITHM
     """DMuon's ns_algorithm for the DMuon rows."""
+    momentum_dtype: str | None = None
+    """DMuon's momentum_dtype for the DMuon rows (None: the parameters' dtype)."""
     bf16_rows: bool = False
     """Run the bf16 rows (``BF16_ROWS``) also on a CPU whose bf16 matmul is slow."""
     json: str | None = None

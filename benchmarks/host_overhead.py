@@ -24,7 +24,8 @@ for the rows that ran.
 
 Optimizers: ``dmuon`` (``DMuon()``, torch's per-device default for ``foreach``),
 ``dmuon_foreach`` (``DMuon(foreach=True)``), ``dmuon_capturable`` (``DMuon(capturable=True)``:
-its hyperparameters on the device, issue 42), ``adamw`` (``torch.optim.AdamW(foreach=True)``
+its hyperparameters on the device, issue 42), ``dmuon_momentum_bf16`` and ``dmuon_momentum_int8``
+(``DMuon(momentum_dtype=...)``, issue 51; only when named), ``adamw`` (``torch.optim.AdamW(foreach=True)``
 on every parameter) and ``muon`` (``torch.optim.Muon`` on the 2-D hidden matrices, as
 DTensors, beside ``torch.optim.AdamW(foreach=True)`` for the rest: embeddings, output, norms
 and, in the MoE model, the 3-D expert stacks, which ``torch.optim.Muon`` refuses).
@@ -54,6 +55,8 @@ from dmuon.optimizer import DMuon
 from dmuon.torch_compat import TorchDispatchMode
 
 OPTIMIZERS = ("dmuon", "dmuon_foreach", "adamw", "muon", "dmuon_capturable")
+# DMuon() with its momentum kept in bf16 or int8 (issue 51): asked for by name, not in the default set.
+MOMENTUM_ROWS = {"dmuon_momentum_bf16": "bfloat16", "dmuon_momentum_int8": "int8"}
 RANKS = (1, 2, 4)
 # Issue 25's acceptance: the most aten ops DMuon(foreach=True) may take per step on the
 # busiest rank, by (model, P). Issue 31's: its step time over AdamW(foreach=True)'s at
@@ -181,13 +184,15 @@ def make_optimizers(name: str, model: nn.Module, ns_dtype: str = "auto") -> list
         return [DMuon(named, lr=LR, foreach=True, ns_dtype=ns_dtype)]
     if name == "dmuon_capturable":  # lr and weight_decay as device tensors (torch's default foreach)
         return [DMuon(named, lr=LR, capturable=True, ns_dtype=ns_dtype)]
+    if name in MOMENTUM_ROWS:
+        return [DMuon(named, lr=LR, ns_dtype=ns_dtype, momentum_dtype=MOMENTUM_ROWS[name])]
     if name == "adamw":
         return [torch.optim.AdamW([p for _, p in named], lr=LR, foreach=True)]
     if name == "muon":
         hidden = [p for n, p in named if p.ndim == 2 and not n.startswith(("tok_embeddings.", "output."))]
         rest = [p for n, p in named if not any(p is h for h in hidden)]
         return [torch.optim.Muon(hidden, lr=LR), torch.optim.AdamW(rest, lr=LR, foreach=True)]
-    raise ValueError(f"unknown optimizer {name!r}; choose from {OPTIMIZERS}")
+    raise ValueError(f"unknown optimizer {name!r}; choose from {OPTIMIZERS + tuple(MOMENTUM_ROWS)}")
 
 
 class OpCounter(TorchDispatchMode):
@@ -383,7 +388,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.models = [m for m in args.models.split(",") if m]
     args.optimizers = [o for o in args.optimizers.split(",") if o]
     args.ranks = [int(r) for r in args.ranks.split(",") if r]
-    for chosen, known, what in ((args.models, MODELS, "model"), (args.optimizers, OPTIMIZERS, "optimizer")):
+    for chosen, known, what in ((args.models, MODELS, "model"),
+                                (args.optimizers, OPTIMIZERS + tuple(MOMENTUM_ROWS), "optimizer")):
         unknown = sorted(set(chosen) - set(known))
         if unknown:
             parser.error(f"unknown {what}(s) {unknown}; choose from {list(known)}")

@@ -30,6 +30,7 @@ from dmuon.exchange.host_staging import HostStaging, check_offload, staging_for
 from dmuon.exchange.owner_exchange import Callbacks, run_owner_plan
 from dmuon.exchange.reductions import share_second_moments
 from dmuon.group_steps import GroupSteps, by_group
+from dmuon.momentum_state import MomentumReads
 from dmuon.numerics.functional import normuon_state
 from dmuon.numerics.masked_updates import UnitMasks
 from dmuon.numerics.newton_schulz import resolve_ns_algorithm, resolve_ns_dtype
@@ -96,16 +97,34 @@ class OwnerRun:
         parameters were reassigned); a wrong shard's stand-in."""
         return [self.stand_ins.get(j, local_of(p)) for j, p in enumerate(self.params)]
 
+    def momentum_step(self, grads: Mapping[torch.Tensor, torch.Tensor], state: Mapping[torch.Tensor, dict[str, Any]],
+                      oks: Sequence[torch.Tensor], groups: Sequence[dict[str, Any]], steps: GroupSteps
+                      ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Each parameter's local grad and its momentum after this step's EMA (one list op per
+        group, where its ``oks`` entry holds), rounded into a store kept in another dtype
+        (``dmuon.momentum_state``): what is returned is the unrounded EMA the look-ahead reads."""
+        momenta = MomentumReads()
+        local_grads, local_bufs = self.grads_and_bufs(grads, state, momenta, oks)
+        for group, members in by_group(range(len(self.params)), groups):
+            steps.momentum([local_bufs[j] for j in members], [local_grads[j] for j in members], group,
+                           [oks[j] for j in members])
+        momenta.store(steps.lists_for(self.device))
+        return local_grads, local_bufs
+
     def grads_and_bufs(self, grads: Mapping[torch.Tensor, torch.Tensor],
-                       state: Mapping[torch.Tensor, dict[str, Any]]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Each parameter's local grad and momentum buffer for this step. Without a usable
-        grad here, the buffer stands in for it (the masked EMA then leaves the buffer as it
-        is); before its state exists, zeros stand in for the buffer (no state is made)."""
-        local_grads, local_bufs = [], []
-        for j, param in enumerate(self.params):
-            buf = state.get(param, {}).get("momentum_buffer")  # get: no empty state made
-            local_bufs.append(self.local(j, buf) if buf is not None else torch.zeros_like(self.local(j, param)))
-            local_grads.append(self.local(j, grads[param]) if param in grads else local_bufs[j])
+                       state: Mapping[torch.Tensor, dict[str, Any]], momenta: MomentumReads,
+                       oks: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Each parameter's local grad and momentum for this step (read by ``momenta``, stored
+        back where its ``oks`` hold). Without a usable grad here, the momentum stands in for
+        it (the masked EMA then leaves it as it is); before its state exists, zeros stand in
+        (no state is made); a wrong shard's stand-in stands in for both."""
+        mine = [j for j in range(len(self.params)) if j not in self.stand_ins]
+        read = momenta.read([state.get(self.params[j]) for j in mine], [local_of(self.params[j]) for j in mine],
+                            [oks[j] for j in mine])  # get: no empty state made
+        local_bufs = [self.stand_ins.get(j) for j in range(len(self.params))]
+        for j, buf in zip(mine, read):
+            local_bufs[j] = buf
+        local_grads = [self.local(j, grads[p]) if p in grads else local_bufs[j] for j, p in enumerate(self.params)]
         return local_grads, local_bufs
 
     def second_moments(self, groups: Sequence[dict[str, Any]], state: Mapping[torch.Tensor, dict[str, Any]]
@@ -247,16 +266,13 @@ class FastPath:
             return
         run, params = self._run, self._run.params
         param_groups = [groups[p] for p in params]  # by plan parameter
-        local_grads, local_bufs = run.grads_and_bufs(grads, state)
-        bufs = run.blocks.kept("momentum_buffer", local_bufs)
-        targets = run.blocks.kept("param", run.locals(), flat=True)
         ok = [oks[p] for p in params]  # made by the step's wait (dmuon.step_phases)
         here = ok if run.staging is None else run.staging.masks(ok)  # where the elementwise rules run
+        local_grads, local_bufs = run.momentum_step(grads, state, here, param_groups, steps)
+        bufs = run.blocks.kept("momentum_buffer", local_bufs)
+        targets = run.blocks.kept("param", run.locals(), flat=True)
         moments, rows = run.second_moments(param_groups, state)  # staged after the masks' wait (host_staging)
         masks = UnitMasks(ok, [u.param for u in run.plan.units], steps.lists_for(run.device))
-        for group, members in by_group(range(len(params)), param_groups):
-            steps.momentum([local_bufs[j] for j in members], [local_grads[j] for j in members], group,
-                           [here[j] for j in members])
         grad_blocks: dict[int, list[torch.Tensor]] = {}  # this step's grads, split on first use
 
         def pack_blocks(units: Sequence[int]) -> list[torch.Tensor]:

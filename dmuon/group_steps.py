@@ -10,7 +10,7 @@ wherever Newton-Schulz runs, on the whole matrix, with the rows of the state it 
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable, Mapping, MutableMapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, MutableMapping, Sequence
 from typing import Any
 
 import torch
@@ -26,6 +26,7 @@ from dmuon.numerics.functional import (
     update_scale,
 )
 from dmuon.exchange.status_channel import distributed
+from dmuon.momentum_state import BUFFER_KEY, INT8_KEY, SCALES_KEY, MomentumReads, kept_momentum, make_momentum
 from dmuon.exchange.status_masks import StatusMasks, StepMask
 from dmuon.numerics.device_scalars import StepScalars
 from dmuon.numerics.masked_updates import mask_
@@ -44,7 +45,7 @@ MUON_STEP_KEYS = ("lr", "momentum", "nesterov", "weight_decay", "adjust_lr", "ma
 # The state key of NorMuon's per-row second moment (``dmuon.numerics.functional.normuon_state``).
 NORMUON_STATE_KEY = "normuon_second_moment"
 # Muon's state keys: kept in the dtype they were made (or saved) in.
-MUON_STATE_KEYS = ("momentum_buffer", NORMUON_STATE_KEY)
+MUON_STATE_KEYS = (BUFFER_KEY, INT8_KEY, SCALES_KEY, NORMUON_STATE_KEY)
 
 
 class GroupSteps:
@@ -130,15 +131,16 @@ class GroupSteps:
 
     @staticmethod
     def make_muon_state(grads: Mapping[torch.Tensor, torch.Tensor], groups: Mapping[torch.Tensor, dict[str, Any]],
-                        state: MutableMapping[torch.Tensor, dict[str, Any]], rollback: StateRollback) -> None:
-        """At a Muon parameter's first grad: a zero momentum buffer, and in a NorMuon
-        group a zero second moment (``dmuon.numerics.functional.normuon_state``); what is
-        made is recorded in ``rollback`` (a masked step's is taken back by the next)."""
+                        state: MutableMapping[torch.Tensor, dict[str, Any]], rollback: StateRollback,
+                        name_of: Callable[[torch.Tensor], str]) -> None:
+        """At a Muon parameter's first grad: a zero momentum in the group's ``momentum_dtype``
+        (``dmuon.momentum_state``), and in a NorMuon group a zero second moment
+        (``dmuon.numerics.functional.normuon_state``); what is made is recorded in
+        ``rollback`` (a masked step's is taken back by the next)."""
         for param in grads:
             made = []
-            if "momentum_buffer" not in state[param]:
-                state[param]["momentum_buffer"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-                made.append("momentum_buffer")
+            if kept_momentum(state[param]) is None:
+                made += make_momentum(param, groups[param]["momentum_dtype"], state[param], name_of(param))
             if groups[param]["normuon"] and NORMUON_STATE_KEY not in state[param]:
                 state[param][NORMUON_STATE_KEY] = normuon_state(param)
                 made.append(NORMUON_STATE_KEY)
@@ -166,11 +168,14 @@ class GroupSteps:
             return self.orthogonalize(update, group, moment)
 
         local_params = [local_of(p) for p in params]
+        foreach = bool(local_params) and self.lists_for(local_params[0].device, group)
+        momenta = MomentumReads()
         muon_(local_params, [local_of(grads[p]) for p in params],
-              [local_of(state[p]["momentum_buffer"]) for p in params], shapes=[p.shape for p in params],
-              orthogonalize=orthogonalize, updating=self.telemetry.muon_update,
-              foreach=bool(local_params) and self.lists_for(local_params[0].device, group),
-              capturable=capturable(group), scalars=self.scalars, **{key: group[key] for key in MUON_STEP_KEYS})
+              momenta.read([state[p] for p in params], local_params),
+              shapes=[p.shape for p in params], orthogonalize=orthogonalize, updating=self.telemetry.muon_update,
+              foreach=foreach, capturable=capturable(group), scalars=self.scalars,
+              **{key: group[key] for key in MUON_STEP_KEYS})
+        momenta.store(foreach)
 
     def muon_off_the_fast_path(self, param_groups: Sequence[dict[str, Any]], paths: Mapping[torch.Tensor, str],
                                grads: Mapping[torch.Tensor, torch.Tensor], status: StatusMasks,
@@ -198,10 +203,11 @@ class GroupSteps:
         if not params:
             return
         ok = [oks[p] for p in params]
-        bufs = [local_of(state[p]["momentum_buffer"]) if "momentum_buffer" in state.get(p, {})
-                else torch.zeros_like(local_of(p)) for p in params]
+        momenta = MomentumReads()
+        bufs = momenta.read([state.get(p) for p in params], [local_of(p) for p in params], ok)
         local_grads = [local_of(grads[p]) if p in grads else buf for p, buf in zip(params, bufs)]
         self.momentum(bufs, local_grads, group, ok)
+        momenta.store(self.lists_for(bufs[0].device, group))
         for i, param in enumerate(params):
             update = nesterov_lookahead(local_grads[i], bufs[i], group["momentum"], group["nesterov"])
             update = update.to(UPDATE_DTYPE, copy=True)

@@ -43,6 +43,7 @@ from dmuon.device_hyperparameters import held_values, keep_after_load, place_on_
 from dmuon.exchange.comm import CommStats, ScratchMeter
 from dmuon.fast_path import FastPath
 from dmuon.group_steps import MUON_STATE_KEYS
+from dmuon.momentum_state import convert_loaded
 from dmuon.numerics.newton_schulz import (
     DEFAULT_GRAM_RESTARTS,
     DEFAULT_NS_ALGORITHM,
@@ -69,7 +70,7 @@ from dmuon.plan.cost_model import CostModel
 from dmuon.plan.owner_plan import OwnerPlan
 from dmuon.plan.paths import ALL_TO_ALL
 from dmuon.step_phases import StepOptions, StepPhases
-from dmuon.telemetry import StepFigures, Telemetry
+from dmuon.telemetry import StateBytes, StepFigures, Telemetry, state_bytes
 from dmuon.torch_compat import local_of
 
 ParamsArg = Iterable[torch.Tensor] | Iterable[tuple[str, torch.Tensor]] | Iterable[dict[str, Any]]
@@ -82,7 +83,7 @@ class DMuon(PicklesConfiguration, Optimizer):
             dicts. A group's ``use_muon`` picks the algorithm; without it, ndim >= 2
             parameters go to Muon unless named like an embedding or output head
             (``DEFAULT_ADAMW_NAME_PATTERN``). A group may set the options from ``lr`` to
-            ``qk_clip_threshold``; for its AdamW part ``adamw_<x>`` wins over ``<x>``.
+            ``momentum_dtype``; for its AdamW part ``adamw_<x>`` wins over ``<x>``.
         lr: Muon's learning rate (AdamW's too unless ``adamw_lr``); a float or a
             one-element Tensor. The options after it are keyword-only.
         momentum, nesterov, weight_decay: Muon's momentum EMA, Nesterov look-ahead and
@@ -100,6 +101,10 @@ class DMuon(PicklesConfiguration, Optimizer):
         cautious_weight_decay: decay only where update and weight agree in sign.
         qk_clip_threshold: QK-clip (``dmuon.attention.qk_clip``); None: off. Needs the attentions
             registered with :meth:`clip_attention` and reporting to :attr:`max_logits`.
+        momentum_dtype: how the momentum is kept between steps: None (the parameter's dtype),
+            ``torch.bfloat16`` / ``"bfloat16"``, or ``"int8"`` (one fp32 scale per 128 elements of
+            a row; bf16 where a layout cuts rows off those blocks). Exact across world sizes
+            (``dmuon.momentum_state``).
         adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay: the AdamW part.
         comm: ``"all_to_all"`` (owner-computed fast path where the placement allows it)
             or ``"redistribute"`` (reference path: every rank orthogonalizes every matrix).
@@ -147,7 +152,7 @@ class DMuon(PicklesConfiguration, Optimizer):
         normuon: bool = False,
         normuon_beta2: float = DEFAULT_NORMUON_BETA2,
         cautious_weight_decay: bool = False,
-        qk_clip_threshold: float | None = None,
+        qk_clip_threshold: float | None = None, momentum_dtype: str | torch.dtype | None = None,
         comm: str = ALL_TO_ALL,
         max_batch_numel: int = DEFAULT_BATCH_NUMEL,
         split_replicas: bool | None = None,
@@ -165,7 +170,7 @@ class DMuon(PicklesConfiguration, Optimizer):
             ns_coefficients=ns_coefficients, ns_algorithm=ns_algorithm, ns_gram_restarts=ns_gram_restarts, eps=eps,
             adjust_lr=adjust_lr, matched_adamw_rms=matched_adamw_rms, split_rows=split_rows, normuon=normuon,
             normuon_beta2=normuon_beta2, cautious_weight_decay=cautious_weight_decay, qk_clip_threshold=qk_clip_threshold,
-            adamw_lr=adamw_lr, adamw_betas=adamw_betas, adamw_eps=adamw_eps, adamw_weight_decay=adamw_weight_decay))
+            momentum_dtype=momentum_dtype, adamw_lr=adamw_lr, adamw_betas=adamw_betas, adamw_eps=adamw_eps, adamw_weight_decay=adamw_weight_decay))
         check_hyperparameter_defaults(muon_defaults, adamw_defaults)  # before any group is built
         self._muon_defaults, self._adamw_defaults = muon_defaults, adamw_defaults
         self.comm, self.max_batch_numel, self.split_replicas = check_optimizer_options(
@@ -269,6 +274,11 @@ class DMuon(PicklesConfiguration, Optimizer):
         figures = self.phases.telemetry.last_step()
         return None if figures is None else figures.with_skipped(self.skipped_steps)
 
+    def state_bytes(self) -> StateBytes:
+        """This rank's optimizer state in bytes, Muon's and AdamW's, beside their parameters'
+        local elements (``dmuon.telemetry.StateBytes``)."""
+        return state_bytes(self.param_groups, self.state)
+
     def owner_plans(self) -> list[OwnerPlan]:
         """The fast path's plan of each mesh (made at the first ``step()``; empty before)."""
         return self.phases.fast_path.owner_plans()
@@ -280,6 +290,7 @@ class DMuon(PicklesConfiguration, Optimizer):
         held, tensors = held_values(self.param_groups), state_tensors(self)
         super().load_state_dict(state_dict)
         keep_saved_dtypes(self, state_dict, MUON_STATE_KEYS)
+        convert_loaded(self.param_groups, self.state, self.param_name)  # a checkpoint of another momentum_dtype
         keep_after_load(self.param_groups, held)  # capturable: the loaded values in the groups' own device tensors
         keep_state_tensors(self, tensors)  # capturable: the loaded state in the tensors a captured step reads
         self.phases.forget_plan()

@@ -23,6 +23,7 @@ from dmuon.numerics.newton_schulz import (
     NS_DTYPES,
     ns_dtype_name,
 )
+from dmuon.numerics.momentum_storage import parse_momentum_dtype
 from dmuon.numerics.update_rules import ADJUST_LR_CHOICES
 from dmuon.plan.paths import COMM_CHOICES
 
@@ -104,6 +105,10 @@ def check_muon_hyperparameters(group: dict[str, Any], where: str) -> None:
                          "\"gram\" runs Gram Newton-Schulz on every matrix, \"auto\" where it costs fewer flops "
                          "(aspect above 1.5), \"standard\" nowhere (torch.optim.Muon's iteration).")
     group["ns_gram_restarts"] = check_gram_restarts(group["ns_gram_restarts"], where)
+    try:
+        group["momentum_dtype"] = parse_momentum_dtype(group["momentum_dtype"])
+    except ValueError as error:
+        raise ValueError(f"{where}: {error}") from None
     try:
         group["ns_coefficients"] = resolve_ns_coefficients(group["ns_coefficients"])
     except ValueError as error:

@@ -46,17 +46,19 @@ MUON_KEYS = (
     "normuon_beta2",
     "cautious_weight_decay",
     "qk_clip_threshold",
+    "momentum_dtype",
 )
 ADAMW_KEYS = ("lr", "betas", "eps", "weight_decay", "cautious_weight_decay")
 # The update-rule variants (issue 16), each off by default so that a group without them
 # steps bit for bit as before: NorMuon's neuron-wise normalization (Muon groups) and
 # cautious weight decay (Muon and AdamW groups), and QK-clip's threshold (Muon groups
 # holding attention weights; None: off), and Gram Newton-Schulz (issue 23: the standard
-# iteration unless asked). A front end that has no field for one of them gets this
+# iteration unless asked), and the momentum's storage (issue 51: the parameter's dtype
+# unless asked). A front end that has no field for one of them gets this
 # default (``split_options``).
 VARIANT_DEFAULTS = {"normuon": False, "normuon_beta2": DEFAULT_NORMUON_BETA2, "cautious_weight_decay": False,
                     "qk_clip_threshold": None, "ns_algorithm": DEFAULT_NS_ALGORITHM,
-                    "ns_gram_restarts": DEFAULT_GRAM_RESTARTS}
+                    "ns_gram_restarts": DEFAULT_GRAM_RESTARTS, "momentum_dtype": None}
 # The constructor's AdamW keywords, accepted as group keys too: each sets the AdamW
 # value of its plain key and, as ``adamw_lr`` over ``lr`` in the constructor, wins over
 # it. None (the constructor's default of ``adamw_lr``) means unset.

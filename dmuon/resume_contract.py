@@ -35,7 +35,7 @@ logger = logging.getLogger("dmuon")
 APPLIED_ON_RESUME = (
     "lr", "momentum", "nesterov", "weight_decay", "ns_steps", "ns_coefficients", "ns_algorithm",
     "ns_gram_restarts", "eps", "adjust_lr", "matched_adamw_rms", "normuon_beta2", "cautious_weight_decay",
-    "qk_clip_threshold", "betas", "foreach", "fused", "maximize", "capturable", "differentiable",
+    "qk_clip_threshold", "momentum_dtype", "betas", "foreach", "fused", "maximize", "capturable", "differentiable",
 )
 # Options that decide the state's layout: refused when they differ.
 LAYOUT_KEYS = ("use_muon", "normuon", "split_rows")

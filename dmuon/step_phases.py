@@ -181,7 +181,7 @@ class StepPhases:
         if failure is not None and status.mask is not StepMask.MASKED and status.alone:
             status.mask_here()  # the Muon part stays as it is too
         if status.mask is not StepMask.MASKED:
-            steps.make_muon_state(grads, muon_groups, state, self.rollback)
+            steps.make_muon_state(grads, muon_groups, state, self.rollback, name_of)
         self.scratch_stats.reset_peak()
         self.fast_path.step(grads, status, muon_groups, state, steps, self.comm_stats, self.scratch_stats)
         steps.muon_off_the_fast_path(param_groups, self.paths(param_groups, name_of), grads, status, state)

@@ -51,6 +51,7 @@ import torch
 import torch.distributed as dist
 
 from dmuon.exchange.reductions import start_sum
+from dmuon.torch_compat import local_of
 
 # Positions in the vector of sums reduced across ranks.
 _MUON_DELTA_SQ, _MUON_WEIGHT_SQ, _MUON_NUMEL, _ADAMW_DELTA_SQ, _ADAMW_WEIGHT_SQ, _ADAMW_NUMEL = range(6)
@@ -267,3 +268,36 @@ class Telemetry:
         if self._figures is None:
             self._figures = self._finished.figures()
         return self._figures
+
+
+@dataclass(frozen=True)
+class StateBytes:
+    """This rank's optimizer state by part (``DMuon.state_bytes()``; local tensors, no collective)."""
+
+    muon_bytes: int
+    """Muon's state: momentum (with int8's scales) and NorMuon's rows."""
+    muon_elements: int
+    """The Muon parameters' local elements."""
+    adamw_bytes: int
+    """AdamW's state: both moments and the step counters."""
+    adamw_elements: int
+
+    @property
+    def muon_bytes_per_element(self) -> float:
+        return self.muon_bytes / self.muon_elements if self.muon_elements else 0.0
+
+    @property
+    def adamw_bytes_per_element(self) -> float:
+        return self.adamw_bytes / self.adamw_elements if self.adamw_elements else 0.0
+
+
+def state_bytes(param_groups: Sequence[dict], state: dict) -> StateBytes:
+    """:class:`StateBytes` of an optimizer's groups and state, from the local tensors."""
+    totals = {True: [0, 0], False: [0, 0]}
+    for group in param_groups:
+        for param in group["params"]:
+            totals[group["use_muon"]][1] += local_of(param).numel()
+            totals[group["use_muon"]][0] += sum(local_of(t).nbytes for t in state.get(param, {}).values()
+                                                if isinstance(t, torch.Tensor))
+    return StateBytes(*totals[True], *totals[False])
+

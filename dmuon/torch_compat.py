@@ -25,7 +25,7 @@ moves one, this module is the one to change, and its tests say which entry broke
 | ``chunk_cat`` (``torch._chunk_cat``) | the owner exchange: many blocks (any shapes, one dtype) flattened into a send buffer in one op, as FSDP2 packs its reduce-scatter | 2.11.0, 2.13.0, 2.15.0 |
 | ``local_of`` (``DTensor._local_tensor``) | the step's elementwise rules read and write each DTensor's local tensor itself: ``to_local()`` makes a new view (an op) per call, per parameter per step | 2.11.0, 2.13.0, 2.15.0 |
 | ``flattened_group`` (``DeviceMesh._flatten``) | a group of an n-D mesh's ranks (a pipeline stage's mesh), made as DeviceMesh makes its own: every rank of the root mesh makes every slice's group together, so no rank waits in a group creation its peers skip | 2.11.0, 2.13.0, 2.15.0 |
-| ``dtensor_where_it_is`` (``DTensor(local, DTensorSpec(...))``, as FSDP2's ``_from_local_no_grad``) | NorMuon's state under FSDP2's CPU offload: a DTensor on the device mesh whose local tensor stays on the host (``DTensor.from_local`` moves it to the mesh's device) | 2.11.0, 2.13.0, 2.15.0 |
+| ``dtensor_where_it_is`` (``DTensor(local, DTensorSpec(...))``, as FSDP2's ``_from_local_no_grad``) | NorMuon's state under FSDP2's CPU offload, and int8 momentum's scales (a shard of a global shape): a DTensor on the device mesh whose local tensor stays where it is (``DTensor.from_local`` moves it to the mesh's device) | 2.11.0, 2.13.0, 2.15.0 |
 | ``has_optimizer_hook`` (``Optimizer._optimizer_state_dict_pre_hooks``, ``_optimizer_load_state_dict_pre_hooks``) | DMuon's hooks attached once, also on a copy (torch's hooks do not pickle) | 2.11.0, 2.13.0, 2.15.0 |
 | ``host_tensor_ops`` (``torch._subclasses.fake_tensor.unset_fake_temporarily``) | host-side bookkeeping (mesh ranks, shard offsets, agreement counts) on real CPU tensors also while a ``FakeTensorMode`` is active (``python -m dmuon.dry_run``) | 2.11.0, 2.13.0, 2.15.0 |
 """
@@ -130,11 +130,21 @@ def local_of(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def dtensor_where_it_is(local: torch.Tensor, mesh: "torch.distributed.device_mesh.DeviceMesh",
-                        placements: tuple) -> DTensor:
+                        placements: tuple, shape: tuple[int, ...] | None = None) -> DTensor:
     """``DTensor.from_local(local, mesh, placements, run_check=False)`` without moving
-    ``local`` to the mesh's device: FSDP2's CPU offload keeps host shards on a device mesh."""
-    meta = TensorMeta(local.shape, local.stride(), local.dtype)
+    ``local`` to the mesh's device: FSDP2's CPU offload keeps host shards on a device mesh.
+    ``shape``: the global shape (contiguous) where ``local`` is a shard (default: ``local``'s)."""
+    meta = (TensorMeta(local.shape, local.stride(), local.dtype) if shape is None
+            else TensorMeta(torch.Size(shape), _contiguous_strides(shape), local.dtype))
     return DTensor(local, DTensorSpec(mesh, tuple(placements), tensor_meta=meta), requires_grad=False)
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
 
 
 def flattened_group(mesh: "torch.distributed.device_mesh.DeviceMesh", name: str) -> dist.ProcessGroup:

@@ -8,6 +8,11 @@
 #                                     # DMuon twice, Newton-Schulz in float32: "standard" and
 #                                     # "auto" (Gram where it is cheaper); writes
 #                                     # outputs/demo/loss_ns_algorithms.png + summary.txt
+#   bash scripts/demo.sh --momentum-dtypes
+#                                     # DMuon three times, momentum kept in the parameters'
+#                                     # fp32, in bf16 and in int8 (then fp32 again at seeds 1
+#                                     # and 2: the seed noise); writes
+#                                     # outputs/demo/loss_momentum_dtypes.png + summary.txt
 #
 # Options:
 #   --steps N      train N steps instead of the TOML's 200 (both runs in --compare)
@@ -18,16 +23,18 @@
 # .gitignore there). Needs no GPU and no network once the packages are installed.
 set -euo pipefail
 
-usage() { sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,23p' "$0" | sed 's/^# \{0,1\}//'; }
 
 compare=0
 ns_algorithms=0
+momentum_dtypes=0
 force_setup=0
 steps=""
 while [[ $# -gt 0 ]]; do
     case "$1" in
         --compare) compare=1 ;;
         --ns-algorithms) ns_algorithms=1 ;;
+        --momentum-dtypes) momentum_dtypes=1 ;;
         --setup) force_setup=1 ;;
         --steps) steps="$2"; shift ;;
         -h|--help) usage; exit 0 ;;
@@ -93,6 +100,25 @@ if [[ $ns_algorithms == 1 ]]; then
     echo "== comparison"
     "$PYTHON" scripts/compare.py --run standard=outputs/demo/ns_standard.log --run auto=outputs/demo/ns_auto.log \
         --name loss_ns_algorithms --out outputs/demo
+    exit 0
+fi
+
+if [[ $momentum_dtypes == 1 ]]; then
+    # Same data, seed and schedule; only where the momentum is kept between steps differs.
+    for dtype in param bfloat16 int8; do
+        train "momentum_$dtype" train_configs/llama3_debug_dmuon.toml --metrics.log_freq 1 \
+            --optimizer.momentum_dtype "$dtype"
+    done
+    for seed in 1 2; do  # the seed noise: fp32 momentum from other initial weights
+        train "momentum_param_seed$seed" train_configs/llama3_debug_dmuon.toml --metrics.log_freq 1 \
+            --debug.seed "$seed"
+    done
+    echo "== comparison"
+    "$PYTHON" scripts/compare.py --run fp32=outputs/demo/momentum_param.log \
+        --run bf16=outputs/demo/momentum_bfloat16.log --run int8=outputs/demo/momentum_int8.log \
+        --run "fp32 seed 1"=outputs/demo/momentum_param_seed1.log \
+        --run "fp32 seed 2"=outputs/demo/momentum_param_seed2.log --relative-to fp32 \
+        --name loss_momentum_dtypes --out outputs/demo
     exit 0
 fi
 

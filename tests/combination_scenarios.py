@@ -26,6 +26,7 @@ THRESHOLD = 5.0  # the synthetic logits below are ~15-30: every step clips
 VARIANTS = {"plain": {}, "normuon": {"normuon": True}, "cautious": {"cautious_weight_decay": True},
             "qk_clip": {"qk_clip_threshold": THRESHOLD}}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+MOMENTUM_DTYPES = {"param": None, "bf16": "bfloat16", "int8": "int8"}  # how the momentum is kept
 FAULTS = ("none", "nan", "inf", "invalid")
 HEADS = AttentionHeads(2, 2, 4)  # multi-head: a clip scales rows of W_q and of W_k
 MUON = {"attn.wq": (8, 6), "attn.wk": (8, 6), "experts": (2, 4, 6)}
@@ -46,16 +47,18 @@ class Combination:
     dtype: str
     fault: str
     world: int
+    momentum: str = "param"
 
     @property
     def name(self) -> str:
+        kept = "" if self.momentum == "param" else f"-momentum_{self.momentum}"
         return (f"P{self.world}-{'capturable' if self.capturable else 'host_lr'}-{self.implementation}-"
-                f"{self.variant}-{self.dtype}-{self.fault}")
+                f"{self.variant}-{self.dtype}-{self.fault}{kept}")
 
 def every_combination() -> list[Combination]:
     """The full matrix, less capturable + foreach: refused at construction on the CPU
     (docs/optimizer.md, "Capturable": "foreach=True there is refused at construction")."""
-    values = itertools.product((False, True), IMPLEMENTATIONS, VARIANTS, DTYPES, FAULTS, (1, 2))
+    values = itertools.product((False, True), IMPLEMENTATIONS, VARIANTS, DTYPES, FAULTS, (1, 2), MOMENTUM_DTYPES)
     return [c for c in itertools.starmap(Combination, values) if not (c.capturable and c.implementation == "foreach")]
 
 
@@ -154,7 +157,7 @@ def run(c: Combination, skip_nonfinite: bool) -> Run:
     optimizer = DMuon([{"params": [(n, params[n]) for n in MUON], "use_muon": True},
                        {"params": [(n, params[n]) for n in ADAMW], "use_muon": False}],
                       lr=0.02, weight_decay=0.1, adamw_lr=0.01, adamw_weight_decay=0.1, ns_dtype="float32",
-                      capturable=c.capturable, skip_nonfinite=skip_nonfinite,
+                      capturable=c.capturable, skip_nonfinite=skip_nonfinite, momentum_dtype=MOMENTUM_DTYPES[c.momentum],
                       **IMPLEMENTATIONS[c.implementation], **VARIANTS[c.variant])
     if c.variant == "qk_clip":
         optimizer.clip_attention("attn", params["attn.wq"], params["attn.wk"], HEADS)

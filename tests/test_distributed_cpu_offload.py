@@ -27,6 +27,17 @@ def normuon() -> list[dict]:
     return run_on_ranks(scenarios.fast_path, 2, {"normuon": True, "cautious_weight_decay": True}, timeout=180)
 
 
+@pytest.fixture(scope="module")
+def int8_momentum() -> list[dict]:
+    return run_on_ranks(scenarios.fast_path, 2, {"momentum_dtype": "int8"}, timeout=180)
+
+
+def test_staged_int8_momentum_and_its_scales_are_bitwise_the_direct_ones(int8_momentum):
+    for rank in int8_momentum:
+        assert rank["equal"] == dict.fromkeys(rank["equal"], True)
+        assert any(name.endswith("momentum_scales") for name in rank["names"])
+
+
 def test_staged_parameters_and_state_are_bitwise_the_direct_ones(plain):
     for rank in plain:
         assert rank["equal"] == dict.fromkeys(rank["equal"], True)

@@ -44,6 +44,18 @@ def test_a_dense_layout_steps_without_host_syncs_with_the_planned_bytes_and_boun
 
 
 @needs_cuda_build
+@pytest.mark.parametrize("momentum_dtype, bytes_per_element", [sweep("int8", 1.05, first_of_rule=True),
+                                                               sweep("bfloat16", 2.0)])
+def test_momentum_kept_narrow_adds_no_host_sync_and_reports_its_bytes_per_muon_element(momentum_dtype,
+                                                                                       bytes_per_element):
+    reports = dry_run("--model", "debug", "--world-size", "4", "--ranks", "0,3", "--capturable",
+                      "--momentum-dtype", momentum_dtype)
+    assert_clean(reports)
+    assert [r.same_scalars for r in reports] == [True, True]
+    assert all(1.0 < r.muon_state_bytes_per_element <= bytes_per_element for r in reports)
+
+
+@needs_cuda_build
 def test_experts_split_among_ranks_step_without_host_syncs():
     assert_clean(dry_run("--model", "moe-debug", "--world-size", "4", "--layout", "ep", "--ranks", "0,3"))
 

@@ -7,14 +7,17 @@ from __future__ import annotations
 import pytest
 import torch
 
+from dmuon.numerics import momentum_storage
 from dmuon.numerics.momentum_storage import (
     INT8_BLOCK,
     bytes_per_element,
     dequantize_int8,
     parse_momentum_dtype,
     quantize_int8,
+    read_momenta,
     row_split_on_blocks,
     scales_shape,
+    store_momenta_,
 )
 
 pytestmark = pytest.mark.unit
@@ -108,3 +111,44 @@ def test_a_momentum_dtype_is_read_from_its_names(given, read):
 def test_another_momentum_dtype_is_refused_naming_the_allowed_ones(given):
     with pytest.raises(ValueError, match="None .*bfloat16.*'int8'"):
         parse_momentum_dtype(given)
+
+
+def test_a_momentum_held_in_the_parameters_dtype_is_read_as_itself():
+    buf = _momentum(4, 6)
+    assert read_momenta([buf], [None], [torch.float32]).working[0] is buf
+
+
+@pytest.mark.parametrize("held", ["bfloat16", "int8"])
+def test_a_masked_store_keeps_the_values_and_scales_bit_for_bit(held):
+    old = _momentum(4, 300)
+    values, scales = quantize_int8(old) if held == "int8" else (old.bfloat16(), None)
+    before = (values.clone(), None if scales is None else scales.clone())
+    copies = read_momenta([values], [scales], [torch.float32])
+    copies.working[0].mul_(3)  # what a step would store, were it not masked
+    store_momenta_([values], [scales], copies, [torch.tensor(False)])
+    assert torch.equal(values, before[0]) and (scales is None or torch.equal(scales, before[1]))
+    store_momenta_([values], [scales], copies, [torch.tensor(True)])
+    working = copies.working[0]
+    expected = quantize_int8(working) if held == "int8" else (working.bfloat16(), None)
+    assert torch.equal(values, expected[0]) and (scales is None or torch.equal(scales, expected[1]))
+
+
+SHAPES = [(4, 256), (2, 3, 128), (4, 300), (1, 128), (5, 6)]  # whole blocks (read together) and not
+
+
+@pytest.mark.parametrize("chunk", [1 << 22, 2 * INT8_BLOCK], ids=["one_chunk", "many_chunks"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_momenta_read_and_stored_together_have_each_ones_own_bits(dtype, chunk, monkeypatch):
+    monkeypatch.setattr(momentum_storage, "ROUNDING_CHUNK_NUMEL", chunk)
+    kept = [quantize_int8(_momentum(*shape, seed=i)) for i, shape in enumerate(SHAPES)]
+    values, scales = [v for v, _ in kept], [s for _, s in kept]
+    copies = read_momenta(values, scales, [dtype] * len(SHAPES))
+    assert copies.batches and copies.alone  # both ways ran
+    for work, v, s in zip(copies.working, values, scales):
+        assert torch.equal(work, dequantize_int8(v, s, dtype))
+    for i, work in enumerate(copies.working):
+        work.mul_(0.9).add_(_momentum(*SHAPES[i], seed=10 + i).to(dtype), alpha=0.1)  # the EMA, in place
+    expected = [quantize_int8(work) for work in copies.working]
+    store_momenta_(values, scales, copies)
+    for (v, s), (want_v, want_s) in zip(zip(values, scales), expected):
+        assert torch.equal(v, want_v) and torch.equal(s, want_s)

@@ -48,6 +48,7 @@ BAD_VALUES = [
     ("normuon_beta2", "1.0", "normuon_beta2", 1.0),  # the EMA would never move
     ("normuon_beta2", "-0.1", "normuon_beta2", -0.1),
     ("ns_dtype", "fp16", "ns_dtype", "fp16"),
+    ("momentum_dtype", "fp8", "momentum_dtype", "fp8"),
     ("comm", "nccl", "comm", "nccl"),
     ("split_replicas", "sometimes", "split_replicas", "sometimes"),
     ("link_gbps", "0", "link_gbps", 0.0),
@@ -57,7 +58,7 @@ BAD_VALUES = [
 
 # The fields whose TOML spellings differ from DMuon's Python values.
 TOML_SPELLINGS = {"adjust_lr": "'original', 'match_rms_adamw', 'spectral', 'none'",
-                  "split_replicas": "'auto', 'always', 'never'"}
+                  "split_replicas": "'auto', 'always', 'never'", "momentum_dtype": "'param', 'bfloat16', 'int8'"}
 
 
 def message_of(build) -> str:
@@ -139,7 +140,8 @@ def test_the_toml_defaults_are_dmuons_defaults():
         assert value == default, keyword
         compared.add(keyword)
     assert {"momentum", "nesterov", "ns_steps", "ns_coefficients", "adjust_lr", "matched_adamw_rms", "normuon",
-            "normuon_beta2", "cautious_weight_decay", "comm", "split_replicas", "ns_dtype", "telemetry"} <= compared
+            "normuon_beta2", "cautious_weight_decay", "momentum_dtype", "comm", "split_replicas", "ns_dtype",
+            "telemetry"} <= compared
 
 
 def test_the_link_speed_fields_default_to_the_cost_models_speeds():

@@ -125,6 +125,18 @@ def test_the_update_rule_variants_reach_the_dmuon_param_groups():
     assert adamw["cautious_weight_decay"] is True
 
 
+@pytest.mark.parametrize("momentum_dtype", [None, "bfloat16", "int8"])
+def test_the_momentum_dtype_reaches_the_dmuon_muon_group(momentum_dtype):
+    optimizer = build(dmuon_optimizer(momentum_dtype=momentum_dtype)).optimizers[0]
+    muon = next(g for g in optimizer.param_groups if g["use_muon"])
+    assert muon["momentum_dtype"] == momentum_dtype
+
+
+def test_a_bad_momentum_dtype_fails_when_the_config_is_made_naming_the_field():
+    with pytest.raises(ValueError, match=r"^optimizer\.param_groups\[0\]\.optimizer_kwargs: momentum_dtype must be one of"):
+        dmuon_optimizer(momentum_dtype="fp8")
+
+
 def test_gram_newton_schulz_reaches_the_dmuon_muon_group():
     optimizer = build(dmuon_optimizer(ns_algorithm="auto", ns_gram_restarts=(1, 3))).optimizers[0]
     muon = next(g for g in optimizer.param_groups if g["use_muon"])

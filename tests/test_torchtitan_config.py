@@ -188,6 +188,18 @@ def test_the_update_rule_variants_reach_dmuons_muon_and_adamw_groups():
     assert adamw["cautious_weight_decay"] is True
 
 
+@pytest.mark.parametrize("toml, kept", [("param", None), ("bfloat16", "bfloat16"), ("int8", "int8")])
+def test_the_momentum_dtype_field_reaches_dmuons_muon_groups(toml, kept):
+    import torch
+
+    from dmuon import DMuon
+    from torchtitan_ext.titan02.kwargs import dmuon_kwargs
+
+    cfg = parse(*EXT, "--optimizer.name", "DMuon", "--optimizer.momentum_dtype", toml).optimizer
+    optimizer = DMuon([("w", torch.nn.Parameter(torch.zeros(4, 4)))], **dmuon_kwargs(cfg))
+    assert optimizer.param_groups[0]["momentum_dtype"] == kept
+
+
 @pytest.mark.parametrize("name", ["llama3_debug_dmuon.toml", "llama3_8b_dmuon.toml"])
 def test_shipped_configs_spell_out_the_standard_newton_schulz(name):
     cfg = parse("--job.config_file", str(CONFIGS / name)).optimizer

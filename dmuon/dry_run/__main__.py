@@ -47,6 +47,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--normuon", action="store_true", help="DMuon(normuon=True)")
     parser.add_argument("--cautious-weight-decay", action="store_true", help="DMuon(cautious_weight_decay=True)")
     parser.add_argument("--skip-nonfinite", action="store_true", help="DMuon(skip_nonfinite=True)")
+    parser.add_argument("--momentum-dtype", default=None, choices=("bfloat16", "int8"),
+                        help="DMuon(momentum_dtype=...) (default: the parameters' dtype)")
     parser.add_argument("--capturable", action="store_true",
                         help="DMuon(capturable=True): steps 2-4 must launch the same host values (same scalars)")
     parser.add_argument("--qk-clip", type=float, default=None, metavar="TAU",
@@ -77,7 +79,8 @@ def make_config(args: argparse.Namespace) -> tuple[DryRunConfig, list[int]]:
     options = {key: value for key, value in (
         ("normuon", args.normuon or None), ("cautious_weight_decay", args.cautious_weight_decay or None),
         ("skip_nonfinite", args.skip_nonfinite or None), ("capturable", args.capturable or None),
-        ("qk_clip_threshold", args.qk_clip), ("max_batch_numel", args.max_batch_numel)) if value is not None}
+        ("qk_clip_threshold", args.qk_clip), ("max_batch_numel", args.max_batch_numel),
+        ("momentum_dtype", args.momentum_dtype)) if value is not None}
     return (DryRunConfig(args.model, PRESETS[args.model], layout, args.world_size, options, args.nccl_alone,
                          args.param_dtype, args.cpu_offload), _ranks(args))
 
@@ -135,10 +138,11 @@ def format_table(config: DryRunConfig, reports: list[RankReport]) -> str:
                      f"{r.state_bytes / MiB:>10.1f} {r.peak_step_bytes / MiB:>9.1f} {r.peak_bound_bytes / MiB:>10.1f} "
                      f"{collectives:<40} {r.seconds:>5.1f}")
     lines.append(f"{'rank':>5} {'host collectives':>16} {'groups made':>11} {'plan heap MiB':>13} {'same program':>12} "
-                 f"{'same scalars':>12}")
+                 f"{'same scalars':>12} {'Muon state B/elem':>17}")
     for r in reports:
         lines.append(f"{r.rank:>5} {r.host_collectives_per_step:>16} {r.process_groups_made:>11} "
-                     f"{r.plan_host_bytes / MiB:>13.2f} {str(r.same_program):>12} {str(r.same_scalars):>12}")
+                     f"{r.plan_host_bytes / MiB:>13.2f} {str(r.same_program):>12} {str(r.same_scalars):>12} "
+                     f"{r.muon_state_bytes_per_element:>17.3f}")
     if changed := next((r for r in reports if r.scalar_changes), None):
         lines.append(f"rank {changed.rank}: the program changes with the learning rate and weight decay (a CUDA "
                      f"graph would replay step 2's values), e.g. {changed.scalar_changes[0]}")

@@ -27,7 +27,13 @@ next, so the bound is the largest of three terms (``e``: the parameter's element
 - plus, through every phase, the masks' small tensors (``MASK_SCALAR_BYTES`` per parameter);
 - *masked momentum*: the EMAs computed out of place before they are selected
   (``dmuon.numerics.masked_updates``): a chunk of ``MASKED_CHUNK_NUMEL`` elements, or the
-  largest Muon shard where that is larger.
+  largest Muon shard where that is larger;
+- *momentum kept in bf16 or int8* (``dmuon.momentum_state``): through every Muon phase, the
+  momenta read into the parameters' dtype (every such Muon shard of this rank at once); while
+  they are read and rounded back, the new values in their kept form, an fp32 copy where int8
+  is read for a parameter narrower than fp32, and the quantization's temporaries of one chunk
+  (``QUANTIZE_BYTES_PER_ELEMENT`` times ``ROUNDING_CHUNK_NUMEL`` at most, or the largest
+  momentum read alone).
 """
 
 from __future__ import annotations
@@ -38,11 +44,14 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from dmuon.exchange.packing import stages_casts
+from dmuon.momentum_state import kept_momentum
+from dmuon.numerics.momentum_storage import INT8_BLOCK, ROUNDING_CHUNK_NUMEL
 from dmuon.numerics.update_lists import MASKED_CHUNK_NUMEL
 from dmuon.numerics.newton_schulz import matrix_shape, resolve_ns_dtype
 from dmuon.optimizer import DMuon
 from dmuon.plan.owner_plan import WIRE_BYTES
 from dmuon.plan.paths import ALL_TO_ALL
+from dmuon.torch_compat import local_of
 
 # Lists of AdamW-parameter size torch's foreach AdamW holds at once.
 ADAMW_TEMPORARIES = 2
@@ -56,6 +65,10 @@ NORMUON_FP32_COPIES = 2
 # Cautious decay's mask: the signs of update and weight, their product and the factor.
 CAUTIOUS_TEMPORARIES = 4
 FP32_BYTES = 4
+# int8 quantization's and dequantization's temporaries of one tensor (``dmuon.numerics.
+# momentum_storage``), per element: its padded fp32 blocks, their absolute values, the
+# quotient and the select (fp32 each), and the int8 values before and after trimming.
+QUANTIZE_BYTES_PER_ELEMENT = 4 * FP32_BYTES + 2
 
 
 def newton_schulz_workspace(shape: tuple[int, int], ns_bytes: int, normuon: bool) -> int:
@@ -78,9 +91,32 @@ def peak_bound_bytes(optimizer: DMuon, plan_rank: int) -> int:
     """The bound for this rank of ``optimizer`` (after its first step: plan and paths made)."""
     groups = {p: g for g in optimizer.param_groups for p in g["params"]}
     ns_bytes = torch.empty((), dtype=resolve_ns_dtype(optimizer.ns_dtype, "cuda")).element_size()
-    phases = max(_exchange(optimizer, groups, plan_rank, ns_bytes), _whole(optimizer, groups, ns_bytes),
-                 _adamw(optimizer), _masked_momentum([p for p, g in groups.items() if g["use_muon"]]))
+    read, rounding = _momentum_reads(optimizer)
+    muon = [p for p, g in groups.items() if g["use_muon"]]
+    phases = max(_exchange(optimizer, groups, plan_rank, ns_bytes) + read, _whole(optimizer, groups, ns_bytes) + read,
+                 _adamw(optimizer), _masked_momentum(muon) + read + rounding)
     return phases + MASK_SCALAR_BYTES * len(groups)
+
+
+def _momentum_reads(optimizer: DMuon) -> tuple[int, int]:
+    """The momenta kept in another dtype than their parameter's, read into it (all at once),
+    and what reading and rounding them back holds beside (module docstring)."""
+    read = kept = batched = alone = 0
+    for group in (g for g in optimizer.param_groups if g["use_muon"]):
+        for param in group["params"]:
+            momentum = kept_momentum(optimizer.state.get(param))
+            if momentum is None or momentum[0].dtype == param.dtype:
+                continue
+            local = local_of(param)
+            read += _local_bytes(param)
+            kept += sum(_local_bytes(t) for t in momentum if t is not None)
+            if momentum[1] is not None:
+                kept += FP32_BYTES * local.numel() if local.element_size() < FP32_BYTES else 0
+                if local.shape[-1] % INT8_BLOCK == 0:  # read with the others, rounded chunk by chunk
+                    batched += local.numel()
+                else:
+                    alone = max(alone, local.numel())
+    return read, kept + QUANTIZE_BYTES_PER_ELEMENT * max(min(batched, ROUNDING_CHUNK_NUMEL), alone)
 
 
 def _masked_momentum(muon: list[torch.Tensor]) -> int:

@@ -117,6 +117,10 @@ class RankReport:
     """The run's ``DMuon(capturable=...)``: whether :attr:`same_scalars` is required."""
     scalar_changes: list[str] = field(default_factory=list)
     """The first ops whose host values changed with the schedule (``op: step 2 -> 3 -> 4``)."""
+    muon_state_bytes: int = 0
+    """The Muon parameters' state on this rank (momentum, its int8 scales, NorMuon's rows)."""
+    muon_elements: int = 0
+    """The Muon parameters' local elements on this rank."""
     offload_waits: dict = field(default_factory=dict)
     """Under ``cpu_offload``: the steady step's waits by kind, and the documented ones."""
     documented_offload_waits: dict = field(default_factory=dict)
@@ -126,6 +130,11 @@ class RankReport:
     error: str | None = None
     """What the steady step raised (an op that mixed devices, a host read of a value
     the dry run cannot make up), or None."""
+
+    @property
+    def muon_state_bytes_per_element(self) -> float:
+        """The Muon state's bytes per local Muon element (4 for fp32 momentum, 2 bf16, 1.03 int8)."""
+        return self.muon_state_bytes / self.muon_elements if self.muon_elements else 0.0
 
     def problems(self) -> list[str]:
         """Why this rank fails the dry run's checks (empty: it passes)."""
@@ -164,7 +173,7 @@ class RankReport:
         return found
 
     def as_dict(self) -> dict:
-        return asdict(self)
+        return {**asdict(self), "muon_state_bytes_per_element": round(self.muon_state_bytes_per_element, 4)}
 
 
 def _host_agreement(row: dict) -> bool:
@@ -251,6 +260,8 @@ def _report(rank: int, optimizer: DMuon, record: StepRecord, seconds: float) -> 
         per_tensor_list_ops=dict(record.per_tensor_list_ops),
         state_bytes=sum(_local_bytes(t) for s in optimizer.state.values() for t in s.values()
                         if isinstance(t, torch.Tensor) and t.device.type != "cpu"),
+        muon_state_bytes=optimizer.state_bytes().muon_bytes,
+        muon_elements=optimizer.state_bytes().muon_elements,
         peak_step_bytes=record.peak_bytes,
         peak_bound_bytes=peak_bound_bytes(optimizer, _plan_rank(optimizer)),
         mixed_device_ops=record.mixed_device_ops,

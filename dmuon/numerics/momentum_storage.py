@@ -3,9 +3,9 @@ fp32 scale per block of :data:`INT8_BLOCK` consecutive elements of a row.
 
 The momentum rule stays the one in ``dmuon.numerics.update_lists``; what changes is where its
 result is kept between steps. Each step reads the stored momentum back as the parameter's
-dtype (:func:`dequantize`), runs the EMA there, and rounds the result into the store
-(:func:`quantize`), so the update of the step sees the EMA before it is rounded and only what
-the next step reads has been rounded once.
+dtype (:func:`read_momenta`, :func:`dequantize_int8`), runs the EMA there, and rounds the
+result into the store (:func:`store_momenta_`, :func:`quantize_int8`), so the update of the
+step sees the EMA before it is rounded and only what the next step reads has been rounded once.
 
 Why blocks along a row, and why that keeps DMuon exact across world sizes: every scale is
 read from, and applies to, the elements of one block of one row of the matrix (for ``[E, A,
@@ -34,8 +34,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import torch
+
+from dmuon.numerics.masked_updates import select_
 
 # The momentum dtypes a group can choose (``momentum_dtype``): None keeps the parameter's.
 MOMENTUM_DTYPES = (None, "bfloat16", "int8")
@@ -114,3 +117,120 @@ def dequantize_int8(values: torch.Tensor, scales: torch.Tensor, dtype: torch.dty
     out = blocks.mul_(scales.reshape(*blocks.shape[:-1], 1))
     out = out.reshape(*rows.shape[:-1], blocks.shape[-2] * INT8_BLOCK)[..., : rows.shape[-1]]
     return out.reshape(shape).to(dtype)
+
+
+# ----------------------------------------------------------- the step's reads and writes
+# A step reads every kept momentum of a parameter list at once (:func:`read_momenta`), runs
+# the rule on what it got, and stores the results back (:func:`store_momenta_`). Momenta held
+# alike on one device (bf16; int8 whose rows are whole blocks, the usual hidden sizes) are
+# read into one flat buffer, so a list costs a few ops, not a dozen per tensor; the others
+# one by one. Either way each element gets the bits of :func:`quantize_int8` and
+# :func:`dequantize_int8`: the arithmetic is per element and per block.
+
+# Elements a batched store quantizes at once (a multiple of INT8_BLOCK): its fp32
+# temporaries stay a few times this, whatever the momenta's size.
+ROUNDING_CHUNK_NUMEL = 1 << 22
+
+
+@dataclass
+class MomentumCopies:
+    """What :func:`read_momenta` read: the tensors the rule runs on, and how they are stored back."""
+
+    working: list[torch.Tensor]
+    """Per momentum: its store itself (held in the dtype asked for), or a new tensor."""
+    batches: list[tuple[list[int], torch.Tensor]] = field(default_factory=list)
+    """Momenta read together: their indices and the flat buffer their working tensors view."""
+    alone: list[int] = field(default_factory=list)
+    """Momenta read one by one."""
+
+
+def _batchable(values: torch.Tensor, scales: torch.Tensor | None) -> bool:
+    """Whether a kept momentum can join a batch: contiguous, and for int8, rows of whole blocks
+    (its flat values, cut every ``INT8_BLOCK``, are its blocks, in the order of its scales)."""
+    return values.is_contiguous() and (scales is None or (values.ndim >= 1 and values.shape[-1] % INT8_BLOCK == 0
+                                                          and scales.is_contiguous()))
+
+
+def read_momenta(values: Sequence[torch.Tensor], scales: Sequence[torch.Tensor | None],
+                 dtypes: Sequence[torch.dtype]) -> MomentumCopies:
+    """Each kept momentum (``values``, with its int8 ``scales`` or None) as a tensor of its
+    ``dtypes`` entry (the parameter's) to run the momentum rule on: the store itself where it
+    is held in that dtype (no copy: the rule updates it in place), else a new tensor (int8
+    dequantized, exactly in fp32 then cast; bf16 widened exactly)."""
+    copies = MomentumCopies(list(values))
+    kinds: dict[tuple, list[int]] = {}
+    for k, (store, scale, dtype) in enumerate(zip(values, scales, dtypes)):
+        if scale is None and store.dtype == dtype:
+            continue
+        if _batchable(store, scale):
+            kinds.setdefault((scale is not None, store.dtype, dtype, store.device), []).append(k)
+        else:
+            copies.alone.append(k)
+            copies.working[k] = (dequantize_int8(store, scale, dtype) if scale is not None else store.to(dtype))
+    for (int8, _, dtype, _), members in kinds.items():
+        numels = [values[k].numel() for k in members]
+        # One concatenation in the kept dtype, then one exact widening (a list copy across
+        # dtypes would take one kernel a tensor on CUDA).
+        flat = torch.cat([values[k].view(-1) for k in members]).to(torch.float32 if int8 else dtype)
+        if int8:
+            flat.view(-1, INT8_BLOCK).mul_(torch.cat([scales[k].view(-1) for k in members]).unsqueeze(1))
+            flat = flat.to(dtype)
+        for k, view in zip(members, flat.split(numels)):
+            copies.working[k] = view.view(values[k].shape)
+        copies.batches.append((members, flat))
+    return copies
+
+
+def store_momenta_(values: Sequence[torch.Tensor], scales: Sequence[torch.Tensor | None], copies: MomentumCopies,
+                   oks: Sequence[torch.Tensor] | None = None, foreach: bool = False) -> None:
+    """Round each momentum :func:`read_momenta` copied (after the rule) into its store, in
+    place; with ``oks`` only where each 0-dim device bool holds (values and scales keep their
+    bits elsewhere: selected, not quantized again). A store that is its working tensor was
+    updated in place already."""
+    targets: list[torch.Tensor] = []
+    news: list[torch.Tensor] = []
+    masks: list[torch.Tensor] = []
+
+    def put(k: int, new_values: torch.Tensor, new_scales: torch.Tensor | None) -> None:
+        for target, new in ((values[k], new_values), (scales[k], new_scales)):
+            if target is not None:
+                targets.append(target)
+                news.append(new.view(target.shape))
+                if oks is not None:
+                    masks.append(oks[k])
+
+    for k in copies.alone:
+        work = copies.working[k]
+        put(k, *(quantize_int8(work) if scales[k] is not None else (work.to(values[k].dtype), None)))
+    for members, flat in copies.batches:
+        numels = [values[k].numel() for k in members]
+        if scales[members[0]] is None:
+            new_values, new_scales = flat.to(values[members[0]].dtype), None
+        else:
+            new_values, new_scales = _quantize_flat(flat)
+        for k, v, sc in zip(members, new_values.split(numels),
+                            new_scales.split([n // INT8_BLOCK for n in numels]) if new_scales is not None
+                            else [None] * len(members)):
+            put(k, v, sc)
+    if not targets:
+        return
+    if oks is None:
+        for dtype in {t.dtype for t in targets}:  # one list per dtype: one kernel each on an accelerator
+            torch._foreach_copy_([t for t in targets if t.dtype == dtype], [n for t, n in zip(targets, news)
+                                                                          if t.dtype == dtype])
+        return
+    select_(targets, masks, news, foreach)
+
+
+def _quantize_flat(flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`quantize_int8` of a flat run of whole blocks, chunk by chunk
+    (:data:`ROUNDING_CHUNK_NUMEL`): int8 values and fp32 scales, flat."""
+    values = torch.empty(flat.numel(), dtype=torch.int8, device=flat.device)
+    scales = torch.empty(flat.numel() // INT8_BLOCK, dtype=torch.float32, device=flat.device)
+    for start in range(0, flat.numel(), ROUNDING_CHUNK_NUMEL):
+        blocks = flat[start : start + ROUNDING_CHUNK_NUMEL].view(-1, INT8_BLOCK).to(torch.float32)
+        scale = blocks.abs().amax(dim=-1, keepdim=True).div_(INT8_MAX)
+        values[start : start + blocks.numel()].copy_(
+            torch.where(scale > 0, blocks / scale, 0.0).round_().clamp_(-INT8_MAX, INT8_MAX).view(-1))
+        scales[start // INT8_BLOCK : (start + blocks.numel()) // INT8_BLOCK].copy_(scale.view(-1))
+    return values, scales

@@ -18,7 +18,8 @@ May import: ``dmuon.numerics`` (the flop counts of Newton-Schulz) and
 - ``paths``: which path (``local``, ``all_to_all``, ``redistribute``) each parameter takes;
 - ``cost_model``: predicted times, and the HSDP split-replicas choice;
 - ``pack_layout``: where each block of a batch lies in a rank's buffers;
-- ``local_blocks``: a rank's blocks as views of its local tensors, kept with the plan.
+- ``local_blocks``: a rank's blocks as views of its local tensors, kept with the plan;
+- ``momentum_blocks``: whether a layout keeps int8 momentum's blocks whole on every rank.
 
 The names below are the plan's vocabulary, importable as ``dmuon.plan.<name>``.
 """

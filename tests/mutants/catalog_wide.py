@@ -291,4 +291,32 @@ WIDE = [
         new="    rows = x.reshape(1, -1)\n    blocks = _blocks(rows.to(torch.float32))\n    scales",
         tests=("tests/test_momentum_storage.py::test_a_ranks_rows_quantize_to_the_bits_of_the_whole_matrix",),
     ),
+    Mutant(
+        name="masked-momentum-store-rounds-again",
+        guarantee="A masked or skipped step keeps int8 momentum's values and scales bit for bit: they are "
+                  "selected, not quantized again (issue 51).",
+        path="dmuon/numerics/momentum_storage.py",
+        old="    if oks is None:\n        for dtype in {t.dtype for t in targets}:",
+        new="    if True:\n        for dtype in {t.dtype for t in targets}:",
+        tests=("tests/test_momentum_storage.py::test_a_masked_store_keeps_the_values_and_scales_bit_for_bit",),
+    ),
+    Mutant(
+        name="int8-momentum-kept-off-the-blocks",
+        guarantee="Where a layout cuts rows off int8's 128-element blocks (TP's Shard(1) at an odd width), the "
+                  "parameter's momentum is kept in bf16, so the run stays bitwise a single process's (issue 51).",
+        path="dmuon/momentum_state.py",
+        old="    if momentum_dtype == \"int8\" and isinstance(param, DTensor) and not int8_blocks_whole(",
+        new="    if False and isinstance(param, DTensor) and not int8_blocks_whole(",
+        tests=("tests/test_momentum_dtype_ranks.py::"
+               "test_int8_momentum_is_kept_in_bf16_exactly_where_a_layout_cuts_rows_off_the_blocks",),
+    ),
+    Mutant(
+        name="momentum-not-converted-on-resume",
+        guarantee="A checkpoint saved with another momentum_dtype is converted on load: the run goes on in the "
+                  "form its optimizer asks for, from the momentum the checkpoint held (issue 51).",
+        path="dmuon/momentum_state.py",
+        old="            if _held_as(values, scales) == _held_as_for(target, param.dtype):",
+        new="            if True:",
+        tests=("tests/test_momentum_dtype.py::test_an_int8_checkpoint_resumed_without_it_reads_the_momentum_it_held",),
+    ),
 ]

@@ -41,7 +41,7 @@ from dmuon.plan.cost_model import CostModel
 from dmuon.plan.paths import ALL_TO_ALL
 
 from ..routing import DEFAULT_ADAMW_PARAM_REGEX
-from .kwargs import SPLIT_REPLICAS
+from .kwargs import MOMENTUM_DTYPE_PARAM, SPLIT_REPLICAS
 
 DMUON_NAME = "DMuon"
 # DMuon's default split_replicas, as TOML spells it.
@@ -144,6 +144,18 @@ class Optimizer:
     Cautious weight decay (Chen et al., arXiv 2510.12402), for both parts: decay only
     the entries whose update and weight agree in sign. Off by default (plain decoupled
     decay, ``weight_decay`` everywhere).
+    """
+
+    momentum_dtype: str = MOMENTUM_DTYPE_PARAM
+    """
+    How Muon's momentum is kept between steps: "param" (the parameter's dtype: fp32 under
+    FSDP2 mixed precision, 4 bytes an element), "bfloat16" (2 bytes), or "int8" (one fp32
+    scale per 128 elements of a row: 1.03 bytes). Each step reads it back, updates it and
+    rounds it again; exact across world sizes either way. With "int8", a weight whose
+    layout cuts its rows off the 128-element blocks (TP with a local width that is not a
+    multiple of 128) keeps bfloat16 momentum, with one log line. A checkpoint saved with
+    "param" loads with "bfloat16" and back (the momentum cast); to or from "int8" the load
+    fails naming the missing key: resume with the saved value.
     """
 
     qk_clip_threshold: float = 0.0

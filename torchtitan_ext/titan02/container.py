@@ -45,6 +45,7 @@ from ..routing import (
 )
 from ..captured_steps import capture_refusal, CapturedSteps
 from .max_logits import install_max_logit_hooks, require_attentions
+from ..state_size import log_state_size_after_first_step
 from ..step_figures import combined_figures
 from .kwargs import dmuon_kwargs, qk_clip_wanted
 from .validation import validate_optimizer_config
@@ -101,6 +102,7 @@ class DMuonOptimizersContainer(CapturedSteps, OptimizersContainer):
         # Gives the container its own param_groups and hook machinery, as in
         # TorchTitan's base class (the inner DMuon instances do the real work).
         self._post_init(all_params, optimizer_kwargs)
+        log_state_size_after_first_step(self.optimizers, logger.info)
 
     def telemetry(self) -> StepFigures | None:
         """The last step's figures of all model parts on this rank together, or ``None``

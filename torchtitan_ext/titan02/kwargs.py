@@ -19,6 +19,9 @@ from ..implementation import dmuon_implementation, IMPLEMENTATIONS_0_2
 # TOML has no null, so "none" stands for DMuon's adjust_lr=None (no scaling).
 ADJUST_LR_NONE = "none"
 ADJUST_LR_CHOICES = tuple(ADJUST_LR_NONE if choice is None else choice for choice in DMUON_ADJUST_LR_CHOICES)
+# TOML has no null: ``momentum_dtype = "param"`` is DMuon's None (the parameter's dtype).
+MOMENTUM_DTYPE_PARAM = "param"
+MOMENTUM_DTYPE_CHOICES = (MOMENTUM_DTYPE_PARAM, "bfloat16", "int8")
 # [optimizer] split_replicas -> DMuon's split_replicas (TOML has no null either).
 SPLIT_REPLICAS = {"auto": None, "always": True, "never": False}
 # The network bandwidths DMuon's cost model takes (same names in TOML and in DMuon).
@@ -53,6 +56,7 @@ def dmuon_kwargs(optimizer_config: Any, params: Iterable[torch.Tensor] = ()) -> 
         "normuon": cfg.normuon,
         "normuon_beta2": cfg.normuon_beta2,
         "cautious_weight_decay": cfg.cautious_weight_decay,
+        "momentum_dtype": None if cfg.momentum_dtype == MOMENTUM_DTYPE_PARAM else cfg.momentum_dtype,
         # TOML's 0 is DMuon's None (off); any other value goes to DMuon's validator as is.
         "qk_clip_threshold": None if cfg.qk_clip_threshold == 0 else cfg.qk_clip_threshold,
         "comm": cfg.comm,

@@ -28,7 +28,7 @@ from dmuon.param_groups import split_options
 from ..field_checks import check_flag, check_number, Interval, NON_NEGATIVE, UNIT
 from ..versions import require_tested
 from .config import DMUON_NAME
-from .kwargs import ADJUST_LR_CHOICES, dmuon_kwargs, LINK_SPEEDS, SPLIT_REPLICAS
+from .kwargs import ADJUST_LR_CHOICES, dmuon_kwargs, LINK_SPEEDS, MOMENTUM_DTYPE_CHOICES, SPLIT_REPLICAS
 
 # What [experimental] custom_import names: importing it installs the job half (job.py).
 JOB_MODULE = "torchtitan_ext.titan02.job"
@@ -55,7 +55,7 @@ CONFIG_MODULE_FIELD = "adamw_param_regex"
 
 @contextlib.contextmanager
 def _toml_spellings(field: str, spellings: Iterable[str]) -> Iterator[None]:
-    """DMuon's message names Python values (``None``, ``True``); for the two fields TOML
+    """DMuon's message names Python values (``None``, ``True``); for the fields TOML
     spells differently, append the TOML spellings to it."""
     try:
         yield
@@ -112,7 +112,8 @@ def validate_optimizer_config(optimizer_config: Any) -> None:
         check_split_replicas(kwargs["split_replicas"], WHERE)
     # The Muon keys TOML has no field for keep DMuon's defaults.
     muon, adamw = split_options({"eps": DEFAULT_NS_EPS, "split_rows": None, **kwargs})
-    with _toml_spellings("adjust_lr", ADJUST_LR_CHOICES), _qk_clip_off_is_zero():
+    with _toml_spellings("adjust_lr", ADJUST_LR_CHOICES), _toml_spellings("momentum_dtype", MOMENTUM_DTYPE_CHOICES), \
+            _qk_clip_off_is_zero():
         check_muon_hyperparameters(muon, WHERE)
     check_adamw_hyperparameters(adamw, f"{WHERE} (AdamW part)")
     check_ns_dtype(kwargs["ns_dtype"], WHERE)

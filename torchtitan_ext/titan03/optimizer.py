@@ -35,6 +35,7 @@ from dmuon.telemetry import StepFigures
 from ..captured_steps import capture_refusal, CapturedSteps
 from ..implementation import dmuon_implementation
 from ..routing import check_some_muon, DEFAULT_ADAMW_PARAM_REGEX, muon_embeddings_warning
+from ..state_size import log_state_size_after_first_step
 from ..step_figures import combined_figures
 from .groups import check_whole_or_dtensor, split_dmuon_group
 from .max_logits import install_qk_clip, qk_clip_enabled
@@ -69,6 +70,7 @@ class DMuonOptimizersContainer(CapturedSteps, OptimizersContainer):
                 self.qk_clip_hooks += install_qk_clip(model, dmuon)
         if config.optimizer_factory_kwargs_by_name.get(DMUON_NAME, {}).get(CAPTURE_STEP):
             self.capture_optimizer_steps()
+        log_state_size_after_first_step(self.optimizers, logger.info)
 
     def _check_routing(self, config: OptimizersContainer.Config, model_parts: list[nn.Module]) -> None:
         """Refuse a DMuon whose ``adamw_param_regex`` left Muon no matrix; warn when it

@@ -1,7 +1,7 @@
 """DMuon's options in a TorchTitan 0.3.x optimizer config: where each goes, and its checks.
 
 * group options (``lr``, ``momentum``, ``ns_steps``, ``ns_algorithm``, ..., the update-rule variants
-  ``normuon`` / ``normuon_beta2`` / ``cautious_weight_decay``, the AdamW part's
+  ``normuon`` / ``normuon_beta2`` / ``cautious_weight_decay``, ``momentum_dtype``, the AdamW part's
   ``adamw_lr`` / ``adamw_betas`` / ``adamw_eps`` / ``adamw_weight_decay``) and the
   routing keys ``adamw_param_regex`` and ``split_attention_heads``: the group's
   ``optimizer_kwargs``;

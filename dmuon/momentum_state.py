@@ -1,0 +1,175 @@
+"""Muon's momentum state in the form its group asks for (``momentum_dtype``): made at a
+parameter's first grad, read and stored back by each step, converted on a resume.
+
+The forms (``dmuon.numerics.momentum_storage``):
+
+- ``None``: ``momentum_buffer`` in the parameter's dtype, updated in place (as before);
+- ``"bfloat16"``: a bf16 ``momentum_buffer``;
+- ``"int8"``: int8 values ``momentum_int8`` and their fp32 ``momentum_scales`` (one per block
+  of 128 elements of a row). A DTensor parameter's are DTensors with its placements, so DCP
+  reshards them as it reshards the parameter. Where a layout cuts a row off the blocks
+  (``dmuon.plan.momentum_blocks``), that parameter's momentum is kept in bf16 instead, with
+  one log line.
+
+Why int8 values have a key of their own: DCP loads a checkpoint into the state the
+optimizer has (its keys, dtypes and shapes). Between the float forms a load casts, which is
+the conversion itself (fp32 to bf16 rounds to nearest even; bf16 to fp32 is exact). Under
+one key int8 values would be cast into a float buffer without their scales, silently
+wrong; under their own key such a load fails, naming the missing key. A plain
+``load_state_dict`` gets the saved tensors themselves, and converts any form to any
+(:func:`convert_loaded`).
+
+A step reads each momentum as a tensor of the parameter's dtype (:class:`MomentumReads`),
+runs the one momentum rule on it (``dmuon.numerics.update_lists.momentum_``), orthogonalizes
+the look-ahead of the unrounded result, and rounds the result into the store under the
+step's masks. The store is the state at rest (what sits beside activations between steps);
+during the step one parameter-dtype copy of each momentum read is alive.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping, MutableMapping, Sequence
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from dmuon.numerics.momentum_storage import MomentumCopies, read_momenta, scales_shape, store_momenta_
+from dmuon.plan.momentum_blocks import int8_blocks_whole
+from dmuon.plan.paths import layout_of
+from dmuon.torch_compat import dtensor_where_it_is, local_of
+
+logger = logging.getLogger("dmuon")
+
+BUFFER_KEY = "momentum_buffer"
+"""The momentum in a float dtype: the parameter's, or bf16."""
+INT8_KEY = "momentum_int8"
+"""int8 momentum's values (module docstring: why not ``momentum_buffer``)."""
+SCALES_KEY = "momentum_scales"
+"""int8 momentum's fp32 scales."""
+
+
+def kept_momentum(state: Mapping[str, Any] | None) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """A parameter's kept momentum, values and int8 scales (None in the float forms), or None
+    before its first grad."""
+    if not state:
+        return None
+    if INT8_KEY in state:
+        return state[INT8_KEY], state[SCALES_KEY]
+    return (state[BUFFER_KEY], None) if BUFFER_KEY in state else None
+
+
+def storage_of(param: torch.Tensor, momentum_dtype: str | None) -> str | None:
+    """The form ``param``'s momentum is kept in: the group's ``momentum_dtype``, except int8 on
+    a layout that cuts rows off the blocks, which is kept in bf16 (the same on every rank)."""
+    if momentum_dtype == "int8" and isinstance(param, DTensor) and not int8_blocks_whole(layout_of(param),
+                                                                                         param.shape):
+        return "bfloat16"
+    return momentum_dtype
+
+
+def new_momentum(param: torch.Tensor, storage: str | None) -> dict[str, torch.Tensor]:
+    """Zero momentum state of ``param`` in the form ``storage`` (:func:`storage_of`)."""
+    if storage is None:
+        return {BUFFER_KEY: torch.zeros_like(param, memory_format=torch.preserve_format)}
+    if storage == "bfloat16":
+        return {BUFFER_KEY: torch.zeros_like(param, dtype=torch.bfloat16, memory_format=torch.preserve_format)}
+    values = torch.zeros_like(param, dtype=torch.int8, memory_format=torch.contiguous_format)
+    local = local_of(param)
+    scales = torch.zeros(scales_shape(local.shape), dtype=torch.float32, device=local.device)
+    if isinstance(param, DTensor):  # the parameter's placements, on a global shape of scales
+        scales = dtensor_where_it_is(scales, param.device_mesh, param.placements, scales_shape(param.shape))
+    return {INT8_KEY: values, SCALES_KEY: scales}
+
+
+def make_momentum(param: torch.Tensor, momentum_dtype: str | None, state: MutableMapping[str, Any],
+                  name: str) -> list[str]:
+    """Put ``param``'s zero momentum into its ``state`` (at its first grad); the keys made."""
+    storage = storage_of(param, momentum_dtype)
+    if storage != momentum_dtype:
+        logger.info("DMuon: parameter %r keeps its momentum in bfloat16, not int8: its placements %s cut its "
+                    "rows off int8's 128-element blocks (docs/optimizer.md, \"Momentum dtype\")", name,
+                    tuple(param.placements))
+    made = new_momentum(param, storage)
+    state.update(made)
+    return list(made)
+
+
+class MomentumReads:
+    """One step's momenta of some parameters, read as tensors of the parameters' dtypes to
+    run the rule on (:meth:`read`), then rounded back into their stores (:meth:`store`)."""
+
+    def __init__(self) -> None:
+        self._reads: list[tuple[list[torch.Tensor], list[torch.Tensor | None], MomentumCopies,
+                                list[torch.Tensor] | None]] = []
+
+    def read(self, states: Sequence[Mapping[str, Any] | None], likes: Sequence[torch.Tensor],
+             oks: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
+        """The momentum of each parameter whose local tensor (or stand-in) is the ``likes``
+        entry, from its ``states`` entry: its store itself where that is in the local
+        tensor's dtype, else a new tensor that :meth:`store` rounds back where the 0-dim device
+        bool ``oks`` entry holds (None: always); zeros where there is no state yet (nothing is
+        made or stored)."""
+        working: list[torch.Tensor] = [None] * len(likes)  # type: ignore[list-item]
+        kept, values, scales = [], [], []
+        for i, (state, like) in enumerate(zip(states, likes)):
+            momentum = kept_momentum(state)
+            if momentum is None:
+                working[i] = torch.zeros_like(like)
+                continue
+            kept.append(i)
+            values.append(local_of(momentum[0]))
+            scales.append(None if momentum[1] is None else local_of(momentum[1]))
+        copies = read_momenta(values, scales, [likes[i].dtype for i in kept])
+        for i, work in zip(kept, copies.working):
+            working[i] = work
+        self._reads.append((values, scales, copies, None if oks is None else [oks[i] for i in kept]))
+        return working
+
+    def store(self, foreach: bool = False) -> None:
+        """Round every momentum read into its store (masked where it was read with ``oks``)."""
+        for values, scales, copies, oks in self._reads:
+            store_momenta_(values, scales, copies, oks, foreach)
+        self._reads.clear()
+
+
+def convert_loaded(param_groups: Sequence[dict[str, Any]], state: Mapping[torch.Tensor, dict[str, Any]],
+                   name_of: Callable[[torch.Tensor], str]) -> None:
+    """After a load: each Muon momentum kept in another form than its group's
+    ``momentum_dtype`` asks for (a checkpoint saved with another) converted to it, read
+    as the parameter's dtype and rounded once into the new form; one log line per form."""
+    converted: dict[tuple[str, str], list[str]] = {}
+    for group in (g for g in param_groups if g["use_muon"]):
+        for param in group["params"]:
+            entry = state.get(param, {})
+            if (momentum := kept_momentum(entry)) is None:
+                continue
+            values, scales = momentum
+            target = storage_of(param, group["momentum_dtype"])
+            if _held_as(values, scales) == _held_as_for(target, param.dtype):
+                continue
+            (working,) = read_momenta([local_of(values)], [None if scales is None else local_of(scales)],
+                                      [local_of(param).dtype]).working
+            made = new_momentum(param, target)
+            int8 = INT8_KEY in made
+            store_momenta_([local_of(made[INT8_KEY if int8 else BUFFER_KEY])],
+                           [local_of(made[SCALES_KEY]) if int8 else None], MomentumCopies([working], alone=[0]))
+            for key in (BUFFER_KEY, INT8_KEY, SCALES_KEY):
+                entry.pop(key, None)
+            entry.update(made)
+            key = (str(_held_as(values, scales)).removeprefix("torch."),
+                   str(_held_as_for(target, param.dtype)).removeprefix("torch."))
+            converted.setdefault(key, []).append(name_of(param))
+    for (old, new), names in converted.items():
+        logger.info("DMuon: momentum converted on resume from %s to %s: %s", old, new, ", ".join(names))
+
+
+def _held_as(values: torch.Tensor, scales: torch.Tensor | None) -> torch.dtype:
+    """The dtype a momentum is held in (int8 with its scales)."""
+    return torch.int8 if scales is not None else values.dtype
+
+
+def _held_as_for(storage: str | None, param_dtype: torch.dtype) -> torch.dtype:
+    """The dtype a momentum of ``storage`` (:func:`storage_of`) is held in."""
+    return {None: param_dtype, "bfloat16": torch.bfloat16, "int8": torch.int8}[storage]

@@ -1,0 +1,238 @@
+"""Worker functions for tests/test_momentum_dtype_ranks.py: momentum kept in bf16 or int8
+(``DMuon(momentum_dtype=...)``), stepped on real gloo ranks and compared bit for bit with
+single-process DMuon (P = 1) with the same options: the weights, and every rank's momentum
+state (values and scales) gathered whole.
+
+- FSDP: ``Shard(0)`` over every rank, shapes with several 128-element blocks per row and
+  row counts that leave uneven and empty shards at P = 2 and 4, a 3-D expert stack;
+- the 2 x 2 mesh layouts of tests/mesh_scenarios.py (HSDP, FSDP + TP, TP, EP), plus TP's
+  column cut on block boundaries; a cut off them keeps that parameter's momentum in bf16,
+  so its oracle is single-process DMuon with bf16 momentum;
+- DCP: a checkpoint written on one world size, resumed on another.
+
+Every group runs Nesterov, NorMuon and cautious weight decay.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from benchmarks.layouts import as_dtensor
+from dmuon import DMuon
+from tests.distributed_scenarios import _device, device_type
+from tests.mesh_scenarios import MESH_CASES
+
+MOMENTUM_DTYPES = ("bfloat16", "int8")
+OPTIONS = dict(lr=0.03, momentum=0.9, nesterov=True, weight_decay=0.05, normuon=True, cautious_weight_decay=True,
+               ns_dtype="float32")
+# Rows of 6, 5, 3 and 7: uneven shards at P = 2 and 4, an empty one at P = 4 (and for
+# the 3-expert stack); 300 and 130 columns: full and short blocks in one row.
+FSDP_CASES = {"blocks": (6, 300), "uneven": (5, 130), "experts": (3, 4, 140), "narrow": (7, 6)}
+# TP's column cut (Shard(1)) of 256 and 512 columns on 2 ranks: 128 and 256 a rank, on block boundaries.
+BLOCK_CASES = [("tp.rowwise_blocks", (6, 256), (Replicate(), Shard(1))),
+               ("fsdp_tp.rowwise_blocks", (4, 512), (Shard(0), Shard(1)))]
+MESH_MOMENTUM_CASES = [case for group in MESH_CASES.values() for case in group] + BLOCK_CASES
+# The cases whose column cut is off the blocks (10 columns on 2 ranks): bf16 momentum.
+OFF_BLOCKS = ("fsdp_tp.rowwise", "tp.rowwise")
+STEPS = 3
+
+
+def _tensors(seed: int, shapes: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return {name: torch.randn(shape, generator=generator).to(_device()) for name, shape in shapes.items()}
+
+
+def _whole(value: torch.Tensor) -> torch.Tensor:
+    return value.full_tensor() if isinstance(value, DTensor) else value
+
+
+def held_as(state: dict[str, Any]) -> str:
+    """How a state holds its momentum: ``"int8"``, ``"bfloat16"``, ``"float32"``."""
+    return str(state.get("momentum_int8", state.get("momentum_buffer")).dtype).removeprefix("torch.")
+
+
+def agreement(params: dict[str, nn.Parameter], optimizer: DMuon, oracle: dict[str, nn.Parameter],
+              reference: DMuon) -> dict[str, dict[str, bool]]:
+    """Per parameter: whether its weights and its whole momentum state (values, scales) equal
+    the oracle's, bitwise (every rank takes part: whole DTensors are gathered)."""
+    out = {}
+    for name, param in params.items():
+        mine, theirs = optimizer.state[param], reference.state[oracle[name]]
+        keys = ("momentum_buffer", "momentum_int8", "momentum_scales")
+        out[name] = {
+            "weights": torch.equal(_whole(param.detach()), oracle[name].detach()),
+            "momentum": all((k in mine) == (k in theirs) for k in keys) and all(
+                torch.equal(_whole(mine[k]), theirs[k]) for k in keys if k in theirs),
+            "held_as": held_as(mine),
+        }
+    return out
+
+
+def _groups(params: dict[str, nn.Parameter], momentum_dtype: str, off_blocks: tuple[str, ...] = ()
+            ) -> list[dict[str, Any]]:
+    """One Muon group with ``momentum_dtype``; the ``off_blocks`` parameters in one of their
+    own with bf16 (the oracle of a parameter whose layout cuts rows off the blocks)."""
+    groups = [{"params": [(n, p) for n, p in params.items() if n not in off_blocks], "use_muon": True,
+               "momentum_dtype": momentum_dtype}]
+    if any(n in off_blocks for n in params):
+        groups.append({"params": [(n, p) for n, p in params.items() if n in off_blocks], "use_muon": True,
+                       "momentum_dtype": "bfloat16"})
+    return groups
+
+
+def _run(params: dict[str, nn.Parameter], optimizer: DMuon, shapes: dict[str, tuple[int, ...]], steps: range,
+         place=lambda name, t: t) -> None:
+    for step in steps:
+        for name, grad in _tensors(100 + step, shapes).items():
+            params[name].grad = place(name, grad)
+        optimizer.step()
+
+
+def fsdp_exactness(momentum_dtype: str) -> dict[str, dict[str, bool]]:
+    """``Shard(0)`` over every rank vs single process, :data:`STEPS` steps."""
+    mesh = init_device_mesh(device_type(), (dist.get_world_size(),))
+    params = {n: nn.Parameter(as_dtensor(t, mesh, [Shard(0)])) for n, t in _tensors(0, FSDP_CASES).items()}
+    oracle = {n: nn.Parameter(t) for n, t in _tensors(0, FSDP_CASES).items()}
+    optimizer = DMuon(_groups(params, momentum_dtype), **OPTIONS)
+    reference = DMuon(_groups(oracle, momentum_dtype), **OPTIONS)
+    _run(params, optimizer, FSDP_CASES, range(STEPS), lambda name, t: as_dtensor(t, mesh, [Shard(0)]))
+    _run(oracle, reference, FSDP_CASES, range(STEPS))
+    return agreement(params, optimizer, oracle, reference)
+
+
+def mesh_exactness(momentum_dtype: str) -> dict[str, dict[str, bool]]:
+    """Every layout of :data:`MESH_MOMENTUM_CASES` on a 2 x 2 mesh vs single process."""
+    mesh = init_device_mesh(device_type(), (2, 2))
+    shapes = {name: shape for name, shape, _ in MESH_MOMENTUM_CASES}
+    placements = {name: p for name, _, p in MESH_MOMENTUM_CASES}
+    params = {n: nn.Parameter(as_dtensor(t, mesh, placements[n])) for n, t in _tensors(0, shapes).items()}
+    oracle = {n: nn.Parameter(t) for n, t in _tensors(0, shapes).items()}
+    optimizer = DMuon(_groups(params, momentum_dtype), **OPTIONS)
+    reference = DMuon(_groups(oracle, momentum_dtype, OFF_BLOCKS if momentum_dtype == "int8" else ()), **OPTIONS)
+    _run(params, optimizer, shapes, range(STEPS), lambda name, t: as_dtensor(t, mesh, placements[name]))
+    _run(oracle, reference, shapes, range(STEPS))
+    return agreement(params, optimizer, oracle, reference)
+
+
+# ------------------------------------------------------------------------------ DCP
+
+
+def _as_module(params: dict[str, nn.Parameter]) -> nn.Module:
+    return nn.ParameterDict(params)
+
+
+def checkpoint_save(checkpoint_dir: str, momentum_dtype: str, steps: int) -> None:
+    """``steps`` steps on ``Shard(0)`` over every rank, then a DCP checkpoint of the
+    weights and the optimizer (momentum values and scales included)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    mesh = init_device_mesh(device_type(), (dist.get_world_size(),))
+    params = {n: nn.Parameter(as_dtensor(t, mesh, [Shard(0)])) for n, t in _tensors(0, FSDP_CASES).items()}
+    optimizer = DMuon(_groups(params, momentum_dtype), **OPTIONS)
+    _run(params, optimizer, FSDP_CASES, range(steps), lambda name, t: as_dtensor(t, mesh, [Shard(0)]))
+    module = _as_module(params)
+    dcp.save({"model": module.state_dict(), "optim": get_optimizer_state_dict(module, optimizer)},
+             checkpoint_id=checkpoint_dir)
+
+
+def checkpoint_resume(checkpoint_dir: str, momentum_dtype: str, done: int, total: int) -> dict[str, dict[str, bool]]:
+    """That checkpoint loaded on this world size (fresh weights and optimizer), steps
+    ``done..total`` run, against single-process DMuon run ``total`` steps uninterrupted."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    oracle = {n: nn.Parameter(t) for n, t in _tensors(0, FSDP_CASES).items()}
+    reference = DMuon(_groups(oracle, momentum_dtype), **OPTIONS)
+    _run(oracle, reference, FSDP_CASES, range(total))
+    mesh = init_device_mesh(device_type(), (dist.get_world_size(),))
+    params = {n: nn.Parameter(as_dtensor(torch.zeros_like(t), mesh, [Shard(0)]))
+              for n, t in _tensors(0, FSDP_CASES).items()}
+    optimizer = DMuon(_groups(params, momentum_dtype), **OPTIONS)
+    module = _as_module(params)
+    target = {"model": module.state_dict(), "optim": get_optimizer_state_dict(module, optimizer)}
+    dcp.load(target, checkpoint_id=checkpoint_dir)
+    module.load_state_dict(target["model"])
+    set_optimizer_state_dict(module, optimizer, target["optim"])
+    _run(params, optimizer, FSDP_CASES, range(done, total), lambda name, t: as_dtensor(t, mesh, [Shard(0)]))
+    return agreement(params, optimizer, oracle, reference)
+
+
+def _mesh_setup(mesh_shape: tuple[int, int], momentum_dtype: str, zeros: bool = False):
+    """:data:`MESH_MOMENTUM_CASES` on a ``mesh_shape`` mesh with their placements, in the
+    groups of the oracle (the off-block cases in a bf16 group of their own with int8)."""
+    mesh = init_device_mesh(device_type(), mesh_shape)
+    shapes = {name: shape for name, shape, _ in MESH_MOMENTUM_CASES}
+    placements = {name: p for name, _, p in MESH_MOMENTUM_CASES}
+    params = {n: nn.Parameter(as_dtensor(torch.zeros_like(t) if zeros else t, mesh, placements[n]))
+              for n, t in _tensors(0, shapes).items()}
+    optimizer = DMuon(_groups(params, momentum_dtype, OFF_BLOCKS if momentum_dtype == "int8" else ()), **OPTIONS)
+    return params, optimizer, shapes, lambda name, t: as_dtensor(t, mesh, placements[name])
+
+
+def mesh_checkpoint_save(checkpoint_dir: str, momentum_dtype: str, steps: int) -> None:
+    """``steps`` steps of every mesh layout on a 2 x 2 mesh, then a DCP checkpoint."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    params, optimizer, shapes, place = _mesh_setup((2, 2), momentum_dtype)
+    _run(params, optimizer, shapes, range(steps), place)
+    module = _as_module({n.replace(".", "_"): p for n, p in params.items()})
+    dcp.save({"model": module.state_dict(), "optim": get_optimizer_state_dict(module, optimizer)},
+             checkpoint_id=checkpoint_dir)
+
+
+def mesh_checkpoint_resume(checkpoint_dir: str, momentum_dtype: str, done: int, total: int
+                           ) -> dict[str, dict[str, bool]]:
+    """That checkpoint resumed on one rank (a 1 x 1 mesh: every tensor whole), steps
+    ``done..total`` run, against single-process DMuon run ``total`` steps uninterrupted."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    shapes = {name: shape for name, shape, _ in MESH_MOMENTUM_CASES}
+    oracle = {n: nn.Parameter(t) for n, t in _tensors(0, shapes).items()}
+    reference = DMuon(_groups(oracle, momentum_dtype, OFF_BLOCKS if momentum_dtype == "int8" else ()), **OPTIONS)
+    _run(oracle, reference, shapes, range(total))
+    params, optimizer, shapes, place = _mesh_setup((1, 1), momentum_dtype, zeros=True)
+    module = _as_module({n.replace(".", "_"): p for n, p in params.items()})
+    target = {"model": module.state_dict(), "optim": get_optimizer_state_dict(module, optimizer)}
+    dcp.load(target, checkpoint_id=checkpoint_dir)
+    module.load_state_dict(target["model"])
+    set_optimizer_state_dict(module, optimizer, target["optim"])
+    _run(params, optimizer, shapes, range(done, total), place)
+    return agreement(params, optimizer, oracle, reference)
+
+
+def checkpoint_load_as(checkpoint_dir: str, saved_dtype: str | None, momentum_dtype: str | None
+                       ) -> dict[str, Any]:
+    """A checkpoint of 2 steps saved with ``saved_dtype``, loaded through DCP into an
+    optimizer with ``momentum_dtype``: ``{"error": what the load raised or None, "momentum":
+    {case: the loaded momentum is the saved one cast to the new dtype}}`` (the saved one
+    recomputed by single-process DMuon)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    oracle = {n: nn.Parameter(t) for n, t in _tensors(0, FSDP_CASES).items()}
+    reference = DMuon(_groups(oracle, saved_dtype), **OPTIONS)
+    _run(oracle, reference, FSDP_CASES, range(2))
+    mesh = init_device_mesh(device_type(), (dist.get_world_size(),))
+    params = {n: nn.Parameter(as_dtensor(torch.zeros_like(t), mesh, [Shard(0)]))
+              for n, t in _tensors(0, FSDP_CASES).items()}
+    optimizer = DMuon(_groups(params, momentum_dtype), **OPTIONS)
+    module = _as_module(params)
+    target = {"optim": get_optimizer_state_dict(module, optimizer)}
+    try:
+        dcp.load(target, checkpoint_id=checkpoint_dir)
+    except CheckpointException as error:  # a BaseException: DCP's, from every rank's planner
+        return {"error": f"{type(error).__name__}: {error}", "momentum": {}}
+    set_optimizer_state_dict(module, optimizer, target["optim"])
+    loaded = {n: _whole(optimizer.state[p]["momentum_buffer"]) for n, p in params.items()}
+    saved = {n: reference.state[p]["momentum_buffer"] for n, p in oracle.items()}
+    return {"error": None, "momentum": {n: torch.equal(loaded[n], saved[n].to(loaded[n].dtype)) for n in params}}

@@ -1,0 +1,98 @@
+"""``DMuon(momentum_dtype=...)`` in one process: the option's rules, the state each form
+keeps, and a resume that keeps, or converts, the saved form (``dmuon.momentum_state``)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from dmuon import DMuon
+from dmuon.numerics.momentum_storage import dequantize_int8, quantize_int8
+
+pytestmark = pytest.mark.unit
+
+SHAPE = (16, 300)  # three blocks a row, the last one short
+
+
+def _stepped(momentum_dtype, steps: int = 2, param: torch.nn.Parameter | None = None):
+    param = param if param is not None else torch.nn.Parameter(
+        torch.randn(SHAPE, generator=torch.Generator().manual_seed(0)))
+    optimizer = DMuon([("w", param)], lr=0.02, momentum_dtype=momentum_dtype, ns_dtype="float32")
+    for step in range(steps):
+        param.grad = torch.randn(SHAPE, generator=torch.Generator().manual_seed(10 + step)).to(param.dtype)
+        optimizer.step()
+    return param, optimizer
+
+
+def _state_bytes(state: dict) -> int:
+    return sum(t.numel() * t.element_size() for t in state.values() if isinstance(t, torch.Tensor))
+
+
+@pytest.mark.parametrize("value", ["fp8", torch.float16, 8])
+def test_an_unknown_momentum_dtype_is_refused_naming_the_option_and_the_allowed_values(value):
+    with pytest.raises(ValueError, match=r"DMuon: momentum_dtype must be one of None .*'int8'"):
+        DMuon([torch.nn.Parameter(torch.zeros(4, 4))], momentum_dtype=value)
+
+
+def test_a_groups_momentum_dtype_is_checked_naming_the_group():
+    with pytest.raises(ValueError, match=r"DMuon param group 0: momentum_dtype must be one of"):
+        DMuon([{"params": [torch.nn.Parameter(torch.zeros(4, 4))], "use_muon": True, "momentum_dtype": "int4"}])
+
+
+@pytest.mark.parametrize("momentum_dtype, key, held, most_bytes", [(None, "momentum_buffer", torch.float32, 4.0),
+                                                                   (torch.bfloat16, "momentum_buffer", torch.bfloat16, 2.0),
+                                                                   ("int8", "momentum_int8", torch.int8, 1.05)])
+def test_each_form_keeps_its_dtype_within_its_bytes_per_element(momentum_dtype, key, held, most_bytes):
+    param, optimizer = _stepped(momentum_dtype)
+    state = optimizer.state[param]
+    assert state[key].dtype == held
+    assert _state_bytes(state) / param.numel() <= most_bytes
+
+
+def test_int8_momentum_keeps_one_fp32_scale_per_block_of_a_row():
+    param, optimizer = _stepped("int8")
+    scales = optimizer.state[param]["momentum_scales"]
+    assert scales.dtype == torch.float32 and tuple(scales.shape) == (16, 3)
+
+
+def test_a_bf16_parameters_bf16_momentum_steps_as_the_default():
+    start = torch.randn(SHAPE, generator=torch.Generator().manual_seed(0)).bfloat16()
+    runs = [_stepped(dtype, param=torch.nn.Parameter(start.clone()))[0] for dtype in (None, "bfloat16")]
+    assert torch.equal(runs[0], runs[1])
+
+
+@pytest.mark.parametrize("momentum_dtype", ["bfloat16", "int8"])
+def test_a_resume_through_state_dict_continues_bit_for_bit(momentum_dtype):
+    whole, _ = _stepped(momentum_dtype, steps=3)
+    param, optimizer = _stepped(momentum_dtype, steps=2)
+    saved = optimizer.state_dict()
+    resumed = DMuon([("w", param)], lr=0.02, momentum_dtype=momentum_dtype, ns_dtype="float32")
+    resumed.load_state_dict(saved)
+    param.grad = torch.randn(SHAPE, generator=torch.Generator().manual_seed(12))
+    resumed.step()
+    assert torch.equal(param, whole)
+
+
+def test_an_int8_checkpoint_resumed_without_it_reads_the_momentum_it_held(caplog):
+    param, optimizer = _stepped("int8")
+    saved = optimizer.state_dict()
+    held = dequantize_int8(saved["state"][0]["momentum_int8"], saved["state"][0]["momentum_scales"], torch.float32)
+    resumed = DMuon([("w", param)], lr=0.02, ns_dtype="float32")
+    with caplog.at_level(logging.INFO, logger="dmuon"):
+        resumed.load_state_dict(saved)
+    assert set(resumed.state[param]) == {"momentum_buffer"}
+    assert torch.equal(resumed.state[param]["momentum_buffer"], held)
+    assert "DMuon: momentum converted on resume from int8 to float32: w" in caplog.text
+    assert "DMuon: changed on resume: momentum_dtype int8 -> None" in caplog.text
+
+
+def test_a_float32_checkpoint_resumed_with_int8_rounds_its_momentum_once():
+    param, optimizer = _stepped(None)
+    saved = optimizer.state_dict()
+    resumed = DMuon([("w", param)], lr=0.02, momentum_dtype="int8", ns_dtype="float32")
+    resumed.load_state_dict(saved)
+    values, scales = quantize_int8(saved["state"][0]["momentum_buffer"])
+    assert torch.equal(resumed.state[param]["momentum_int8"], values)
+    assert torch.equal(resumed.state[param]["momentum_scales"], scales)
