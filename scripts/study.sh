@@ -13,6 +13,8 @@
 #   normuon          the demo config with normuon = true
 #   qk_clip          the demo config with qk_clip_threshold = 8.0 (about half the largest
 #                    attention logit the demo reaches without it, ~17 near step 140)
+#   momentum_bf16    the demo config with momentum_dtype = "bfloat16"
+#   momentum_int8    the demo config with momentum_dtype = "int8"
 #
 #   bash scripts/study.sh --check [RUN ...]  # only write the runs' TOMLs and parse them
 #
@@ -35,12 +37,13 @@ while [[ $# -gt 0 ]]; do
     case "$1" in
         --steps) steps=(--training.steps "$2"); shift ;;
         --check) check=1 ;;
-        -h|--help) sed -n '2,21p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        -h|--help) sed -n '2,23p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
         *) runs+=("$1") ;;
     esac
     shift
 done
-[[ ${#runs[@]} -gt 0 ]] || runs=(adamw original original_pe match_rms match_rms_pe normuon qk_clip)
+[[ ${#runs[@]} -gt 0 ]] || runs=(adamw original original_pe match_rms match_rms_pe normuon qk_clip momentum_bf16
+                                 momentum_int8)
 
 dmuon=train_configs/llama3_debug_dmuon.toml
 # variant NAME BASE_TOML SED_EXPR...: BASE_TOML with each `key = value` line rewritten.
@@ -59,6 +62,8 @@ variant match_rms_pe "$dmuon" 's|^lr = .*|lr = 2e-3|' 's|^adjust_lr = .*|adjust_
     's|^ns_coefficients = .*|ns_coefficients = "polar_express"|'
 variant normuon "$dmuon" 's|^normuon = [a-z]*|normuon = true|'
 variant qk_clip "$dmuon" 's|^qk_clip_threshold = [0-9.]*|qk_clip_threshold = 8.0|'
+variant momentum_bf16 "$dmuon" 's|^momentum_dtype = .*|momentum_dtype = "bfloat16"|'
+variant momentum_int8 "$dmuon" 's|^momentum_dtype = .*|momentum_dtype = "int8"|'
 
 if [[ $check == 1 ]]; then  # TorchTitan's own parser, with dmuon's [optimizer] checks
     for name in "${runs[@]}"; do
@@ -74,7 +79,8 @@ fi
 for name in "${runs[@]}"; do
     [[ -f "$out/$name.toml" ]] || { echo "unknown run: $name" >&2; exit 2; }
     echo "== $name ($(date -u +%H:%M:%S) UTC)"
-    grep -E '^(name|lr|adamw_lr|weight_decay|adjust_lr|ns_coefficients|normuon|qk_clip_threshold) =' "$out/$name.toml" | sed 's/ *#.*//'
+    grep -E '^(name|lr|adamw_lr|weight_decay|adjust_lr|ns_coefficients|normuon|qk_clip_threshold|momentum_dtype) =' \
+        "$out/$name.toml" | sed 's/ *#.*//'
     rm -rf "$out/${name}_ranks"
     # Every DMuon run records its largest attention logit per step (measured only: no
     # clipping without a threshold), so runs can be compared with and without QK-clip.

@@ -101,4 +101,30 @@ def install(plan: KillPlan) -> None:
 def install_from_env() -> None:
     plan = plan_from_env()
     if plan is not None:
+        write_error_files_whole()
         install(plan)
+
+
+def write_error_files_whole() -> None:
+    """Make this rank write its torchelastic error file whole or not at all (a temporary file,
+    then a rename).
+
+    When a rank dies, torchrun stops the others and reads each failed rank's error file.
+    torch writes that file in place (``ErrorHandler._write_error_file``: ``open(path, "w")``),
+    so a surviving rank stopped while writing it leaves it empty, and the agent itself then
+    fails on the empty JSON (``json.decoder.JSONDecodeError`` in ``ProcessFailure``) instead
+    of restarting the job. Seen once, in the clean-clone CI run of a40ff0b (2026-11-28, the
+    ``rank0_writing_step10`` scenario); a torch race, not the scenario's point, so the
+    recovery tests' ranks write the file atomically."""
+    from torch.distributed.elastic.multiprocessing.errors.error_handler import ErrorHandler
+
+    def write_whole(self: Any, file_path: str, error_msg: str) -> None:
+        partial = f"{file_path}.partial"
+        try:
+            with open(partial, "w") as fp:
+                fp.write(error_msg)
+            os.replace(partial, file_path)
+        except OSError as e:
+            logger.warning(f"Unable to write error to file. {type(e).__name__}: {e}")
+
+    ErrorHandler._write_error_file = write_whole
