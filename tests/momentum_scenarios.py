@@ -94,119 +94,127 @@ def _run(params: dict[str, nn.Parameter], optimizer: DMuon, shapes: dict[str, tu
         optimizer.step()
 
 
+MESH_SHAPES = {name: shape for name, shape, _ in MESH_MOMENTUM_CASES}
+MESH_PLACEMENTS = {name: placements for name, _, placements in MESH_MOMENTUM_CASES}
+
+
+def _off_blocks(momentum_dtype: str | None) -> tuple[str, ...]:
+    """The mesh cases a single process keeps in bf16 to match the ranks' fallback."""
+    return OFF_BLOCKS if momentum_dtype == "int8" else ()
+
+
+def _oracle(shapes: dict[str, tuple[int, ...]], momentum_dtype: str | None, steps: int,
+            off_blocks: tuple[str, ...] = ()) -> tuple[dict[str, nn.Parameter], DMuon]:
+    """Single-process DMuon on the whole tensors, ``steps`` steps."""
+    oracle = {n: nn.Parameter(t) for n, t in _tensors(0, shapes).items()}
+    reference = DMuon(_groups(oracle, momentum_dtype, off_blocks), **OPTIONS)
+    _run(oracle, reference, shapes, range(steps))
+    return oracle, reference
+
+
+def _on_ranks(shapes: dict[str, tuple[int, ...]], placements: Any, mesh_shape: tuple[int, ...],
+              momentum_dtype: str | None, off_blocks: tuple[str, ...] = (), zeros: bool = False):
+    """The cases as DTensors of ``placements`` (one for all, or by name) on a ``mesh_shape``
+    mesh (zeros: for a checkpoint to fill), their DMuon, and how a grad is placed."""
+    mesh = init_device_mesh(device_type(), mesh_shape)
+
+    def place(name: str, t: torch.Tensor) -> torch.Tensor:
+        return as_dtensor(t, mesh, placements[name] if isinstance(placements, dict) else placements)
+
+    params = {n: nn.Parameter(place(n, torch.zeros_like(t) if zeros else t)) for n, t in _tensors(0, shapes).items()}
+    return params, DMuon(_groups(params, momentum_dtype, off_blocks), **OPTIONS), place
+
+
+def _fsdp(momentum_dtype: str | None, zeros: bool = False):
+    """:data:`FSDP_CASES` on ``Shard(0)`` over every rank (:func:`_on_ranks`)."""
+    return _on_ranks(FSDP_CASES, [Shard(0)], (dist.get_world_size(),), momentum_dtype, zeros=zeros)
+
+
 def fsdp_exactness(momentum_dtype: str) -> dict[str, dict[str, bool]]:
     """``Shard(0)`` over every rank vs single process, :data:`STEPS` steps."""
-    mesh = init_device_mesh(device_type(), (dist.get_world_size(),))
-    params = {n: nn.Parameter(as_dtensor(t, mesh, [Shard(0)])) for n, t in _tensors(0, FSDP_CASES).items()}
-    oracle = {n: nn.Parameter(t) for n, t in _tensors(0, FSDP_CASES).items()}
-    optimizer = DMuon(_groups(params, momentum_dtype), **OPTIONS)
-    reference = DMuon(_groups(oracle, momentum_dtype), **OPTIONS)
-    _run(params, optimizer, FSDP_CASES, range(STEPS), lambda name, t: as_dtensor(t, mesh, [Shard(0)]))
-    _run(oracle, reference, FSDP_CASES, range(STEPS))
-    return agreement(params, optimizer, oracle, reference)
+    params, optimizer, place = _fsdp(momentum_dtype)
+    _run(params, optimizer, FSDP_CASES, range(STEPS), place)
+    return agreement(params, optimizer, *_oracle(FSDP_CASES, momentum_dtype, STEPS))
 
 
 def mesh_exactness(momentum_dtype: str) -> dict[str, dict[str, bool]]:
-    """Every layout of :data:`MESH_MOMENTUM_CASES` on a 2 x 2 mesh vs single process."""
-    mesh = init_device_mesh(device_type(), (2, 2))
-    shapes = {name: shape for name, shape, _ in MESH_MOMENTUM_CASES}
-    placements = {name: p for name, _, p in MESH_MOMENTUM_CASES}
-    params = {n: nn.Parameter(as_dtensor(t, mesh, placements[n])) for n, t in _tensors(0, shapes).items()}
-    oracle = {n: nn.Parameter(t) for n, t in _tensors(0, shapes).items()}
-    optimizer = DMuon(_groups(params, momentum_dtype), **OPTIONS)
-    reference = DMuon(_groups(oracle, momentum_dtype, OFF_BLOCKS if momentum_dtype == "int8" else ()), **OPTIONS)
-    _run(params, optimizer, shapes, range(STEPS), lambda name, t: as_dtensor(t, mesh, placements[name]))
-    _run(oracle, reference, shapes, range(STEPS))
-    return agreement(params, optimizer, oracle, reference)
+    """Every layout of :data:`MESH_MOMENTUM_CASES` on a 2 x 2 mesh, in one group (the ranks
+    choose the bf16 fallback), vs single process."""
+    params, optimizer, place = _on_ranks(MESH_SHAPES, MESH_PLACEMENTS, (2, 2), momentum_dtype)
+    _run(params, optimizer, MESH_SHAPES, range(STEPS), place)
+    return agreement(params, optimizer, *_oracle(MESH_SHAPES, momentum_dtype, STEPS, _off_blocks(momentum_dtype)))
 
 
 # ------------------------------------------------------------------------------ DCP
 
 
 def _as_module(params: dict[str, nn.Parameter]) -> nn.Module:
-    return nn.ParameterDict(params)
+    return nn.ParameterDict({n.replace(".", "_"): p for n, p in params.items()})
 
 
-def checkpoint_save(checkpoint_dir: str, momentum_dtype: str, steps: int) -> None:
-    """``steps`` steps on ``Shard(0)`` over every rank, then a DCP checkpoint of the
-    weights and the optimizer (momentum values and scales included)."""
+def _save(checkpoint_dir: str, params: dict[str, nn.Parameter], optimizer: DMuon) -> None:
+    """A DCP checkpoint of the weights and the optimizer (momentum values and scales included)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-    mesh = init_device_mesh(device_type(), (dist.get_world_size(),))
-    params = {n: nn.Parameter(as_dtensor(t, mesh, [Shard(0)])) for n, t in _tensors(0, FSDP_CASES).items()}
-    optimizer = DMuon(_groups(params, momentum_dtype), **OPTIONS)
-    _run(params, optimizer, FSDP_CASES, range(steps), lambda name, t: as_dtensor(t, mesh, [Shard(0)]))
     module = _as_module(params)
     dcp.save({"model": module.state_dict(), "optim": get_optimizer_state_dict(module, optimizer)},
              checkpoint_id=checkpoint_dir)
+
+
+def _load(checkpoint_dir: str, params: dict[str, nn.Parameter], optimizer: DMuon, weights: bool = True) -> None:
+    """That checkpoint loaded through DCP into ``optimizer`` (and ``params`` with ``weights``)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    module = _as_module(params)
+    target = {"optim": get_optimizer_state_dict(module, optimizer)}
+    if weights:
+        target["model"] = module.state_dict()
+    dcp.load(target, checkpoint_id=checkpoint_dir)
+    if weights:
+        module.load_state_dict(target["model"])
+    set_optimizer_state_dict(module, optimizer, target["optim"])
+
+
+def checkpoint_save(checkpoint_dir: str, momentum_dtype: str, steps: int) -> None:
+    """``steps`` steps on ``Shard(0)`` over every rank, then a DCP checkpoint."""
+    params, optimizer, place = _fsdp(momentum_dtype)
+    _run(params, optimizer, FSDP_CASES, range(steps), place)
+    _save(checkpoint_dir, params, optimizer)
 
 
 def checkpoint_resume(checkpoint_dir: str, momentum_dtype: str, done: int, total: int) -> dict[str, dict[str, bool]]:
     """That checkpoint loaded on this world size (fresh weights and optimizer), steps
     ``done..total`` run, against single-process DMuon run ``total`` steps uninterrupted."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
-
-    oracle = {n: nn.Parameter(t) for n, t in _tensors(0, FSDP_CASES).items()}
-    reference = DMuon(_groups(oracle, momentum_dtype), **OPTIONS)
-    _run(oracle, reference, FSDP_CASES, range(total))
-    mesh = init_device_mesh(device_type(), (dist.get_world_size(),))
-    params = {n: nn.Parameter(as_dtensor(torch.zeros_like(t), mesh, [Shard(0)]))
-              for n, t in _tensors(0, FSDP_CASES).items()}
-    optimizer = DMuon(_groups(params, momentum_dtype), **OPTIONS)
-    module = _as_module(params)
-    target = {"model": module.state_dict(), "optim": get_optimizer_state_dict(module, optimizer)}
-    dcp.load(target, checkpoint_id=checkpoint_dir)
-    module.load_state_dict(target["model"])
-    set_optimizer_state_dict(module, optimizer, target["optim"])
-    _run(params, optimizer, FSDP_CASES, range(done, total), lambda name, t: as_dtensor(t, mesh, [Shard(0)]))
-    return agreement(params, optimizer, oracle, reference)
+    params, optimizer, place = _fsdp(momentum_dtype, zeros=True)
+    _load(checkpoint_dir, params, optimizer)
+    _run(params, optimizer, FSDP_CASES, range(done, total), place)
+    return agreement(params, optimizer, *_oracle(FSDP_CASES, momentum_dtype, total))
 
 
-def _mesh_setup(mesh_shape: tuple[int, int], momentum_dtype: str, zeros: bool = False):
-    """:data:`MESH_MOMENTUM_CASES` on a ``mesh_shape`` mesh with their placements, in the
-    groups of the oracle (the off-block cases in a bf16 group of their own with int8)."""
-    mesh = init_device_mesh(device_type(), mesh_shape)
-    shapes = {name: shape for name, shape, _ in MESH_MOMENTUM_CASES}
-    placements = {name: p for name, _, p in MESH_MOMENTUM_CASES}
-    params = {n: nn.Parameter(as_dtensor(torch.zeros_like(t) if zeros else t, mesh, placements[n]))
-              for n, t in _tensors(0, shapes).items()}
-    optimizer = DMuon(_groups(params, momentum_dtype, OFF_BLOCKS if momentum_dtype == "int8" else ()), **OPTIONS)
-    return params, optimizer, shapes, lambda name, t: as_dtensor(t, mesh, placements[name])
+def _mesh_layouts(mesh_shape: tuple[int, int], momentum_dtype: str, zeros: bool = False):
+    """:data:`MESH_MOMENTUM_CASES` on a ``mesh_shape`` mesh, in the groups of the oracle (the
+    off-block cases in a bf16 group of their own with int8)."""
+    return _on_ranks(MESH_SHAPES, MESH_PLACEMENTS, mesh_shape, momentum_dtype, _off_blocks(momentum_dtype), zeros)
 
 
 def mesh_checkpoint_save(checkpoint_dir: str, momentum_dtype: str, steps: int) -> None:
     """``steps`` steps of every mesh layout on a 2 x 2 mesh, then a DCP checkpoint."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-
-    params, optimizer, shapes, place = _mesh_setup((2, 2), momentum_dtype)
-    _run(params, optimizer, shapes, range(steps), place)
-    module = _as_module({n.replace(".", "_"): p for n, p in params.items()})
-    dcp.save({"model": module.state_dict(), "optim": get_optimizer_state_dict(module, optimizer)},
-             checkpoint_id=checkpoint_dir)
+    params, optimizer, place = _mesh_layouts((2, 2), momentum_dtype)
+    _run(params, optimizer, MESH_SHAPES, range(steps), place)
+    _save(checkpoint_dir, params, optimizer)
 
 
 def mesh_checkpoint_resume(checkpoint_dir: str, momentum_dtype: str, done: int, total: int
                            ) -> dict[str, dict[str, bool]]:
     """That checkpoint resumed on one rank (a 1 x 1 mesh: every tensor whole), steps
     ``done..total`` run, against single-process DMuon run ``total`` steps uninterrupted."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
-
-    shapes = {name: shape for name, shape, _ in MESH_MOMENTUM_CASES}
-    oracle = {n: nn.Parameter(t) for n, t in _tensors(0, shapes).items()}
-    reference = DMuon(_groups(oracle, momentum_dtype, OFF_BLOCKS if momentum_dtype == "int8" else ()), **OPTIONS)
-    _run(oracle, reference, shapes, range(total))
-    params, optimizer, shapes, place = _mesh_setup((1, 1), momentum_dtype, zeros=True)
-    module = _as_module({n.replace(".", "_"): p for n, p in params.items()})
-    target = {"model": module.state_dict(), "optim": get_optimizer_state_dict(module, optimizer)}
-    dcp.load(target, checkpoint_id=checkpoint_dir)
-    module.load_state_dict(target["model"])
-    set_optimizer_state_dict(module, optimizer, target["optim"])
-    _run(params, optimizer, shapes, range(done, total), place)
-    return agreement(params, optimizer, oracle, reference)
+    params, optimizer, place = _mesh_layouts((1, 1), momentum_dtype, zeros=True)
+    _load(checkpoint_dir, params, optimizer)
+    _run(params, optimizer, MESH_SHAPES, range(done, total), place)
+    return agreement(params, optimizer,
+                     *_oracle(MESH_SHAPES, momentum_dtype, total, _off_blocks(momentum_dtype)))
 
 
 def checkpoint_load_as(checkpoint_dir: str, saved_dtype: str | None, momentum_dtype: str | None
@@ -215,24 +223,14 @@ def checkpoint_load_as(checkpoint_dir: str, saved_dtype: str | None, momentum_dt
     optimizer with ``momentum_dtype``: ``{"error": what the load raised or None, "momentum":
     {case: the loaded momentum is the saved one cast to the new dtype}}`` (the saved one
     recomputed by single-process DMuon)."""
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
-    oracle = {n: nn.Parameter(t) for n, t in _tensors(0, FSDP_CASES).items()}
-    reference = DMuon(_groups(oracle, saved_dtype), **OPTIONS)
-    _run(oracle, reference, FSDP_CASES, range(2))
-    mesh = init_device_mesh(device_type(), (dist.get_world_size(),))
-    params = {n: nn.Parameter(as_dtensor(torch.zeros_like(t), mesh, [Shard(0)]))
-              for n, t in _tensors(0, FSDP_CASES).items()}
-    optimizer = DMuon(_groups(params, momentum_dtype), **OPTIONS)
-    module = _as_module(params)
-    target = {"optim": get_optimizer_state_dict(module, optimizer)}
+    oracle, reference = _oracle(FSDP_CASES, saved_dtype, 2)
+    params, optimizer, _ = _fsdp(momentum_dtype, zeros=True)
     try:
-        dcp.load(target, checkpoint_id=checkpoint_dir)
+        _load(checkpoint_dir, params, optimizer, weights=False)
     except CheckpointException as error:  # a BaseException: DCP's, from every rank's planner
         return {"error": f"{type(error).__name__}: {error}", "momentum": {}}
-    set_optimizer_state_dict(module, optimizer, target["optim"])
     loaded = {n: _whole(optimizer.state[p]["momentum_buffer"]) for n, p in params.items()}
     saved = {n: reference.state[p]["momentum_buffer"] for n, p in oracle.items()}
     return {"error": None, "momentum": {n: torch.equal(loaded[n], saved[n].to(loaded[n].dtype)) for n in params}}

@@ -26,12 +26,11 @@ def state_size_line(optimizer: DMuon, part: int) -> str:
 def log_state_size_after_first_step(optimizers: Sequence[Any], log: Callable[[str], None]) -> None:
     """After each DMuon's first ``step()``, ``log`` its :func:`state_size_line` once (a step
     post-hook that removes itself; no collective)."""
+    def hook(part: int) -> Callable[..., None]:
+        def log_once(optimizer: DMuon, *_: Any) -> None:
+            handles.pop(part).remove()
+            log(state_size_line(optimizer, part))
+        return log_once
+
     dmuons = [o for o in optimizers if isinstance(o, DMuon)]
-    handles: dict[int, Any] = {}
-
-    def log_once(optimizer: DMuon, *_: Any) -> None:
-        handles.pop(id(optimizer)).remove()
-        log(state_size_line(optimizer, next(i for i, o in enumerate(dmuons) if o is optimizer)))
-
-    for optimizer in dmuons:
-        handles[id(optimizer)] = optimizer.register_step_post_hook(log_once)
+    handles = {part: optimizer.register_step_post_hook(hook(part)) for part, optimizer in enumerate(dmuons)}

@@ -45,7 +45,7 @@ from torch.distributed.tensor import DTensor
 
 from dmuon.exchange.packing import stages_casts
 from dmuon.momentum_state import kept_momentum
-from dmuon.numerics.momentum_storage import INT8_BLOCK, ROUNDING_CHUNK_NUMEL
+from dmuon.numerics.momentum_storage import ROUNDING_CHUNK_NUMEL, read_together
 from dmuon.numerics.update_lists import MASKED_CHUNK_NUMEL
 from dmuon.numerics.newton_schulz import matrix_shape, resolve_ns_dtype
 from dmuon.optimizer import DMuon
@@ -112,7 +112,7 @@ def _momentum_reads(optimizer: DMuon) -> tuple[int, int]:
             kept += sum(_local_bytes(t) for t in momentum if t is not None)
             if momentum[1] is not None:
                 kept += FP32_BYTES * local.numel() if local.element_size() < FP32_BYTES else 0
-                if local.shape[-1] % INT8_BLOCK == 0:  # read with the others, rounded chunk by chunk
+                if read_together(*map(local_of, momentum)):  # rounded with the others, chunk by chunk
                     batched += local.numel()
                 else:
                     alone = max(alone, local.numel())

@@ -247,6 +247,7 @@ def run_rank(config: DryRunConfig, rank: int) -> RankReport:
 
 def _report(rank: int, optimizer: DMuon, record: StepRecord, seconds: float) -> RankReport:
     plans = optimizer.owner_plans()
+    muon_state = optimizer.state_bytes()
     groups = optimizer.param_groups
     return RankReport(
         rank=rank,
@@ -260,8 +261,8 @@ def _report(rank: int, optimizer: DMuon, record: StepRecord, seconds: float) -> 
         per_tensor_list_ops=dict(record.per_tensor_list_ops),
         state_bytes=sum(_local_bytes(t) for s in optimizer.state.values() for t in s.values()
                         if isinstance(t, torch.Tensor) and t.device.type != "cpu"),
-        muon_state_bytes=optimizer.state_bytes().muon_bytes,
-        muon_elements=optimizer.state_bytes().muon_elements,
+        muon_state_bytes=muon_state.muon_bytes,
+        muon_elements=muon_state.muon_elements,
         peak_step_bytes=record.peak_bytes,
         peak_bound_bytes=peak_bound_bytes(optimizer, _plan_rank(optimizer)),
         mixed_device_ops=record.mixed_device_ops,

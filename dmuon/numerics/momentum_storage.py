@@ -134,7 +134,8 @@ ROUNDING_CHUNK_NUMEL = 1 << 22
 
 @dataclass
 class MomentumCopies:
-    """What :func:`read_momenta` read: the tensors the rule runs on, and how they are stored back."""
+    """What :func:`read_momenta` read: the tensors the rule runs on, and how they are stored back
+    (:func:`read_together` says which are read together)."""
 
     working: list[torch.Tensor]
     """Per momentum: its store itself (held in the dtype asked for), or a new tensor."""
@@ -144,7 +145,7 @@ class MomentumCopies:
     """Momenta read one by one."""
 
 
-def _batchable(values: torch.Tensor, scales: torch.Tensor | None) -> bool:
+def read_together(values: torch.Tensor, scales: torch.Tensor | None) -> bool:
     """Whether a kept momentum can join a batch: contiguous, and for int8, rows of whole blocks
     (its flat values, cut every ``INT8_BLOCK``, are its blocks, in the order of its scales)."""
     return values.is_contiguous() and (scales is None or (values.ndim >= 1 and values.shape[-1] % INT8_BLOCK == 0
@@ -162,7 +163,7 @@ def read_momenta(values: Sequence[torch.Tensor], scales: Sequence[torch.Tensor |
     for k, (store, scale, dtype) in enumerate(zip(values, scales, dtypes)):
         if scale is None and store.dtype == dtype:
             continue
-        if _batchable(store, scale):
+        if read_together(store, scale):
             kinds.setdefault((scale is not None, store.dtype, dtype, store.device), []).append(k)
         else:
             copies.alone.append(k)
