@@ -30,7 +30,8 @@ from dmuon.exchange.host_staging import HostStaging, check_offload, staging_for
 from dmuon.exchange.owner_exchange import Callbacks, run_owner_plan
 from dmuon.exchange.reductions import share_second_moments
 from dmuon.group_steps import GroupSteps, by_group
-from dmuon.momentum_state import MomentumReads
+from dmuon.converted_momenta import ConvertedMomenta
+from dmuon.momentum_state import kept_momentum
 from dmuon.numerics.functional import normuon_state
 from dmuon.numerics.masked_updates import UnitMasks
 from dmuon.numerics.newton_schulz import resolve_ns_algorithm, resolve_ns_dtype
@@ -71,6 +72,7 @@ class OwnerRun:
     """For each wrong shard: zeros of the plan's shape that take its place in the step
     (which is then masked on every rank), so the collectives stay the plan's."""
     staging: HostStaging | None = None  # FSDP2's CPU offload: dmuon.exchange.host_staging
+    _unpacked: list[int] | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.blocks = LocalBlocks(self.plan, self.rank)
@@ -99,33 +101,45 @@ class OwnerRun:
 
     def momentum_step(self, grads: Mapping[torch.Tensor, torch.Tensor], state: Mapping[torch.Tensor, dict[str, Any]],
                       oks: Sequence[torch.Tensor], groups: Sequence[dict[str, Any]], steps: GroupSteps
-                      ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Each parameter's local grad and its momentum after this step's EMA (one list op per
-        group, where its ``oks`` entry holds), rounded into a store kept in another dtype
-        (``dmuon.momentum_state``): what is returned is the unrounded EMA the look-ahead reads."""
-        momenta = MomentumReads()
-        local_grads, local_bufs = self.grads_and_bufs(grads, state, momenta, oks)
-        for group, members in by_group(range(len(self.params)), groups):
+                      ) -> tuple[list[torch.Tensor], list[torch.Tensor | None], ConvertedMomenta]:
+        """Each parameter's local grad; its momentum after this step's EMA (one list op per group,
+        where its ``oks`` entry holds) where the momentum is its own working tensor (kept in the
+        parameter's dtype, updated in place; zeros before its state exists; a wrong shard's
+        stand-in), None where it is kept in another dtype; and those others, whose EMA runs a
+        few blocks at a time as they are packed (:meth:`ConvertedMomenta.blocks`)."""
+        local_bufs: list[torch.Tensor | None] = [None] * len(self.params)
+        converted = ConvertedMomenta(self.plan, self.blocks, self.rank, self.dtypes, self.device, oks, groups, steps)
+        for j, param in enumerate(self.params):
+            if j in self.stand_ins:
+                local_bufs[j] = self.stand_ins[j]
+            elif (momentum := kept_momentum(state.get(param))) is None:  # get: no empty state made
+                local_bufs[j] = torch.zeros_like(local_of(param))  # nothing is stored: no state yet
+            elif momentum[1] is None and momentum[0].dtype == self.dtypes[j]:
+                local_bufs[j] = local_of(momentum[0])
+            else:
+                converted.kept[j] = (local_of(momentum[0]), None if momentum[1] is None else local_of(momentum[1]))
+        # Without a usable grad here, the momentum stands in for it (the masked EMA leaves it as
+        # it is); a converted momentum's working copy takes that place block by block.
+        local_grads = [self.local(j, grads[p]) if p in grads else local_bufs[j] for j, p in enumerate(self.params)]
+        converted.grads = local_grads
+        in_place = [j for j, buf in enumerate(local_bufs) if buf is not None]
+        for group, members in by_group(in_place, groups):
             steps.momentum([local_bufs[j] for j in members], [local_grads[j] for j in members], group,
                            [oks[j] for j in members])
-        momenta.store(steps.lists_for(self.device))
-        return local_grads, local_bufs
+        return local_grads, local_bufs, converted
 
-    def grads_and_bufs(self, grads: Mapping[torch.Tensor, torch.Tensor],
-                       state: Mapping[torch.Tensor, dict[str, Any]], momenta: MomentumReads,
-                       oks: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Each parameter's local grad and momentum for this step (read by ``momenta``, stored
-        back where its ``oks`` hold). Without a usable grad here, the momentum stands in for
-        it (the masked EMA then leaves it as it is); before its state exists, zeros stand in
-        (no state is made); a wrong shard's stand-in stands in for both."""
-        mine = [j for j in range(len(self.params)) if j not in self.stand_ins]
-        read = momenta.read([state.get(self.params[j]) for j in mine], [local_of(self.params[j]) for j in mine],
-                            [oks[j] for j in mine])  # get: no empty state made
-        local_bufs = [self.stand_ins.get(j) for j in range(len(self.params))]
-        for j, buf in zip(mine, read):
-            local_bufs[j] = buf
-        local_grads = [self.local(j, grads[p]) if p in grads else local_bufs[j] for j, p in enumerate(self.params)]
-        return local_grads, local_bufs
+    def unpacked_units(self) -> list[int]:
+        """Units this rank holds a block of but never packs: a replica's blocks outside its
+        owner's replica (they receive the result, they send nothing). Their momentum still
+        takes its EMA each step. Made once per plan."""
+        if self._unpacked is None:
+            packed = set()
+            for batch in self.plan.batches:
+                packed.update(self.layout(batch).send_units)
+                packed.update(self.plan.kept_local(batch, self.rank))
+            self._unpacked = [i for i, unit in enumerate(self.plan.units)
+                              if i not in packed and unit.block_numel(self.rank) > 0]
+        return self._unpacked
 
     def second_moments(self, groups: Sequence[dict[str, Any]], state: Mapping[torch.Tensor, dict[str, Any]]
                        ) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]:
@@ -258,7 +272,8 @@ class FastPath:
              groups: Mapping[torch.Tensor, dict[str, Any]], state: Mapping[torch.Tensor, dict[str, Any]],
              steps: GroupSteps, stats: CommStats, meter: ScratchMeter) -> None:
         """The fast path's step for every parameter of the plan, whatever its grad: the
-        momentum EMA of every local shard first (one list op per group), the Nesterov
+        momentum EMA of every local shard kept in its parameter's dtype first (one list op per
+        group; the others' as their blocks are packed: ``dmuon.converted_momenta``), the Nesterov
         look-ahead packed as blocks travel, Newton-Schulz on the owner, the update on the
         local rows as results come back (``dmuon.exchange.owner_exchange``), each a list op
         per batch; everything masked by ``oks`` (each parameter's 0-dim bool on the device)."""
@@ -268,20 +283,20 @@ class FastPath:
         param_groups = [groups[p] for p in params]  # by plan parameter
         ok = [oks[p] for p in params]  # made by the step's wait (dmuon.step_phases)
         here = ok if run.staging is None else run.staging.masks(ok)  # where the elementwise rules run
-        local_grads, local_bufs = run.momentum_step(grads, state, here, param_groups, steps)
+        local_grads, local_bufs, converted = run.momentum_step(grads, state, here, param_groups, steps)
         bufs = run.blocks.kept("momentum_buffer", local_bufs)
         targets = run.blocks.kept("param", run.locals(), flat=True)
         moments, rows = run.second_moments(param_groups, state)  # staged after the masks' wait (host_staging)
         masks = UnitMasks(ok, [u.param for u in run.plan.units], steps.lists_for(run.device))
         grad_blocks: dict[int, list[torch.Tensor]] = {}  # this step's grads, split on first use
+        converted.unpacked(run.unpacked_units(), grad_blocks)
 
         def pack_blocks(units: Sequence[int]) -> list[torch.Tensor]:
+            unit_grads, momenta = converted.blocks(units, grad_blocks, bufs)
             unit_groups = [param_groups[run.plan.units[i].param] for i in units]
             out: list[torch.Tensor] = [None] * len(units)  # type: ignore[list-item]
             for group, positions in by_group(range(len(units)), unit_groups):
-                unit_ids = [units[k] for k in positions]
-                looks = steps.lookahead([run.blocks.block(i, grad_blocks, local_grads) for i in unit_ids],
-                                        [bufs[i] for i in unit_ids], group)
+                looks = steps.lookahead([unit_grads[k] for k in positions], [momenta[k] for k in positions], group)
                 for k, look in zip(positions, looks):
                     out[k] = look
             return out

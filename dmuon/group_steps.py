@@ -26,7 +26,8 @@ from dmuon.numerics.functional import (
     update_scale,
 )
 from dmuon.exchange.status_channel import distributed
-from dmuon.momentum_state import BUFFER_KEY, INT8_KEY, SCALES_KEY, MomentumReads, kept_momentum, make_momentum
+from dmuon.momentum_state import (BUFFER_KEY, INT8_KEY, SCALES_KEY, MomentumReads, kept_momentum, make_momentum,
+                                  read_chunks)
 from dmuon.exchange.status_masks import StatusMasks, StepMask
 from dmuon.numerics.device_scalars import StepScalars
 from dmuon.numerics.masked_updates import mask_
@@ -169,13 +170,15 @@ class GroupSteps:
 
         local_params = [local_of(p) for p in params]
         foreach = bool(local_params) and self.lists_for(local_params[0].device, group)
-        momenta = MomentumReads()
-        muon_(local_params, [local_of(grads[p]) for p in params],
-              momenta.read([state[p] for p in params], local_params),
-              shapes=[p.shape for p in params], orthogonalize=orthogonalize, updating=self.telemetry.muon_update,
-              foreach=foreach, capturable=capturable(group), scalars=self.scalars,
-              **{key: group[key] for key in MUON_STEP_KEYS})
-        momenta.store(foreach)
+        for chunk in read_chunks([state[p] for p in params], local_params):  # (module dmuon.momentum_state)
+            momenta = MomentumReads()
+            muon_([local_params[i] for i in chunk], [local_of(grads[params[i]]) for i in chunk],
+                  momenta.read([state[params[i]] for i in chunk], [local_params[i] for i in chunk]),
+                  shapes=[params[i].shape for i in chunk],
+                  orthogonalize=lambda k, update, chunk=chunk: orthogonalize(chunk[k], update),
+                  updating=self.telemetry.muon_update, foreach=foreach, capturable=capturable(group),
+                  scalars=self.scalars, **{key: group[key] for key in MUON_STEP_KEYS})
+            momenta.store(foreach)
 
     def muon_off_the_fast_path(self, param_groups: Sequence[dict[str, Any]], paths: Mapping[torch.Tensor, str],
                                grads: Mapping[torch.Tensor, torch.Tensor], status: StatusMasks,
@@ -200,11 +203,19 @@ class GroupSteps:
         0-dim device bool in ``oks`` (``dmuon.exchange.grad_status``): the reference path's
         collectives run on every rank alike. One parameter in hand at a time."""
         params = [p for p in group["params"] if p in oks and paths[p] != ALL_TO_ALL]
-        if not params:
-            return
+        states = [state.get(p) for p in params]
+        for chunk in read_chunks(states, [local_of(p) for p in params]):  # (module dmuon.momentum_state)
+            self._muon_masked_chunk(group, [params[i] for i in chunk], [states[i] for i in chunk], paths, grads,
+                                    oks, state)
+
+    def _muon_masked_chunk(self, group: dict[str, Any], params: Sequence[torch.Tensor],
+                           states: Sequence[Mapping[str, Any] | None], paths: Mapping[torch.Tensor, str],
+                           grads: Mapping[torch.Tensor, torch.Tensor], oks: Mapping[torch.Tensor, torch.Tensor],
+                           state: Mapping[torch.Tensor, dict[str, Any]]) -> None:
+        """:meth:`muon_masked` of some of the group's parameters, whose momenta are read together."""
         ok = [oks[p] for p in params]
         momenta = MomentumReads()
-        bufs = momenta.read([state.get(p) for p in params], [local_of(p) for p in params], ok)
+        bufs = momenta.read(states, [local_of(p) for p in params], ok)
         local_grads = [local_of(grads[p]) if p in grads else buf for p, buf in zip(params, bufs)]
         self.momentum(bufs, local_grads, group, ok)
         momenta.store(self.lists_for(bufs[0].device, group))

@@ -22,8 +22,11 @@ wrong; under their own key such a load fails, naming the missing key. A plain
 A step reads each momentum as a tensor of the parameter's dtype (:class:`MomentumReads`),
 runs the one momentum rule on it (``dmuon.numerics.update_lists.momentum_``), orthogonalizes
 the look-ahead of the unrounded result, and rounds the result into the store under the
-step's masks. The store is the state at rest (what sits beside activations between steps);
-during the step one parameter-dtype copy of each momentum read is alive.
+step's masks. The store is the state at rest (what sits beside activations between steps).
+The fast path reads, updates and stores a momentum kept in another dtype a few blocks at a
+time, as the owner exchange packs them (``dmuon.fast_path``), so its parameter-dtype copies
+never hold more than one pack chunk: a low-precision momentum does not raise the step's
+peak. Nothing of a read outlives its step.
 """
 
 from __future__ import annotations
@@ -96,6 +99,36 @@ def make_momentum(param: torch.Tensor, momentum_dtype: str | None, state: Mutabl
     return list(made)
 
 
+READ_CHUNK_NUMEL = 1 << 24
+"""Elements of momenta kept in another dtype that a step reads at once off the fast path
+(:func:`read_chunks`): their parameter-dtype copies hold at most this many (64 MiB in fp32),
+the bound the fast path's pack chunk keeps (``dmuon.plan.pack_layout.PACK_CHUNK_NUMEL``)."""
+
+
+def read_chunks(states: Sequence[Mapping[str, Any] | None], likes: Sequence[torch.Tensor]) -> list[list[int]]:
+    """Indices of the parameters (their ``states``, local tensors ``likes``) whose momenta a
+    step reads, updates and stores together: all at once where every kept momentum is its own
+    working tensor (nothing is read: the rules run as one list op per group), else chunks of at
+    most :data:`READ_CHUNK_NUMEL` elements (a larger tensor alone), so a low-precision momentum
+    never has parameter-dtype copies of more than one chunk alive."""
+    if all(_is_own_working(kept_momentum(state), like) for state, like in zip(states, likes)):
+        return [list(range(len(likes)))] if likes else []
+    chunks: list[list[int]] = []
+    size = 0
+    for i, like in enumerate(likes):
+        if not chunks or size + like.numel() > READ_CHUNK_NUMEL:  # (an empty shard first still opens one)
+            chunks.append([])
+            size = 0
+        chunks[-1].append(i)
+        size += like.numel()
+    return chunks
+
+
+def _is_own_working(momentum: tuple[torch.Tensor, torch.Tensor | None] | None, like: torch.Tensor) -> bool:
+    """Whether a kept momentum (or none yet) is read as itself: held in ``like``'s dtype."""
+    return momentum is None or (momentum[1] is None and momentum[0].dtype == like.dtype)
+
+
 class MomentumReads:
     """One step's momenta of some parameters, read as tensors of the parameters' dtypes to
     run the rule on (:meth:`read`), then rounded back into their stores (:meth:`store`)."""
@@ -121,11 +154,20 @@ class MomentumReads:
             kept.append(i)
             values.append(local_of(momentum[0]))
             scales.append(None if momentum[1] is None else local_of(momentum[1]))
-        copies = read_momenta(values, scales, [likes[i].dtype for i in kept])
-        for i, work in zip(kept, copies.working):
+        read = self.read_kept(values, scales, [likes[i].dtype for i in kept],
+                              None if oks is None else [oks[i] for i in kept])
+        for i, work in zip(kept, read):
             working[i] = work
-        self._reads.append((values, scales, copies, None if oks is None else [oks[i] for i in kept]))
         return working
+
+    def read_kept(self, values: Sequence[torch.Tensor], scales: Sequence[torch.Tensor | None],
+                  dtypes: Sequence[torch.dtype], oks: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
+        """:meth:`read` of kept momenta given as their local tensors (values, and int8 scales
+        or None), or views of them (the fast path reads a few blocks of rows at a time), each
+        as a tensor of its ``dtypes`` entry."""
+        copies = read_momenta(values, scales, dtypes)
+        self._reads.append((list(values), list(scales), copies, None if oks is None else list(oks)))
+        return copies.working
 
     def store(self, foreach: bool = False) -> None:
         """Round every momentum read into its store (masked where it was read with ``oks``)."""

@@ -113,16 +113,18 @@ def _oracle(shapes: dict[str, tuple[int, ...]], momentum_dtype: str | None, step
 
 
 def _on_ranks(shapes: dict[str, tuple[int, ...]], placements: Any, mesh_shape: tuple[int, ...],
-              momentum_dtype: str | None, off_blocks: tuple[str, ...] = (), zeros: bool = False):
+              momentum_dtype: str | None, off_blocks: tuple[str, ...] = (), zeros: bool = False,
+              **options: Any):
     """The cases as DTensors of ``placements`` (one for all, or by name) on a ``mesh_shape``
-    mesh (zeros: for a checkpoint to fill), their DMuon, and how a grad is placed."""
+    mesh (zeros: for a checkpoint to fill), their DMuon (``options`` beside :data:`OPTIONS`),
+    and how a grad is placed."""
     mesh = init_device_mesh(device_type(), mesh_shape)
 
     def place(name: str, t: torch.Tensor) -> torch.Tensor:
         return as_dtensor(t, mesh, placements[name] if isinstance(placements, dict) else placements)
 
     params = {n: nn.Parameter(place(n, torch.zeros_like(t) if zeros else t)) for n, t in _tensors(0, shapes).items()}
-    return params, DMuon(_groups(params, momentum_dtype, off_blocks), **OPTIONS), place
+    return params, DMuon(_groups(params, momentum_dtype, off_blocks), **OPTIONS, **options), place
 
 
 def _fsdp(momentum_dtype: str | None, zeros: bool = False):
@@ -137,10 +139,13 @@ def fsdp_exactness(momentum_dtype: str) -> dict[str, dict[str, bool]]:
     return agreement(params, optimizer, *_oracle(FSDP_CASES, momentum_dtype, STEPS))
 
 
-def mesh_exactness(momentum_dtype: str) -> dict[str, dict[str, bool]]:
+def mesh_exactness(momentum_dtype: str, split_replicas: bool | None = None) -> dict[str, dict[str, bool]]:
     """Every layout of :data:`MESH_MOMENTUM_CASES` on a 2 x 2 mesh, in one group (the ranks
-    choose the bf16 fallback), vs single process."""
-    params, optimizer, place = _on_ranks(MESH_SHAPES, MESH_PLACEMENTS, (2, 2), momentum_dtype)
+    choose the bf16 fallback), vs single process. ``split_replicas=True``: HSDP's second
+    replica holds blocks it never sends (the owner's replica sources them), whose momentum
+    still takes its EMA every step (``dmuon.converted_momenta.ConvertedMomenta.unpacked``)."""
+    params, optimizer, place = _on_ranks(MESH_SHAPES, MESH_PLACEMENTS, (2, 2), momentum_dtype,
+                                         split_replicas=split_replicas)
     _run(params, optimizer, MESH_SHAPES, range(STEPS), place)
     return agreement(params, optimizer, *_oracle(MESH_SHAPES, momentum_dtype, STEPS, _off_blocks(momentum_dtype)))
 

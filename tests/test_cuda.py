@@ -131,6 +131,91 @@ def test_a_step_with_cautious_decay_never_waits_for_the_gpu(dtype):
         torch.cuda.set_sync_debug_mode("default")
 
 
+def _int8_awkward_rows(dtype: torch.dtype) -> torch.Tensor:
+    """Seeded rows of 1000 columns (a short last block) over 70 decades, fp32's subnormals among
+    them, with a row of zeros and rows whose scale underflows to 0 or is subnormal."""
+    generator = torch.Generator().manual_seed(59)
+    x = torch.randn(96, 1000, generator=generator) * torch.logspace(-40, 30, 96).unsqueeze(1)
+    x[0] = 0.0
+    x[1, :128] = torch.rand(128, generator=generator) * 1e-44
+    x[2, :128] = torch.rand(128, generator=generator) * 143 * 2.0**-149
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_momentum_quantized_on_the_gpu_has_the_cpus_bits(dtype, monkeypatch):
+    # Issue 59, items 1 and 5: CUDA's int8 values and scales are the CPU's, bit for bit, one
+    # tensor at a time and in a batched store of 21 chunks of 32 blocks (a scale made as
+    # x * (1 / 127), CUDA's form for a Python-number divisor, would move about 4.5% of the 768
+    # scales); and the batched store never waits for the GPU.
+    from dmuon.numerics import momentum_storage as storage
+
+    x = _int8_awkward_rows(dtype)
+    (cpu_values, cpu_scales), (gpu_values, gpu_scales) = storage.quantize_int8(x), storage.quantize_int8(x.cuda())
+    assert torch.equal(gpu_values.cpu(), cpu_values)
+    assert torch.equal(gpu_scales.cpu().view(torch.int32), cpu_scales.view(torch.int32))
+    monkeypatch.setattr(storage, "ROUNDING_CHUNK_NUMEL", 32 * storage.INT8_BLOCK)
+    flat = x[:, :896].reshape(-1)  # whole blocks, 672 of them
+    cpu_values, cpu_scales = storage._quantize_flat(flat)
+    on_gpu = flat.cuda()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        gpu_values, gpu_scales = storage._quantize_flat(on_gpu)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(gpu_values.cpu(), cpu_values)
+    assert torch.equal(gpu_scales.cpu().view(torch.int32), cpu_scales.view(torch.int32))
+
+
+def test_an_int8_store_captured_in_a_cuda_graph_replays_with_the_cpus_bits():
+    # Issue 59, item 1: the store's device constants (127, the rounding magic) are fill kernels,
+    # captured with it and made again at every replay, not host copies a capture refuses.
+    from dmuon.numerics import momentum_storage as storage
+
+    first, second = _int8_awkward_rows(torch.float32)[:, :896], _int8_awkward_rows(torch.float32)[:, 104:]
+    static = first.reshape(-1).cuda()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        storage._quantize_flat(static)  # the warm-up torch.cuda.graph asks for
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        values, scales = storage._quantize_flat(static)
+    static.copy_(second.reshape(-1).cuda())
+    graph.replay()
+    want_values, want_scales = storage._quantize_flat(second.reshape(-1))
+    assert torch.equal(values.cpu(), want_values)
+    assert torch.equal(scales.cpu().view(torch.int32), want_scales.view(torch.int32))
+
+
+@pytest.mark.parametrize("momentum_dtype", ["bfloat16", "int8"])
+def test_a_low_precision_momentum_holds_at_most_one_chunk_of_copies_above_the_fp32_peak(momentum_dtype):
+    # Issue 59, item 2: off the owner exchange (plain tensors here) a momentum kept narrow is
+    # read into fp32 a chunk at a time (dmuon.momentum_state.read_chunks): 8 matrices of
+    # 2048 x 2048 (32 Mi elements) are two chunks, so the step's peak is at most one chunk's
+    # fp32 copies (64 MiB) above fp32 momentum's; read at once they would add 128 MiB.
+    from dmuon import DMuon
+    from dmuon.momentum_state import READ_CHUNK_NUMEL
+
+    def step_peak(dtype: str | None) -> int:
+        generator = torch.Generator().manual_seed(5)
+        params = [nn.Parameter(torch.randn(2048, 2048, generator=generator).cuda()) for _ in range(8)]
+        optimizer = DMuon([{"params": params, "use_muon": True}], lr=0.02, momentum_dtype=dtype)
+        for step in range(2):
+            for param in params:
+                param.grad = torch.randn(param.shape, generator=generator).cuda()
+            torch.cuda.synchronize()
+            before = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            optimizer.step()
+            torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - before
+
+    assert step_peak(momentum_dtype) <= step_peak(None) + 4 * READ_CHUNK_NUMEL
+
+
 def test_one_rank_nccl_group_runs_every_layout_locally():
     result = _nccl(scenarios.layout_exactness, 1, ALL_LAYOUTS, 1 << 27)[0]
     assert result["equal"] == dict.fromkeys(ALL_LAYOUTS, True)

@@ -30,7 +30,7 @@ OPTIMIZER = "dmuon"  # the modules directly in dmuon/: the DMuon class and its s
 OPTIMIZER_MODULES = {"__init__", "optimizer", "fast_path", "group_steps", "step_phases", "grad_checks",
                      "adamw_part", "state_rollback", "state_loading", "resume_contract", "optimizer_hooks",
                      "param_groups", "options", "implementation_flags", "pickling",
-                     "device_hyperparameters", "cuda_graphs", "replay_guard", "momentum_state",
+                     "device_hyperparameters", "cuda_graphs", "replay_guard", "momentum_state", "converted_momenta",
                      "telemetry", "torch_compat"}
 # The most lines a runtime module (every module of dmuon/ but the tools) may have: room for
 # one concern in one file (split by concern, never by length).

@@ -28,6 +28,12 @@ def meshes() -> dict[str, list[dict]]:
 
 
 @pytest.fixture(scope="module")
+def split_meshes() -> dict[str, list[dict]]:
+    """The mesh layouts with Newton-Schulz split across HSDP's replicas."""
+    return {dtype: run_on_ranks(scenarios.mesh_exactness, 4, dtype, True) for dtype in DTYPES}
+
+
+@pytest.fixture(scope="module")
 def resumed(tmp_path_factory) -> dict[tuple[str, int, int], dict]:
     """Rank 0's agreement after a DCP checkpoint written on ``saved`` ranks after 2 steps was
     resumed on ``loaded`` ranks for 2 more (every rank compares whole tensors)."""
@@ -66,6 +72,14 @@ def test_fsdp_weights_and_momentum_are_bitwise_the_single_process_ones(fsdp, dty
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_every_mesh_layout_is_bitwise_the_single_process_run(meshes, dtype, case):
     assert [(rank[case]["weights"], rank[case]["momentum"]) for rank in meshes[dtype]] == [(True, True)] * 4
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_replica_that_never_sends_a_block_still_updates_its_momentum(split_meshes, dtype):
+    hsdp = [name for name in MESH_NAMES if name.startswith("hsdp")]
+    assert hsdp
+    assert {name: [(rank[name]["weights"], rank[name]["momentum"]) for rank in split_meshes[dtype]]
+            for name in hsdp} == dict.fromkeys(hsdp, [(True, True)] * 4)
 
 
 def test_int8_momentum_is_kept_in_bf16_exactly_where_a_layout_cuts_rows_off_the_blocks(meshes):

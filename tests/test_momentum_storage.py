@@ -152,3 +152,87 @@ def test_momenta_read_and_stored_together_have_each_ones_own_bits(dtype, chunk, 
     store_momenta_(values, scales, copies)
     for (v, s), (want_v, want_s) in zip(zip(values, scales), expected):
         assert torch.equal(v, want_v) and torch.equal(s, want_s)
+
+
+# ------------------------------------------------------- the int8 arithmetic, bit for bit (issue 59)
+
+
+def _plain_formula(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The module docstring's formula in plain fp32 ops, for a 2-D ``x``: per block of 128 columns
+    of a row, ``scale = amax / 127`` (a true division: the CPU divides by a Python number) and
+    ``q = round(x / scale)`` (half to even) clamped to [-127, 127], 0 where the scale is 0."""
+    columns = x.shape[-1]
+    padded = torch.nn.functional.pad(x.float(), (0, -columns % INT8_BLOCK))
+    blocks = padded.unflatten(-1, (-1, INT8_BLOCK))
+    scales = blocks.abs().amax(dim=-1, keepdim=True) / 127
+    values = torch.where(scales > 0, blocks / scales, 0.0).round().clamp(-127, 127).to(torch.int8)
+    return values.flatten(-2)[..., :columns], scales.squeeze(-1)
+
+
+def _awkward_momentum(dtype: torch.dtype) -> torch.Tensor:
+    """Seeded rows over 70 decades (a short last block: 300 columns), with rows of zeros (+0 and
+    -0), of subnormals whose scale underflows to 0 (max 1e-44) or is itself subnormal (max 2e-43;
+    max 143 * 2**-149, where the quotient passes 127 before the clamp), of halfway quotients,
+    of large magnitudes, and of bf16's subnormals."""
+    generator = torch.Generator().manual_seed(59)
+    x = torch.randn(40, 300, generator=generator) * torch.logspace(-30, 30, 40).unsqueeze(1)
+    x[0], x[1] = 0.0, -0.0
+    for row, top in ((2, 1e-44), (3, 2e-43), (4, 143 * 2.0**-149)):
+        x[row] = torch.rand(300, generator=generator) * top
+        x[row, ::INT8_BLOCK] = top
+    x[5] = torch.arange(300) % 64 + 0.5  # scale 1: quotients k + 0.5, rounded to the even k
+    x[5, ::INT8_BLOCK] = 127.0
+    x[6] = torch.randn(300, generator=generator) * 1e37
+    x[7] = torch.randn(300, generator=generator) * 1e-40  # subnormal in bf16 too
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_values_and_scales_have_the_plain_formulas_bits(dtype):
+    x = _awkward_momentum(dtype)
+    values, scales = quantize_int8(x)
+    want_values, want_scales = _plain_formula(x)
+    assert torch.equal(values, want_values)
+    assert torch.equal(scales.view(torch.int32), want_scales.view(torch.int32))  # -0.0 is not 0.0 here
+    if dtype == torch.float32:  # the cases were hit (bf16 holds none of these subnormals: its least is 2**-133)
+        assert scales[2].eq(0).all() and values[2].eq(0).all() and values[4, 0] == 127
+
+
+def test_int8_scales_are_the_true_quotient_where_a_reciprocal_product_is_an_ulp_off():
+    # CUDA divides a tensor by a Python number as x * (1 / 127), one ulp off the quotient for
+    # some x: here they are found, and every scale must be the quotient, correctly rounded.
+    generator = torch.Generator().manual_seed(1)
+    candidates = torch.rand(4096, generator=generator) * 10.0 ** torch.randint(-30, 30, (4096,), generator=generator)
+    product = candidates * (torch.tensor(1.0) / 127)
+    amax = candidates[(candidates / 127).view(torch.int32) != product.view(torch.int32)][:64]
+    assert amax.numel() == 64
+    x = torch.rand(64, INT8_BLOCK, generator=generator) * amax.unsqueeze(1)
+    x[:, 7] = -amax
+    _, scales = quantize_int8(x)
+    assert torch.equal(scales.squeeze(1), (amax.double() / 127).float())
+
+
+def test_a_block_whose_scale_underflows_to_zero_reads_back_zeros():
+    x = torch.zeros(3, 256)
+    x[0, :INT8_BLOCK] = torch.linspace(0, 1e-44, INT8_BLOCK)  # max / 127 is under fp32's least subnormal
+    x[1, INT8_BLOCK:] = -1e-44
+    values, scales = quantize_int8(x)
+    assert torch.equal(scales, torch.zeros(3, 2)) and torch.equal(values, torch.zeros(3, 256, dtype=torch.int8))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_batched_store_quantizes_as_quantize_int8(dtype, monkeypatch):
+    monkeypatch.setattr(momentum_storage, "ROUNDING_CHUNK_NUMEL", 3 * INT8_BLOCK)  # chunks of three blocks
+    x = _awkward_momentum(dtype)[:, :256]
+    values, scales = momentum_storage._quantize_flat(x.reshape(-1))
+    want_values, want_scales = quantize_int8(x)
+    assert torch.equal(values, want_values.view(-1)) and torch.equal(scales, want_scales.view(-1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_block_maxima_a_gpu_reads_in_one_pass_are_the_cpus(dtype):
+    # Off the CPU the store takes max|x| as vector_norm(ord=inf), one read; on the CPU as
+    # abs().amax(), faster there: the two must be the same bits (+0.0 for -0.0 rows, subnormals).
+    blocks = _awkward_momentum(dtype)[:, :256].unflatten(-1, (-1, INT8_BLOCK))
+    one_pass = torch.linalg.vector_norm(blocks, ord=float("inf"), dim=-1)
+    assert torch.equal(one_pass.float().view(torch.int32), blocks.abs().amax(dim=-1).float().view(torch.int32))

@@ -146,6 +146,9 @@ def format_table(config: DryRunConfig, reports: list[RankReport]) -> str:
     if changed := next((r for r in reports if r.scalar_changes), None):
         lines.append(f"rank {changed.rank}: the program changes with the learning rate and weight decay (a CUDA "
                      f"graph would replay step 2's values), e.g. {changed.scalar_changes[0]}")
+    for r in reports if config.options.get("capturable") else []:
+        lines.append(f"rank {r.rank}: a CUDA graph of the step keeps at least {r.graph_pool_bytes / MiB:.1f} MiB "
+                     "reserved in its memory pool while it lives (the step's peak)")
     if off_route := next((r for r in reports if r.per_tensor_list_ops), None):
         ops = ", ".join(f"{count}x {op.split('.', 1)[1]}" for op, count in sorted(off_route.per_tensor_list_ops.items()))
         lines.append(f"rank {off_route.rank}: list ops off torch's multi-tensor route (one kernel per tensor): {ops}")

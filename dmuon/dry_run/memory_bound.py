@@ -29,11 +29,12 @@ next, so the bound is the largest of three terms (``e``: the parameter's element
   (``dmuon.numerics.masked_updates``): a chunk of ``MASKED_CHUNK_NUMEL`` elements, or the
   largest Muon shard where that is larger;
 - *momentum kept in bf16 or int8* (``dmuon.momentum_state``): through every Muon phase, the
-  momenta read into the parameters' dtype (every such Muon shard of this rank at once); while
-  they are read and rounded back, the new values in their kept form, an fp32 copy where int8
-  is read for a parameter narrower than fp32, and the quantization's temporaries of one chunk
-  (``QUANTIZE_BYTES_PER_ELEMENT`` times ``ROUNDING_CHUNK_NUMEL`` at most, or the largest
-  momentum read alone).
+  momenta of one chunk read into the parameters' dtype (a pack chunk on the fast path,
+  ``READ_CHUNK_NUMEL`` elements off it, or the largest such shard where larger: each chunk is
+  let go before the next is read); while they are rounded back, the new values in their kept
+  form, an fp32 copy where int8 is read for a parameter narrower than fp32, and the
+  quantization's temporaries of one rounding chunk (``QUANTIZE_BYTES_PER_ELEMENT`` times
+  ``ROUNDING_CHUNK_NUMEL`` at most, or the largest momentum read alone).
 """
 
 from __future__ import annotations
@@ -44,12 +45,13 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from dmuon.exchange.packing import stages_casts
-from dmuon.momentum_state import kept_momentum
+from dmuon.momentum_state import READ_CHUNK_NUMEL, kept_momentum
 from dmuon.numerics.momentum_storage import ROUNDING_CHUNK_NUMEL, read_together
 from dmuon.numerics.update_lists import MASKED_CHUNK_NUMEL
 from dmuon.numerics.newton_schulz import matrix_shape, resolve_ns_dtype
 from dmuon.optimizer import DMuon
 from dmuon.plan.owner_plan import WIRE_BYTES
+from dmuon.plan.pack_layout import PACK_CHUNK_NUMEL
 from dmuon.plan.paths import ALL_TO_ALL
 from dmuon.torch_compat import local_of
 
@@ -99,24 +101,31 @@ def peak_bound_bytes(optimizer: DMuon, plan_rank: int) -> int:
 
 
 def _momentum_reads(optimizer: DMuon) -> tuple[int, int]:
-    """The momenta kept in another dtype than their parameter's, read into it (all at once),
-    and what reading and rounding them back holds beside (module docstring)."""
-    read = kept = batched = alone = 0
+    """The momenta kept in another dtype than their parameter's, read into it a chunk at a
+    time (a pack chunk on the fast path, ``READ_CHUNK_NUMEL`` elements off it, or one shard
+    where that is larger), and what reading and rounding one chunk back holds beside
+    (module docstring)."""
+    read_bytes = kept_bytes = largest = total = batched = alone = 0
     for group in (g for g in optimizer.param_groups if g["use_muon"]):
         for param in group["params"]:
             momentum = kept_momentum(optimizer.state.get(param))
             if momentum is None or momentum[0].dtype == param.dtype:
                 continue
             local = local_of(param)
-            read += _local_bytes(param)
-            kept += sum(_local_bytes(t) for t in momentum if t is not None)
+            numel = local.numel()
+            read_bytes = max(read_bytes, local.element_size())
+            kept = sum(_local_bytes(t) for t in momentum if t is not None) / max(numel, 1)
+            kept += FP32_BYTES if momentum[1] is not None and local.element_size() < FP32_BYTES else 0
+            kept_bytes = max(kept_bytes, math.ceil(kept))
+            largest, total = max(largest, numel), total + numel
             if momentum[1] is not None:
-                kept += FP32_BYTES * local.numel() if local.element_size() < FP32_BYTES else 0
                 if read_together(*map(local_of, momentum)):  # rounded with the others, chunk by chunk
-                    batched += local.numel()
+                    batched += numel
                 else:
-                    alone = max(alone, local.numel())
-    return read, kept + QUANTIZE_BYTES_PER_ELEMENT * max(min(batched, ROUNDING_CHUNK_NUMEL), alone)
+                    alone = max(alone, numel)
+    chunk = min(total, max(PACK_CHUNK_NUMEL, READ_CHUNK_NUMEL, largest))
+    rounding = QUANTIZE_BYTES_PER_ELEMENT * max(min(batched, chunk, ROUNDING_CHUNK_NUMEL), alone)
+    return read_bytes * chunk, kept_bytes * chunk + rounding
 
 
 def _masked_momentum(muon: list[torch.Tensor]) -> int:

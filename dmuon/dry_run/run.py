@@ -136,6 +136,15 @@ class RankReport:
         """The Muon state's bytes per local Muon element (4 for fp32 momentum, 2 bf16, 1.03 int8)."""
         return self.muon_state_bytes / self.muon_elements if self.muon_elements else 0.0
 
+    @property
+    def graph_pool_bytes(self) -> int:
+        """With ``capturable``: what a CUDA graph of the step keeps reserved in its private
+        memory pool for as long as it lives, beside activations: at least the step's peak
+        above parameters, grads and state (every allocation made while capturing is served
+        from the graph's pool, which keeps the most it held; the caching allocator rounds
+        blocks up). 0 without ``capturable``."""
+        return self.peak_step_bytes if self.capturable else 0
+
     def problems(self) -> list[str]:
         """Why this rank fails the dry run's checks (empty: it passes)."""
         found = [self.error] if self.error else []
@@ -173,7 +182,8 @@ class RankReport:
         return found
 
     def as_dict(self) -> dict:
-        return {**asdict(self), "muon_state_bytes_per_element": round(self.muon_state_bytes_per_element, 4)}
+        return {**asdict(self), "muon_state_bytes_per_element": round(self.muon_state_bytes_per_element, 4),
+                "graph_pool_bytes": self.graph_pool_bytes}
 
 
 def _host_agreement(row: dict) -> bool:

@@ -44,6 +44,7 @@ def pack_gather(plan: OwnerPlan, batch: Sequence[int], rank: int, blocks_of: Blo
         target = send if end - start == total else send[start:end]
         if blocks[0].dtype == WIRE_DTYPE or not stages_casts(device):
             chunk_cat(blocks, target)
+            del blocks  # let go before the next chunk's are made: one chunk's look-ahead alive at a time
             continue
         # Flattened in their own dtype first (one kernel), then cast as a whole (one more):
         # flattening and casting at once is one copy per block on CUDA.

@@ -18,9 +18,15 @@ block boundary (:func:`row_split_on_blocks`).
 int8, per block ``x`` of at most :data:`INT8_BLOCK` elements (the last block of a row may be
 shorter)::
 
-    scale = max(|x|) / 127           # fp32; 0 for a block of zeros
-    q     = round(x / scale)         # round half to even, in [-127, 127]; 0 where scale is 0
+    scale = max(|x|) / 127           # fp32, correctly rounded; 0 for a block of zeros
+    q     = round(x / scale)         # the fp32 quotient rounded half to even, clamped to
+                                     # [-127, 127]; 0 where scale is 0
     x'    = q * scale                # what the next step reads
+
+These are the bits on the CPU and on CUDA alike: both divisions are by device tensors (CUDA
+takes a Python-number divisor as a multiplication by its reciprocal, an ulp off the quotient
+for some ``max(|x|)``), and on a GPU the quantization takes four passes over the momentum
+(:func:`_quantize_blocks_`).
 
 Block size 128: the scale adds 4 / 128 = 0.03 bytes per element (1.03 bytes in all, a
 quarter of fp32's 4 and within the 1.05 the issue allows), and one outlier in a block costs
@@ -86,8 +92,8 @@ def bytes_per_element(shape: Sequence[int], momentum_dtype: str | None, param_dt
 
 
 def _blocks(x: torch.Tensor) -> torch.Tensor:
-    """``x`` (``[..., columns]``, fp32) as ``[..., blocks, INT8_BLOCK]``, the last block of each
-    row padded with zeros (which change no block's maximum)."""
+    """``x`` (``[..., columns]``, a float dtype) as ``[..., blocks, INT8_BLOCK]``, the last block
+    of each row padded with zeros (which change no block's maximum)."""
     columns = x.shape[-1]
     padded = blocks_per_row(columns) * INT8_BLOCK
     if padded != columns:
@@ -95,17 +101,87 @@ def _blocks(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(*x.shape[:-1], padded // INT8_BLOCK, INT8_BLOCK)
 
 
+# Rounding by addition (:func:`_quantize_blocks_`): fp32 holds every integer of [2**23, 2**24)
+# and nothing between them, so adding 1.5 * 2**23 (an even integer) to a quotient of magnitude
+# under 2**22 rounds it to an integer, half to even, exactly as ``round`` does. The sum's fp32
+# bits, read as an int32, are then 0x4B400000 + the rounded quotient, whose low byte (0x4B400000's
+# is 0) is the quotient's int8 for a quotient in [-127, 127].
+_ROUNDING_MAGIC = 1.5 * 2**23
+# The dtypes whose every value fp32 holds: their blocks are divided as they are, without an fp32 copy.
+_WIDENED_EXACTLY = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _int8_constants(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """127 and :data:`_ROUNDING_MAGIC` as 0-dim fp32 tensors on ``device``.
+
+    On the device, not Python numbers: CUDA's true division takes a Python number, or any 0-dim
+    CPU tensor, as a CPU scalar and multiplies by its reciprocal (``BinaryDivTrueKernel.cu``),
+    which moves about 4.5% of the scales one ulp off ``max|x| / 127``; a divisor on the device
+    is divided by, as on the CPU. Made by fill kernels: no host-to-device copy, so no sync and
+    nothing a CUDA-graph capture refuses; made per call, not cached, so a captured graph fills
+    its own (a cached tensor made during a capture would hold its value only after a replay)."""
+    return (torch.full((), float(INT8_MAX), dtype=torch.float32, device=device),
+            torch.full((), _ROUNDING_MAGIC, dtype=torch.float32, device=device))
+
+
+def _quantize_blocks_(blocks: torch.Tensor, values: torch.Tensor, scales: torch.Tensor,
+                      constants: tuple[torch.Tensor, torch.Tensor]) -> None:
+    """Quantize ``blocks`` (``[..., INT8_BLOCK]``, fp32, bf16 or fp16) into ``values`` (int8, of
+    their shape) and ``scales`` (fp32, ``[..., 1]``), in place: the module docstring's formula,
+    bit for bit, in four passes over the blocks on a GPU and three small ops on their scales.
+
+    1. ``max|x|`` per block, one read (``vector_norm(ord=inf)``: the exact maximum of ``|x|``,
+       +0.0 for zeros, NaN if the block holds one, as ``abs().amax()``, which writes ``|x|``
+       first).
+    2. ``magic + x / divisor``, one read and one fp32 write (``addcdiv``: the true quotient,
+       then the sum that rounds it, :data:`_ROUNDING_MAGIC`; with its ``value`` 1 both the CPU
+       kernel, ``self + value * t1 / t2``, and CUDA's, ``pointwise_op_impl``'s ``input +
+       op(t1, t2)`` or ``a + alpha * (b / c)`` in older torch, add the fp32 quotient to the
+       magic once, in fp32). The divisor is the scale, or 127 where the scale is 0: that block
+       holds zeros, or subnormals whose maximum / 127 underflowed (all under 2**-142), and any
+       of them / 127 rounds to 0, the formula's 0.
+    3. ``clamp_`` to ``magic ± 127``, one read and write. Not a no-op: where the scale is
+       subnormal it can be coarse enough for ``max|x| / scale`` to pass 127 (max|x| = 143 *
+       2**-149: scale 2**-149, quotient 143). A normal scale is within 2**-24 of max|x| / 127,
+       so there every quotient rounds into [-127, 127]; any quotient is under 191 in magnitude,
+       far inside the magic's 2**22.
+    4. The sums' bits as int32 copied into int8, one read and one int8 write: the conversion
+       keeps the low byte (``static_cast``, modulo 2**8 with every compiler torch is built with;
+       AVX-512's ``_mm512_cvtepi32_epi8`` truncates alike; a saturating one would store 127
+       for every value, which the tests would see).
+
+    (``abs``, ``amax``, a division, ``where``, ``round_``, ``clamp_`` and a cast took seven.)
+    The scales' small ops: the fp32 widening of bf16 or fp16 maxima, the division by a device
+    127 (:func:`_int8_constants`) written into ``scales``, and the divisor's ``gt`` and ``where``.
+
+    On the CPU the same bits come from the forms its kernels run fast: bf16 and fp16 widened
+    first (a mixed-dtype ``addcdiv`` takes about 8 times as long as the widening and an fp32 one
+    together) and the maxima as ``abs().amax()`` (torch's CPU inf-norm does not vectorize along a
+    row: about 8 times slower), measured on a 2-core AVX-512 VM with torch 2.13."""
+    int8_max, magic = constants
+    if blocks.device.type == "cpu":
+        blocks = blocks.float()
+        maxima = blocks.abs().amax(dim=-1, keepdim=True)
+    else:
+        maxima = torch.linalg.vector_norm(blocks, ord=math.inf, dim=-1, keepdim=True).float()
+    torch.div(maxima, int8_max, out=scales)
+    sums = torch.addcdiv(magic, blocks, torch.where(scales > 0, scales, int8_max))
+    sums.clamp_(_ROUNDING_MAGIC - INT8_MAX, _ROUNDING_MAGIC + INT8_MAX)
+    values.copy_(sums.view(torch.int32))
+
+
 def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``x`` (any float dtype, ``[..., columns]``; a 0-dim or 1-D tensor is one row) as int8
     values of its shape and fp32 scales of :func:`scales_shape`, block by block of each row
-    (module docstring). New tensors; ``x`` is read once."""
+    (module docstring; :func:`_quantize_blocks_`). New tensors."""
     shape = x.shape
     rows = x.reshape(1, -1) if x.ndim < 2 else x
-    blocks = _blocks(rows.to(torch.float32))
-    scales = blocks.abs().amax(dim=-1, keepdim=True).div_(INT8_MAX)
-    values = torch.where(scales > 0, blocks / scales, 0.0).round_().clamp_(-INT8_MAX, INT8_MAX)
-    values = values.to(torch.int8).reshape(*rows.shape[:-1], blocks.shape[-2] * INT8_BLOCK)[..., : rows.shape[-1]]
-    return values.reshape(shape).contiguous(), scales.squeeze(-1).reshape(scales_shape(shape))
+    blocks = _blocks(rows if rows.dtype in _WIDENED_EXACTLY else rows.to(torch.float32))
+    values = torch.empty(blocks.shape, dtype=torch.int8, device=x.device)
+    scales = torch.empty((*blocks.shape[:-1], 1), dtype=torch.float32, device=x.device)
+    _quantize_blocks_(blocks, values, scales, _int8_constants(x.device))
+    values = values.reshape(*rows.shape[:-1], blocks.shape[-2] * INT8_BLOCK)[..., : rows.shape[-1]]
+    return values.reshape(shape).contiguous(), scales.reshape(scales_shape(shape))
 
 
 def dequantize_int8(values: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -129,7 +205,7 @@ def dequantize_int8(values: torch.Tensor, scales: torch.Tensor, dtype: torch.dty
 
 # Elements a batched store quantizes at once (a multiple of INT8_BLOCK): its fp32
 # temporaries stay a few times this, whatever the momenta's size.
-ROUNDING_CHUNK_NUMEL = 1 << 22
+ROUNDING_CHUNK_NUMEL = 1 << 24
 
 
 @dataclass
@@ -225,13 +301,14 @@ def store_momenta_(values: Sequence[torch.Tensor], scales: Sequence[torch.Tensor
 
 def _quantize_flat(flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`quantize_int8` of a flat run of whole blocks, chunk by chunk
-    (:data:`ROUNDING_CHUNK_NUMEL`): int8 values and fp32 scales, flat."""
+    (:data:`ROUNDING_CHUNK_NUMEL`): int8 values and fp32 scales, flat, each chunk written in
+    place by :func:`_quantize_blocks_` (four passes over it)."""
     values = torch.empty(flat.numel(), dtype=torch.int8, device=flat.device)
     scales = torch.empty(flat.numel() // INT8_BLOCK, dtype=torch.float32, device=flat.device)
+    constants = _int8_constants(flat.device)
     for start in range(0, flat.numel(), ROUNDING_CHUNK_NUMEL):
-        blocks = flat[start : start + ROUNDING_CHUNK_NUMEL].view(-1, INT8_BLOCK).to(torch.float32)
-        scale = blocks.abs().amax(dim=-1, keepdim=True).div_(INT8_MAX)
-        values[start : start + blocks.numel()].copy_(
-            torch.where(scale > 0, blocks / scale, 0.0).round_().clamp_(-INT8_MAX, INT8_MAX).view(-1))
-        scales[start // INT8_BLOCK : (start + blocks.numel()) // INT8_BLOCK].copy_(scale.view(-1))
+        end = min(start + ROUNDING_CHUNK_NUMEL, flat.numel())
+        chunk = flat[start:end] if flat.dtype in _WIDENED_EXACTLY else flat[start:end].to(torch.float32)
+        _quantize_blocks_(chunk.view(-1, INT8_BLOCK), values[start:end].view(-1, INT8_BLOCK),
+                          scales[start // INT8_BLOCK : end // INT8_BLOCK].view(-1, 1), constants)
     return values, scales

@@ -278,8 +278,8 @@ WIDE = [
         guarantee="An int8 momentum block is rounded in units of its scale (absmax / 127), so what the next step "
                   "reads is within half a step of the EMA (issue 51).",
         path="dmuon/numerics/momentum_storage.py",
-        old="values = torch.where(scales > 0, blocks / scales, 0.0)",
-        new="values = torch.where(scales > 0, blocks, 0.0)",
+        old="sums = torch.addcdiv(magic, blocks, torch.where(scales > 0, scales, int8_max))",
+        new="sums = torch.add(magic, blocks)",
         tests=("tests/test_momentum_storage.py::test_dequantized_values_are_within_half_a_step_of_the_input",),
     ),
     Mutant(
@@ -287,8 +287,8 @@ WIDE = [
         guarantee="int8 momentum blocks lie inside rows, so a rank's rows (any Shard(0) split, empty ones included) "
                   "quantize to the bits of the whole matrix (issue 51).",
         path="dmuon/numerics/momentum_storage.py",
-        old="    rows = x.reshape(1, -1) if x.ndim < 2 else x\n    blocks = _blocks(rows.to(torch.float32))\n    scales",
-        new="    rows = x.reshape(1, -1)\n    blocks = _blocks(rows.to(torch.float32))\n    scales",
+        old="    rows = x.reshape(1, -1) if x.ndim < 2 else x\n    blocks = _blocks(rows if",
+        new="    rows = x.reshape(1, -1)\n    blocks = _blocks(rows if",
         tests=("tests/test_momentum_storage.py::test_a_ranks_rows_quantize_to_the_bits_of_the_whole_matrix",),
     ),
     Mutant(
@@ -318,5 +318,54 @@ WIDE = [
         old="            if _held_as(values, scales) == _held_as_for(target, param.dtype):",
         new="            if True:",
         tests=("tests/test_momentum_dtype.py::test_an_int8_checkpoint_resumed_without_it_reads_the_momentum_it_held",),
+    ),
+    Mutant(
+        name="unpacked-converted-momentum-skips-its-ema",
+        guarantee="A low-precision momentum's blocks that a rank holds but never packs (HSDP's replica outside the "
+                  "owner's, Newton-Schulz split across replicas) still take their EMA each step (issue 59, item 2).",
+        path="dmuon/fast_path.py",
+        old="        converted.unpacked(run.unpacked_units(), grad_blocks)\n",
+        new="",
+        tests=("tests/test_momentum_dtype_ranks.py::"
+               "test_a_replica_that_never_sends_a_block_still_updates_its_momentum",),
+    ),
+    Mutant(
+        name="momentum-read-whole-off-the-fast-path",
+        guarantee="Off the fast path a low-precision momentum is read, updated and stored a chunk at a time, "
+                  "so its parameter-dtype copies never hold more than one chunk (issue 59, item 2).",
+        path="dmuon/momentum_state.py",
+        old="    if all(_is_own_working(kept_momentum(state), like) for state, like in zip(states, likes)):",
+        new="    if True:",
+        tests=("tests/test_momentum_working_copies.py::"
+               "test_plain_tensors_momenta_are_read_a_chunk_at_a_time_and_none_is_kept",),
+    ),
+    Mutant(
+        name="int8-scale-by-reciprocal-product",
+        guarantee="Every int8 scale is the true quotient max|x| / 127, correctly rounded in fp32, on every device "
+                  "(not x * (1 / 127), CUDA's form for a divisor given as a Python number), so a GPU's scales "
+                  "have the CPU's bits (issue 59, item 1).",
+        path="dmuon/numerics/momentum_storage.py",
+        old="torch.div(maxima, int8_max, out=scales)",
+        new="torch.mul(maxima, torch.tensor(1.0) / INT8_MAX, out=scales)",
+        tests=("tests/test_momentum_storage.py::"
+               "test_int8_scales_are_the_true_quotient_where_a_reciprocal_product_is_an_ulp_off",),
+    ),
+    Mutant(
+        name="int8-zero-scale-block-not-rounded-to-zero",
+        guarantee="An int8 block whose scale is 0 (zeros, or subnormals whose max / 127 underflows) stores "
+                  "zeros, as the formula's 0 where the scale is 0 says (issue 59, item 5).",
+        path="dmuon/numerics/momentum_storage.py",
+        old="torch.where(scales > 0, scales, int8_max)",
+        new="scales",
+        tests=("tests/test_momentum_storage.py::test_a_block_whose_scale_underflows_to_zero_reads_back_zeros",),
+    ),
+    Mutant(
+        name="int8-quotient-not-clamped",
+        guarantee="int8 values stay in [-127, 127] where a subnormal scale lets max|x| / scale pass 127 "
+                  "(issue 59, item 5: the clamp is one of the four passes, not a no-op).",
+        path="dmuon/numerics/momentum_storage.py",
+        old="    sums.clamp_(_ROUNDING_MAGIC - INT8_MAX, _ROUNDING_MAGIC + INT8_MAX)\n",
+        new="",
+        tests=("tests/test_momentum_storage.py::test_int8_values_and_scales_have_the_plain_formulas_bits",),
     ),
 ]
