@@ -39,7 +39,7 @@ the tensors the graph reads (``dmuon.state_loading``).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -74,17 +74,35 @@ def capture_problems(optimizer: DMuon) -> list[str]:
     return problems
 
 
+def device_problem(device: torch.device, current: int) -> str | None:
+    """Why a step on parameters of ``device`` cannot be captured while ``current`` is the
+    current CUDA device (None: it can). The side and capture streams are made on the current
+    device: a rank that never called ``set_device`` would capture on cuda:0 while its kernels
+    run on its own GPU, and every replay would do nothing (torch only warns)."""
+    if device.type != "cuda" or device.index is None or device.index == current:
+        return None
+    return (f"the parameters are on cuda:{device.index} but the current CUDA device is cuda:{current}: a capture "
+            f"there would record nothing of the step; call torch.cuda.set_device({device.index}) before stepping "
+            "(torchrun jobs set it per rank from LOCAL_RANK)")
+
+
 class CapturedStep:
     """``optimizer.step()`` eagerly for ``warmup_steps`` calls, then captured once and
     replayed at every call (module docstring)."""
 
-    def __init__(self, optimizer: DMuon, warmup_steps: int = DEFAULT_WARMUP_STEPS) -> None:
+    def __init__(self, optimizer: DMuon, warmup_steps: int = DEFAULT_WARMUP_STEPS, pool: Any = None) -> None:
+        """``pool``: a memory pool to capture into, shared with other graphs
+        (``torch.cuda.graph_pool_handle()``, or another captured step's :attr:`pool`): a graph
+        keeps its pool's peak reserved while it lives, so the steps of several optimizers (one
+        per pipeline stage) hold one step's peak, not one each. Graphs sharing a pool must be
+        replayed in the order they were captured, one after another, as a training loop
+        steps its optimizers (``torch.cuda.graph``'s ``pool``)."""
         problems = capture_problems(optimizer)
         if problems:
             raise ValueError("dmuon.cuda_graphs: this DMuon's step cannot be captured: " + "; ".join(problems))
         if not isinstance(warmup_steps, int) or warmup_steps < 1:
             raise ValueError(f"dmuon.cuda_graphs: warmup_steps must be an int >= 1, got {warmup_steps!r}")
-        self.optimizer, self.warmup_steps = optimizer, warmup_steps
+        self.optimizer, self.warmup_steps, self._pool = optimizer, warmup_steps, pool
         self.eager_steps = 0
         self.graph: torch.cuda.CUDAGraph | None = None
         self._guard: ReplayGuard | None = None  # what each replay must still find (held for it)
@@ -100,6 +118,12 @@ class CapturedStep:
             self._capture()
         self._guard.check()
         self.graph.replay()
+
+    @property
+    def pool(self) -> Any:
+        """The memory pool this step's graph was captured into (after the capture; before, the
+        pool it was given): pass it as ``pool=`` to another CapturedStep to share it."""
+        return self.graph.pool() if self.graph is not None else self._pool
 
     def check(self) -> None:
         """Wait for the replays so far and raise the error the first one with an error found
@@ -132,7 +156,14 @@ class CapturedStep:
         self.graph, self._guard, self._tally = None, None, None
         self.eager_steps = 0
 
+    def _check_device(self) -> None:
+        problem = device_problem(local_of(self.optimizer.param_groups[0]["params"][0]).device,
+                                 torch.cuda.current_device())
+        if problem is not None:
+            raise RuntimeError(f"dmuon.cuda_graphs: {problem}")
+
     def _eager_step(self) -> None:
+        self._check_device()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         try:
@@ -148,9 +179,13 @@ class CapturedStep:
         place_on_device(self.optimizer.param_groups)
         status = self.optimizer.phases.grad_status
         status.start_tally(local_of(self.optimizer.param_groups[0]["params"][0]).device)
+        self._check_device()
         graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(graph):
+            # thread_local: only this thread's unsafe CUDA calls fail the capture; in the global
+            # mode another thread's (a pin-memory thread, a profiler, NCCL's watchdog:
+            # pytorch #104487) would invalidate it.
+            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
                 self.optimizer.step()  # recorded, not run: the replay that follows runs it
         finally:
             tally = status.end_tally()

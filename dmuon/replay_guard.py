@@ -53,18 +53,31 @@ def _storage(tensor: torch.Tensor | None) -> int | None:
     return None if tensor is None else local_of(tensor).data_ptr()
 
 
-def _read_tensors(optimizer: DMuon) -> Iterator[tuple[str, str, torch.Tensor | None]]:
-    """(kind, what, tensor) for each tensor the step reads, in a fixed order."""
+def _read_tensors(optimizer: DMuon) -> Iterator[tuple[tuple, torch.Tensor | None]]:
+    """(where, tensor) for each tensor the step reads, in a fixed order; ``where`` is a cheap
+    key, ``(kind, group index, position in the group, state key)``, put into words
+    (:func:`_what`) only for an error: a check walks about 1,200 tensors at llama3 8B, and
+    making a label for each took two thirds of its time."""
+    state = optimizer.state
     for index, group in enumerate(optimizer.param_groups):
         for key in DEVICE_HYPERPARAMETERS:
-            yield "hyperparameter", f"{key} of param group {index}", group[key]
-        for param in group["params"]:
-            name = optimizer.param_name(param)
-            yield "parameter", f"the parameter {name!r}", param
-            yield "grad", f"the grad of {name!r}", param.grad
-            for key, value in optimizer.state.get(param, {}).items():
+            yield ("hyperparameter", index, None, key), group[key]
+        for position, param in enumerate(group["params"]):
+            yield ("parameter", index, position, None), param
+            yield ("grad", index, position, None), param.grad
+            for key, value in state.get(param, {}).items():
                 if isinstance(value, torch.Tensor):
-                    yield "state", f"the state {key!r} of {name!r}", value
+                    yield ("state", index, position, key), value
+
+
+def _what(optimizer: DMuon, where: tuple) -> str:
+    """The words for a :func:`_read_tensors` key."""
+    kind, index, position, key = where
+    if kind == "hyperparameter":
+        return f"{key} of param group {index}"
+    name = optimizer.param_name(optimizer.param_groups[index]["params"][position])
+    return {"parameter": f"the parameter {name!r}", "grad": f"the grad of {name!r}",
+            "state": f"the state {key!r} of {name!r}"}[kind]
 
 
 def _options(optimizer: DMuon) -> list[tuple[tuple[str, str], ...]]:
@@ -77,7 +90,7 @@ class ReplayGuard:
 
     def __init__(self, optimizer: DMuon) -> None:
         self._optimizer = optimizer
-        self._held = [(kind, what, tensor, _storage(tensor)) for kind, what, tensor in _read_tensors(optimizer)]
+        self._held = [(where, tensor, _storage(tensor)) for where, tensor in _read_tensors(optimizer)]
         self._buffers = optimizer.phases.replay_buffers()  # held: freed, a replay would read freed memory
         self._options = _options(optimizer)
 
@@ -93,22 +106,27 @@ class ReplayGuard:
                 changed = sorted({k for k, _ in set(before) ^ set(now)})
                 raise RuntimeError(f"dmuon.cuda_graphs: param group {index} changed since the capture (the option(s) "
                                    f"{changed}, fixed in the graph): {_RECAPTURE}")
-        now_read = list(_read_tensors(self._optimizer))
-        for (kind, what, tensor, storage), (_, what_now, tensor_now) in zip(self._held, now_read):
-            if what_now != what or tensor_now is not tensor or _storage(tensor_now) != storage:
+        count = 0
+        held = self._held
+        for count, (where_now, tensor_now) in enumerate(_read_tensors(self._optimizer), start=1):
+            if count > len(held):
+                break
+            where, tensor, storage = held[count - 1]
+            if tensor_now is not tensor or where_now != where or _storage(tensor_now) != storage:
+                what = _what(self._optimizer, where)
                 raise RuntimeError(f"dmuon.cuda_graphs: {what} was replaced since the capture (another tensor, or "
                                    f"its storage moved): the graph would replay on the one it captured; "
-                                   f"{_FIX[kind]}")
-        if len(now_read) != len(self._held):
+                                   f"{_FIX[where[0]]}")
+        if count != len(held):
             raise RuntimeError("dmuon.cuda_graphs: parameters or state entries were added or removed since the "
                                f"capture: {_RECAPTURE}")
 
     def _copy_numbers_in(self) -> None:
-        held = {what: tensor for kind, what, tensor, _ in self._held if kind == "hyperparameter"}
+        held = {where: tensor for where, tensor, _ in self._held if where[0] == "hyperparameter"}
         for index, group in enumerate(self._optimizer.param_groups):
             for key in DEVICE_HYPERPARAMETERS:
                 value = group[key]
-                tensor = held.get(f"{key} of param group {index}")
+                tensor = held.get(("hyperparameter", index, None, key))
                 if isinstance(value, Real) and not isinstance(value, bool) and tensor is not None:
                     tensor.fill_(float(value))  # a fill kernel on the current stream: no host sync
                     group[key] = tensor

@@ -271,3 +271,28 @@ def test_a_capturable_step_over_parameters_of_two_dtypes_has_the_bits_of_the_flo
         return _bits(optimizer, params)
 
     assert run(True) == run(False)
+
+
+def _keep_differs_in_fp32(lr: float, weight_decay: float) -> bool:
+    """Whether ``1 - lr * wd`` made from fp32 copies of ``lr`` and ``wd`` has other fp32 bits
+    than the fp64 product rounded once."""
+    exact = torch.tensor(1 - lr * weight_decay, dtype=torch.float64).float()
+    lr32, wd32 = torch.tensor(lr, dtype=torch.float32), torch.tensor(weight_decay, dtype=torch.float32)
+    return not torch.equal(exact, (1 - (lr32.double() * wd32.double())).float())
+
+
+def test_the_capturable_adamw_decay_is_made_from_the_fp64_lr_and_weight_decay():
+    # Issue 59, item 7: a keep factor made from fp32 copies of the fp64 lr and weight decay
+    # survived the schedule tests, whose values happen to round alike. These do not.
+    gen = torch.Generator().manual_seed(7)
+    draws = (torch.rand(2, generator=gen, dtype=torch.float64).mul(0.3).add(0.01).tolist() for _ in range(1000))
+    lr, weight_decay = next((a, b) for a, b in draws if _keep_differs_in_fp32(a, b))
+    results = []
+    for capturable in (False, True):
+        params = _model()
+        optimizer = DMuon(params, lr=0.03, adamw_lr=lr, weight_decay=weight_decay, capturable=capturable)
+        for step in range(2):
+            _grads(params, step)
+            optimizer.step()
+        results.append(_bits(optimizer, params))
+    assert results[0] == results[1]

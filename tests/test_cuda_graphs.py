@@ -80,10 +80,11 @@ class _Capture:
     host code is what these tests check); the hyperparameters it finds are recorded."""
 
     def __init__(self, optimizer: DMuon) -> None:
-        self.optimizer, self.lr_seen = optimizer, []
+        self.optimizer, self.lr_seen, self.options = optimizer, [], []
 
-    def __call__(self, graph: _Graph) -> contextlib.AbstractContextManager:
+    def __call__(self, graph: _Graph, **options) -> contextlib.AbstractContextManager:
         self.lr_seen.append([group["lr"] for group in self.optimizer.param_groups])
+        self.options.append(options)
         return contextlib.nullcontext()
 
 
@@ -94,12 +95,46 @@ def _on_cpu(optimizer: DMuon, monkeypatch, warmup_steps: int = 1) -> tuple[Captu
     main, capture = _Stream(), _Capture(optimizer)
     monkeypatch.setattr("dmuon.cuda_graphs.capture_problems", lambda optimizer: [])
     monkeypatch.setattr(torch.cuda, "current_stream", lambda: main)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "Stream", _Stream)
     monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
     monkeypatch.setattr(torch.cuda, "CUDAGraph", _Graph)
     monkeypatch.setattr(torch.cuda, "graph", capture)
     return CapturedStep(optimizer, warmup_steps=warmup_steps), main, capture
+
+
+def test_a_capture_checks_only_its_own_threads_cuda_calls_and_takes_the_pool_it_is_given(monkeypatch):
+    # Another thread's CUDA call (a pin-memory thread, a profiler) must not fail the capture,
+    # and several optimizers' graphs share one pool (issue 59, items 2 and 4).
+    params = _with_grads(_params())
+    optimizer = DMuon(params, capturable=True)
+    shared = object()
+    monkeypatch.setattr("dmuon.cuda_graphs.capture_problems", lambda optimizer: [])
+    captured, _, capture = _on_cpu(optimizer, monkeypatch)
+    captured = CapturedStep(optimizer, warmup_steps=1, pool=shared)
+    assert captured.pool is shared  # before the capture: the pool it was given
+    captured.step()  # warm-up
+    captured.step()  # capture
+    assert capture.options == [{"pool": shared, "capture_error_mode": "thread_local"}]
+
+
+def test_a_capture_on_another_device_than_the_parameters_is_refused_naming_both():
+    from dmuon.cuda_graphs import device_problem
+
+    assert device_problem(torch.device("cuda", 3), 3) is None
+    assert device_problem(torch.device("cpu"), 0) is None
+    problem = device_problem(torch.device("cuda", 1), 0)
+    assert "cuda:1" in problem and "cuda:0" in problem and "torch.cuda.set_device(1)" in problem
+
+
+def test_a_step_whose_current_device_is_not_the_parameters_raises_before_capturing(monkeypatch):
+    params = _with_grads(_params())
+    captured, _, capture = _on_cpu(DMuon(params, capturable=True), monkeypatch)
+    monkeypatch.setattr("dmuon.cuda_graphs.device_problem", lambda device, current: "wrong device")
+    with pytest.raises(RuntimeError, match="dmuon.cuda_graphs: wrong device"):
+        captured.step()
+    assert capture.lr_seen == []
 
 
 def _with_grads(params, seed: int = 1):

@@ -53,3 +53,11 @@ def test_a_tally_read_starts_again_from_zero():
     assert tally.take()[:2] == (1, 1)
     tally.add_(torch.tensor(CLEAN, dtype=STATUS_DTYPE))
     assert tally.take()[:2] == (0, 0)
+
+
+def test_a_replay_with_non_finite_grads_on_two_ranks_is_one_skipped_step():
+    # The status sums over ranks: both ranks found a non-finite grad (issue 59, item 7).
+    both = [2, 2, 0, 0, 0, 0, 0, 0, 0, 2]
+    status = GradStatus()
+    assert status.count_replays(_replayed(both, CLEAN, both)) is None
+    assert status.skipped_steps == 2

@@ -72,7 +72,11 @@ class CapturedSteps:
     def capture_optimizer_steps(self) -> None:
         """Step every DMuon through a CapturedStep from now on (the builders refuse a job off
         the GPU first, naming their field: :func:`capture_refusal`; CapturedStep refuses it too)."""
-        self.captured_steps = [CapturedStep(o) if isinstance(o, DMuon) else None for o in self.optimizers]
+        # One memory pool for every model part's graph: each keeps its pool's peak reserved, and
+        # the parts' steps replay one after another in capture order (CapturedStep's pool=).
+        dmuons = [o for o in self.optimizers if isinstance(o, DMuon)]
+        pool = torch.cuda.graph_pool_handle() if len(dmuons) > 1 and torch.cuda.is_available() else None
+        self.captured_steps = [CapturedStep(o, pool=pool) if isinstance(o, DMuon) else None for o in self.optimizers]
         _LIVE.update(c for c in self.captured_steps if c is not None)
         _release_graphs_before_destroy()
 

@@ -368,4 +368,23 @@ WIDE = [
         new="",
         tests=("tests/test_momentum_storage.py::test_int8_values_and_scales_have_the_plain_formulas_bits",),
     ),
+    # ------------------------------------------------ the captured step (issue 59, item 7's survivors)
+    Mutant(
+        name="replay-tally-adds-non-finite-ranks",
+        guarantee="A replayed step with non-finite grads on several ranks counts one skipped step, as an eager "
+                  "step does (the status sums the ranks).",
+        path="dmuon/exchange/status_masks.py",
+        old="        skipped = (status[BLOCKS * n + 1] > 0) & ~error",
+        new="        skipped = status[BLOCKS * n + 1] * ~error",
+        tests=("tests/test_replay_tally.py::test_a_replay_with_non_finite_grads_on_two_ranks_is_one_skipped_step",),
+    ),
+    Mutant(
+        name="capturable-adamw-keep-from-fp32-copies",
+        guarantee="The capturable AdamW part's decay factor 1 - lr * wd is made from the fp64 lr and weight "
+                  "decay, so it has the float step's bits for any value.",
+        path="dmuon/numerics/adamw_rules.py",
+        old="    keep = scalars.keep(lr, weight_decay)",
+        new="    keep = scalars.keep(lr.float().double(), weight_decay.float().double())",
+        tests=("tests/test_capturable.py::test_the_capturable_adamw_decay_is_made_from_the_fp64_lr_and_weight_decay",),
+    ),
 ]
