@@ -79,6 +79,9 @@ def test_building_configs_installs_nothing():
     device_type = titan_utils.device_type
     for name in configs.__all__:
         if name.startswith("llama3"):
-            getattr(configs, name)()
+            try:
+                getattr(configs, name)()
+            except ValueError as error:  # a float8 recipe: TorchTitan refuses float8 without an SM89+ GPU
+                assert name.endswith("_float8") and "Float8Linear" in str(error), (name, error)
     assert not cpu_compat.installed()
     assert titan_utils.device_type == device_type

@@ -22,6 +22,17 @@ import torch.nn as nn
 from dmuon import DEFAULT_ADAMW_NAME_PATTERN
 from dmuon.param_groups import default_use_muon
 
+# Module wrappers TorchTitan may add (activation checkpointing, torch.compile, FSDP1):
+# DCP drops them from the fully qualified names it saves, and the extension's own names
+# (routing checks, QK-clip's attentions) leave them out alike.
+WRAPPER_SEGMENTS = ("_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module")
+
+
+def unwrapped_name(fqn: str) -> str:
+    """``fqn`` without the wrappers' segments (``layers.0._orig_mod.attention`` ->
+    ``layers.0.attention``): the name the plain model, and a checkpoint, give it."""
+    return ".".join(part for part in fqn.split(".") if part not in WRAPPER_SEGMENTS)
+
 # AdamW by name: dmuon's own pattern (embeddings, output head) plus every norm.
 DEFAULT_ADAMW_PARAM_REGEX = DEFAULT_ADAMW_NAME_PATTERN + "|norm"
 

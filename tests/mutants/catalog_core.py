@@ -263,8 +263,8 @@ CORE = [
         name="replay-guard-compares-identity-only",
         guarantee="a replay never reads a grad or state tensor other than the captured one (new storage included)",
         path="dmuon/replay_guard.py",
-        old="if what_now != what or tensor_now is not tensor or _storage(tensor_now) != storage:",
-        new="if what_now != what or tensor_now is not tensor:",
+        old="if tensor_now is not tensor or where_now != where or _storage(tensor_now) != storage:",
+        new="if tensor_now is not tensor or where_now != where:",
         tests=("tests/test_cuda_graphs.py", "-k", "replay_after_a_change"),
     ),
     Mutant(
@@ -290,5 +290,33 @@ CORE = [
         old="            torch.cuda.current_stream().wait_stream(side)\n        self.eager_steps += 1",
         new="            pass\n        torch.cuda.current_stream().wait_stream(side)\n        self.eager_steps += 1",
         tests=("tests/test_cuda_graphs.py", "-k", "side_stream"),
+    ),
+    # ---- the TOML front end's parse-time checks and recipes (issue 61): torchtitan_ext/
+    Mutant(
+        name="interval-ignores-its-open-upper-end",  # survived the suite before issue 61
+        guarantee="a number outside its field's interval is refused at parse time by that field's check, "
+                  "naming the field as the TOML writes it (a beta of 1.0 included)",
+        path="torchtitan_ext/field_checks.py",
+        old="below = value < self.high if self.high_open else value <= self.high",
+        new="below = value <= self.high",
+        tests=("tests/test_torchtitan_field_bounds.py",),
+    ),
+    Mutant(
+        name="8b-recipe-float8-line-names-an-unregistered-converter",
+        guarantee="the 8B recipe's float8 line, uncommented, starts a job on TorchTitan 0.2.x",
+        path="train_configs/llama3_8b_dmuon.toml",
+        old='# converters = ["quantize.linear.float8"]',
+        new='# converters = ["float8"]',
+        tests=("tests/test_torchtitan_switches.py", "-m", "unit"),
+    ),
+    Mutant(
+        name="max-logit-hook-keyed-by-attention-name",
+        guarantee="a model of any depth compiled per block with QK-clip compiles the block once (TorchTitan's "
+                  "fullgraph=True fails at the 9th recompile)",
+        path="torchtitan_ext/titan02/max_logits.py",
+        old="tracker.observe_into(slot, q, k, head_offset=tp_rank * local_heads, scale=kwargs.get(\"scale\"), **mask)",
+        new="tracker.observe(str(id(slot)), q, k, n_heads=slot.numel(), head_offset=tp_rank * local_heads, "
+            "scale=kwargs.get(\"scale\"), **mask)",
+        tests=("tests/test_torchtitan_switches.py", "-m", "unit"),
     ),
 ]

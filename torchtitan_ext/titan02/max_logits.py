@@ -7,8 +7,17 @@ TorchTitan 0.2's attentions (llama3, llama4, qwen3, deepseek_v3, gpt_oss) all ha
 to a child module named ``inner_attention`` (SDPA, FlexAttention or varlen wrapper).
 A forward pre-hook on that child therefore sees exactly the ``q`` and ``k`` whose
 products are the logits, without copying or editing TorchTitan's ``forward``. The hook
-only measures (``DMuon.max_logits.observe``: per-head maxima, bounded scratch); the
+only measures (``DMuon.max_logits.observe_into``: per-head maxima, bounded scratch); the
 clip itself happens in ``DMuon.step`` (``dmuon.attention.clipping``).
+
+Under ``[compile] enable`` TorchTitan compiles each transformer block with
+``fullgraph=True`` before the optimizer (and so these hooks) exists; Dynamo then traces
+the hook into every block's graph. So the hook folds into the attention's *slot*
+(``torchtitan_ext/logit_slots.py``) and reads no per-attention string: all blocks trace
+the same ops, and one graph serves every depth (the name-keyed ``observe`` recompiled
+the block once per attention, and the ninth was a hard error). It cannot run outside the
+graph instead: ``torch.compiler.disable`` is a graph break, an error under
+``fullgraph=True``.
 
 Refused, with the reason, because clipping their rows would not do what QK-clip
 promises:
@@ -27,9 +36,13 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 import torch.nn as nn
 
-from dmuon import AttentionHeads, DMuon
+from dmuon import AttentionHeads, DMuon, MaxLogitTracker
+
+from ..logit_slots import logit_slot
+from ..routing import unwrapped_name
 
 INNER = "inner_attention"
 
@@ -41,7 +54,9 @@ class QKClipUnsupported(ValueError):
 def attentions(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """(FQN, module) of every attention of ``model``: the modules with an
     ``inner_attention`` child, in ``named_modules`` order (the same on every rank)."""
-    return [(name, module) for name, module in model.named_modules() if isinstance(getattr(module, INNER, None), nn.Module)]
+    # Named as in the plain model: a compiled or checkpointed block's attention too.
+    return [(unwrapped_name(name), module) for name, module in model.named_modules()
+            if isinstance(getattr(module, INNER, None), nn.Module)]
 
 
 def require_attentions(model_parts: list[nn.Module]) -> None:
@@ -76,8 +91,8 @@ def _check_supported(fqn: str, attention: nn.Module, context_parallel: bool) -> 
                                 f"logit maxima would be wrong. Set context_parallel_degree = 1, {TURN_OFF}.")
 
 
-def _observer(optimizer: DMuon, fqn: str, n_heads: int, tp_rank: int):
-    """The forward pre-hook of ``fqn``'s ``inner_attention``."""
+def _observer(tracker: MaxLogitTracker, slot: torch.Tensor, tp_rank: int):
+    """The forward pre-hook of one attention's ``inner_attention``, folding into its ``slot``."""
 
     def observe(_module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         q, k = args[0], args[1]
@@ -88,8 +103,7 @@ def _observer(optimizer: DMuon, fqn: str, n_heads: int, tp_rank: int):
             mask = {"causal": False, "mask_mod": block_mask.mask_mod}
         else:  # SDPA: TorchTitan's wrapper is causal unless told otherwise
             mask = {"causal": kwargs.get("is_causal", True)}
-        optimizer.max_logits.observe(fqn, q, k, n_heads=n_heads, head_offset=tp_rank * local_heads,
-                                     scale=kwargs.get("scale"), **mask)
+        tracker.observe_into(slot, q, k, head_offset=tp_rank * local_heads, scale=kwargs.get("scale"), **mask)
 
     return observe
 
@@ -113,6 +127,7 @@ def install_max_logit_hooks(model: nn.Module, optimizer: DMuon, *, tp_rank: int 
         heads = AttentionHeads(attention.n_heads, getattr(attention, "n_kv_heads", None) or attention.n_heads,
                                attention.head_dim)
         optimizer.clip_attention(fqn, attention.wq.weight, attention.wk.weight, heads)
+        slot = logit_slot(optimizer, fqn, heads.n_heads, attention.wq.weight)
         handles.append(getattr(attention, INNER).register_forward_pre_hook(
-            _observer(optimizer, fqn, heads.n_heads, tp_rank), with_kwargs=True))
+            _observer(optimizer.max_logits, slot, tp_rank), with_kwargs=True))
     return handles

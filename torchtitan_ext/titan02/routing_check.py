@@ -35,6 +35,7 @@ from torchtitan.components.lr_scheduler import LRSchedulersContainer
 from torchtitan.components.optimizer import OptimizersContainer
 from torchtitan.tools.logging import logger
 
+from ..routing import unwrapped_name
 from ..versions import require_tested
 from .container import DMuonOptimizersContainer
 
@@ -46,9 +47,6 @@ _SPLIT_ROWS = "split_rows"
 # The fixes, as TorchTitan's command line spells them.
 EXCLUDE_OPTIMIZER = "--checkpoint.exclude_from_loading optimizer"
 EXCLUDE_OPTIMIZER_AND_SCHEDULER = "--checkpoint.exclude_from_loading optimizer,lr_scheduler"
-# Module wrappers TorchTitan may add (activation checkpointing, torch.compile, FSDP1):
-# DCP drops them from the fully qualified names it saves.
-_WRAPPER_SEGMENTS = ("_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module")
 
 
 def saved_routing(checkpoint_id: str) -> dict[str, bool]:
@@ -65,8 +63,7 @@ def current_routing(container: DMuonOptimizersContainer) -> dict[str, bool]:
     for optimizer in container.optimizers:
         for group in optimizer.param_groups:
             for param in group["params"]:
-                name = ".".join(s for s in optimizer.param_name(param).split(".") if s not in _WRAPPER_SEGMENTS)
-                routing[name] = bool(group["use_muon"])
+                routing[unwrapped_name(optimizer.param_name(param))] = bool(group["use_muon"])
     return routing
 
 
@@ -75,7 +72,7 @@ def _metadata_keys(checkpoint_id: str) -> set[str]:
 
 
 def _dcp_name(optimizer: Any, param: Any) -> str:
-    return ".".join(s for s in optimizer.param_name(param).split(".") if s not in _WRAPPER_SEGMENTS)
+    return unwrapped_name(optimizer.param_name(param))
 
 
 def check_switch(container: Any, checkpoint_id: str) -> None:

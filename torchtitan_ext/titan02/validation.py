@@ -143,6 +143,29 @@ def check_no_fault_tolerance(config: Any) -> None:
         )
 
 
+# TorchTitan 0.2.x's name of the float8 converter (model.converters), and the async modes.
+FLOAT8_CONVERTER = "quantize.linear.float8"
+CHECKPOINT_SYNC = "disabled"
+
+
+def check_no_async_checkpoint_of_float8_weights(config: Any) -> None:
+    """Refuse an asynchronous checkpoint of FSDP float8 weights while parsing: torch's DCP
+    stager (``dcp.async_save``, both async modes; torch 2.13 and 2.15) copies torchao's
+    ``WeightWithDynamicFloat8CastTensor``, the local tensor of every such weight, as a
+    plain tensor of uninitialized memory, so the checkpoint's weights are garbage and a
+    resume trains on NaN (seen with AdamW alike; docs/torchtitan.md). A synchronous
+    checkpoint, or float8 without FSDP float8 all-gather (plain weights), saves them right."""
+    float8 = config.quantize.linear.float8
+    if (config.optimizer.name == DMUON_NAME and FLOAT8_CONVERTER in config.model.converters
+            and float8.enable_fsdp_float8_all_gather and config.checkpoint.enable
+            and config.checkpoint.async_mode != CHECKPOINT_SYNC):
+        raise ValueError(
+            f'[checkpoint] async_mode = "{config.checkpoint.async_mode}" with float8 weights all-gathered by FSDP '
+            "([quantize.linear.float8] enable_fsdp_float8_all_gather = true) writes corrupt checkpoints: torch's "
+            "asynchronous stager copies torchao's float8 weight wrapper as uninitialized memory, and a resume trains "
+            f'on NaN. Set async_mode = "{CHECKPOINT_SYNC}", or enable_fsdp_float8_all_gather = false.')
+
+
 def check_config_module_named(config: Any) -> None:
     """``name = "DMuon"`` reads DMuon's [optimizer] fields, which exist only when TorchTitan
     parsed the config with ``[job] custom_config_module``: without it the job would build
@@ -190,6 +213,7 @@ def install_config_validation() -> None:
         validate_optimizer_config(self.config.optimizer)
         check_job_module_imported(self.config)
         check_no_fault_tolerance(self.config)
+        check_no_async_checkpoint_of_float8_weights(self.config)
 
     validate_config._dmuon_validation = True  # type: ignore[attr-defined]
     ConfigManager._validate_config = validate_config

@@ -8,7 +8,9 @@
   ``train_configs/llama3_debug_dmuon.toml``; ``llama3_debug_cpu_adamw`` is the same run
   with AdamW for comparison; ``llama3_debug_cpu_qk_clip`` the DMuon run with QK-clip.
 * ``llama3_8b_dmuon``: Llama 3 8B with DMuon on GPUs, the twin of
-  ``train_configs/llama3_8b_dmuon.toml`` (c4 from the hub; needs GPUs and network).
+  ``train_configs/llama3_8b_dmuon.toml`` (c4 from the hub; needs GPUs and network);
+  ``llama3_8b_dmuon_float8`` the same with float8 linears (``float8_linears``: the twin of
+  the TOML's float8 line; SM89+ GPUs, torchao).
 
 Calling a config function has no side effects (it only builds dataclasses): the CPU
 layer is installed by ``CpuTrainer`` when the job starts, and only without an
@@ -18,10 +20,13 @@ Command-line flags override any field, e.g. ``--training.steps 50``.
 
 from __future__ import annotations
 
+import copy
+
 from torchtitan.components.checkpoint import CheckpointManager
 from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
 
 from torchtitan.components.optimizer import default_adamw, LRSchedulersContainer, OptimizersContainer
+from torchtitan.components.quantization.float8 import Float8LinearConverter
 from torchtitan.components.validate import Validator
 from torchtitan.config import CompileConfig, DebugConfig, ParallelismConfig, TrainingConfig
 from torchtitan.distributed.activation_checkpoint import SelectiveAC
@@ -59,6 +64,8 @@ DEBUG_QK_CLIP_THRESHOLD = 30.0                  # QK-clip's tau (Kimi K2 used 10
 # --- 8B on GPUs, as in train_configs/llama3_8b_dmuon.toml -------------------------
 LLAMA3_8B_ASSETS = "./assets/hf/Llama-3.1-8B"
 LLAMA3_8B_LR = 3e-4
+LLAMA3_8B_COMPILE = CompileConfig(enable=False, components=["model", "loss"])
+FLOAT8_SKIPPED = ["lm_head"]                   # the output head is not converted (0.2.x: filter_fqns = ["output"])
 
 
 def cpu_ready(model_spec: ModelSpec) -> ModelSpec:
@@ -137,10 +144,31 @@ def llama3_debug_cpu_adamw() -> CpuTrainer.Config:
     return _llama3_debug_cpu(_debug_optimizer_adamw(), "llama3_debug_adamw")
 
 
+def float8_linears(compile_config: CompileConfig, emulate: bool = False) -> list[Float8LinearConverter.Config]:
+    """The converters of a float8 model (``model_registry(flavor, converters=...)``), the
+    0.3.x twin of the 0.2.x TOML's ``converters = ["quantize.linear.float8"]``: every
+    Linear but the output head in float8, TorchTitan's default rowwise recipe. 0.3.0 has
+    no FSDP float8 all-gather or precomputed scales (0.2.x's tensorwise options). TorchTitan
+    builds the converter when the config function runs: without an SM89+ GPU it raises,
+    unless ``emulate`` (tests only; not with ``torch.compile``)."""
+    return [Float8LinearConverter.Config(
+        filter_fqns=list(FLOAT8_SKIPPED), emulate=emulate,
+        model_compile_enabled=compile_config.enable and "model" in compile_config.components)]
+
+
 def llama3_8b_dmuon() -> Trainer.Config:
     """Llama 3 8B with DMuon on GPUs: TorchTitan's ``llama3_8b`` recipe, DMuon instead of
     AdamW with the 8B TOML's options (shared lr 3e-4, ``match_rms_adamw`` scaling)."""
-    model_spec = model_registry("8B")
+    return _llama3_8b_dmuon(model_registry("8B"))
+
+
+def llama3_8b_dmuon_float8() -> Trainer.Config:
+    """``llama3_8b_dmuon`` with float8 linears (``float8_linears``; needs an SM89+ GPU and
+    torchao: TorchTitan refuses float8 elsewhere when this function runs)."""
+    return _llama3_8b_dmuon(model_registry("8B", converters=float8_linears(LLAMA3_8B_COMPILE)))
+
+
+def _llama3_8b_dmuon(model_spec: ModelSpec) -> Trainer.Config:
     return Trainer.Config(
         dump_folder="./outputs/titan03_llama3_8b_dmuon",
         hf_assets_path=LLAMA3_8B_ASSETS,
@@ -162,14 +190,16 @@ def llama3_8b_dmuon() -> Trainer.Config:
         checkpoint=CheckpointManager.Config(
             enable=True, interval=500, last_save_model_only=True, export_dtype="float32"),
         activation_checkpoint=SelectiveAC.Config(),
-        compile=CompileConfig(enable=False, components=["model", "loss"]),
+        compile=copy.deepcopy(LLAMA3_8B_COMPILE),
         validator=Validator.Config(freq=500, steps=1200),
     )
 
 
 __all__ = [
     "cpu_ready",
+    "float8_linears",
     "llama3_8b_dmuon",
+    "llama3_8b_dmuon_float8",
     "llama3_debug_cpu",
     "llama3_debug_cpu_adamw",
     "llama3_debug_cpu_qk_clip",

@@ -51,7 +51,10 @@ def document_ids_from_boundaries(cu_seq: torch.Tensor, batch: int, seq_len: int)
     """
     starts = cu_seq[:-1].to(torch.long)
     row_starts = torch.arange(batch, device=cu_seq.device, dtype=torch.long) * seq_len
-    if not bool(torch.isin(row_starts, starts).all()):
+    # Checked in eager only: a graph torch.compile traces cannot branch on a tensor's value
+    # (under TorchTitan's fullgraph=True that is an error), and TorchTitan's own mask
+    # builder starts every row with a document (the eager runs check that it does).
+    if not torch.compiler.is_compiling() and not bool(torch.isin(row_starts, starts).all()):
         raise ValueError(
             "every sequence must start a document (positions[:, 0] == 0); "
             f"document starts {starts.tolist()} miss a row start of {row_starts.tolist()}"
@@ -109,6 +112,10 @@ class CpuBlockCausalAttention(Module):
 
     @classmethod
     def _mask_for(cls, masks: VarlenMetadata, batch: int, seq_len: int) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            # Compiled (per block): no cache. Dynamo would guard on the cached masks' identity,
+            # new every forward, and recompile each time; the mask is cheap next to the block.
+            return block_causal_mask(document_ids_from_boundaries(masks.cu_seq_q, batch, seq_len))
         cached = cls._cached_mask
         if cached is not None and cached[0] is masks and cached[1].shape == (batch, 1, seq_len, seq_len):
             return cached[1]

@@ -18,6 +18,11 @@ Masks: TorchTitan packs documents into each sequence. ``VarlenMetadata`` (varlen
 its ``mask_mod``. Either becomes the ``mask_mod`` of ``observe``, so a logit between two
 documents, which the softmax never sees, does not count. No mask: causal only.
 
+Under ``torch.compile`` (TorchTitan compiles each block with ``fullgraph=True``) the
+hook is traced into the block's graph: it folds into the attention's slot
+(``torchtitan_ext/logit_slots.py``), and the masks are rebuilt in each block instead of
+cached, so every block traces the same ops and one graph serves them all.
+
 Refused, naming the module: attentions with a QK-norm (the norm undoes any scaling of
 ``W_q``/``W_k``, so clipping cannot bound its logits), MLA (DeepSeek-V3, Kimi: dmuon
 does not map its rows), any other attention class (its forward is not the one read
@@ -44,6 +49,7 @@ from torchtitan.models.common.attention import (
 from dmuon import AttentionHeads, DMuon
 from dmuon.attention.qk_clip import FUSED_GROUPED, SEPARATE, MaskMod
 
+from ..logit_slots import logit_slot
 from .cpu_attention import document_ids_from_boundaries
 
 # The names TorchTitan gives the tensor- and context-parallel mesh axes.
@@ -71,7 +77,8 @@ def install_qk_clip(model: nn.Module, optimizer: DMuon) -> list[RemovableHandle]
         q_weight, k_weight, heads = _clip_weights(name, module)
         _refuse_context_parallel(name, q_weight)
         optimizer.clip_attention(name, q_weight, k_weight, heads)
-        hook = _report_logits(name, module, optimizer, documents, tp_rank=_tp_rank(q_weight))
+        slot = logit_slot(optimizer, name, heads.n_heads, q_weight)
+        hook = _report_logits(name, module, optimizer, slot, documents, tp_rank=_tp_rank(q_weight))
         handles.append(module.inner_attention.register_forward_pre_hook(hook, with_kwargs=True))
     return handles
 
@@ -130,14 +137,18 @@ def _tp_rank(weight: torch.Tensor) -> int | None:
     return weight.device_mesh.get_local_rank(TP_MESH_DIM) if TP_MESH_DIM in names else None
 
 
-def _report_logits(name: str, attention: GQAttention, optimizer: DMuon, documents: DocumentMasks,
-                   tp_rank: int | None) -> Callable:
-    """The pre-hook of ``attention.inner_attention``: hand its ``q``/``k`` to DMuon's tracker."""
-    n_heads = attention.n_heads
+def _report_logits(name: str, attention: GQAttention, optimizer: DMuon, slot: torch.Tensor,
+                   documents: DocumentMasks, tp_rank: int | None) -> Callable:
+    """The pre-hook of ``attention.inner_attention``: fold its ``q``/``k``'s logits into
+    the attention's ``slot`` of DMuon's tracker.
 
-    # Outside any torch.compile graph: the measurement loops over query chunks and may
-    # read document boundaries on the host; a graph break here is cheaper than tracing it.
-    @torch.compiler.disable
+    Traced into the block's graph under ``torch.compile`` (TorchTitan compiles each block
+    with ``fullgraph=True``, where ``torch.compiler.disable`` is a graph break and so an
+    error): it reads no per-attention name, and every block traces the same ops
+    (``torchtitan_ext/logit_slots.py``)."""
+    n_heads = attention.n_heads
+    tracker = optimizer.max_logits
+
     def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
         if not torch.is_grad_enabled():  # evaluation: not the training step's logits
             return
@@ -146,17 +157,18 @@ def _report_logits(name: str, attention: GQAttention, optimizer: DMuon, document
         if local_heads < n_heads and tp_rank is None:
             raise ValueError(f"QK-clip: {name} sees {local_heads} of {n_heads} heads but its weights have no "
                              f"{TP_MESH_DIM!r} mesh axis to place them; dmuon cannot tell which heads these are")
-        optimizer.max_logits.observe(
-            name, q.transpose(1, 2), k.transpose(1, 2), n_heads=n_heads,
-            head_offset=(tp_rank or 0) * local_heads, scale=kwargs.get("scale"),
-            causal=True, mask_mod=documents.mask_mod(kwargs.get("attention_masks"), batch, seq_len))
+        tracker.observe_into(
+            slot, q.transpose(1, 2), k.transpose(1, 2), head_offset=(tp_rank or 0) * local_heads,
+            scale=kwargs.get("scale"), causal=True,
+            mask_mod=documents.mask_mod(kwargs.get("attention_masks"), batch, seq_len))
 
     return hook
 
 
 class DocumentMasks:
     """The document ``mask_mod`` of a forward's ``attention_masks``, made once per forward
-    (every layer gets the same masks object; reading varlen boundaries syncs the host)."""
+    in eager (every layer gets the same masks object; reading varlen boundaries syncs the
+    host), and in every block under ``torch.compile`` (traced, without a host read)."""
 
     def __init__(self) -> None:
         self._last: tuple[object, MaskMod | None] | None = None
@@ -164,7 +176,8 @@ class DocumentMasks:
     def mask_mod(self, masks: object, batch: int, seq_len: int) -> MaskMod | None:
         if masks is None:
             return None  # causal only
-        if self._last is not None and self._last[0] is masks:
+        compiling = torch.compiler.is_compiling()  # traced: no cache (a guard on its identity would recompile)
+        if not compiling and self._last is not None and self._last[0] is masks:
             return self._last[1]
         if isinstance(masks, VarlenMetadata):
             doc = document_ids_from_boundaries(masks.cu_seq_q, batch, seq_len)
@@ -178,5 +191,6 @@ class DocumentMasks:
         else:
             raise TypeError(f"QK-clip: attention_masks of type {type(masks).__name__} carry no document "
                             "boundaries dmuon can read (it reads VarlenMetadata and flex BlockMask)")
-        self._last = (masks, mask_mod)
+        if not compiling:
+            self._last = (masks, mask_mod)
         return mask_mod
