@@ -206,12 +206,27 @@ def apply_muon_(params: Tensors, orthos: Tensors, *, lr: Number, weight_decay: N
 def _scaled_add_(targets: Tensors, updates: Tensors, alpha: torch.Tensor, foreach: bool,
                  scalars: StepScalars) -> None:
     """``target += alpha * update``, ``alpha`` a 0-dim fp64 device tensor, with the bits of
-    ``target.add_(update, alpha=float(alpha))``: ``addcmul_`` with ``alpha`` broadcast, in the
-    dtype ``add_`` reads its ``alpha`` in (``dmuon.numerics.device_scalars.alpha_dtype``)."""
-    scales = [scalars.cast(alpha, alpha_dtype(t.dtype, t.device.type)).expand(u.shape)
-              for t, u in zip(targets, updates)]
-    if foreach:
-        torch._foreach_addcmul_(list(targets), list(updates), scales)
+    ``target.add_(update, alpha=float(alpha))``: ``addcmul_`` (``value`` 1) of ``update`` and
+    ``alpha`` in the dtype ``add_`` reads its ``alpha`` in (``device_scalars.alpha_dtype``).
+
+    With ``foreach``, one list op per device and dtype. Where that dtype is the list's own
+    (fp32 and fp64 parameters; on the CPU every dtype), ``alpha`` goes in unexpanded, as
+    ``tensor1``, a list of the one 0-dim tensor: CUDA's one-kernel form for it
+    (``ForeachPointwiseOp.cu``: ``PointwiseOpScalar0dTensorFunctor``, which computes
+    ``std::fma(alpha, update, target)`` at ``value`` 1, ``DeviceAddCmulCdiv.cuh``; the
+    contracted ``self + alpha * other`` of ``add_``; torch 2.11 to 2.15 alike). Elsewhere
+    (bf16 or fp16 on CUDA, whose ``add_`` keeps ``alpha`` in fp32) that form would round
+    ``alpha`` to the list's dtype: ``alpha`` goes in broadcast instead (not dense: torch
+    runs one kernel per tensor, with ``add_``'s bits)."""
+    if not foreach:
+        for target, update in zip(targets, updates):
+            target.addcmul_(update, scalars.cast(alpha, alpha_dtype(target.dtype, target.device.type))
+                            .expand(update.shape))
         return
-    for target, update, scale in zip(targets, updates, scales):
-        target.addcmul_(update, scale)
+    for idx in by_signature(targets, updates):
+        ts, us = [targets[i] for i in idx], [updates[i] for i in idx]
+        scale = scalars.cast(alpha, alpha_dtype(ts[0].dtype, ts[0].device.type))
+        if scale.dtype == ts[0].dtype:
+            torch._foreach_addcmul_(ts, [scale] * len(ts), us)
+        else:
+            torch._foreach_addcmul_(ts, us, [scale.expand(u.shape) for u in us])
