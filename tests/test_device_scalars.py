@@ -115,6 +115,45 @@ def test_a_list_op_is_one_launch_where_torch_takes_its_multi_tensor_route(others
     assert ops["aten._foreach_add_.List"] == launches
 
 
+@pytest.mark.parametrize("alpha_dtype, launches", [(torch.float32, 1), (torch.float64, 3)])
+def test_an_addcmul_by_a_list_of_0_dim_tensors_of_the_lists_dtype_is_one_launch(alpha_dtype, launches):
+    # ForeachPointwiseOp.cu's PointwiseOpScalar0dTensorFunctor (issue 59, item 3): the capturable
+    # Muon apply's form; another dtype's 0-dim operands fall back to one kernel per tensor.
+    params = [torch.empty(n, 4, device="meta") for n in (2, 3, 5)]
+    updates = [torch.empty_like(t) for t in params]
+    alpha = torch.empty((), dtype=alpha_dtype, device="meta")
+    ops = recorded(lambda: torch._foreach_addcmul_(params, [alpha] * 3, updates)).record.device_ops
+    assert sum(ops.values()) == launches
+
+
+def test_a_list_copy_across_dtypes_is_one_launch():
+    # foreach_tensor_copy_list_kernel_cuda_ casts in its one kernel (issue 59, item 3).
+    targets = [torch.empty(n, 4, dtype=torch.bfloat16, device="meta") for n in (2, 3, 5)]
+    sources = [torch.empty(n, 4, device="meta") for n in (2, 3, 5)]
+    assert sum(recorded(lambda: torch._foreach_copy_(targets, sources)).record.device_ops.values()) == 1
+
+
+def test_a_size_1_dims_stride_does_not_take_a_list_op_off_the_route():
+    # ForeachUtils.h compares strides of dims longer than 1 only (issue 59, item 3).
+    params = [torch.empty(1, n, device="meta") for n in (2, 3, 5)]
+    others = [torch.empty(n, 1, device="meta").t() for n in (2, 3, 5)]  # stride (1, 1) against (n, 1)
+    assert [p.stride()[0] for p in params] != [o.stride()[0] for o in others]
+    assert recorded(lambda: torch._foreach_add_(params, others)).record.device_ops["aten._foreach_add_.List"] == 1
+
+
+@pytest.mark.parametrize("divide, flagged", [
+    (lambda x: x / 127, True), (lambda x: x.div_(127.0), True), (lambda x: x / torch.tensor(127.0), True),
+    (lambda x: x / torch.full((), 127.0, device="meta"), False),
+    (lambda x: torch.div(x, 127, rounding_mode="floor"), False),
+], ids=["number", "in place", "cpu 0-dim", "device 0-dim", "floor"])
+def test_a_device_division_by_a_host_number_is_a_precision_hazard(divide, flagged):
+    # CUDA computes it as a * (1 / b) (BinaryDivTrueKernel.cu), an ulp off the CPU's quotient
+    # for some values (issue 59, item 1).
+    x = torch.empty(4, 128, device="meta")
+    hazards = recorded(lambda: divide(x)).record.precision_hazards
+    assert bool(hazards) == flagged and all("host number" in h for h in hazards)
+
+
 def test_a_masked_select_over_shared_masks_is_three_launches_per_mask_and_width():
     # A step's two masks (its own, and False for parameters without a grad) over tensors of two
     # widths: three list ops for each (mask, width) pair, whatever the number of tensors.

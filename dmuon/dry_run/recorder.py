@@ -55,6 +55,13 @@ from dmuon.exchange.host_staging import listening
 from dmuon.torch_compat import (FakeTensor, TorchDispatchMode, host_tensor_ops, non_overlapping_and_dense,
                                  resolve_process_group)
 
+# List ops with a one-kernel form when an operand list is 0-dim tensors of the inputs' dtype.
+POINTWISE_0DIM_OPS = ("aten._foreach_addcmul", "aten._foreach_addcdiv")
+# List ops whose one kernel takes lists of different dtypes.
+CROSS_DTYPE_LIST_OPS = ("aten._foreach_copy",)
+# Divisions CUDA computes as a multiplication by the reciprocal when the divisor is a Python
+# number or a 0-dim CPU tensor (``BinaryDivTrueKernel.cu``): other bits than the CPU's.
+TRUE_DIVISIONS = ("aten.div.Tensor", "aten.div_.Tensor", "aten.div.Scalar", "aten.div_.Scalar", "aten.div.out")
 # Ops that allocate or describe but launch no kernel.
 NO_KERNEL_OPS = frozenset({
     "aten.empty.memory_format", "aten.empty_strided.default", "aten.new_empty.default",
@@ -154,6 +161,8 @@ class StepRecorder(TorchDispatchMode):
             if self._waits_for_device(name, args, kwargs) or _data_dependent(func, args):
                 self.record.host_syncs.append(f"{name} at {_caller()}")
             if hazard := _scalar_precision_hazard(args, kwargs, tensors):
+                self.record.precision_hazards.append(f"{name} {hazard} at {_caller()}")
+            if hazard := _host_divisor_hazard(name, args, kwargs):
                 self.record.precision_hazards.append(f"{name} {hazard} at {_caller()}")
         if func.namespace in ("c10d", "_c10d_functional"):
             self._collective(name, args, tensors)
@@ -276,7 +285,7 @@ def _kernel_launches(func: Any, name: str, args: tuple, outputs: list[torch.Tens
         return _concat_launches(name, args, outputs), False
     if not name.startswith("aten._foreach_"):
         return (1 if outputs else 0), False
-    route = _multi_tensor_route(args)
+    route = _multi_tensor_route(args, name)
     if route is None:
         return 0, False
     return (1, False) if route else (len(_tensor_lists(args)[0]), True)
@@ -286,19 +295,37 @@ def _tensor_lists(args: tuple) -> list[list[torch.Tensor]]:
     return [a for a in args if isinstance(a, (list, tuple)) and a and isinstance(a[0], torch.Tensor)]
 
 
-def _multi_tensor_route(args: tuple) -> bool | None:
+def _multi_tensor_route(args: tuple, name: str = "") -> bool | None:
     """For a ``torch._foreach_*`` op's ``args``: whether torch runs it as one multi-tensor
     kernel (:func:`_kernel_launches`), or None where it launches nothing (CPU lists)."""
     lists = _tensor_lists(args)
     tensors = [t for tensor_list in lists for t in _tensors(tensor_list)]
     if not tensors or all(t.device.type == "cpu" for t in tensors):
         return None
+    if name.startswith(POINTWISE_0DIM_OPS) and len(lists) == 3:
+        # ``_foreach_addcmul_``/``addcdiv_`` with one operand list of 0-dim tensors of the
+        # inputs' dtype: ``PointwiseOpScalar0dTensorFunctor``, one kernel (ForeachPointwiseOp.cu).
+        zero_dim = [k for k in (1, 2) if all(t.dim() == 0 and t.dtype == lists[0][0].dtype for t in lists[k])]
+        if zero_dim:
+            scalars = lists[zero_dim[0]]
+            lists = [lst for k, lst in enumerate(lists) if k != zero_dim[0]]
+            tensors = [t for tensor_list in lists for t in _tensors(tensor_list)] + list(scalars)
     # A ``.Tensor`` overload's 0-dim scalar on the device must match (a CPU one is read as a number).
     scalar_tensors = [a for a in args if isinstance(a, torch.Tensor) and a.dim() == 0 and a.device.type != "cpu"]
     operands = tensors + scalar_tensors
-    return (len({t.dtype for t in operands}) == 1 and len({t.device for t in operands}) == 1
-            and all(non_overlapping_and_dense(t) for t in tensors)
-            and all(len({(tuple(t.shape), t.stride()) for t in entry}) == 1 for entry in zip(*lists)))
+    # ``_foreach_copy_`` takes one kernel across dtypes (``foreach_tensor_copy_list_kernel_cuda_``):
+    # one dtype per list suffices.
+    same_dtype = (all(len({t.dtype for t in lst}) == 1 for lst in lists) if name.startswith(CROSS_DTYPE_LIST_OPS)
+                  else len({t.dtype for t in operands}) == 1)
+    return (same_dtype and len({t.device for t in operands}) == 1
+            and all(non_overlapping_and_dense(t) for t in tensors if t.dim())
+            and all(len({_layout_key(t) for t in entry}) == 1 for entry in zip(*lists)))
+
+
+def _layout_key(tensor: torch.Tensor) -> tuple:
+    """Sizes and the strides torch's fast route compares: those of dims longer than 1 (a size-1
+    dim's stride is never used, and ``ForeachUtils.h`` ignores it)."""
+    return tuple(tensor.shape), tuple(st for size, st in zip(tensor.shape, tensor.stride()) if size > 1)
 
 
 def _concat_launches(name: str, args: tuple, outputs: list[torch.Tensor]) -> int:
@@ -314,6 +341,22 @@ def _concat_launches(name: str, args: tuple, outputs: list[torch.Tensor]) -> int
                                  and out_dtype == torch.float32):
         return 1
     return max(len(inputs), 1)
+
+
+def _host_divisor_hazard(name: str, args: tuple, kwargs: dict) -> str | None:
+    """How a true division on the device takes a host divisor (a Python number, or a 0-dim
+    CPU tensor), which CUDA computes as ``a * (1 / b)``, an ulp off the CPU's quotient for
+    some values (``BinaryDivTrueKernel.cu``; pytorch #186618); None otherwise, or for an
+    integer-rounding division (``rounding_mode``), which divides."""
+    if not name.startswith(TRUE_DIVISIONS) or kwargs.get("rounding_mode") is not None or len(args) < 2:
+        return None
+    dividend, divisor = args[0], args[1]
+    if not isinstance(dividend, torch.Tensor) or not dividend.is_floating_point():
+        return None
+    if isinstance(divisor, (int, float)) or (isinstance(divisor, torch.Tensor) and divisor.dim() == 0
+                                             and divisor.device.type == "cpu"):
+        return "divides by a host number (CUDA multiplies by its reciprocal: other bits than the CPU's)"
+    return None
 
 
 def _scalar_precision_hazard(args: tuple, kwargs: dict, tensors: list[torch.Tensor]) -> str | None:
