@@ -153,3 +153,19 @@ def test_dmuon_with_foreach_steps_the_bits_of_dmuon_without(options, device):
 def test_a_foreach_that_is_not_a_bool_or_none_is_rejected_naming_it(value):
     with pytest.raises(ValueError, match="foreach must be True, False or None"):
         DMuon([torch.nn.Parameter(torch.zeros(4, 4))], foreach=value)
+
+
+@pytest.mark.parametrize("foreach", [False, True])
+def test_a_masked_momentum_list_with_empty_tensors_first_in_each_dtype_steps(foreach):
+    # A matrix with fewer rows than ranks leaves some rank an empty shard; first in a list it
+    # crashed the list form (issue 60, item 2), and an empty one first in its dtype's list
+    # would have joined the previous dtype's chunk.
+    shapes = [((0, 129), torch.float32), ((3, 4), torch.float32), ((0, 5), torch.bfloat16), ((2, 5), torch.bfloat16)]
+    gen = torch.Generator().manual_seed(3)
+    bufs = [torch.randn(s, generator=gen).to(d) for s, d in shapes]
+    grads = [torch.randn(s, generator=gen).to(d) for s, d in shapes]
+    expected = [b.lerp(g, 1 - 0.9) for b, g in zip(bufs, grads)]
+    oks = [torch.tensor(True)] * len(bufs)
+    momentum_(bufs, grads, 0.9, foreach, oks)
+    assert all(torch.equal(b, e) for b, e in zip(bufs, expected))
+

@@ -95,9 +95,10 @@ def _chunks(bufs: Tensors, grads: Tensors) -> list[list[int]]:
     elements a chunk (a larger tensor alone): the out-of-place EMAs alive at once."""
     chunks: list[list[int]] = []
     for idx in by_signature(bufs, grads):
-        size = MASKED_CHUNK_NUMEL
+        chunks.append([])  # each signature opens its own, even with an empty tensor first
+        size = 0
         for i in idx:
-            if size + bufs[i].numel() > MASKED_CHUNK_NUMEL:
+            if chunks[-1] and size + bufs[i].numel() > MASKED_CHUNK_NUMEL:
                 chunks.append([])
                 size = 0
             chunks[-1].append(i)
