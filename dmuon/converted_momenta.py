@@ -20,6 +20,7 @@ import torch
 
 from dmuon.group_steps import GroupSteps, by_group
 from dmuon.momentum_state import MomentumReads
+from dmuon.numerics.update_lists import bounded_chunks
 from dmuon.plan.local_blocks import LocalBlocks
 from dmuon.plan.owner_plan import OwnerPlan
 from dmuon.plan.pack_layout import PACK_CHUNK_NUMEL
@@ -47,8 +48,10 @@ class ConvertedMomenta:
     """Each plan parameter's 0-dim device bool: where its EMA and store run."""
     groups: Sequence[dict[str, Any]]
     steps: GroupSteps
-    kept: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = field(default_factory=dict)
-    """Per converted plan parameter: its local values, and int8 scales or None."""
+    values: dict[int, torch.Tensor] = field(default_factory=dict)
+    """Per converted plan parameter: its kept momentum's local values."""
+    scales: dict[int, torch.Tensor] = field(default_factory=dict)
+    """Per converted plan parameter kept in int8: its local scales."""
     grads: Sequence[torch.Tensor | None] = ()
     """Each plan parameter's local grad (None: a converted momentum without a usable grad here)."""
     _value_blocks: dict[int, list[torch.Tensor]] = field(default_factory=dict)
@@ -62,18 +65,16 @@ class ConvertedMomenta:
         op per group for the EMA, a few for the read and the store). ``grad_blocks``: the
         step's cache of split grads."""
         params = [self.plan.units[i].param for i in units]
-        todo = [k for k, j in enumerate(params) if j in self.kept]
+        todo = [k for k, j in enumerate(params) if j in self.values]
         grads = [None if self.grads[j] is None else self.blocks_here.block(i, grad_blocks, self.grads)
                  for i, j in zip(units, params)]
-        momenta = [None if j in self.kept else bufs[i] for i, j in zip(units, params)]
+        momenta = [None if j in self.values else bufs[i] for i, j in zip(units, params)]
         if todo:
-            values = {j: v for j, (v, _) in self.kept.items()}
-            scales = {j: sc for j, (_, sc) in self.kept.items() if sc is not None}
             reads = MomentumReads()
             work = reads.read_kept(
-                [self.blocks_here.block(units[k], self._value_blocks, values) for k in todo],
-                [self.blocks_here.block(units[k], self._scale_blocks, scales) if params[k] in scales else None
-                 for k in todo],
+                [self.blocks_here.block(units[k], self._value_blocks, self.values) for k in todo],
+                [self.blocks_here.block(units[k], self._scale_blocks, self.scales) if params[k] in self.scales
+                 else None for k in todo],
                 [self.dtypes[params[k]] for k in todo], [self.oks[params[k]] for k in todo])
             for k, momentum in zip(todo, work):
                 momenta[k] = momentum
@@ -88,16 +89,6 @@ class ConvertedMomenta:
     def unpacked(self, units: Sequence[int], grad_blocks: dict[int, list[torch.Tensor]]) -> None:
         """The EMA and store of the converted blocks of ``units``, which this rank holds but
         never packs (``OwnerRun.unpacked_units``), a pack chunk at a time."""
-        chunk: list[int] = []
-        size = 0
-        for i in units:
-            if self.plan.units[i].param not in self.kept:
-                continue
-            numel = self.plan.units[i].block_numel(self.rank)
-            if chunk and size + numel > PACK_CHUNK_NUMEL:
-                self.blocks(chunk, grad_blocks, {})
-                chunk, size = [], 0
-            chunk.append(i)
-            size += numel
-        if chunk:
-            self.blocks(chunk, grad_blocks, {})
+        mine = [i for i in units if self.plan.units[i].param in self.values]
+        for chunk in bounded_chunks([self.plan.units[i].block_numel(self.rank) for i in mine], PACK_CHUNK_NUMEL):
+            self.blocks([mine[k] for k in chunk], grad_blocks, {})

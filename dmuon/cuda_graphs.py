@@ -177,9 +177,9 @@ class CapturedStep:
         # A number written to lr or weight_decay becomes a device tensor now: inside the
         # capture its host-to-device copy would fail it.
         place_on_device(self.optimizer.param_groups)
+        self._check_device()  # before the tally starts: a refusal leaves nothing begun
         status = self.optimizer.phases.grad_status
         status.start_tally(local_of(self.optimizer.param_groups[0]["params"][0]).device)
-        self._check_device()
         graph = torch.cuda.CUDAGraph()
         try:
             # thread_local: only this thread's unsafe CUDA calls fail the capture; in the global

@@ -117,7 +117,9 @@ class OwnerRun:
             elif momentum[1] is None and momentum[0].dtype == self.dtypes[j]:
                 local_bufs[j] = local_of(momentum[0])
             else:
-                converted.kept[j] = (local_of(momentum[0]), None if momentum[1] is None else local_of(momentum[1]))
+                converted.values[j] = local_of(momentum[0])
+                if momentum[1] is not None:
+                    converted.scales[j] = local_of(momentum[1])
         # Without a usable grad here, the momentum stands in for it (the masked EMA leaves it as
         # it is); a converted momentum's working copy takes that place block by block.
         local_grads = [self.local(j, grads[p]) if p in grads else local_bufs[j] for j, p in enumerate(self.params)]

@@ -39,6 +39,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from dmuon.numerics.momentum_storage import MomentumCopies, read_momenta, scales_shape, store_momenta_
+from dmuon.numerics.update_lists import bounded_chunks
 from dmuon.plan.momentum_blocks import int8_blocks_whole
 from dmuon.plan.paths import layout_of
 from dmuon.torch_compat import dtensor_where_it_is, local_of
@@ -113,15 +114,7 @@ def read_chunks(states: Sequence[Mapping[str, Any] | None], likes: Sequence[torc
     never has parameter-dtype copies of more than one chunk alive."""
     if all(_is_own_working(kept_momentum(state), like) for state, like in zip(states, likes)):
         return [list(range(len(likes)))] if likes else []
-    chunks: list[list[int]] = []
-    size = 0
-    for i, like in enumerate(likes):
-        if not chunks or size + like.numel() > READ_CHUNK_NUMEL:  # (an empty shard first still opens one)
-            chunks.append([])
-            size = 0
-        chunks[-1].append(i)
-        size += like.numel()
-    return chunks
+    return bounded_chunks([like.numel() for like in likes], READ_CHUNK_NUMEL)
 
 
 def _is_own_working(momentum: tuple[torch.Tensor, torch.Tensor | None] | None, like: torch.Tensor) -> bool:

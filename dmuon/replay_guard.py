@@ -106,18 +106,14 @@ class ReplayGuard:
                 changed = sorted({k for k, _ in set(before) ^ set(now)})
                 raise RuntimeError(f"dmuon.cuda_graphs: param group {index} changed since the capture (the option(s) "
                                    f"{changed}, fixed in the graph): {_RECAPTURE}")
-        count = 0
-        held = self._held
-        for count, (where_now, tensor_now) in enumerate(_read_tensors(self._optimizer), start=1):
-            if count > len(held):
-                break
-            where, tensor, storage = held[count - 1]
+        now_read = list(_read_tensors(self._optimizer))
+        for (where, tensor, storage), (where_now, tensor_now) in zip(self._held, now_read):
             if tensor_now is not tensor or where_now != where or _storage(tensor_now) != storage:
                 what = _what(self._optimizer, where)
                 raise RuntimeError(f"dmuon.cuda_graphs: {what} was replaced since the capture (another tensor, or "
                                    f"its storage moved): the graph would replay on the one it captured; "
                                    f"{_FIX[where[0]]}")
-        if count != len(held):
+        if len(now_read) != len(self._held):
             raise RuntimeError("dmuon.cuda_graphs: parameters or state entries were added or removed since the "
                                f"capture: {_RECAPTURE}")
 

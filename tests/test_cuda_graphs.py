@@ -286,3 +286,16 @@ def test_warmup_steps_must_be_a_positive_int(warmup, monkeypatch):
     monkeypatch.setattr("dmuon.cuda_graphs.capture_problems", lambda optimizer: [])
     with pytest.raises(ValueError, match="warmup_steps must be an int >= 1"):
         CapturedStep(DMuon(_params(), capturable=True), warmup_steps=warmup)
+
+
+def test_a_capture_refused_for_its_device_starts_no_replay_tally(monkeypatch):
+    # The refusal comes before the tally begins: an eager step after it (the user calls
+    # set_device and steps again) must count its status as an eager step.
+    optimizer, _, captured = _replaying(monkeypatch)
+    captured.release()
+    monkeypatch.setattr("dmuon.cuda_graphs.device_problem", lambda device, current: "wrong device")
+    captured.eager_steps = captured.warmup_steps  # the next step captures
+    with pytest.raises(RuntimeError, match="wrong device"):
+        captured.step()
+    with pytest.raises(AssertionError, match="end_tally without start_tally"):
+        optimizer.phases.grad_status.end_tally()

@@ -93,16 +93,21 @@ def momentum_(bufs: Tensors, grads: Tensors, momentum: float, foreach: bool, oks
 def _chunks(bufs: Tensors, grads: Tensors) -> list[list[int]]:
     """Indices of one device-and-dtype signature each, at most ``MASKED_CHUNK_NUMEL``
     elements a chunk (a larger tensor alone): the out-of-place EMAs alive at once."""
+    return [[idx[k] for k in chunk] for idx in by_signature(bufs, grads)
+            for chunk in bounded_chunks([bufs[i].numel() for i in idx], MASKED_CHUNK_NUMEL)]
+
+
+def bounded_chunks(numels: Sequence[int], limit: int) -> list[list[int]]:
+    """Positions of ``numels`` in order, cut into runs of at most ``limit`` elements (a larger
+    one alone; an empty one joins the run it comes in, or opens the first)."""
     chunks: list[list[int]] = []
-    for idx in by_signature(bufs, grads):
-        chunks.append([])  # each signature opens its own, even with an empty tensor first
-        size = 0
-        for i in idx:
-            if chunks[-1] and size + bufs[i].numel() > MASKED_CHUNK_NUMEL:
-                chunks.append([])
-                size = 0
-            chunks[-1].append(i)
-            size += bufs[i].numel()
+    size = 0
+    for i, numel in enumerate(numels):
+        if not chunks or (chunks[-1] and size + numel > limit):
+            chunks.append([])
+            size = 0
+        chunks[-1].append(i)
+        size += numel
     return chunks
 
 
