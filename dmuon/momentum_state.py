@@ -38,7 +38,13 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from dmuon.numerics.momentum_storage import MomentumCopies, read_momenta, scales_shape, store_momenta_
+from dmuon.numerics.momentum_storage import (
+    MomentumCopies,
+    parse_momentum_dtype,
+    read_momenta,
+    scales_shape,
+    store_momenta_,
+)
 from dmuon.numerics.update_lists import bounded_chunks
 from dmuon.plan.momentum_blocks import int8_blocks_whole
 from dmuon.plan.paths import layout_of
@@ -169,10 +175,44 @@ class MomentumReads:
         self._reads.clear()
 
 
+class MomentumDtypes:
+    """Each group's ``momentum_dtype`` as the state was last made, loaded or converted for. A
+    group edited between steps (``opt.param_groups[i]["momentum_dtype"] = "int8"``) is checked
+    at the next step (:meth:`check`): refused by name if it is not a form, else its momenta
+    are converted as a resume converts them, with one log line (issue 60, item 6)."""
+
+    def __init__(self) -> None:
+        self._held: list[Any] | None = None  # None: not yet seen (a new optimizer, or a copy)
+
+    def settle(self, param_groups: Sequence[dict[str, Any]]) -> None:
+        """The groups' values are what the state is held for (after a load's conversion)."""
+        self._held = [g.get("momentum_dtype") for g in param_groups]
+
+    def check(self, param_groups: Sequence[dict[str, Any]], state: Mapping[torch.Tensor, dict[str, Any]],
+              name_of: Callable[[torch.Tensor], str]) -> None:
+        """Before a step (nothing changed yet, no collective: every rank edits alike and raises
+        alike): a changed ``momentum_dtype`` parsed, ValueError naming the group otherwise, and
+        every momentum held in another form than its group's converted."""
+        values = [g.get("momentum_dtype") for g in param_groups]
+        if self._held is not None and len(values) == len(self._held) and all(
+                a is b or (type(a) is type(b) and a == b) for a, b in zip(values, self._held)):
+            return  # the usual step: a list compare
+        for i, group in enumerate(param_groups):
+            if group["use_muon"]:
+                try:
+                    group["momentum_dtype"] = parse_momentum_dtype(group["momentum_dtype"])
+                except ValueError as error:
+                    names = ", ".join(name_of(p) for p in group["params"][:3])
+                    raise ValueError(f"DMuon: param_groups[{i}] ({names}), edited after construction: {error}. "
+                                     "Set one of them before the next step") from None
+        convert_loaded(param_groups, state, name_of, when="after param_groups changed")
+        self.settle(param_groups)
+
+
 def convert_loaded(param_groups: Sequence[dict[str, Any]], state: Mapping[torch.Tensor, dict[str, Any]],
-                   name_of: Callable[[torch.Tensor], str]) -> None:
-    """After a load: each Muon momentum kept in another form than its group's
-    ``momentum_dtype`` asks for (a checkpoint saved with another) converted to it, read
+                   name_of: Callable[[torch.Tensor], str], when: str = "on resume") -> None:
+    """After a load (or an edit of a group's ``momentum_dtype``, ``when``): each Muon momentum
+    kept in another form than its group's ``momentum_dtype`` asks for converted to it, read
     as the parameter's dtype and rounded once into the new form; one log line per form."""
     converted: dict[tuple[str, str], list[str]] = {}
     for group in (g for g in param_groups if g["use_muon"]):
@@ -197,7 +237,7 @@ def convert_loaded(param_groups: Sequence[dict[str, Any]], state: Mapping[torch.
                    str(_held_as_for(target, param.dtype)).removeprefix("torch."))
             converted.setdefault(key, []).append(name_of(param))
     for (old, new), names in converted.items():
-        logger.info("DMuon: momentum converted on resume from %s to %s: %s", old, new, ", ".join(names))
+        logger.info("DMuon: momentum converted %s from %s to %s: %s", when, old, new, ", ".join(names))
 
 
 def _held_as(values: torch.Tensor, scales: torch.Tensor | None) -> torch.dtype:

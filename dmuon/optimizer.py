@@ -233,6 +233,7 @@ class DMuon(PicklesConfiguration, Optimizer):
         place_on_device(self.param_groups)  # capturable: lr and weight_decay where the step reads them
         phases, groups, name_of, device = self.phases, self.param_groups, self.param_name, self._device()
         muon_groups, last_error = phases.prepare(groups, name_of)
+        phases.momentum_dtypes.check(groups, self.state, name_of)  # a group's momentum_dtype edited since
         checked = phases.check_locally(groups, muon_groups, last_error, name_of)
         options = StepOptions(self.ns_dtype, self.skip_nonfinite, self.foreach, self.fused)
         status = phases.agree(groups, checked, device, options)
@@ -291,6 +292,7 @@ class DMuon(PicklesConfiguration, Optimizer):
         super().load_state_dict(state_dict)
         keep_saved_dtypes(self, state_dict, MUON_STATE_KEYS)
         convert_loaded(self.param_groups, self.state, self.param_name)  # a checkpoint of another momentum_dtype
+        self.phases.momentum_dtypes.settle(self.param_groups)
         keep_after_load(self.param_groups, held)  # capturable: the loaded values in the groups' own device tensors
         keep_state_tensors(self, tensors)  # capturable: the loaded state in the tensors a captured step reads
         self.phases.forget_plan()

@@ -34,6 +34,7 @@ from dmuon.exchange.status_masks import StatusMasks, StepMask
 from dmuon.fast_path import FastPath
 from dmuon.grad_checks import step_problems
 from dmuon.group_steps import GroupSteps
+from dmuon.momentum_state import MomentumDtypes
 from dmuon.numerics.finite import all_finite
 from dmuon.param_groups import muon_groups as param_muon_groups
 from dmuon.state_rollback import StateRollback
@@ -90,6 +91,7 @@ class StepPhases:
         self.grad_status = GradStatus()
         self.rollback = StateRollback()
         self.plan_signature: tuple | None = None  # what the plan was made for (:meth:`prepare`)
+        self.momentum_dtypes = MomentumDtypes()  # what the momenta are held for (a group's edit converts them)
 
     def forget_plan(self) -> None:
         """Paths, plan and status channel: made again at the next step (the parameters changed)."""

@@ -9,6 +9,14 @@
 # and the in-process tests fill both (tests/conftest.py groups them).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+for arg in "$@"; do
+    if [[ $arg == -h || $arg == --help ]]; then  # answered before the setup installs anything
+        sed -n '2,9p' "$0" | sed 's/^# \{0,1\}//'
+        echo
+        echo "usage: bash scripts/test.sh [pytest arguments]   (pytest's own help: .venv/bin/python -m pytest --help)"
+        exit 0
+    fi
+done
 python=$(bash scripts/setup.sh)
 export OMP_NUM_THREADS=1
 exec "$python" -m pytest -n 2 --dist loadgroup -m "not extended" "$@"

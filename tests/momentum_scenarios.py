@@ -239,3 +239,64 @@ def checkpoint_load_as(checkpoint_dir: str, saved_dtype: str | None, momentum_dt
     loaded = {n: _whole(optimizer.state[p]["momentum_buffer"]) for n, p in params.items()}
     saved = {n: reference.state[p]["momentum_buffer"] for n, p in oracle.items()}
     return {"error": None, "momentum": {n: torch.equal(loaded[n], saved[n].to(loaded[n].dtype)) for n in params}}
+
+
+# ------------------------------------------- a plain state dict across the bf16 fallback (issue 60, item 4)
+
+
+def mesh_plain_resume(momentum_dtype: str, done: int, total: int) -> dict[str, dict[str, bool]]:
+    """Every mesh layout in ONE group (the ranks choose the bf16 fallback), ``done`` steps, then
+    ``state_dict()`` loaded by ``load_state_dict`` into a fresh DMuon on the same layout (a
+    resume through a plain state dict), steps ``done..total``, against single process: each
+    momentum stays in the form its layout keeps (the fallback's bf16 is not converted to the
+    group's int8)."""
+    params, optimizer, place = _on_ranks(MESH_SHAPES, MESH_PLACEMENTS, (2, 2), momentum_dtype)
+    _run(params, optimizer, MESH_SHAPES, range(done), place)
+    saved = optimizer.state_dict()
+    resumed_params = {n: nn.Parameter(p.detach().clone()) for n, p in params.items()}
+    resumed = DMuon(_groups(resumed_params, momentum_dtype), **OPTIONS)
+    resumed.load_state_dict(saved)
+    _run(resumed_params, resumed, MESH_SHAPES, range(done, total), place)
+    return agreement(resumed_params, resumed, *_oracle(MESH_SHAPES, momentum_dtype, total, _off_blocks(momentum_dtype)))
+
+
+def mesh_full_state(momentum_dtype: str, steps: int) -> dict[str, Any] | None:
+    """Every mesh layout in one group, ``steps`` steps, then the whole state dict gathered
+    (``full_tensor`` of every DTensor): rank 0 returns ``{"weights": name -> tensor,
+    "state_dict": the optimizer's, whole}``, the others None."""
+    params, optimizer, place = _on_ranks(MESH_SHAPES, MESH_PLACEMENTS, (2, 2), momentum_dtype)
+    _run(params, optimizer, MESH_SHAPES, range(steps), place)
+    saved = optimizer.state_dict()
+    whole = {**saved, "state": {i: {k: _whole(v) for k, v in entry.items()} for i, entry in saved["state"].items()}}
+    weights = {n: _whole(p.detach()) for n, p in params.items()}
+    return {"weights": weights, "state_dict": whole} if dist.get_rank() == 0 else None
+
+
+def resume_whole(saved: dict[str, Any], momentum_dtype: str, done: int, total: int) -> dict[str, Any]:
+    """One process: :func:`mesh_full_state`'s state loaded into single-process DMuon (every
+    row whole: no fallback), steps ``done..total``; against single process run ``done`` steps
+    with the ranks' forms (the off-block cases in bf16), its state dict loaded into a DMuon
+    with ``momentum_dtype`` for all, the same steps: ``{"agreement": each case's agreement
+    and form, "log": the load's dmuon log lines}``. On one rank (for the device)."""
+    import logging
+
+    lines: list[str] = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda record: lines.append(record.getMessage())  # type: ignore[method-assign]
+    params = {n: nn.Parameter(t.clone()) for n, t in saved["weights"].items()}
+    resumed = DMuon(_groups(params, momentum_dtype), **OPTIONS)
+    logger, level = logging.getLogger("dmuon"), logging.getLogger("dmuon").level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        resumed.load_state_dict(saved["state_dict"])
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    _run(params, resumed, MESH_SHAPES, range(done, total))
+    oracle, reference = _oracle(MESH_SHAPES, momentum_dtype, done, _off_blocks(momentum_dtype))
+    groups = _groups(oracle, momentum_dtype, _off_blocks(momentum_dtype))
+    converted = DMuon([{**group, "momentum_dtype": momentum_dtype} for group in groups], **OPTIONS)
+    converted.load_state_dict(reference.state_dict())
+    _run(oracle, converted, MESH_SHAPES, range(done, total))
+    return {"agreement": agreement(params, resumed, oracle, converted), "log": lines}

@@ -269,3 +269,16 @@ def test_the_device_products_of_lr_and_weight_decay_are_the_numbers_the_host_com
         scalars = StepScalars()
         assert scalars.keep(lr_t, wd_t).item() == 1 - lr * weight_decay, (lr, weight_decay)
         assert scalars.alpha(lr_t, scale).item() == -lr * scale, (lr, scale)
+
+
+@pytest.mark.parametrize("capturable", [False, True])
+@pytest.mark.parametrize("update_dtype", [torch.float32, torch.bfloat16])
+def test_the_muon_apply_on_fp32_weights_calls_no_list_op_off_the_route(update_dtype, capturable):
+    # Results kept whole on their owner stay bf16 and meet fp32 weights (an expert under EP):
+    # torch's route wants one dtype, so they go per tensor, the kernels its fallback would run.
+    params = [torch.empty(n, 4, device="meta") for n in (2, 3, 5)]
+    orthos = [torch.empty(n, 4, dtype=update_dtype, device="meta") for n in (2, 3, 5)]
+    lr, wd = (torch.full((), v, dtype=torch.float64, device="meta") if capturable else v for v in (LR, WD))
+    record = recorded(lambda: apply_muon_(params, orthos, lr=lr, weight_decay=wd, scale=1.0, foreach=True,
+                                          capturable=capturable)).record
+    assert not record.per_tensor_list_ops, record.per_tensor_list_ops

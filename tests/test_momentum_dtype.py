@@ -94,5 +94,58 @@ def test_a_float32_checkpoint_resumed_with_int8_rounds_its_momentum_once():
     resumed = DMuon([("w", param)], lr=0.02, momentum_dtype="int8", ns_dtype="float32")
     resumed.load_state_dict(saved)
     values, scales = quantize_int8(saved["state"][0]["momentum_buffer"])
+    assert resumed.param_groups[0]["momentum_dtype"] == "int8"  # the optimizer's value, not the checkpoint's
     assert torch.equal(resumed.state[param]["momentum_int8"], values)
     assert torch.equal(resumed.state[param]["momentum_scales"], scales)
+
+
+# ------------------------------------------------- a group's momentum_dtype edited between steps (issue 60, item 6)
+
+@pytest.mark.parametrize("old, new", [(None, "int8"), ("int8", None), ("int8", "bfloat16"), (None, torch.bfloat16)])
+def test_a_momentum_dtype_edited_between_steps_converts_the_momentum_as_a_resume_does(old, new, caplog):
+    param, optimizer = _stepped(old, steps=2)
+    resumed_param = torch.nn.Parameter(param.detach().clone())
+    resumed = DMuon([("w", resumed_param)], lr=0.02, momentum_dtype=new, ns_dtype="float32")
+    resumed.load_state_dict(optimizer.state_dict())
+    optimizer.param_groups[0]["momentum_dtype"] = new
+    with caplog.at_level(logging.INFO, logger="dmuon"):
+        for p, opt in ((param, optimizer), (resumed_param, resumed)):
+            p.grad = torch.randn(SHAPE, generator=torch.Generator().manual_seed(99))
+            opt.step()
+    assert torch.equal(param, resumed_param)
+    assert optimizer.state[param].keys() == resumed.state[resumed_param].keys()
+    assert all(torch.equal(optimizer.state[param][k], resumed.state[resumed_param][k]) for k in optimizer.state[param])
+    assert optimizer.param_groups[0]["momentum_dtype"] == ("bfloat16" if new is torch.bfloat16 else new)
+    assert "DMuon: momentum converted after param_groups changed from" in caplog.text
+
+
+@pytest.mark.parametrize("value", ["fp8", torch.float16, "int4"])
+def test_an_illegal_momentum_dtype_edited_into_a_group_is_refused_at_the_next_step_naming_it(value):
+    param, optimizer = _stepped("int8", steps=1)
+    before = {k: t.clone() for k, t in optimizer.state[param].items()}
+    weights = param.detach().clone()
+    optimizer.param_groups[0]["momentum_dtype"] = value
+    param.grad = torch.ones(SHAPE)
+    with pytest.raises(ValueError, match=r"param_groups\[0\] \(w\), edited after construction: momentum_dtype must"):
+        optimizer.step()
+    assert torch.equal(param, weights)
+    assert all(torch.equal(optimizer.state[param][k], t) for k, t in before.items())
+
+
+# ------------------------------------------------------------------- the reads' masks
+
+def test_a_masked_read_keeps_each_mask_with_its_momentum_when_some_have_no_state_yet():
+    # The masks of the kept momenta only, in their order: a parameter without state (its
+    # first grad) shifts nothing.
+    from dmuon.momentum_state import MomentumReads, new_momentum
+
+    likes = [torch.zeros(2, 128), torch.zeros(3, 128), torch.zeros(4, 128)]
+    states = [None, new_momentum(likes[1], "int8"), new_momentum(likes[2], "int8")]
+    oks = [torch.tensor(True), torch.tensor(False), torch.tensor(True)]
+    reads = MomentumReads()
+    working = reads.read(states, likes, oks)
+    for work in working:
+        work.fill_(1.0)
+    reads.store()
+    assert torch.all(states[1]["momentum_int8"] == 0) and torch.all(states[1]["momentum_scales"] == 0)  # masked
+    assert torch.all(states[2]["momentum_int8"] == 127)  # stored: 1.0 is its block's maximum

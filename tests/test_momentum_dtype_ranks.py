@@ -129,3 +129,24 @@ def test_a_dcp_load_between_int8_and_a_float_momentum_fails_naming_the_parameter
                                                                                          missing):
     error = loaded_as[saved, loaded]["error"]
     assert error is not None and "Missing key" in error and f"blocks.{missing}" in error
+
+
+# ------------------------------------------------- a plain state dict across the bf16 fallback (issue 60, item 4)
+
+def test_a_plain_resume_on_the_same_layout_keeps_the_fallbacks_bf16_momentum():
+    # One int8 group holding every mesh layout: the off-block ones keep bf16 through
+    # load_state_dict (their layout's form, not the group's), and the run stays bitwise.
+    figures = run_on_ranks(scenarios.mesh_plain_resume, 4, "int8", 2, 3)[0]
+    assert {n: (f["weights"], f["momentum"]) for n, f in figures.items()} == dict.fromkeys(MESH_NAMES, (True, True))
+    assert {n for n, f in figures.items() if f["held_as"] == "bfloat16"} == set(scenarios.OFF_BLOCKS)
+
+
+def test_int8_resumes_on_a_layout_without_the_fallback_converting_and_naming_each_parameter():
+    # Saved on a 2 x 2 mesh (the off-block ones in bf16), loaded whole into one process (every
+    # row whole: int8 for all): those are converted once, with a log line naming them.
+    saved = run_on_ranks(scenarios.mesh_full_state, 4, "int8", 2)[0]
+    resumed = run_on_ranks(scenarios.resume_whole, 1, saved, "int8", 2, 4)[0]
+    assert {n: (f["weights"], f["momentum"], f["held_as"]) for n, f in resumed["agreement"].items()} == dict.fromkeys(
+        MESH_NAMES, (True, True, "int8"))
+    assert resumed["log"] == [f"DMuon: momentum converted on resume from bfloat16 to int8: "
+                              f"{', '.join(sorted(scenarios.OFF_BLOCKS))}"]

@@ -92,9 +92,26 @@ def test_the_negated_momentum_quantizes_to_the_negated_values():
     assert torch.equal(negated, -values) and torch.equal(same_scales, scales)
 
 
+@pytest.mark.parametrize("shape", [(64, 32, 3, 3), (64, 64, 1, 1), (8, 3, 5, 7, 2)], ids=str)
+def test_a_4d_weight_is_blocked_along_the_rows_of_its_o_by_rest_matrix(shape):
+    # Issue 60, item 5: Muon's matrix of an [O, C, kh, kw] kernel is [O, C * kh * kw]; its last
+    # dim alone (3, or 1) would cost a scale every few elements.
+    x = _momentum(*shape, seed=7)
+    values, scales = quantize_int8(x)
+    matrix_values, matrix_scales = quantize_int8(x.reshape(shape[0], -1))
+    assert values.shape == x.shape and torch.equal(values.reshape(shape[0], -1), matrix_values)
+    assert scales.shape == scales_shape(shape) == matrix_scales.shape
+    assert torch.equal(scales, matrix_scales)
+    assert torch.equal(dequantize_int8(values, scales, torch.float32).reshape(shape[0], -1),
+                       dequantize_int8(matrix_values, matrix_scales, torch.float32))
+    for start, stop in ((0, 5), (5, 5), (5, shape[0])):  # FSDP's rows of it, an empty shard among them
+        part_values, part_scales = quantize_int8(x[start:stop])
+        assert torch.equal(part_values, values[start:stop]) and torch.equal(part_scales, scales[start:stop])
+
+
 @pytest.mark.parametrize("momentum_dtype, shape, most", [
     ("int8", (4096, 4096), 1.05), ("int8", (14336, 4096), 1.05), ("int8", (8, 256, 4096), 1.05),
-    ("bfloat16", (4096, 4096), 2.0),
+    ("int8", (64, 32, 3, 3), 1.05), ("int8", (256, 128, 1, 1), 1.05), ("bfloat16", (4096, 4096), 2.0),
 ])
 def test_the_state_bytes_per_element_stay_within_the_issues_bounds(momentum_dtype, shape, most):
     assert bytes_per_element(shape, momentum_dtype, torch.float32) <= most
@@ -236,3 +253,13 @@ def test_the_block_maxima_a_gpu_reads_in_one_pass_are_the_cpus(dtype):
     blocks = _awkward_momentum(dtype)[:, :256].unflatten(-1, (-1, INT8_BLOCK))
     one_pass = torch.linalg.vector_norm(blocks, ord=float("inf"), dim=-1)
     assert torch.equal(one_pass.float().view(torch.int32), blocks.abs().amax(dim=-1).float().view(torch.int32))
+
+
+def test_fp64_momentum_quantizes_as_its_fp32_rounding_does():
+    # The documented limit (docs/optimizer.md, "Limits of int8"): int8 runs in fp32 for every
+    # parameter dtype, so an fp64 block has the bits of its fp32 rounding.
+    x = _momentum(4, 300, seed=8).double() * (1 + 1e-12)
+    values, scales = quantize_int8(x)
+    fp32_values, fp32_scales = quantize_int8(x.float())
+    assert torch.equal(values, fp32_values) and torch.equal(scales, fp32_scales)
+    assert dequantize_int8(values, scales, torch.float64).dtype == torch.float64

@@ -40,7 +40,19 @@ def _torch_rule(param: torch.Tensor, ortho: torch.Tensor, lr, weight_decay: floa
     reference the rule is checked against (a Tensor lr with its own arithmetic)."""
     lr = lr.squeeze() if isinstance(lr, torch.Tensor) else lr
     param.mul_(1 - lr * weight_decay)
-    param.add_(ortho, alpha=-lr * scale)
+    _add_in_the_vector_loop_(param, ortho, -lr * scale)
+
+
+def _add_in_the_vector_loop_(param: torch.Tensor, ortho: torch.Tensor, alpha) -> None:
+    """``param.add_(ortho, alpha=alpha)`` with every element in its vector loop: on the CPU a
+    bf16 or fp16 ``add_`` rounds ``alpha * ortho`` to that dtype first in the scalar loop over its
+    last ``numel % (2 * vector width)`` elements, bits of where an element sits, which a row
+    shard could not give (``update_lists._add_rounds_by_position``); padded to 256 elements,
+    a multiple of every width's, no element is left to that loop."""
+    n = param.numel()
+    padded, other = (torch.zeros(n + (-n) % 256, dtype=t.dtype) for t in (param, ortho))
+    padded[:n], other[:n] = param.flatten(), ortho.flatten()
+    param.copy_(padded.add_(other, alpha=alpha)[:n].view_as(param))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -83,6 +95,23 @@ def test_the_update_as_list_ops_is_bitwise_the_per_tensor_rule(param_dtype, upda
         for param, ortho in zip(reference, orthos):
             _torch_rule(param, ortho, 0.02, weight_decay, 1.7)
         assert _equal(params, reference)
+
+
+@pytest.mark.parametrize("foreach", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_the_update_of_row_shards_is_the_whole_matrix_update_bit_for_bit(dtype, foreach):
+    """Issue 60, item 3: a (129, 7) bf16 matrix on 2 ranks (rows 0-64 and 65-128) was updated
+    with other bits than the whole matrix in the elements ``add_``'s scalar loop took on the
+    one and its vector loop on the other (903 = 14 * 64 + 7, 455 = 7 * 64 + 7)."""
+    (param,), (ortho,) = _tensors(3, dtype, [(129, 7)]), _tensors(2, torch.bfloat16, [(129, 7)])
+    ortho = ortho.to(dtype) * 3  # larger steps: more ties for a rounding to show in
+    whole, rows = param.clone(), param.clone()
+    _apply([whole], [ortho], 0.05, 0.01, 4.29, False, foreach)
+    _apply([rows[:65], rows[65:]], [ortho[:65], ortho[65:]], 0.05, 0.01, 4.29, False, foreach)
+    assert torch.equal(rows, whole)
+    odd = param.clone()  # and row 0, then rows 1-7 each a shard of its own: 7 elements, all in the scalar loop
+    _apply([odd[:1], *odd[1:8].unbind()], [ortho[:1], *ortho[1:8].unbind()], 0.05, 0.01, 4.29, False, foreach)
+    assert torch.equal(odd[:8], whole[:8])
 
 
 def test_a_list_mixing_dtypes_is_stepped_per_signature_with_the_same_bits():

@@ -16,8 +16,9 @@ The one kernel whose number has no Tensor form is ``add_(update, alpha=...)``.
 broadcast tensor, in the dtype ``add_`` reads its ``alpha`` in (:func:`alpha_dtype`). Checked bit for bit
 against ``add_`` for fp32 and fp64 targets on the CPU (AVX-512, AVX2 and default kernels):
 ``tests/test_capturable.py``. On the CPU a bf16 or fp16 target's ``add_`` rounds
-``alpha * update`` to the target's dtype in the elements its vector loop leaves over,
-which no Tensor op reproduces: those elements may differ by one rounding.
+``alpha * update`` to the target's dtype in the elements its vector loop leaves over, bits of
+where an element sits that a row shard cannot give: there ``capturable=False`` takes this
+``addcmul_`` too (the vector loop's bits at every position), so both forms agree.
 """
 
 from __future__ import annotations

@@ -70,9 +70,29 @@ def blocks_per_row(columns: int) -> int:
     return -(-columns // INT8_BLOCK)
 
 
+def row_length(shape: Sequence[int]) -> int:
+    """The elements of one row of a tensor of ``shape``, the rows its blocks run along (:func:`_rows`)."""
+    if len(shape) > 3:
+        return math.prod(shape[1:])
+    return shape[-1] if len(shape) else 1
+
+
 def scales_shape(shape: Sequence[int]) -> tuple[int, ...]:
-    """The shape of the fp32 scales of an int8 momentum of ``shape`` (a 1-D tensor is one row)."""
+    """The shape of the fp32 scales of an int8 momentum of ``shape``: one per block of each row
+    (:func:`_rows`: a 1-D tensor is one row, a 4-D+ weight ``[O, rest]``)."""
+    if len(shape) > 3:
+        return (shape[0], blocks_per_row(row_length(shape)))
     return (*shape[:-1], blocks_per_row(shape[-1])) if len(shape) else (1,)
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as the rows its blocks run along: a 0-D or 1-D tensor is one row, a matrix or a 3-D
+    expert stack ``[E, A, B]`` its own rows, a 4-D+ weight the rows of its ``[O, rest]`` matrix
+    (the matrix Muon orthogonalizes; blocking its last dim, a 3x3 kernel's 3 elements, would
+    cost a scale every 3 elements)."""
+    if x.ndim < 2:
+        return x.reshape(1, -1)
+    return x.reshape(x.shape[0], row_length(x.shape)) if x.ndim > 3 else x  # -1 is ambiguous for an empty shard
 
 
 def row_split_on_blocks(offset: int) -> bool:
@@ -171,11 +191,11 @@ def _quantize_blocks_(blocks: torch.Tensor, values: torch.Tensor, scales: torch.
 
 
 def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x`` (any float dtype, ``[..., columns]``; a 0-dim or 1-D tensor is one row) as int8
-    values of its shape and fp32 scales of :func:`scales_shape`, block by block of each row
+    """``x`` (any float dtype; its rows :func:`_rows`) as int8 values of its shape and fp32
+    scales of :func:`scales_shape`, block by block of each row
     (module docstring; :func:`_quantize_blocks_`). New tensors."""
     shape = x.shape
-    rows = x.reshape(1, -1) if x.ndim < 2 else x
+    rows = _rows(x)
     blocks = _blocks(rows if rows.dtype in _WIDENED_EXACTLY else rows.to(torch.float32))
     values = torch.empty(blocks.shape, dtype=torch.int8, device=x.device)
     scales = torch.empty((*blocks.shape[:-1], 1), dtype=torch.float32, device=x.device)
@@ -188,7 +208,7 @@ def dequantize_int8(values: torch.Tensor, scales: torch.Tensor, dtype: torch.dty
     """``values * scale`` block by block, as a new tensor of ``dtype`` and ``values``' shape
     (computed in fp32, then cast: exact for fp32, one rounding for bf16)."""
     shape = values.shape
-    rows = values.reshape(1, -1) if values.ndim < 2 else values
+    rows = _rows(values)
     blocks = _blocks(rows.to(torch.float32))
     out = blocks.mul_(scales.reshape(*blocks.shape[:-1], 1))
     out = out.reshape(*rows.shape[:-1], blocks.shape[-2] * INT8_BLOCK)[..., : rows.shape[-1]]
@@ -224,7 +244,7 @@ class MomentumCopies:
 def read_together(values: torch.Tensor, scales: torch.Tensor | None) -> bool:
     """Whether a kept momentum can join a batch: contiguous, and for int8, rows of whole blocks
     (its flat values, cut every ``INT8_BLOCK``, are its blocks, in the order of its scales)."""
-    return values.is_contiguous() and (scales is None or (values.ndim >= 1 and values.shape[-1] % INT8_BLOCK == 0
+    return values.is_contiguous() and (scales is None or (row_length(values.shape) % INT8_BLOCK == 0
                                                           and scales.is_contiguous()))
 
 

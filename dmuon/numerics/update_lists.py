@@ -201,12 +201,32 @@ def apply_muon_(params: Tensors, orthos: Tensors, *, lr: Number, weight_decay: N
         decay_(params, keep, foreach, scalars, oks, capturable)
     if capturable:
         _scaled_add_(params, orthos, scalars.alpha(lr, scale), foreach, scalars)
-    elif foreach:
-        for idx in by_signature(params, orthos):
-            torch._foreach_add_([params[i] for i in idx], [orthos[i] for i in idx], alpha=-lr * scale)
     else:
-        for param, ortho in zip(params, orthos):
-            param.add_(ortho, alpha=-lr * scale)
+        for idx in by_signature(params, orthos):
+            ps, us = [params[i] for i in idx], [orthos[i] for i in idx]
+            if _add_rounds_by_position(ps[0], us[0]):
+                alpha = -lr * scale  # a number, or a 0-dim tensor (a Tensor lr)
+                alpha = alpha if isinstance(alpha, torch.Tensor) else scalars.on_host(alpha, torch.float64)
+                _scaled_add_(ps, us, alpha, foreach, scalars)
+            elif foreach and us[0].dtype == ps[0].dtype:
+                torch._foreach_add_(ps, us, alpha=-lr * scale)
+            else:  # across dtypes torch's list op falls back to this, one kernel each (_scaled_add_)
+                for param, ortho in zip(ps, us):
+                    param.add_(ortho, alpha=-lr * scale)
+
+
+def _add_rounds_by_position(target: torch.Tensor, update: torch.Tensor) -> bool:
+    """Whether ``target.add_(update, alpha=a)`` gives bits that depend on where an element sits
+    in the tensor: on the CPU, a bf16 or fp16 target with an update of its dtype. Both of its
+    loops read ``a`` rounded to that dtype, but the vector loop computes ``target + a * update``
+    in fp32 and rounds once, while the scalar loop over the last ``numel % (2 * vector width)``
+    elements (``cpu_kernel_vec``'s remainder) rounds ``a * update`` to the dtype first. A row
+    shard puts other elements in that remainder than the whole matrix does, so the update of a
+    shard would not be the whole matrix's block. ``_scaled_add_`` gives the vector loop's bits
+    at every position (``addcmul_`` by ``a`` in the target's dtype, computed in fp32: the
+    product of two bf16 or fp16 values is exact there)."""
+    return (target.device.type == "cpu" and target.dtype in (torch.bfloat16, torch.float16)
+            and update.dtype == target.dtype)
 
 
 def _scaled_add_(targets: Tensors, updates: Tensors, alpha: torch.Tensor, foreach: bool,
@@ -223,16 +243,18 @@ def _scaled_add_(targets: Tensors, updates: Tensors, alpha: torch.Tensor, foreac
     contracted ``self + alpha * other`` of ``add_``; torch 2.11 to 2.15 alike). Elsewhere
     (bf16 or fp16 on CUDA, whose ``add_`` keeps ``alpha`` in fp32) that form would round
     ``alpha`` to the list's dtype: ``alpha`` goes in broadcast instead (not dense: torch
-    runs one kernel per tensor, with ``add_``'s bits)."""
-    if not foreach:
-        for target, update in zip(targets, updates):
-            target.addcmul_(update, scalars.cast(alpha, alpha_dtype(target.dtype, target.device.type))
-                            .expand(update.shape))
-        return
+    runs one kernel per tensor, with ``add_``'s bits).
+
+    Updates of another dtype than their targets (a bf16 result kept whole on its owner,
+    applied to an fp32 weight as it is orthogonalized, a list of one) go per tensor: torch's
+    route wants one dtype, and its fallback is this same ``addcmul_``, one kernel each."""
     for idx in by_signature(targets, updates):
         ts, us = [targets[i] for i in idx], [updates[i] for i in idx]
         scale = scalars.cast(alpha, alpha_dtype(ts[0].dtype, ts[0].device.type))
-        if scale.dtype == ts[0].dtype:
+        if not foreach or us[0].dtype != ts[0].dtype:
+            for target, update in zip(ts, us):
+                target.addcmul_(update, scale.expand(update.shape))
+        elif scale.dtype == ts[0].dtype:
             torch._foreach_addcmul_(ts, [scale] * len(ts), us)
         else:
             torch._foreach_addcmul_(ts, us, [scale.expand(u.shape) for u in us])

@@ -2,9 +2,10 @@
 (``dmuon.numerics.momentum_storage``): decided from its placements alone, the same answer
 on every rank, so every rank stores a parameter's momentum in one form.
 
-A block is ``INT8_BLOCK`` consecutive elements of one row. A layout that never cuts the last
-dim (FSDP's ``Shard(0)``, HSDP, EP, TP's ``Shard(0)``, ``_StridedShard(0)``) gives each rank
-whole rows, hence whole blocks. One that cuts it (TP's ``Shard(1)`` of a 2-D weight) keeps
+A block is ``INT8_BLOCK`` consecutive elements of one row (a 4-D+ weight's rows are its
+``[O, rest]`` matrix's). A layout that never cuts the last dim (FSDP's ``Shard(0)``, HSDP,
+EP, TP's ``Shard(0)``, ``_StridedShard(0)``) gives each rank whole rows, hence whole
+blocks. One that cuts it (TP's ``Shard(1)`` of a 2-D weight) keeps
 them whole only where every rank's part of a row starts on a block boundary and its scales,
 cut by the same placements, are the scales of its blocks; otherwise the parameter's
 momentum is held in bf16 instead (bf16 rounds each element alone: exact under any cut).
@@ -19,8 +20,12 @@ from dmuon.plan.layout import Layout
 
 
 def cuts_rows(layout: Layout, ndim: int) -> bool:
-    """Whether a placement of ``layout`` shards the last dim of an ``ndim``-D tensor."""
-    return any(getattr(p, "dim", None) in (ndim - 1, -1) for p in layout.placements)
+    """Whether a placement of ``layout`` cuts the rows of an ``ndim``-D tensor: shards its last
+    dim, or for a 4-D+ weight (whose rows are ``[O, rest]``'s) any dim but the first."""
+    dims = {getattr(p, "dim", None) for p in layout.placements} - {None}
+    if ndim > 3:
+        return any(d != 0 for d in dims)
+    return bool(dims & {ndim - 1, -1})
 
 
 def int8_blocks_whole(layout: Layout, shape: Sequence[int]) -> bool:
@@ -28,6 +33,8 @@ def int8_blocks_whole(layout: Layout, shape: Sequence[int]) -> bool:
     its scales cut to match (module docstring)."""
     if not cuts_rows(layout, len(shape)):
         return True
+    if len(shape) > 3:  # a cut inside [O, rest]'s rows: not worth the bookkeeping; bf16
+        return False
     values, scales = layout.boxes(shape), layout.boxes(scales_shape(shape))
     for rank in layout.mesh_ranks:
         box, scale_box = values[rank], scales[rank]

@@ -199,8 +199,8 @@ WIDE = [
         guarantee="The for-loop form of Muon's apply (foreach=False) gives every tensor the bits the list form "
                   "gives it.",
         path="dmuon/numerics/update_lists.py",
-        old="        for param, ortho in zip(params, orthos):\n            param.add_(ortho, alpha=-lr * scale)",
-        new="        for param, ortho in zip(params[:-1], orthos):\n            param.add_(ortho, alpha=-lr * scale)",
+        old="                for param, ortho in zip(ps, us):\n                    param.add_(ortho, alpha=-lr * scale)",
+        new="                for param, ortho in zip(ps[:-1], us):\n                    param.add_(ortho, alpha=-lr * scale)",
         tests=("tests/test_update_lists.py::test_the_update_as_list_ops_is_bitwise_the_per_tensor_rule",
                "tests/test_update_lists.py::test_dmuon_with_foreach_steps_the_bits_of_dmuon_without"),
     ),
@@ -287,8 +287,8 @@ WIDE = [
         guarantee="int8 momentum blocks lie inside rows, so a rank's rows (any Shard(0) split, empty ones included) "
                   "quantize to the bits of the whole matrix (issue 51).",
         path="dmuon/numerics/momentum_storage.py",
-        old="    rows = x.reshape(1, -1) if x.ndim < 2 else x\n    blocks = _blocks(rows if",
-        new="    rows = x.reshape(1, -1)\n    blocks = _blocks(rows if",
+        old="    return x.reshape(x.shape[0], row_length(x.shape)) if x.ndim > 3 else x",
+        new="    return x.reshape(1, -1)",
         tests=("tests/test_momentum_storage.py::test_a_ranks_rows_quantize_to_the_bits_of_the_whole_matrix",),
     ),
     Mutant(
@@ -367,6 +367,109 @@ WIDE = [
         old="    sums.clamp_(_ROUNDING_MAGIC - INT8_MAX, _ROUNDING_MAGIC + INT8_MAX)\n",
         new="",
         tests=("tests/test_momentum_storage.py::test_int8_values_and_scales_have_the_plain_formulas_bits",),
+    ),
+    # ------------------------------------------------ every shape, order and layout (issue 60)
+    Mutant(
+        name="empty-first-shard-opens-no-chunk",
+        guarantee="An empty local shard first in a list (a matrix with fewer rows than ranks) steps like any "
+                  "other with foreach=True (issue 60, item 2).",
+        path="dmuon/numerics/update_lists.py",
+        old="        if not chunks or (chunks[-1] and size + numel > limit):",
+        new="        if size + numel > limit or not chunks and numel:",
+        tests=("tests/test_update_lists.py::test_a_masked_momentum_list_with_empty_tensors_first_in_each_dtype_steps",),
+    ),
+    Mutant(
+        name="fast-path-keeps-its-last-working-copies",
+        guarantee="Nothing of a low-precision momentum's read outlives its pack chunk: at rest only the store "
+                  "is left (issue 60, item 1).",
+        path="dmuon/converted_momenta.py",
+        old="            for k, momentum in zip(todo, work):\n                momenta[k] = momentum",
+        new="            self.last_working = work\n            for k, momentum in zip(todo, work):\n"
+            "                momenta[k] = momentum",
+        tests=("tests/test_momentum_working_copies.py::"
+               "test_the_fast_path_reads_a_pack_chunk_at_a_time_and_keeps_no_working_copy",),
+    ),
+    Mutant(
+        name="four-d-momentum-blocked-along-its-last-dim",
+        guarantee="A 4-D weight's int8 momentum is blocked along the rows of its [O, rest] matrix: 1.031 bytes "
+                  "an element, not a scale per kernel row (issue 60, item 5).",
+        path="dmuon/numerics/momentum_storage.py",
+        old="    if len(shape) > 3:\n        return math.prod(shape[1:])",
+        new="    if len(shape) > 99:\n        return math.prod(shape[1:])",
+        tests=("tests/test_momentum_storage.py::test_a_4d_weight_is_blocked_along_the_rows_of_its_o_by_rest_matrix",),
+    ),
+    Mutant(
+        name="int8-fallback-misses-a-stack-cut-on-its-last-dim",
+        guarantee="A 3-D stack whose layout cuts its rows off the blocks keeps bf16 momentum, as a matrix does "
+                  "(issue 60: a survivor of the tests before it).",
+        path="dmuon/plan/momentum_blocks.py",
+        old="    return bool(dims & {ndim - 1, -1})",
+        new="    return bool(dims & {1, -1})",
+        tests=("tests/test_momentum_blocks.py",),
+    ),
+    Mutant(
+        name="four-d-cut-inside-a-row-kept-in-int8",
+        guarantee="A 4-D weight cut inside its [O, rest] rows keeps bf16 momentum (issue 60, item 5).",
+        path="dmuon/plan/momentum_blocks.py",
+        old="        return any(d != 0 for d in dims)",
+        new="        return bool(dims & {ndim - 1, -1})",
+        tests=("tests/test_momentum_blocks.py",),
+    ),
+    Mutant(
+        name="resume-conversion-aims-at-the-groups-dtype",
+        guarantee="A load converts each momentum to the form its layout keeps (the bf16 fallback where a layout "
+                  "cuts rows off the blocks), not to the group's momentum_dtype (issue 60: a survivor).",
+        path="dmuon/momentum_state.py",
+        old="            target = storage_of(param, group[\"momentum_dtype\"])",
+        new="            target = group[\"momentum_dtype\"]",
+        tests=("tests/test_momentum_dtype_ranks.py::"
+               "test_a_plain_resume_on_the_same_layout_keeps_the_fallbacks_bf16_momentum",),
+    ),
+    Mutant(
+        name="masked-read-misaligns-its-masks",
+        guarantee="A masked read keeps each mask with its momentum when some parameters have no state yet "
+                  "(issue 60: a survivor).",
+        path="dmuon/momentum_state.py",
+        old="None if oks is None else [oks[i] for i in kept])",
+        new="None if oks is None else list(oks)[: len(kept)])",
+        tests=("tests/test_momentum_dtype.py::"
+               "test_a_masked_read_keeps_each_mask_with_its_momentum_when_some_have_no_state_yet",),
+    ),
+    Mutant(
+        name="momentum-dtype-from-the-checkpoint-on-resume",
+        guarantee="On resume the optimizer's momentum_dtype applies, not the checkpoint's, and the momentum is "
+                  "converted to it (issue 60: a survivor).",
+        path="dmuon/resume_contract.py",
+        old="\"qk_clip_threshold\", \"momentum_dtype\", \"betas\"",
+        new="\"qk_clip_threshold\", \"betas\"",
+        tests=("tests/test_momentum_dtype.py::test_a_float32_checkpoint_resumed_with_int8_rounds_its_momentum_once",),
+    ),
+    Mutant(
+        name="edited-momentum-dtype-not-checked",
+        guarantee="A group's momentum_dtype edited between steps is checked at the next step: refused by name, "
+                  "or applied with the momentum converted (issue 60, item 6).",
+        path="dmuon/optimizer.py",
+        old="        phases.momentum_dtypes.check(groups, self.state, name_of)  # a group's momentum_dtype edited since\n",
+        new="",
+        tests=("tests/test_momentum_dtype.py", "-k", "edited"),
+    ),
+    Mutant(
+        name="bf16-apply-rounds-by-position",
+        guarantee="A bf16 parameter's row shards get the whole matrix's update bits: no element's rounding "
+                  "depends on where it sits in the local tensor (issue 60, item 3: CPU add_'s scalar loop).",
+        path="dmuon/numerics/update_lists.py",
+        old="            if _add_rounds_by_position(ps[0], us[0]):",
+        new="            if False:",
+        tests=("tests/test_update_lists.py", "-k", "row_shards_is_the_whole_matrix"),
+    ),
+    Mutant(
+        name="mixed-dtype-apply-through-a-list-op",
+        guarantee="A bf16 result applied to an fp32 weight goes per tensor, as torch's list op would fall back "
+                  "to: no list op off the multi-tensor route (issue 59, item 3).",
+        path="dmuon/numerics/update_lists.py",
+        old="        if not foreach or us[0].dtype != ts[0].dtype:",
+        new="        if not foreach:",
+        tests=("tests/test_device_scalars.py", "-k", "fp32_weights_calls_no_list_op"),
     ),
     # ------------------------------------------------ the captured step (issue 59, item 7's survivors)
     Mutant(

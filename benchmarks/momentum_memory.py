@@ -1,0 +1,96 @@
+"""The Muon momentum's memory on real ranks, measured from live tensors (issue 60, item 3):
+at rest (between steps, grads dropped: what sits beside the activations) and at the step's
+peak, per local Muon element, for each ``momentum_dtype``.
+
+    python -m benchmarks.momentum_memory [--world-size 2] [--dim 512] [--layers 2]
+
+Each rank holds a llama-like stack of ``Shard(0)`` DTensors (FSDP2's layout: per layer
+``wq``, ``wk``, ``wv``, ``wo`` of ``dim x dim`` and ``w1``, ``w3`` of ``8/3 dim x dim``, ``w2``
+its transpose; fp32, as FSDP2 keeps them) and steps DMuon three times on seeded grads:
+
+- ``at rest``: the bytes of the storages alive after the third step and ``zero_grad`` that
+  did not exist before the first (``benchmarks.live_tensors.live_storages``: every tensor
+  ``gc`` sees), and the optimizer state's among them;
+- ``step peak``: the most bytes the third step held at once above what existed when it
+  began (``benchmarks.live_tensors.PeakBytes``: every storage an op made, until freed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+
+import torch
+
+ROWS = ("None", "bfloat16", "int8")
+
+
+def shapes(dim: int, layers: int) -> list[tuple[int, int]]:
+    hidden = 8 * dim // 3 // 128 * 128
+    return [shape for _ in range(layers) for shape in
+            [(dim, dim)] * 4 + [(hidden, dim), (dim, hidden), (hidden, dim)]]
+
+
+def measure(dim: int, layers: int, momentum_dtype: str | None) -> dict[str, float]:
+    """On each rank: bytes per local Muon element at rest (all, the state's) and at the third
+    step's peak (``--world-size`` ranks, one thread each)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from benchmarks.live_tensors import PeakBytes, live_storages, state_storages
+    from dmuon import DMuon
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    generator = torch.Generator().manual_seed(0)
+    fulls = [torch.randn(shape, generator=generator) for shape in shapes(dim, layers)]
+    params = [torch.nn.Parameter(distribute_tensor(t, mesh, [Shard(0)])) for t in fulls]
+    optimizer = DMuon([{"params": params, "use_muon": True}], lr=0.02, momentum_dtype=momentum_dtype)
+    gc.collect()
+    before = live_storages()
+    peak = PeakBytes()
+    for step in range(3):
+        for param, full in zip(params, fulls):
+            param.grad = distribute_tensor(full * (step + 1) * 1e-3, mesh, [Shard(0)])
+        if step == 2:
+            with peak:
+                optimizer.step()
+        else:
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    gc.collect()
+    after = live_storages()
+    new = {ptr: size for ptr, (size, _) in after.items() if ptr not in before}
+    state = state_storages(optimizer)
+    elements = sum(p.to_local().numel() for p in params)
+    return {"at_rest": sum(new.values()) / elements, "state": sum(s for p, s in new.items() if p in state) / elements,
+            "peak": peak.bytes / elements, "elements": elements}
+
+
+def main(argv: list[str] | None = None) -> None:
+    from benchmarks.spawned_ranks import run_on_ranks
+
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.momentum_memory", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--dim", type=int, default=512)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--json", help="write the figures here too")
+    args = parser.parse_args(argv)
+    rows = {}
+    for name in ROWS:
+        ranks = run_on_ranks(measure, args.world_size, args.dim, args.layers, None if name == "None" else name,
+                             timeout=600)
+        rows[name] = {key: max(r[key] for r in ranks) for key in ranks[0]}
+    print(f"momentum memory: {args.world_size} ranks, Shard(0), {args.layers} llama-like layers of dim {args.dim} "
+          f"(fp32), torch {torch.__version__}; bytes per local Muon element, the largest rank's")
+    print(f"{'momentum_dtype':>14} {'at rest':>8} {'state':>8} {'step peak':>10}")
+    for name, row in rows.items():
+        print(f"{name:>14} {row['at_rest']:8.3f} {row['state']:8.3f} {row['peak']:10.3f}")
+    if args.json:
+        with open(args.json, "w") as out:
+            json.dump(rows, out, indent=2)
+
+
+if __name__ == "__main__":
+    main()
