@@ -208,11 +208,21 @@ def apply_muon_(params: Tensors, orthos: Tensors, *, lr: Number, weight_decay: N
                 alpha = -lr * scale  # a number, or a 0-dim tensor (a Tensor lr)
                 alpha = alpha if isinstance(alpha, torch.Tensor) else scalars.on_host(alpha, torch.float64)
                 _scaled_add_(ps, us, alpha, foreach, scalars)
-            elif foreach and us[0].dtype == ps[0].dtype:
+            elif foreach and not _off_the_route(ps, us):
                 torch._foreach_add_(ps, us, alpha=-lr * scale)
-            else:  # across dtypes torch's list op falls back to this, one kernel each (_scaled_add_)
+            else:
                 for param, ortho in zip(ps, us):
                     param.add_(ortho, alpha=-lr * scale)
+
+
+def _off_the_route(targets: Tensors, updates: Tensors) -> bool:
+    """Whether an accelerator would run a list op of these pairs one tensor at a time: updates
+    of another dtype than their targets (a bf16 result kept whole on its owner, applied to an
+    fp32 weight as soon as it is orthogonalized, a list of one), where torch's multi-tensor
+    route wants one dtype. The apply then makes those per-tensor calls itself: the same
+    kernels and bits, and no list op off the route. On the CPU a list op loops anyway, in one
+    dispatch (fewer host ops)."""
+    return targets[0].device.type != "cpu" and updates[0].dtype != targets[0].dtype
 
 
 def _add_rounds_by_position(target: torch.Tensor, update: torch.Tensor) -> bool:
@@ -243,15 +253,12 @@ def _scaled_add_(targets: Tensors, updates: Tensors, alpha: torch.Tensor, foreac
     contracted ``self + alpha * other`` of ``add_``; torch 2.11 to 2.15 alike). Elsewhere
     (bf16 or fp16 on CUDA, whose ``add_`` keeps ``alpha`` in fp32) that form would round
     ``alpha`` to the list's dtype: ``alpha`` goes in broadcast instead (not dense: torch
-    runs one kernel per tensor, with ``add_``'s bits).
-
-    Updates of another dtype than their targets (a bf16 result kept whole on its owner,
-    applied to an fp32 weight as it is orthogonalized, a list of one) go per tensor: torch's
-    route wants one dtype, and its fallback is this same ``addcmul_``, one kernel each."""
+    runs one kernel per tensor, with ``add_``'s bits). Pairs :func:`_off_the_route` go per
+    tensor."""
     for idx in by_signature(targets, updates):
         ts, us = [targets[i] for i in idx], [updates[i] for i in idx]
         scale = scalars.cast(alpha, alpha_dtype(ts[0].dtype, ts[0].device.type))
-        if not foreach or us[0].dtype != ts[0].dtype:
+        if not foreach or _off_the_route(ts, us):
             for target, update in zip(ts, us):
                 target.addcmul_(update, scale.expand(update.shape))
         elif scale.dtype == ts[0].dtype:

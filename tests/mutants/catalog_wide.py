@@ -467,7 +467,7 @@ WIDE = [
         guarantee="A bf16 result applied to an fp32 weight goes per tensor, as torch's list op would fall back "
                   "to: no list op off the multi-tensor route (issue 59, item 3).",
         path="dmuon/numerics/update_lists.py",
-        old="        if not foreach or us[0].dtype != ts[0].dtype:",
+        old="        if not foreach or _off_the_route(ts, us):",
         new="        if not foreach:",
         tests=("tests/test_device_scalars.py", "-k", "fp32_weights_calls_no_list_op"),
     ),
