@@ -32,9 +32,10 @@ def shapes(dim: int, layers: int) -> list[tuple[int, int]]:
             [(dim, dim)] * 4 + [(hidden, dim), (dim, hidden), (hidden, dim)]]
 
 
-def measure(dim: int, layers: int, momentum_dtype: str | None) -> dict[str, float]:
-    """On each rank: bytes per local Muon element at rest (all, the state's) and at the third
-    step's peak (``--world-size`` ranks, one thread each)."""
+def measure(matrices: list[tuple[int, int]], momentum_dtype: str | None) -> dict[str, float]:
+    """On each rank (one thread each), ``matrices`` as ``Shard(0)`` DTensors stepped three
+    times: bytes per local Muon element at rest (all, the state's) and at the third step's
+    peak, and the rank's Muon elements."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
@@ -44,7 +45,7 @@ def measure(dim: int, layers: int, momentum_dtype: str | None) -> dict[str, floa
 
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     generator = torch.Generator().manual_seed(0)
-    fulls = [torch.randn(shape, generator=generator) for shape in shapes(dim, layers)]
+    fulls = [torch.randn(shape, generator=generator) for shape in matrices]
     params = [torch.nn.Parameter(distribute_tensor(t, mesh, [Shard(0)])) for t in fulls]
     optimizer = DMuon([{"params": params, "use_muon": True}], lr=0.02, momentum_dtype=momentum_dtype)
     gc.collect()
@@ -79,7 +80,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     rows = {}
     for name in ROWS:
-        ranks = run_on_ranks(measure, args.world_size, args.dim, args.layers, None if name == "None" else name,
+        ranks = run_on_ranks(measure, args.world_size, shapes(args.dim, args.layers), None if name == "None" else name,
                              timeout=600)
         rows[name] = {key: max(r[key] for r in ranks) for key in ranks[0]}
     print(f"momentum memory: {args.world_size} ranks, Shard(0), {args.layers} llama-like layers of dim {args.dim} "

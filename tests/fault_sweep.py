@@ -23,7 +23,9 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from tests.fault_cases import WORLDS, Case, all_cases, parse, sample
 from tests.fault_checks import Failure, check_case
@@ -58,20 +60,30 @@ def _read(out_dir: str, world: int) -> dict[str, dict[int, dict]]:
     return found
 
 
-def run_launch(cases: list[Case], world: int, check_timeout_s: float) -> tuple[list[Result], list[Case]]:
-    """Run cases in one launch; the results of those judged, and those left to run."""
-    from tests.fault_runner import run_cases
+def launch(run_cases: Callable[..., Any], world: int, case_ids: list[str], check_timeout_s: float, timeout: float
+           ) -> tuple[dict[str, dict[int, dict]], str | None]:
+    """``run_cases(case_ids, out_dir, check_timeout_s)`` on ``world`` fresh ranks (a case may
+    desync the group), under ``timeout``: what each rank reported per case (:func:`_read`), and
+    the launch's error, or None (a broken launch is a finding, judged by the caller)."""
     from tests.multiprocess import run_on_ranks
 
-    out_dir = tempfile.mkdtemp(prefix="fault_sweep_")
+    out_dir = tempfile.mkdtemp(prefix="sweep_")
     error = None
     try:
-        run_on_ranks(run_cases, world, [c.id for c in cases], out_dir, check_timeout_s,
-                     timeout=LAUNCH_BASE_S + PER_CASE_S * len(cases), fresh=True)  # a fault may desync the group
-    except Exception as launch_error:  # noqa: BLE001 - a broken launch is a finding, judged below
+        run_on_ranks(run_cases, world, case_ids, out_dir, check_timeout_s, timeout=timeout, fresh=True)
+    except Exception as launch_error:  # noqa: BLE001 - judged by the caller
         error = f"{type(launch_error).__name__}: {launch_error}"
     observed = _read(out_dir, world)
     shutil.rmtree(out_dir, ignore_errors=True)
+    return observed, error
+
+
+def run_launch(cases: list[Case], world: int, check_timeout_s: float) -> tuple[list[Result], list[Case]]:
+    """Run cases in one launch; the results of those judged, and those left to run."""
+    from tests.fault_runner import run_cases
+
+    observed, error = launch(run_cases, world, [c.id for c in cases], check_timeout_s,
+                             LAUNCH_BASE_S + PER_CASE_S * len(cases))
     results = []
     for index, case in enumerate(cases):
         ranks = observed.get(case.id, {})
@@ -108,10 +120,11 @@ def _tail(text: str, limit: int = 600) -> str:
     return text if len(text) <= limit else "..." + text[-limit:]
 
 
-def sweep(cases: list[Case], per_launch: int, check_timeout_s: float, log=print,
-          max_failed: int | None = None) -> list[Result]:
+def sweep(cases: list, per_launch: int, check_timeout_s: float, log=print, max_failed: int | None = None,
+          run_launch: Callable[..., tuple[list[Result], list]] = run_launch) -> list[Result]:
     """Every case, ``per_launch`` to a launch per world size, relaunching after a broken one;
-    with ``max_failed``, stop once that many cases failed (a CI run on broken code ends soon)."""
+    with ``max_failed``, stop once that many cases failed (a CI run on broken code ends soon).
+    ``run_launch``: how one launch runs and judges its cases (the shape sweep passes its own)."""
     results: list[Result] = []
     for world in sorted({c.world for c in cases}):
         pending = [c for c in cases if c.world == world]

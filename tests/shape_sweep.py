@@ -28,13 +28,12 @@ failed per check and per layout, time) and every failure with its case id.
 from __future__ import annotations
 
 import argparse
-import shutil
 import sys
-import tempfile
 import time
 from collections import Counter
 
-from tests.fault_sweep import Result, _last_error, _read, _tail
+from tests import fault_sweep
+from tests.fault_sweep import Result, _last_error, _tail, launch
 from tests.shape_cases import WORLDS, Case, count, params_of, parse, sample
 
 CHECKS = {"a": "no exception / hang", "b": "equals one process", "c": "memory is params + state",
@@ -109,18 +108,10 @@ def _refused_across_the_fallback(text: str, obs: dict) -> bool:
 
 def run_launch(cases: list[Case], world: int, check_timeout_s: float) -> tuple[list[Result], list[Case]]:
     """Run cases in one launch; the results of those judged, and those left to run."""
-    from tests.multiprocess import run_on_ranks
     from tests.shape_runner import run_cases
 
-    out_dir = tempfile.mkdtemp(prefix="shape_sweep_")
-    error = None
-    try:
-        run_on_ranks(run_cases, world, [c.id for c in cases], out_dir, check_timeout_s,
-                     timeout=LAUNCH_BASE_S + PER_CASE_S * len(cases), fresh=True)
-    except Exception as launch_error:  # noqa: BLE001 - a broken launch is a finding, judged below
-        error = f"{type(launch_error).__name__}: {launch_error}"
-    observed = _read(out_dir, world)
-    shutil.rmtree(out_dir, ignore_errors=True)
+    observed, error = launch(run_cases, world, [c.id for c in cases], check_timeout_s,
+                             LAUNCH_BASE_S + PER_CASE_S * len(cases))
     results = []
     for index, case in enumerate(cases):
         ranks = observed.get(case.id, {})
@@ -146,19 +137,9 @@ def run_launch(cases: list[Case], world: int, check_timeout_s: float) -> tuple[l
 
 def sweep(cases: list[Case], per_launch: int, check_timeout_s: float = CHECK_TIMEOUT_S, log=print,
           max_failed: int | None = None) -> list[Result]:
-    """Every case, ``per_launch`` to a launch per world size, relaunching after a broken one;
-    with ``max_failed``, stop once that many cases failed."""
-    results: list[Result] = []
-    for world in sorted({c.world for c in cases}):
-        pending = [c for c in cases if c.world == world]
-        while pending and (max_failed is None or sum(bool(r.failures) for r in results) < max_failed):
-            batch, rest = pending[:per_launch], pending[per_launch:]
-            done, left = run_launch(batch, world, check_timeout_s)
-            results += done
-            failed = sum(bool(r.failures) for r in done)
-            log(f"  P={world}: {len(done)} cases ({failed} failed), {len(left) + len(rest)} to go", flush=True)
-            pending = left + rest
-    return results
+    """Every case, ``per_launch`` to a launch per world size (``tests.fault_sweep.sweep``'s
+    loop, with this sweep's launches); with ``max_failed``, stop once that many cases failed."""
+    return fault_sweep.sweep(cases, per_launch, check_timeout_s, log, max_failed, run_launch=run_launch)
 
 
 def summary(results: list[Result], seconds: float) -> str:

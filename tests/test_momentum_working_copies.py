@@ -15,6 +15,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
 import dmuon.momentum_state as momentum_state
+from benchmarks import momentum_memory
 from dmuon import DMuon
 from tests.multiprocess import run_on_ranks
 
@@ -130,39 +131,12 @@ def test_read_chunks_take_an_empty_shard_first_and_a_shard_larger_than_a_chunk_a
 AT_REST_SHAPES = [(512, 1024), (256, 1024), (64, 1000)]
 
 
-def bytes_at_rest(momentum_dtype: str | None) -> dict:
-    """On each of 2 ranks (``Shard(0)``): the bytes of live tensor storages that two steps
-    left behind (``tests.shape_runner.live_storages``: every tensor ``gc`` sees), per local
-    Muon element, the optimizer state's among them."""
-    import gc
-
-    from benchmarks.live_tensors import live_storages, state_storages
-
-    mesh = init_device_mesh("cpu", (2,))
-    generator = torch.Generator().manual_seed(0)
-    fulls = [torch.randn(shape, generator=generator) for shape in AT_REST_SHAPES]
-    params = [torch.nn.Parameter(distribute_tensor(t, mesh, [Shard(0)])) for t in fulls]
-    optimizer = DMuon([{"params": params, "use_muon": True}], lr=0.02, momentum_dtype=momentum_dtype)
-    gc.collect()
-    before = live_storages()
-    for step in range(2):
-        for param, full in zip(params, fulls):
-            param.grad = distribute_tensor(full * (step + 1), mesh, [Shard(0)])
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-    gc.collect()
-    after = live_storages()
-    new = {ptr: size for ptr, (size, _) in after.items() if ptr not in before}
-    state = state_storages(optimizer)
-    elements = sum(p.to_local().numel() for p in params)
-    return {"alive": sum(new.values()) / elements, "state": sum(s for p, s in new.items() if p in state) / elements}
-
-
 @pytest.mark.multirank
 @pytest.mark.parametrize("momentum_dtype, most", [("int8", 1.05), ("bfloat16", 2.01), (None, 4.01)])
 def test_the_bytes_alive_at_rest_are_the_momentum_states_measured_from_live_tensors(momentum_dtype, most):
     # At rest (between steps, grads dropped) nothing but the state and the step's pending
-    # status sums (a few bytes a parameter) outlives a step.
-    for rank in run_on_ranks(bytes_at_rest, 2, momentum_dtype):
-        assert rank["state"] <= rank["alive"] <= most, rank
-        assert rank["alive"] - rank["state"] < 0.001, rank
+    # status sums (a few bytes a parameter) outlives a step (benchmarks.momentum_memory counts
+    # the storages of every live tensor).
+    for rank in run_on_ranks(momentum_memory.measure, 2, AT_REST_SHAPES, momentum_dtype):
+        assert rank["state"] <= rank["at_rest"] <= most, rank
+        assert rank["at_rest"] - rank["state"] < 0.001, rank

@@ -202,17 +202,17 @@ def apply_muon_(params: Tensors, orthos: Tensors, *, lr: Number, weight_decay: N
     if capturable:
         _scaled_add_(params, orthos, scalars.alpha(lr, scale), foreach, scalars)
     else:
+        alpha = -lr * scale  # a number, or a 0-dim tensor (a Tensor lr)
         for idx in by_signature(params, orthos):
             ps, us = [params[i] for i in idx], [orthos[i] for i in idx]
             if _add_rounds_by_position(ps[0], us[0]):
-                alpha = -lr * scale  # a number, or a 0-dim tensor (a Tensor lr)
-                alpha = alpha if isinstance(alpha, torch.Tensor) else scalars.on_host(alpha, torch.float64)
-                _scaled_add_(ps, us, alpha, foreach, scalars)
+                alpha_tensor = alpha if isinstance(alpha, torch.Tensor) else scalars.on_host(alpha, torch.float64)
+                _scaled_add_(ps, us, alpha_tensor, foreach, scalars)
             elif foreach and not _off_the_route(ps, us):
-                torch._foreach_add_(ps, us, alpha=-lr * scale)
+                torch._foreach_add_(ps, us, alpha=alpha)
             else:
                 for param, ortho in zip(ps, us):
-                    param.add_(ortho, alpha=-lr * scale)
+                    param.add_(ortho, alpha=alpha)
 
 
 def _off_the_route(targets: Tensors, updates: Tensors) -> bool:

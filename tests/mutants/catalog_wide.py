@@ -199,8 +199,8 @@ WIDE = [
         guarantee="The for-loop form of Muon's apply (foreach=False) gives every tensor the bits the list form "
                   "gives it.",
         path="dmuon/numerics/update_lists.py",
-        old="                for param, ortho in zip(ps, us):\n                    param.add_(ortho, alpha=-lr * scale)",
-        new="                for param, ortho in zip(ps[:-1], us):\n                    param.add_(ortho, alpha=-lr * scale)",
+        old="                for param, ortho in zip(ps, us):\n                    param.add_(ortho, alpha=alpha)",
+        new="                for param, ortho in zip(ps[:-1], us):\n                    param.add_(ortho, alpha=alpha)",
         tests=("tests/test_update_lists.py::test_the_update_as_list_ops_is_bitwise_the_per_tensor_rule",
                "tests/test_update_lists.py::test_dmuon_with_foreach_steps_the_bits_of_dmuon_without"),
     ),
