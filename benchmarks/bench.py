@@ -36,7 +36,7 @@ Bytes sent per rank: DMuon's own exact counters for ``dmuon``; for the others, t
 collectives the profiler sees at the backend (gloo/NCCL) level, costed as ring
 algorithms (all-reduce ``2(P-1)/P n``, all-gather ``(P-1) n_in``, reduce-scatter and
 all-to-all ``(P-1)/P n_in``). The minimum bytes per rank of owner-computed
-Newton-Schulz depend on the layout (``dmuon.plan_report.min_bytes_per_rank``; ``4 N (P-1) / P^2``
+Newton-Schulz depend on the layout (``dmuon.tools.plan_report.min_bytes_per_rank``; ``4 N (P-1) / P^2``
 for FSDP).
 
 This module runs the rows and reads the command line; ``benchmarks.bench_workload``
@@ -88,7 +88,7 @@ from dmuon.numerics.newton_schulz import (
     resolve_ns_dtype,
 )
 from dmuon.optimizer import DMuon
-from dmuon.plan_report import min_bytes_per_rank
+from dmuon.tools.plan_report import min_bytes_per_rank
 
 
 def run_benchmark(cfg: BenchConfig) -> dict:

@@ -40,7 +40,7 @@ def format_table(report: dict) -> str:
                      f"{row['bytes_sent_per_rank']:>18,}")
     lines += [f"{name:<14}{'left out':>10}: {reason}" for name, reason in report.get("left_out", {}).items()]
     lines.append(f"owner-exchange minimum for this layout = {report['min_bytes_per_rank']:,} bytes/rank "
-                 f"(dmuon.plan_report.min_bytes_per_rank)")
+                 f"(dmuon.tools.plan_report.min_bytes_per_rank)")
     dmuon = results.get("dmuon", {})
     if "ns_flops_per_rank_max" in dmuon:
         ideal = report["ns_flops_total"] / report["world_size"]

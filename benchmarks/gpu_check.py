@@ -10,12 +10,12 @@ subcommand, each writing one JSON fragment (``{"status", "figures", "reason"}``)
 - ``one_rank`` (issue 41, 3e): rank 0 of a P-rank FSDP2 job in one process: PyTorch's fake
   process group (every collective returns at once, so the exchange costs nothing) and real
   tensors for this rank's shards on the device (``--device``), so Newton-Schulz and the
-  elementwise work are real; its step time next to ``dmuon.plan_report``'s prediction for
+  elementwise work are real; its step time next to ``dmuon.tools.plan_report``'s prediction for
   the same model and P. The cost model is recalibrated from the ratio (``ns_mfu_implied``).
 - ``compare`` (3f): one step of DMuon, torch.optim.Muon (+ AdamW for the rest) and fused
   AdamW on the same few llama3-wide layers, one device, and their ratios.
 - ``captured`` (issue 42, item 7): a ``capturable`` DMuon eager and replayed from one CUDA
-  graph (``dmuon.cuda_graphs``) under a cosine schedule with a NaN grad at one step:
+  graph (``dmuon.capture.cuda_graphs``) under a cosine schedule with a NaN grad at one step:
   bitwise equal, and the eager against the replayed step time.
 - ``two_ranks`` (3h): P = 2 on one GPU over gloo (NCCL refuses two ranks on one GPU),
   every layout bitwise equal to P = 1; a failure is kept with its reason (a collective gloo
@@ -77,8 +77,8 @@ def one_rank(model: str, world_size: int, device: torch.device, steps: int) -> d
     from torch.distributed.device_mesh import init_device_mesh
 
     from dmuon import DMuon
-    from dmuon.dry_run.layouts import lay_out, parse_layout
-    from dmuon.dry_run.models import PRESETS, build
+    from dmuon.tools.dry_run.layouts import lay_out, parse_layout
+    from dmuon.tools.dry_run.models import PRESETS, build
     from dmuon.torch_compat import fake_store
 
     dist.init_process_group("fake", store=fake_store(), rank=0, world_size=world_size)
@@ -107,13 +107,13 @@ def one_rank(model: str, world_size: int, device: torch.device, steps: int) -> d
 
 
 def plan_prediction(model: str, world_size: int) -> dict:
-    """``python -m dmuon.plan_report --json``'s prediction for ``model`` at ``world_size``
+    """``python -m dmuon.tools.plan_report --json``'s prediction for ``model`` at ``world_size``
     (empty for a preset plan_report does not know, e.g. the rehearsal's ``debug``)."""
-    from dmuon.plan_report import PRESETS
+    from dmuon.tools.plan_report import PRESETS
 
     if model not in PRESETS:
         return {}
-    out = subprocess.run([sys.executable, "-m", "dmuon.plan_report", "--model", model, "--world-size",
+    out = subprocess.run([sys.executable, "-m", "dmuon.tools.plan_report", "--model", model, "--world-size",
                           str(world_size), "--json"], capture_output=True, text=True, timeout=300, check=True)
     return json.loads(out.stdout)["predicted"]
 
@@ -124,7 +124,7 @@ def plan_prediction(model: str, world_size: int) -> dict:
 def compare(dim: int, layers: int, device: torch.device, steps: int) -> dict:
     """Step times of DMuon, torch.optim.Muon + AdamW and fused AdamW on one model."""
     from dmuon import DMuon
-    from dmuon.dry_run.models import Preset, build
+    from dmuon.tools.dry_run.models import Preset, build
 
     preset = Preset(dim=dim, ffn=int(dim * 3.5), n_heads=max(1, dim // 128), n_kv_heads=max(1, dim // 512),
                     layers=layers, vocab=4096, head_dim=128 if dim >= 1024 else 16)
@@ -163,13 +163,13 @@ def _torch_muon_adamw(net: nn.Module) -> list[torch.optim.Optimizer]:
 
 
 def captured(dim: int, layers: int, device: torch.device, steps: int, total: int = 10) -> dict:
-    """A ``capturable`` DMuon stepped eagerly and through ``dmuon.cuda_graphs`` on the same
+    """A ``capturable`` DMuon stepped eagerly and through ``dmuon.capture.cuda_graphs`` on the same
     model and grads under a cosine schedule (a NaN grad at one step, ``skip_nonfinite``):
     bitwise equal after ``total`` steps, the skipped step counted once by ``check()`` called
     twice every few steps, and the eager against the replayed step time (issues 42, 50)."""
     from dmuon import DMuon
-    from dmuon.cuda_graphs import CapturedStep
-    from dmuon.dry_run.models import Preset, build
+    from dmuon.capture.cuda_graphs import CapturedStep
+    from dmuon.tools.dry_run.models import Preset, build
 
     if device.type != "cuda":
         raise RuntimeError("needs a CUDA GPU (CUDA graphs)")
@@ -240,7 +240,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("part", choices=("one_rank", "compare", "captured", "two_ranks"))
     parser.add_argument("--out", required=True, help="the JSON fragment to write")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--model", default="llama3-8b", help="one_rank: a dmuon.dry_run preset")
+    parser.add_argument("--model", default="llama3-8b", help="one_rank: a dmuon.tools.dry_run preset")
     parser.add_argument("--world-size", type=int, nargs="+", default=[8], help="one_rank: P (several: one each)")
     parser.add_argument("--dim", type=int, default=4096, help="compare, captured: model width")
     parser.add_argument("--layers", type=int, default=2, help="compare, captured: blocks")

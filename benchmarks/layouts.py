@@ -10,7 +10,7 @@ placements are the real ones:
   ``(Shard(0), Shard(1))``;
 - ``tp``: tensor parallel over every rank: ``Shard(0)`` and ``Shard(1)``.
 
-The minimum bytes each layout must send are ``dmuon.plan_report.min_bytes_per_rank``.
+The minimum bytes each layout must send are ``dmuon.tools.plan_report.min_bytes_per_rank``.
 ``as_dtensor`` is also the tests' way to lay a full tensor out as a DTensor.
 """
 

@@ -2,7 +2,7 @@
 itself: the storages of every live tensor (:func:`live_storages`), an optimizer state's
 (:func:`state_storages`), and the most bytes a block of code held above what existed
 before it (:class:`PeakBytes`). For CPU runs, where no allocator counts bytes; the dry run
-(``dmuon.dry_run``) does the same for fake CUDA tensors.
+(``dmuon.tools.dry_run``) does the same for fake CUDA tensors.
 
 Tensors only C++ holds (autograd nodes, a gloo work a moment after its ``wait()``) are not
 seen by :func:`live_storages`; :class:`PeakBytes` sees every storage an op returns.

@@ -1,5 +1,5 @@
 """The replay guard's host time: ``ReplayGuard.check()`` runs before every replay of a captured
-step (``dmuon.cuda_graphs``), so its cost is host time a captured step exists to save.
+step (``dmuon.capture.cuda_graphs``), so its cost is host time a captured step exists to save.
 
 Run from the repository root::
 
@@ -10,7 +10,7 @@ addresses, the groups' options) with ``--params`` Muon matrices, each guarded wi
 and momentum (3 tensors a parameter: 400 give llama3 8B's ~1,200), stepped once so its state
 exists. It prints the median and 90th percentile of ``check()`` over ``--repeats`` calls, and
 with ``--against REV`` the same for the guard of that git revision (``git show
-REV:dmuon/replay_guard.py``), measured alternately in the same process.
+REV:dmuon/capture/replay_guard.py``), measured alternately in the same process.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from types import ModuleType
 import torch
 
 from dmuon import DMuon
-from dmuon.replay_guard import ReplayGuard
+from dmuon.capture.replay_guard import ReplayGuard
 
 
 def guarded_optimizer(params: int) -> DMuon:
@@ -44,8 +44,10 @@ def guarded_optimizer(params: int) -> DMuon:
 
 
 def guard_of_revision(revision: str) -> ModuleType:
-    """``dmuon/replay_guard.py`` as it was at ``revision``, imported as a module of its own."""
-    source = subprocess.run(["git", "show", f"{revision}:dmuon/replay_guard.py"], check=True, capture_output=True,
+    """``dmuon/capture/replay_guard.py`` as it was at ``revision``, imported as a module of its own
+    (a revision from after dmuon's top level went into folders: an older guard imports modules
+    by their old names)."""
+    source = subprocess.run(["git", "show", f"{revision}:dmuon/capture/replay_guard.py"], check=True, capture_output=True,
                             text=True).stdout
     path = Path(tempfile.mkdtemp()) / "replay_guard_then.py"
     path.write_text(source)

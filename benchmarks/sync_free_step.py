@@ -1,5 +1,5 @@
 """Real DMuon steps on CUDA under ``torch.cuda.set_sync_debug_mode("error")``: any
-device-to-host sync in a step raises. The GPU twin of ``python -m dmuon.dry_run``.
+device-to-host sync in a step raises. The GPU twin of ``python -m dmuon.tools.dry_run``.
 
     python -m benchmarks.sync_free_step                                  # one GPU
     torchrun --standalone --nproc-per-node 8 -m benchmarks.sync_free_step   # FSDP2 over 8
@@ -21,8 +21,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from dmuon import DMuon
-from dmuon.dry_run.layouts import parse_layout, lay_out
-from dmuon.dry_run.models import Preset, build
+from dmuon.tools.dry_run.layouts import parse_layout, lay_out
+from dmuon.tools.dry_run.models import Preset, build
 
 VARIANTS = {"default": {}, "cautious": {"cautious_weight_decay": True}, "normuon": {"normuon": True},
             "normuon+cautious": {"normuon": True, "cautious_weight_decay": True}, "gram": {"ns_algorithm": "gram"}}

@@ -15,7 +15,7 @@ defaults). The Muon matrices are each block's wq wk wv wo w1 w2 w3; embeddings, 
 head and norms go to AdamW (both optimizers route them so).
 
 DMuon's figures are its own planner's (``dmuon.plan.make_owner_plan``, what the
-optimizer runs, as ``dmuon.plan_report`` does); DistMuon's come from the model of its
+optimizer runs, as ``dmuon.tools.plan_report`` does); DistMuon's come from the model of its
 planner in ``benchmarks.distmuon_model``. Byte counts are per rank per step, bytes
 sent plus bytes received; under FSDP ``Shard(0)`` every rank receives exactly what it
 sends in both exchanges, so sent = received = half of each figure.
@@ -45,7 +45,7 @@ from benchmarks import vs_distmuon_time
 from benchmarks.vs_distmuon_tables import compare_table, step_table
 from dmuon.numerics.newton_schulz import AUTO, DEFAULT_NS_ALGORITHM, newton_schulz_flops
 from dmuon.plan import WIRE_BYTES, OwnerPlan, ParamSpec, make_owner_plan
-from dmuon.plan_report import PRESETS, Llama3, min_bytes_per_rank
+from dmuon.tools.plan_report import PRESETS, Llama3, min_bytes_per_rank
 
 COMPARE_MODELS = ("llama3-8b", "llama3-70b")
 COMPARE_WORLD_SIZES = (8, 64)
@@ -215,7 +215,7 @@ def main(argv: list[str] | None = None) -> None:
     print("Optimizer exchange per rank per step (sent + received; GB = 1e9 bytes) and Newton-Schulz balance "
           "(flops over the mean of standard Newton-Schulz):\n")
     print(compare_table(compared))
-    print("\nDMuon's bytes over the owner-exchange minimum (2 x dmuon.plan_report.min_bytes_per_rank): "
+    print("\nDMuon's bytes over the owner-exchange minimum (2 x dmuon.tools.plan_report.min_bytes_per_rank): "
           + ", ".join(f"{row['model']} P={row['world_size']}: {row['dmuon']['bytes_per_rank_max'] / row['dmuon_minimum']:.3f}"
                       for row in compared))
     print("\nA training step's bytes per rank (sent + received, one micro-batch; GB = 1e9 bytes):\n")

@@ -3,7 +3,7 @@
 ``DMuon`` orthogonalizes each sharded matrix once, on one owner rank, and keeps
 everything elementwise on the local shards. See README.md and docs/architecture.md.
 
-``python -m dmuon.plan_report`` models the plan at scale from shapes alone. The step
+``python -m dmuon.tools.plan_report`` models the plan at scale from shapes alone. The step
 benchmark is not part of this package: it is ``benchmarks.bench`` in the repository,
 run from its root (``torchrun --standalone --nproc-per-node 2 -m benchmarks.bench``).
 """
@@ -14,7 +14,7 @@ from dmuon.exchange.comm import CommStats
 from dmuon.numerics.newton_schulz import KELLER_COEFFICIENTS, NS_COEFFICIENT_SETS, orthogonalize
 from dmuon.numerics.update_rules import ADJUST_LR_CHOICES, shape_scale
 from dmuon.optimizer import DMuon
-from dmuon.param_groups import DEFAULT_ADAMW_NAME_PATTERN, default_use_muon
+from dmuon.options.param_groups import DEFAULT_ADAMW_NAME_PATTERN, default_use_muon
 
 __all__ = [
     "ADJUST_LR_CHOICES",

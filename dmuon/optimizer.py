@@ -1,17 +1,17 @@
 """DMuon: Muon for matrices, AdamW for the rest, native to DTensor/FSDP2.
 
-One ``step()``, in five phases, methods of :class:`dmuon.step_phases.StepPhases` (the object
+One ``step()``, in five phases, methods of :class:`dmuon.step.phases.StepPhases` (the object
 that holds what they share; ``DMuon.step`` reads top to bottom in them):
 
 1. **check locally**: host facts only, nothing changed: the error the last step's status
    sums show (``dmuon.exchange.grad_status``) or QK-clip's reports; this rank's own invalid
-   grads and shards (``dmuon.grad_checks``);
+   grads and shards (``dmuon.step.grad_checks``);
 2. **agree**: one small device ``all_reduce`` over the DMuon's ranks sums which DTensor
    parameters (Muon and AdamW) have a grad here and whether a rank found a problem;
 3. **wait**: the one wait of the step; the step's mask and each parameter's, on the device;
-4. **compute and apply**, under the masks: the AdamW part (``dmuon.adamw_part``; no
+4. **compute and apply**, under the masks: the AdamW part (``dmuon.step.adamw_part``; no
    collective); each matrix orthogonalized once, on the path ``dmuon.plan.paths`` chose
-   for it: on its owner rank, batch by batch (``all_to_all`` fast path: ``dmuon.fast_path``
+   for it: on its owner rank, batch by batch (``all_to_all`` fast path: ``dmuon.step.fast_path``
    over ``dmuon.exchange.owner_exchange``), on every rank (``redistribute`` reference path,
    ``dmuon.exchange.reference``), or where it lives (``local``: plain tensors, replicas);
    then QK-clip for the attentions registered with :meth:`DMuon.clip_attention` (one
@@ -21,9 +21,9 @@ that holds what they share; ``DMuon.step`` reads top to bottom in them):
    after every collective of the step.
 
 Before them the plan is made (at the first step) and the last step's status read (its host
-changes taken back if it was masked, ``dmuon.state_rollback``). The math is
+changes taken back if it was masked, ``dmuon.state.rollback``). The math is
 ``dmuon.numerics.functional`` (run with a group's settings, counted and timed, by
-``dmuon.group_steps``); the groups are ``dmuon.param_groups``'.
+``dmuon.step.group_steps``); the groups are ``dmuon.options.param_groups``'.
 
 The collectives a rank runs depend only on the parameters, never on its grads, values
 or errors, so ranks cannot fall out of step; no host collective runs in a step.
@@ -39,11 +39,11 @@ from torch.optim.optimizer import Optimizer
 
 from dmuon.attention.max_logits import MaxLogitTracker
 from dmuon.attention.qk_clip import AttentionHeads
-from dmuon.device_hyperparameters import held_values, keep_after_load, place_on_device
+from dmuon.options.device_hyperparameters import held_values, keep_after_load, place_on_device
 from dmuon.exchange.comm import CommStats, ScratchMeter
-from dmuon.fast_path import FastPath
-from dmuon.group_steps import MUON_STATE_KEYS
-from dmuon.momentum_state import convert_loaded
+from dmuon.step.fast_path import FastPath
+from dmuon.step.group_steps import MUON_STATE_KEYS
+from dmuon.state.momentum_state import convert_loaded
 from dmuon.numerics.newton_schulz import (
     DEFAULT_GRAM_RESTARTS,
     DEFAULT_NS_ALGORITHM,
@@ -53,24 +53,24 @@ from dmuon.numerics.newton_schulz import (
     KELLER_COEFFICIENTS,
 )
 from dmuon.numerics.update_rules import DEFAULT_MATCHED_ADAMW_RMS, DEFAULT_NORMUON_BETA2
-from dmuon.implementation_flags import check_optimizer_flags
-from dmuon.options import (
+from dmuon.options.implementation_flags import check_optimizer_flags
+from dmuon.options.checks import (
     check_bool,
     check_hyperparameter_defaults,
     check_link_gbps,
     check_ns_dtype,
     check_optimizer_options,
 )
-from dmuon.param_groups import build_param_groups, split_options
-from dmuon.optimizer_hooks import attach_hooks
-from dmuon.pickling import PicklesConfiguration
-from dmuon.state_loading import keep_saved_dtypes, keep_state_tensors, state_tensors
+from dmuon.options.param_groups import build_param_groups, split_options
+from dmuon.state.optimizer_hooks import attach_hooks
+from dmuon.state.pickling import PicklesConfiguration
+from dmuon.state.loading import keep_saved_dtypes, keep_state_tensors, state_tensors
 from dmuon.plan.batches import DEFAULT_BATCH_NUMEL
 from dmuon.plan.cost_model import CostModel
 from dmuon.plan.owner_plan import OwnerPlan
 from dmuon.plan.paths import ALL_TO_ALL
-from dmuon.step_phases import StepOptions, StepPhases
-from dmuon.telemetry import StateBytes, StepFigures, Telemetry, state_bytes
+from dmuon.step.phases import StepOptions, StepPhases
+from dmuon.step.telemetry import StateBytes, StepFigures, Telemetry, state_bytes
 from dmuon.torch_compat import local_of
 
 ParamsArg = Iterable[torch.Tensor] | Iterable[tuple[str, torch.Tensor]] | Iterable[dict[str, Any]]
@@ -104,7 +104,7 @@ class DMuon(PicklesConfiguration, Optimizer):
         momentum_dtype: how the momentum is kept between steps: None (the parameter's dtype),
             ``torch.bfloat16`` / ``"bfloat16"``, or ``"int8"`` (one fp32 scale per 128 elements of
             a row; bf16 where a layout cuts rows off those blocks). Exact across world sizes
-            (``dmuon.momentum_state``).
+            (``dmuon.state.momentum_state``).
         adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay: the AdamW part.
         comm: ``"all_to_all"`` (owner-computed fast path where the placement allows it)
             or ``"redistribute"`` (reference path: every rank orthogonalizes every matrix).
@@ -124,7 +124,7 @@ class DMuon(PicklesConfiguration, Optimizer):
             A group may set ``foreach`` and ``fused`` for itself, as torch's groups do.
         capturable: each group's ``lr`` and ``weight_decay`` are 0-dim fp64 tensors on its
             parameters' device, which LR schedulers update in place, and the step reads them
-            there (no host read): a step captured in a CUDA graph (``dmuon.cuda_graphs``) follows
+            there (no host read): a step captured in a CUDA graph (``dmuon.capture.cuda_graphs``) follows
             the schedule; the same bits as off (docs/optimizer.md, "Capturable").
         maximize, differentiable (also group keys): no such path in DMuon: False or None only.
     """
@@ -192,7 +192,7 @@ class DMuon(PicklesConfiguration, Optimizer):
 
     def start_afresh(self, telemetry: bool) -> None:
         """The step's phases with measurements from zero, and no paths or plan yet (made at the
-        first step): at construction, and on a copy (``dmuon.pickling``)."""
+        first step): at construction, and on a copy (``dmuon.state.pickling``)."""
         fast_path = FastPath(self.comm, self.max_batch_numel, self.split_replicas, self.ns_dtype,
                              self.link_gbps, self.replica_link_gbps)
         self.phases = StepPhases(fast_path, Telemetry(telemetry))
@@ -209,7 +209,7 @@ class DMuon(PicklesConfiguration, Optimizer):
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group; one without ``use_muon`` is split into a Muon and an AdamW group
-        (``dmuon.param_groups.build_param_groups``)."""
+        (``dmuon.options.param_groups.build_param_groups``)."""
         built = build_param_groups(param_group, self._groups_added, self.param_groups, self._muon_defaults,
                                    self._adamw_defaults,
                                    {"foreach": self.foreach, "fused": self.fused, "capturable": self.capturable})
@@ -225,7 +225,7 @@ class DMuon(PicklesConfiguration, Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        """The five phases of ``dmuon.step_phases``, in order."""
+        """The five phases of ``dmuon.step.phases``, in order."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -271,13 +271,13 @@ class DMuon(PicklesConfiguration, Optimizer):
         return self.phases.grad_status.skipped_steps
 
     def telemetry(self) -> StepFigures | None:
-        """The last step's figures (``dmuon.telemetry``), None if off or before a step; local to this rank."""
+        """The last step's figures (``dmuon.step.telemetry``), None if off or before a step; local to this rank."""
         figures = self.phases.telemetry.last_step()
         return None if figures is None else figures.with_skipped(self.skipped_steps)
 
     def state_bytes(self) -> StateBytes:
         """This rank's optimizer state in bytes, Muon's and AdamW's, beside their parameters'
-        local elements (``dmuon.telemetry.StateBytes``)."""
+        local elements (``dmuon.step.telemetry.StateBytes``)."""
         return state_bytes(self.param_groups, self.state)
 
     def owner_plans(self) -> list[OwnerPlan]:
@@ -286,7 +286,7 @@ class DMuon(PicklesConfiguration, Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """torch's, but Muon's state keeps its saved dtype, a capturable group its state tensors
-        (``dmuon.state_loading``) and its device hyperparameters (``dmuon.device_hyperparameters``),
+        (``dmuon.state.loading``) and its device hyperparameters (``dmuon.options.device_hyperparameters``),
         and the plan is made anew."""
         held, tensors = held_values(self.param_groups), state_tensors(self)
         super().load_state_dict(state_dict)

@@ -13,13 +13,13 @@ moves one, this module is the one to change, and its tests say which entry broke
 | ``mkldnn_bf16_supported`` (``torch.ops.mkldnn._is_mkldnn_bf16_supported``) | whether oneDNN has a bf16 GEMM at all for this CPU (``ns_dtype="auto"``: none means fp32; on x86 it is True also where bf16 is only emulated, so the two queries below decide there) | 2.11.0, 2.13.0, 2.15.0 |
 | ``avx512_bf16_supported``, ``amx_tile_supported`` (``torch.cpu._is_avx512_bf16_supported``, ``torch.cpu._is_amx_tile_supported``) | whether an x86 CPU's bf16 GEMM is native (AVX512_BF16, AMX) or emulated by oneDNN (AVX-512 without them: ``ns_dtype="auto"`` picks fp32 there); False where torch lacks the query | 2.11.0, 2.13.0, 2.15.0 |
 | ``mkldnn_fp16_supported`` (``torch.ops.mkldnn._is_mkldnn_fp16_supported``) | whether a CPU has a native fp16 GEMM (the dtype of Gram Newton-Schulz) | 2.11.0, 2.13.0, 2.15.0 |
-| ``FakeTensorMode``, ``FakeTensor`` (``torch._subclasses.fake_tensor``) | ``python -m dmuon.dry_run``: CUDA tensors without data | 2.11.0, 2.15.0 (needs a CUDA build) |
-| ``fake_store`` (``torch.testing._internal.distributed.fake_pg.FakeStore``) | ``dmuon.dry_run``: one process as rank r of any world size (backend ``"fake"``) | 2.11.0, 2.15.0 |
-| ``TorchDispatchMode`` (``torch.utils._python_dispatch``) | ``dmuon.dry_run``: sees every op of a step (syncs, launches, collectives, memory) | 2.11.0, 2.13.0, 2.15.0 |
-| ``resolve_process_group`` (``torch.distributed.distributed_c10d._resolve_process_group``) | ``dmuon.dry_run``: the group of a functional collective (DTensor's), named by a string | 2.11.0, 2.15.0 |
+| ``FakeTensorMode``, ``FakeTensor`` (``torch._subclasses.fake_tensor``) | ``python -m dmuon.tools.dry_run``: CUDA tensors without data | 2.11.0, 2.15.0 (needs a CUDA build) |
+| ``fake_store`` (``torch.testing._internal.distributed.fake_pg.FakeStore``) | ``dmuon.tools.dry_run``: one process as rank r of any world size (backend ``"fake"``) | 2.11.0, 2.15.0 |
+| ``TorchDispatchMode`` (``torch.utils._python_dispatch``) | ``dmuon.tools.dry_run``: sees every op of a step (syncs, launches, collectives, memory) | 2.11.0, 2.13.0, 2.15.0 |
+| ``resolve_process_group`` (``torch.distributed.distributed_c10d._resolve_process_group``) | ``dmuon.tools.dry_run``: the group of a functional collective (DTensor's), named by a string | 2.11.0, 2.15.0 |
 | ``default_foreach`` (``torch.utils._foreach_utils._get_foreach_kernels_supported_devices``) | ``DMuon(foreach=None)``: torch.optim's own per-device choice of the list path (CUDA: yes, CPU: no) | 2.11.0, 2.13.0, 2.15.0 |
 | ``default_foreach_for`` (``torch.optim.optimizer._default_to_fused_or_foreach``) | the AdamW part: torch's list-path choice made on the parameters as given (DTensors, or fake tensors in the dry run), then applied to their local shards | 2.11.0, 2.13.0, 2.15.0 |
-| ``fake_tensors_take_the_list_path`` (``torch.optim.optimizer._foreach_supported_types``) | ``dmuon.dry_run``: a plain parameter's fake stand-in takes the AdamW part's list path as the real tensor would (the list names the types torch's rule takes) | 2.13.0, 2.15.0 |
+| ``fake_tensors_take_the_list_path`` (``torch.optim.optimizer._foreach_supported_types``) | ``dmuon.tools.dry_run``: a plain parameter's fake stand-in takes the AdamW part's list path as the real tensor would (the list names the types torch's rule takes) | 2.13.0, 2.15.0 |
 | ``fused_adamw_devices`` (``torch.utils._foreach_utils._get_fused_kernels_supported_devices``) | ``DMuon(fused=True)``: the device types torch.optim.AdamW(fused=True) takes, checked at construction (CUDA and CPU among them) | 2.11.0, 2.13.0, 2.15.0 |
 | ``capturable_devices`` (``torch.optim.optimizer._get_capturable_supported_devices``) | ``DMuon(capturable=True)``: the device types torch.optim.AdamW(capturable=True) steps (CUDA among them, not the CPU); the AdamW part takes torch's capturable path there | 2.11.0, 2.13.0, 2.15.0 |
 | ``chunk_cat`` (``torch._chunk_cat``) | the owner exchange: many blocks (any shapes, one dtype) flattened into a send buffer in one op, as FSDP2 packs its reduce-scatter | 2.11.0, 2.13.0, 2.15.0 |
@@ -27,7 +27,7 @@ moves one, this module is the one to change, and its tests say which entry broke
 | ``flattened_group`` (``DeviceMesh._flatten``) | a group of an n-D mesh's ranks (a pipeline stage's mesh), made as DeviceMesh makes its own: every rank of the root mesh makes every slice's group together, so no rank waits in a group creation its peers skip | 2.11.0, 2.13.0, 2.15.0 |
 | ``dtensor_where_it_is`` (``DTensor(local, DTensorSpec(...))``, as FSDP2's ``_from_local_no_grad``) | NorMuon's state under FSDP2's CPU offload, and int8 momentum's scales (a shard of a global shape): a DTensor on the device mesh whose local tensor stays where it is (``DTensor.from_local`` moves it to the mesh's device) | 2.11.0, 2.13.0, 2.15.0 |
 | ``has_optimizer_hook`` (``Optimizer._optimizer_state_dict_pre_hooks``, ``_optimizer_load_state_dict_pre_hooks``) | DMuon's hooks attached once, also on a copy (torch's hooks do not pickle) | 2.11.0, 2.13.0, 2.15.0 |
-| ``host_tensor_ops`` (``torch._subclasses.fake_tensor.unset_fake_temporarily``) | host-side bookkeeping (mesh ranks, shard offsets, agreement counts) on real CPU tensors also while a ``FakeTensorMode`` is active (``python -m dmuon.dry_run``) | 2.11.0, 2.13.0, 2.15.0 |
+| ``host_tensor_ops`` (``torch._subclasses.fake_tensor.unset_fake_temporarily``) | host-side bookkeeping (mesh ranks, shard offsets, agreement counts) on real CPU tensors also while a ``FakeTensorMode`` is active (``python -m dmuon.tools.dry_run``) | 2.11.0, 2.13.0, 2.15.0 |
 """
 
 from __future__ import annotations
@@ -160,7 +160,7 @@ def non_overlapping_and_dense(tensor: torch.Tensor) -> bool:
 
 
 def is_fake(tensor: torch.Tensor) -> bool:
-    """Whether ``tensor`` is a fake tensor (``python -m dmuon.dry_run``): it has no values to read."""
+    """Whether ``tensor`` is a fake tensor (``python -m dmuon.tools.dry_run``): it has no values to read."""
     return isinstance(tensor, FakeTensor)
 
 

@@ -16,7 +16,7 @@
 #                 every layout on a one-rank NCCL group, the captured step's replay bitwise
 #                 eager; the two-GPU tests skip); rehearsal: the CPU contract tests instead
 #   sync_free     b: benchmarks.sync_free_step (real steps under set_sync_debug_mode("error"));
-#                 rehearsal: python -m dmuon.dry_run (host syncs counted on fake CUDA)
+#                 rehearsal: python -m dmuon.tools.dry_run (host syncs counted on fake CUDA)
 #   ns_throughput d: benchmarks.ns_throughput, standard and Gram NS vs the GPU's bf16 matmul
 #   one_rank      e: benchmarks.gpu_check one_rank, llama3 8B at P = 8, 64 and 70B at P = 64,
 #                 1024 (fake process group, real CUDA shards) next to plan_report's prediction
@@ -110,7 +110,7 @@ gc=("$python" -m benchmarks.gpu_check)
 pytest_part() { part "$1" tests.log "$2" "$python" -m pytest -q -rs -p no:cacheprovider --junitxml "$work/$1.xml" "${@:3}"; }
 if [[ $rehearse == 1 ]]; then
     pytest_part cuda_tests 120 tests/test_cuda.py tests/test_torch_optim_contract.py
-    part sync_free tests.log 90 "$python" -m dmuon.dry_run --model debug --world-size 4 --ranks 0
+    part sync_free tests.log 90 "$python" -m dmuon.tools.dry_run --model debug --world-size 4 --ranks 0
     part ns_throughput throughput.log 60 sh -c '"$0" -m benchmarks.ns_throughput --device cpu --shapes 256x1024 \
         --repeats 1 --ns-dtype float32 --algorithms standard gram --peak-matmul 512 --json > "$1"' \
         "$python" "$work/ns_throughput.json"

@@ -169,11 +169,11 @@ def checkpoint_resume(checkpoint_dir: str, done: int) -> dict[str, bool]:
 
 def cuda_graph_schedule_replay(steps: int = 20) -> dict[str, Any]:
     """The FSDP layout on CUDA, twice: one ``capturable`` DMuon stepped eagerly, one through
-    ``dmuon.cuda_graphs.CapturedStep`` (captured once, then replayed), under a cosine schedule
+    ``dmuon.capture.cuda_graphs.CapturedStep`` (captured once, then replayed), under a cosine schedule
     and the weight-decay schedule, with a NaN grad at one step (``skip_nonfinite``), the grads
     copied in place as a captured step needs: whether every parameter is bitwise equal, and
     each twin's skipped-step count."""
-    from dmuon.cuda_graphs import CapturedStep
+    from dmuon.capture.cuda_graphs import CapturedStep
 
     mesh, cases = _layout("fsdp")
     twins = []
@@ -226,7 +226,7 @@ def cuda_graph_guards(steps: int = 6) -> dict[str, Any]:
     - ``skipped_once``: a NaN grad in one replay, ``check()`` called twice: counted once;
     - ``side_stream_joined``: a warm-up step that raises after writing on the side stream:
       the default stream sees the write."""
-    from dmuon.cuda_graphs import CapturedStep
+    from dmuon.capture.cuda_graphs import CapturedStep
 
     device = _device()
     generator = torch.Generator().manual_seed(0)

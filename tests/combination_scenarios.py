@@ -32,7 +32,7 @@ HEADS = AttentionHeads(2, 2, 4)  # multi-head: a clip scales rows of W_q and of 
 MUON = {"attn.wq": (8, 6), "attn.wk": (8, 6), "experts": (2, 4, 6)}
 ADAMW = {"bias": (5,), "embed.weight": (9, 6)}  # 5 and 9 rows: uneven shards at P = 2
 # (parameter, element, value, rank) of each fault: NaN in a Muon grad, inf in an AdamW
-# grad, a float64 grad (``dmuon.grad_checks``: the step raises, naming the parameter).
+# grad, a float64 grad (``dmuon.step.grad_checks``: the step raises, naming the parameter).
 FAULT_AT = {"nan": ("attn.wq", (-1, 1), float("nan"), 1), "inf": ("embed.weight", (-1, 2), float("inf"), 0),
             "invalid": ("bias", None, None, 1)}
 GOOD_STEPS = (0, 1, 2)  # seeds of the good grads; the faulty step comes after the first

@@ -143,7 +143,7 @@ def mesh_exactness(momentum_dtype: str, split_replicas: bool | None = None) -> d
     """Every layout of :data:`MESH_MOMENTUM_CASES` on a 2 x 2 mesh, in one group (the ranks
     choose the bf16 fallback), vs single process. ``split_replicas=True``: HSDP's second
     replica holds blocks it never sends (the owner's replica sources them), whose momentum
-    still takes its EMA every step (``dmuon.converted_momenta.ConvertedMomenta.unpacked``)."""
+    still takes its EMA every step (``dmuon.step.converted_momenta.ConvertedMomenta.unpacked``)."""
     params, optimizer, place = _on_ranks(MESH_SHAPES, MESH_PLACEMENTS, (2, 2), momentum_dtype,
                                          split_replicas=split_replicas)
     _run(params, optimizer, MESH_SHAPES, range(STEPS), place)

@@ -181,7 +181,7 @@ def test_a_load_keeps_the_groups_tensors_and_copies_the_saved_values_into_them()
     optimizer, params, _ = _run(True, steps=3)
     saved = copy.deepcopy(optimizer.state_dict())
     fresh = DMuon(_model(), lr=0.03, weight_decay=0.5, capturable=True)
-    SCHEDULES["lambda"](fresh)  # scheduled: the saved lr is the schedule's place (dmuon.resume_contract)
+    SCHEDULES["lambda"](fresh)  # scheduled: the saved lr is the schedule's place (dmuon.state.resume_contract)
     held = [(g["lr"], g["weight_decay"]) for g in fresh.param_groups]
     fresh.load_state_dict(saved)
     assert [(g["lr"], g["weight_decay"]) for g in fresh.param_groups] == held  # the same tensor objects

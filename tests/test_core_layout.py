@@ -1,5 +1,5 @@
 """The optimizer's core reads as its parts: ``DMuon.step`` is the five phases of
-``dmuon.step_phases`` in order, no function in dmuon/ over 60 lines (read with ast); the
+``dmuon.step.phases`` in order, no function in dmuon/ over 60 lines (read with ast); the
 cost model's network options; the process-group cache of the fast path."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dmuon import DMuon
-from dmuon.options import check_link_gbps
+from dmuon.options.checks import check_link_gbps
 from dmuon.plan.cost_model import CostModel
 
 pytestmark = pytest.mark.unit
@@ -111,7 +111,7 @@ def _init_one_rank() -> None:
 def test_groups_made_for_a_rank_set_do_not_outlive_the_default_group(monkeypatch):
     """A group made for ranks (0,) of a (pretend) 2-rank world is reused while the default
     group lives, and made afresh after ``destroy_process_group()`` and a new init."""
-    from dmuon import fast_path
+    from dmuon.step import fast_path
 
     made = []
     monkeypatch.setattr(dist, "get_world_size", lambda *a, **k: 2)

@@ -1,4 +1,4 @@
-"""``dmuon.cuda_graphs.CapturedStep`` on the CPU: what it refuses to capture, each with the
+"""``dmuon.capture.cuda_graphs.CapturedStep`` on the CPU: what it refuses to capture, each with the
 reason; with stand-ins for torch.cuda's streams and graphs, its host logic (issues 42, 50):
 the replay guard, numbers written to ``lr``, a load reaching what the graph reads, the
 replays' counts read by ``check()``, the side stream joined after a failed warm-up step.
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from dmuon import AttentionHeads, DMuon
-from dmuon.cuda_graphs import CapturedStep, capture_problems
+from dmuon.capture.cuda_graphs import CapturedStep, capture_problems
 
 pytestmark = pytest.mark.unit
 
@@ -30,7 +30,7 @@ def test_a_capturable_optimizer_on_the_cpu_is_refused_for_its_parameters_place()
     optimizer = DMuon(_params(), capturable=True)
     assert [p.split(":")[0] for p in capture_problems(optimizer)] == ["parameters not on a CUDA device (FSDP2's "
                                                                       "CPU offload steps on the host)"]
-    with pytest.raises(ValueError, match=r"^dmuon.cuda_graphs: this DMuon's step cannot be captured: parameters "
+    with pytest.raises(ValueError, match=r"^dmuon.capture.cuda_graphs: this DMuon's step cannot be captured: parameters "
                                          r"not on a CUDA device .*\['wq', 'wk', 'bias'\]"):
         CapturedStep(optimizer)
 
@@ -93,7 +93,7 @@ def _on_cpu(optimizer: DMuon, monkeypatch, warmup_steps: int = 1) -> tuple[Captu
     on the CPU: the warm-up steps run eagerly, the capture runs the step once, replays run
     nothing of the step's host code."""
     main, capture = _Stream(), _Capture(optimizer)
-    monkeypatch.setattr("dmuon.cuda_graphs.capture_problems", lambda optimizer: [])
+    monkeypatch.setattr("dmuon.capture.cuda_graphs.capture_problems", lambda optimizer: [])
     monkeypatch.setattr(torch.cuda, "current_stream", lambda: main)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "Stream", _Stream)
@@ -110,7 +110,7 @@ def test_a_capture_checks_only_its_own_threads_cuda_calls_and_takes_the_pool_it_
     params = _with_grads(_params())
     optimizer = DMuon(params, capturable=True)
     shared = object()
-    monkeypatch.setattr("dmuon.cuda_graphs.capture_problems", lambda optimizer: [])
+    monkeypatch.setattr("dmuon.capture.cuda_graphs.capture_problems", lambda optimizer: [])
     captured, _, capture = _on_cpu(optimizer, monkeypatch)
     captured = CapturedStep(optimizer, warmup_steps=1, pool=shared)
     assert captured.pool is shared  # before the capture: the pool it was given
@@ -120,7 +120,7 @@ def test_a_capture_checks_only_its_own_threads_cuda_calls_and_takes_the_pool_it_
 
 
 def test_a_capture_on_another_device_than_the_parameters_is_refused_naming_both():
-    from dmuon.cuda_graphs import device_problem
+    from dmuon.capture.cuda_graphs import device_problem
 
     assert device_problem(torch.device("cuda", 3), 3) is None
     assert device_problem(torch.device("cpu"), 0) is None
@@ -131,8 +131,8 @@ def test_a_capture_on_another_device_than_the_parameters_is_refused_naming_both(
 def test_a_step_whose_current_device_is_not_the_parameters_raises_before_capturing(monkeypatch):
     params = _with_grads(_params())
     captured, _, capture = _on_cpu(DMuon(params, capturable=True), monkeypatch)
-    monkeypatch.setattr("dmuon.cuda_graphs.device_problem", lambda device, current: "wrong device")
-    with pytest.raises(RuntimeError, match="dmuon.cuda_graphs: wrong device"):
+    monkeypatch.setattr("dmuon.capture.cuda_graphs.device_problem", lambda device, current: "wrong device")
+    with pytest.raises(RuntimeError, match="dmuon.capture.cuda_graphs: wrong device"):
         captured.step()
     assert capture.lr_seen == []
 
@@ -283,7 +283,7 @@ def test_the_first_replayed_error_is_raised_once_by_check(monkeypatch):
 
 @pytest.mark.parametrize("warmup", [0, 1.5])
 def test_warmup_steps_must_be_a_positive_int(warmup, monkeypatch):
-    monkeypatch.setattr("dmuon.cuda_graphs.capture_problems", lambda optimizer: [])
+    monkeypatch.setattr("dmuon.capture.cuda_graphs.capture_problems", lambda optimizer: [])
     with pytest.raises(ValueError, match="warmup_steps must be an int >= 1"):
         CapturedStep(DMuon(_params(), capturable=True), warmup_steps=warmup)
 
@@ -293,7 +293,7 @@ def test_a_capture_refused_for_its_device_starts_no_replay_tally(monkeypatch):
     # set_device and steps again) must count its status as an eager step.
     optimizer, _, captured = _replaying(monkeypatch)
     captured.release()
-    monkeypatch.setattr("dmuon.cuda_graphs.device_problem", lambda device, current: "wrong device")
+    monkeypatch.setattr("dmuon.capture.cuda_graphs.device_problem", lambda device, current: "wrong device")
     captured.eager_steps = captured.warmup_steps  # the next step captures
     with pytest.raises(RuntimeError, match="wrong device"):
         captured.step()

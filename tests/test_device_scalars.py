@@ -19,7 +19,7 @@ import random
 import pytest
 import torch
 
-from dmuon.dry_run.recorder import StepRecorder
+from dmuon.tools.dry_run.recorder import StepRecorder
 from dmuon.numerics.device_scalars import StepScalars
 from dmuon.numerics.update_lists import apply_muon_, decay_factor
 from dmuon.numerics.update_rules import cautious_decay_

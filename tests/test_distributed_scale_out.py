@@ -94,7 +94,7 @@ def test_a_real_step_allocates_exactly_the_scratch_the_plan_predicts(scratch_at_
 
 
 def test_plan_report_predicts_the_scratch_measured_in_a_real_step(scratch_at_four_ranks, tmp_path, capsys):
-    from dmuon.plan_report import main
+    from dmuon.tools.plan_report import main
 
     shapes = tmp_path / "layouts.json"
     shapes.write_text(json.dumps([{"shape": list(shape), "shard_dim": dim} for _, shape, dim in scenarios.LAYOUT_CASES]))

@@ -1,4 +1,4 @@
-"""``python -m dmuon.dry_run``: DMuon's CUDA step on fake CUDA tensors and a fake process
+"""``python -m dmuon.tools.dry_run``: DMuon's CUDA step on fake CUDA tensors and a fake process
 group, checked for host syncs, bytes, memory and state layout.
 
 The dry runs need a CUDA build of torch (the torch 2.15 leg of CI); their arguments are
@@ -16,9 +16,9 @@ import textwrap
 import pytest
 import torch
 
-from dmuon.dry_run.__main__ import main
-from dmuon.dry_run.fake_cuda import DryRunError, check_cuda_build
-from dmuon.dry_run.layouts import parse_layout
+from dmuon.tools.dry_run.__main__ import main
+from dmuon.tools.dry_run.fake_cuda import DryRunError, check_cuda_build
+from dmuon.tools.dry_run.layouts import parse_layout
 from tests.dry_runs import dry_run, dry_run_sweep, needs_cuda_build, sweep
 
 pytestmark = pytest.mark.unit
@@ -96,9 +96,9 @@ def test_llama3_8b_on_64_ranks_sends_exactly_the_planned_bytes():
 def test_a_host_read_injected_into_the_step_fails_the_dry_run(tmp_path):
     """The check can fail: momentum that reads a norm on the host is one sync per group."""
     script = textwrap.dedent("""
-        import json, dmuon.group_steps as group_steps
-        from dmuon.dry_run.__main__ import make_config, parse_args
-        from dmuon.dry_run.run import run_rank
+        import json, dmuon.step.group_steps as group_steps
+        from dmuon.tools.dry_run.__main__ import make_config, parse_args
+        from dmuon.tools.dry_run.run import run_rank
         momentum = group_steps.momentum_
         def reading_momentum(bufs, *args, **kwargs):
             momentum(bufs, *args, **kwargs)
@@ -122,9 +122,9 @@ def test_a_host_read_injected_into_the_step_fails_the_dry_run(tmp_path):
 @needs_cuda_build
 def test_a_cpu_buffer_mixed_into_the_step_fails_the_dry_run():
     script = textwrap.dedent("""
-        import json, torch, dmuon.group_steps as group_steps
-        from dmuon.dry_run.__main__ import make_config, parse_args
-        from dmuon.dry_run.run import run_rank
+        import json, torch, dmuon.step.group_steps as group_steps
+        from dmuon.tools.dry_run.__main__ import make_config, parse_args
+        from dmuon.tools.dry_run.run import run_rank
         lookahead = group_steps.lookahead
         group_steps.lookahead = lambda *a, **k: [t + torch.zeros(t.shape, dtype=t.dtype) for t in lookahead(*a, **k)]
         config, _ = make_config(parse_args(["--model", "debug", "--world-size", "2"]))
@@ -173,7 +173,7 @@ def test_layouts_parse_with_their_mesh_shapes():
 
 @pytest.mark.skipif(torch.version.cuda is not None, reason="checks the message a CPU-only torch build gets")
 def test_the_command_on_a_cpu_only_torch_exits_2_saying_how_to_get_a_cuda_build():
-    done = subprocess.run([sys.executable, "-m", "dmuon.dry_run", "--model", "debug", "--world-size", "2"],
+    done = subprocess.run([sys.executable, "-m", "dmuon.tools.dry_run", "--model", "debug", "--world-size", "2"],
                           capture_output=True, text=True, timeout=TIMEOUT_S)
     assert done.returncode == 2
     assert "needs a CUDA build of torch" in done.stderr and "pip install torch==2.15.0" in done.stderr

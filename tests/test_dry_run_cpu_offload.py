@@ -1,17 +1,17 @@
-"""``python -m dmuon.dry_run --cpu-offload``: FSDP2's ``CPUOffloadPolicy`` on fake CUDA.
+"""``python -m dmuon.tools.dry_run --cpu-offload``: FSDP2's ``CPUOffloadPolicy`` on fake CUDA.
 
 Parameters, grads and DMuon's state are host tensors on the CUDA mesh; the step must send
 the plan's bytes, mix devices only in its copies, keep the state on the host, and wait
 for the device exactly where docs/dry_run.md ("CPU offload") says: the waits
 ``dmuon.exchange.host_staging`` announces, counted by the recorder, against
-``dmuon.dry_run.offload.documented_waits``. Needs a CUDA build of torch (CI's torch 2.15 leg).
+``dmuon.tools.dry_run.offload.documented_waits``. Needs a CUDA build of torch (CI's torch 2.15 leg).
 """
 
 from __future__ import annotations
 
 import pytest
 
-from dmuon.dry_run.__main__ import main
+from dmuon.tools.dry_run.__main__ import main
 from dmuon.exchange.host_staging import ADAMW_MASK, MASKS, NORMUON_ROWS, QK_CLIP_FACTORS, RESULTS
 from tests.dry_runs import dry_run, dry_run_sweep, needs_cuda_build, sweep
 

@@ -1,4 +1,4 @@
-"""What a step costs the hosts, as the dry run reports it (``dmuon/dry_run/host_costs.py``):
+"""What a step costs the hosts, as the dry run reports it (``dmuon/tools/dry_run/host_costs.py``):
 collectives on CPU tensors, process groups DMuon makes (also under a default group that
 takes no CPU tensors, as NCCL alone), the Python heap of the plan, and whether the steady
 step dispatches the same program step after step. The program's comparison runs on meta
@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dmuon.dry_run.recorder import StepRecorder
+from dmuon.tools.dry_run.recorder import StepRecorder
 from tests.dry_runs import dry_run, dry_run_sweep, needs_cuda_build, sweep
 
 pytestmark = pytest.mark.unit
@@ -39,7 +39,7 @@ def recorded(shape: tuple[int, ...], scale: float):
 
 
 def test_steps_that_launch_the_same_ops_with_other_numbers_are_told_apart_by_their_scalars():
-    from dmuon.dry_run.recorder import first_scalar_changes
+    from dmuon.tools.dry_run.recorder import first_scalar_changes
 
     steps = [recorded((4, 8), scale) for scale in (0.5, 0.25, 0.125)]
     changes = first_scalar_changes([s.program for s in steps], [s.scalars for s in steps])
@@ -48,7 +48,7 @@ def test_steps_that_launch_the_same_ops_with_other_numbers_are_told_apart_by_the
 
 
 def test_steps_with_the_same_numbers_show_no_scalar_change():
-    from dmuon.dry_run.recorder import first_scalar_changes
+    from dmuon.tools.dry_run.recorder import first_scalar_changes
 
     steps = [recorded((4, 8), 0.5) for _ in range(3)]
     assert first_scalar_changes([s.program for s in steps], [s.scalars for s in steps]) == []
@@ -115,7 +115,7 @@ def test_the_step_runs_no_host_collective_and_makes_no_group(nccl_alone):
 
 
 def passing_report():
-    from dmuon.dry_run.run import RankReport
+    from dmuon.tools.dry_run.run import RankReport
 
     return RankReport(rank=0, host_syncs_per_step=0, host_sync_sites=[], bytes_sent_per_rank=0,
                       plan_bytes_sent_per_rank=0, collectives=[], device_ops_per_step=0, state_bytes=0,

@@ -1,13 +1,18 @@
 """dmuon's layers, kept by a test: each folder is one layer, and a layer imports only the
 layers below it.
 
-    numerics  <  plan  <  exchange  <  attention  <  the optimizer (dmuon/*.py)  <  the tools
+    numerics  <  plan  <  exchange  <  attention                 (the layers)
+      <  options  <  state  <  step  <  dmuon.optimizer  <  capture  (the optimizer)
+      <  tools
 
 ``dmuon.torch_compat`` is the floor beneath them all: it imports no dmuon module, and any
-layer may import it (it is where torch's private names live). The tools users call,
-``dmuon.plan_report`` and ``dmuon.dry_run``, sit on top; nothing in the runtime imports
-them (tests/test_package_boundaries.py). The exchange is the only layer that issues
-collectives. Read from the source (``ast``), so an import inside a function counts.
+layer may import it (it is where torch's private names live). The optimizer's own folders
+are floors too: its options, then its state, then its step, then the ``DMuon`` class
+(``dmuon.optimizer``, with the package's ``__init__``), then the captured step that wraps a
+built DMuon. The tools users call, ``dmuon.tools.plan_report`` and ``dmuon.tools.dry_run``,
+sit on top; nothing in the runtime imports them (tests/test_package_boundaries.py). The
+exchange is the only layer that issues collectives. Read from the source (``ast``), so an
+import inside a function counts.
 """
 
 from __future__ import annotations
@@ -24,14 +29,15 @@ pytestmark = pytest.mark.unit
 FLOOR = "dmuon.torch_compat"
 # The layer folders, lowest first.
 LAYERS = ("dmuon.numerics", "dmuon.plan", "dmuon.exchange", "dmuon.attention")
-TOOLS = ("dmuon.plan_report", "dmuon.dry_run")
-OPTIMIZER = "dmuon"  # the modules directly in dmuon/: the DMuon class and its step
-# What dmuon/ itself may hold besides the layer folders and the tools: the optimizer's own modules.
-OPTIMIZER_MODULES = {"__init__", "optimizer", "fast_path", "group_steps", "step_phases", "grad_checks",
-                     "adamw_part", "state_rollback", "state_loading", "resume_contract", "optimizer_hooks",
-                     "param_groups", "options", "implementation_flags", "pickling",
-                     "device_hyperparameters", "cuda_graphs", "replay_guard", "momentum_state", "converted_momenta",
-                     "telemetry", "torch_compat"}
+# The optimizer's floors, lowest first: its folders below the DMuon class, the class
+# (``dmuon.optimizer`` and the package itself), and the captured step above it.
+OPTIMIZER_FLOORS = ("dmuon.options", "dmuon.state", "dmuon.step", "dmuon", "dmuon.capture")
+OPTIMIZER = "dmuon"  # the DMuon class: dmuon.optimizer and the package's __init__
+TOOLS = ("dmuon.tools",)
+# The folders every runtime module lives in: the layers and the optimizer's floors.
+FOLDERS = LAYERS + tuple(floor for floor in OPTIMIZER_FLOORS if floor != OPTIMIZER)
+# What dmuon/ itself holds besides those folders and the tools: the class, the package and the floor.
+TOP_LEVEL_MODULES = {"__init__", "optimizer", "torch_compat"}
 # The most lines a runtime module (every module of dmuon/ but the tools) may have: room for
 # one concern in one file (split by concern, never by length).
 MAX_MODULE_LINES = 400
@@ -50,12 +56,12 @@ def level(module: str) -> tuple[int, str]:
     """Where ``module`` sits: (height, folder). Higher may import lower, and a folder its own."""
     if within(module, (FLOOR,)):
         return 0, FLOOR
-    for height, layer in enumerate(LAYERS, start=1):
-        if within(module, (layer,)):
+    for height, layer in enumerate(LAYERS + OPTIMIZER_FLOORS, start=1):
+        if layer != OPTIMIZER and within(module, (layer,)):
             return height, layer
     if within(module, TOOLS):
-        return len(LAYERS) + 2, "the tools"
-    return len(LAYERS) + 1, OPTIMIZER
+        return len(LAYERS) + len(OPTIMIZER_FLOORS) + 1, "the tools"
+    return len(LAYERS) + 1 + OPTIMIZER_FLOORS.index(OPTIMIZER), OPTIMIZER
 
 
 def upward_imports(imports: dict[str, set[str]]) -> list[str]:
@@ -65,7 +71,7 @@ def upward_imports(imports: dict[str, set[str]]) -> list[str]:
     for module, names in sorted(imports.items()):
         height, folder = level(module)
         for name in sorted(n for n in names if within(n, ("dmuon",))):
-            if name == "dmuon" and module != "dmuon" and height <= len(LAYERS):
+            if name == "dmuon" and module != "dmuon" and height < level(OPTIMIZER)[0]:
                 found.append(f"{module} imports the dmuon package (the optimizer) from {folder}")
                 continue
             other_height, other_folder = level(name)
@@ -113,8 +119,14 @@ def test_an_import_of_a_higher_layer_is_named():
         "dmuon.exchange.comm imports dmuon.optimizer: dmuon is not below dmuon.exchange"]
     assert upward_imports({"dmuon.exchange.comm": {"dmuon.attention.qk_clip"}}) == [
         "dmuon.exchange.comm imports dmuon.attention.qk_clip: dmuon.attention is not below dmuon.exchange"]
-    assert upward_imports({"dmuon.optimizer": {"dmuon.dry_run.run"}}) == [
-        "dmuon.optimizer imports dmuon.dry_run.run: the tools are not below dmuon"]
+    assert upward_imports({"dmuon.optimizer": {"dmuon.tools.dry_run.run"}}) == [
+        "dmuon.optimizer imports dmuon.tools.dry_run.run: the tools are not below dmuon"]
+    assert upward_imports({"dmuon.step.phases": {"dmuon.optimizer"}}) == [
+        "dmuon.step.phases imports dmuon.optimizer: dmuon is not below dmuon.step"]
+    assert upward_imports({"dmuon.options.checks": {"dmuon.state.momentum_state"}}) == [
+        "dmuon.options.checks imports dmuon.state.momentum_state: dmuon.state is not below dmuon.options"]
+    assert upward_imports({"dmuon.optimizer": {"dmuon.capture.cuda_graphs"}}) == [
+        "dmuon.optimizer imports dmuon.capture.cuda_graphs: dmuon.capture is not below dmuon"]
     assert upward_imports({"dmuon.torch_compat": {"dmuon.numerics.newton_schulz"}}) == [
         "dmuon.torch_compat imports dmuon.numerics.newton_schulz: dmuon.numerics is not below dmuon.torch_compat"]
 
@@ -124,8 +136,10 @@ def test_a_layer_may_import_its_own_folder_the_floor_and_the_layers_below():
         "dmuon.plan.owner_plan": {"dmuon.plan.units", "dmuon.numerics.newton_schulz", "dmuon.torch_compat"},
         "dmuon.exchange.comm": {"dmuon.plan.owner_plan", "dmuon.numerics.newton_schulz"},
         "dmuon.attention.clipping": {"dmuon.exchange.groups", "dmuon.plan.layout"},
-        "dmuon.optimizer": {"dmuon.attention.clipping", "dmuon.fast_path"},
-        "dmuon.dry_run.run": {"dmuon.optimizer", "dmuon.plan_report"},
+        "dmuon.optimizer": {"dmuon.attention.clipping", "dmuon.step.fast_path", "dmuon.options.checks"},
+        "dmuon.step.phases": {"dmuon.state.rollback", "dmuon.options.param_groups", "dmuon.exchange.comm"},
+        "dmuon.capture.cuda_graphs": {"dmuon.optimizer", "dmuon.options.device_hyperparameters"},
+        "dmuon.tools.dry_run.run": {"dmuon.optimizer", "dmuon.tools.plan_report"},
     }) == []
 
 
@@ -144,19 +158,19 @@ def test_only_the_exchange_issues_collectives():
 
 
 def test_a_collective_outside_the_exchange_is_named():
-    path = REPO / "dmuon" / "telemetry.py"
+    path = REPO / "dmuon" / "step" / "telemetry.py"
     source = "import torch.distributed as dist\n\ndef f(t, d):\n    dist.all_reduce(t)\n    return d.full_tensor()\n"
-    assert collective_calls(path, source) == ["dmuon.telemetry:4 all_reduce", "dmuon.telemetry:5 full_tensor"]
+    assert collective_calls(path, source) == ["dmuon.step.telemetry:4 all_reduce", "dmuon.step.telemetry:5 full_tensor"]
 
 
-def test_dmuon_holds_the_optimizer_modules_the_layer_folders_and_the_tools_only():
+def test_dmuon_holds_the_class_the_floor_the_folders_and_the_tools_only():
     modules = {path.stem for path in (REPO / "dmuon").glob("*.py")}
     folders = {path.name for path in (REPO / "dmuon").iterdir() if (path / "__init__.py").exists()}
-    assert modules == OPTIMIZER_MODULES | {"plan_report"}
-    assert folders == {layer.split(".")[1] for layer in LAYERS} | {"dry_run"}
+    assert modules == TOP_LEVEL_MODULES
+    assert folders == {folder.split(".")[1] for folder in FOLDERS + TOOLS}
 
 
-@pytest.mark.parametrize("layer", LAYERS)
+@pytest.mark.parametrize("layer", FOLDERS + TOOLS)
 def test_each_layer_folder_says_what_it_holds_and_what_it_may_import(layer):
     init = REPO / Path(*layer.split(".")) / "__init__.py"
     docstring = ast.get_docstring(ast.parse(init.read_text())) or ""
@@ -217,7 +231,7 @@ def test_an_import_circle_is_named_with_its_modules():
                "dmuon.plan.schedule": {"dmuon.plan.owners"}, "dmuon.plan.units": set()}
     assert import_circles(imports) == [["dmuon.plan.owner_plan", "dmuon.plan.owners", "dmuon.plan.schedule"]]
     source = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from dmuon.optimizer import DMuon\n"
-    assert "dmuon.optimizer" in imports_of(REPO / "dmuon" / "step_phases.py", source)  # a type-only import counts
+    assert "dmuon.optimizer" in imports_of(REPO / "dmuon" / "step" / "phases.py", source)  # a type-only import counts
 
 
 def private_reads(path: Path, source: str | None = None) -> list[str]:
@@ -240,5 +254,5 @@ def test_no_module_of_dmuon_reads_another_objects_private_attributes():
 
 def test_a_private_read_is_named():
     source = "def f(optimizer, self):\n    self._x = 1\n    return optimizer._fast_path._run\n"
-    assert private_reads(REPO / "dmuon" / "cuda_graphs.py", source) == [
-        "dmuon.cuda_graphs:3 optimizer._fast_path._run", "dmuon.cuda_graphs:3 optimizer._fast_path"]
+    assert private_reads(REPO / "dmuon" / "capture" / "cuda_graphs.py", source) == [
+        "dmuon.capture.cuda_graphs:3 optimizer._fast_path._run", "dmuon.capture.cuda_graphs:3 optimizer._fast_path"]

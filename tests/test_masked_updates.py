@@ -165,7 +165,7 @@ def test_masked_momentum_holds_one_chunk_of_emas_at_a_time():
     # Three buffers of 0.6 chunk each: one per chunk. Each chunk's out-of-place EMAs must be
     # freed before the next chunk's are made (found by the dry run: MoE 16B under EP at
     # P = 1024 held two chunks, over its memory bound). Meta tensors: sizes without data.
-    from dmuon.dry_run.recorder import StepRecorder
+    from dmuon.tools.dry_run.recorder import StepRecorder
     from dmuon.numerics.update_lists import MASKED_CHUNK_NUMEL
 
     numel = MASKED_CHUNK_NUMEL * 6 // 10

@@ -14,7 +14,7 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
-import dmuon.momentum_state as momentum_state
+import dmuon.state.momentum_state as momentum_state
 from benchmarks import momentum_memory
 from dmuon import DMuon
 from tests.multiprocess import run_on_ranks
@@ -63,12 +63,12 @@ def fast_path_reads(momentum_dtype: str) -> dict:
     """On each of 2 ranks (``Shard(0)``, the owner exchange): the elements of earlier working
     copies alive at each read, with pack chunks of two matrices' blocks at most."""
     import dmuon.exchange.packing
-    import dmuon.fast_path
+    import dmuon.step.fast_path
     import dmuon.plan.pack_layout
 
     mesh = init_device_mesh("cpu", (2,))
     chunk = 2 * 8192 // 2  # two matrices' blocks of 4,096 elements a rank
-    for module in (dmuon.plan.pack_layout, dmuon.fast_path):
+    for module in (dmuon.plan.pack_layout, dmuon.step.fast_path):
         module.PACK_CHUNK_NUMEL = chunk
     with pytest.MonkeyPatch.context() as monkeypatch:
         copies = WorkingCopies(monkeypatch)

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from dmuon import DMuon
-from dmuon import adamw_part
+from dmuon.step import adamw_part
 
 pytestmark = pytest.mark.unit
 

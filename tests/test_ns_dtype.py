@@ -20,7 +20,7 @@ from dmuon.numerics.newton_schulz import (
     resolve_ns_dtype,
 )
 from dmuon.numerics.cpu_bf16 import bf16_gemm_verdict, cpu_facts
-from dmuon.options import check_ns_dtype
+from dmuon.options.checks import check_ns_dtype
 
 pytestmark = pytest.mark.unit
 

@@ -19,7 +19,7 @@ from torchtitan.config import ConfigManager
 
 from dmuon import DMuon, default_use_muon
 from dmuon.numerics.newton_schulz import NS_COEFFICIENT_SETS
-from dmuon.options import check_comm, check_link_gbps, check_max_batch_numel, check_split_replicas
+from dmuon.options.checks import check_comm, check_link_gbps, check_max_batch_numel, check_split_replicas
 from dmuon.plan.cost_model import CostModel
 from torchtitan_ext.routing import goes_to_adamw, route_parameters
 from torchtitan_ext.titan02.kwargs import dmuon_kwargs

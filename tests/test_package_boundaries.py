@@ -1,6 +1,6 @@
 """What the shipped packages may import: the wheel holds dmuon/ and torchtitan_ext/
 only (pyproject.toml), so neither may reach into benchmarks/ or tests/, and the
-optimizer's runtime does not import the reporting tool dmuon.plan_report; and only
+optimizer's runtime does not import the reporting tool dmuon.tools.plan_report; and only
 dmuon.torch_compat imports torch's private names.
 
 Read from the source files' import statements (``tests/source_imports.py``). The
@@ -21,7 +21,7 @@ pytestmark = pytest.mark.unit
 
 SHIPPED = ("dmuon", "torchtitan_ext")
 NOT_SHIPPED = ("benchmarks", "tests")
-TOOLS_IN_DMUON = ("dmuon.plan_report", "dmuon.dry_run")
+TOOLS_IN_DMUON = ("dmuon.tools.plan_report", "dmuon.tools.dry_run")
 # The one module allowed to import torch's private names (those with a part starting "_").
 TORCH_COMPAT = "dmuon.torch_compat"
 

@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import pytest
 
-from dmuon.dry_run.host_costs import retained_heap
+from dmuon.tools.dry_run.host_costs import retained_heap
 from dmuon.plan import ParamSpec, make_owner_plan
 from dmuon.plan import layout as layout_module
 from dmuon.plan.cost_model import plan_with_best_split

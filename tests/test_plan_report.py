@@ -1,4 +1,4 @@
-"""python -m dmuon.plan_report: the optimizer's own planner at P up to 1024, from shapes alone."""
+"""python -m dmuon.tools.plan_report: the optimizer's own planner at P up to 1024, from shapes alone."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 import pytest
 
 from dmuon.numerics.newton_schulz import newton_schulz_flops
-from dmuon.plan_report import PRESETS, main, min_bytes_per_rank
+from dmuon.tools.plan_report import PRESETS, main, min_bytes_per_rank
 
 pytestmark = pytest.mark.unit
 

@@ -1,4 +1,4 @@
-"""``DMuon.load_state_dict``'s resume contract (``dmuon.resume_contract``): options that may
+"""``DMuon.load_state_dict``'s resume contract (``dmuon.state.resume_contract``): options that may
 change between a save and a resume come from the optimizer as constructed, each change
 logged; options that change the state's layout are refused before anything loads; an
 unchanged resume is bit for bit the uninterrupted run. One process, plain tensors, seeded.

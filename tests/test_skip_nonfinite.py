@@ -86,7 +86,7 @@ def test_skip_nonfinite_must_be_true_or_false():
 
 
 def test_an_error_in_the_adamw_part_leaves_the_muon_part_as_it_was(monkeypatch):
-    import dmuon.adamw_part
+    import dmuon.step.adamw_part
 
     optimizer, params = _run([0, 1])
     before = params[0][1].detach().clone()
@@ -94,7 +94,7 @@ def test_an_error_in_the_adamw_part_leaves_the_muon_part_as_it_was(monkeypatch):
     def raising(*args, **kwargs):
         raise RuntimeError("AdamW failed")
 
-    monkeypatch.setattr(dmuon.adamw_part, "_group_step", raising)
+    monkeypatch.setattr(dmuon.step.adamw_part, "_group_step", raising)
     _grads(params, BAD_STEP)
     with pytest.raises(RuntimeError, match="AdamW failed"):
         optimizer.step()
@@ -113,7 +113,7 @@ def test_a_skipped_step_with_capturable_leaves_the_adamw_part_undecayed(fused):
 
 
 def test_skip_nonfinite_set_after_construction_is_read_at_the_next_step():
-    # The step reads the optimizer's options as they are at each step (dmuon.step_phases.StepOptions).
+    # The step reads the optimizer's options as they are at each step (dmuon.step.phases.StepOptions).
     torch.manual_seed(0)
     weight = torch.nn.Parameter(torch.randn(4, 4))
     optimizer = DMuon([weight], lr=0.02)

@@ -1,4 +1,4 @@
-"""DMuon(telemetry=True): the last step's times, bytes and update/weight RMS (dmuon/telemetry.py)."""
+"""DMuon(telemetry=True): the last step's times, bytes and update/weight RMS (dmuon/step/telemetry.py)."""
 
 from __future__ import annotations
 
@@ -108,7 +108,7 @@ def test_on_two_ranks_bytes_sent_are_the_last_steps_share_of_comm_stats(two_rank
 
 @pytest.mark.unit
 def test_combined_figures_of_two_optimizers_add_times_and_bytes_and_pool_the_rms():
-    from dmuon.telemetry import StepFigures
+    from dmuon.step.telemetry import StepFigures
 
     a = StepFigures.from_sums(1.0, 0.5, 10, [1.0, 4.0, 1.0, 0.0, 0.0, 0.0])  # Muon only
     b = StepFigures.from_sums(2.0, 0.25, 20, [3.0, 0.0, 3.0, 9.0, 9.0, 1.0])

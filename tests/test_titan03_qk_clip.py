@@ -151,7 +151,7 @@ def test_an_attention_with_qk_norm_is_refused_naming_it():
 def test_the_step_line_shows_max_logit_and_clipped_heads_only_with_qk_clip():
     from torchtitan.tools.utils import NoColor
 
-    from dmuon.telemetry import StepFigures
+    from dmuon.step.telemetry import StepFigures
     from torchtitan_ext.step_figures import console_text
 
     sums = [4.0, 100.0, 400.0, 1.0, 25.0, 100.0]

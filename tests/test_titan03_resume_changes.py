@@ -1,6 +1,6 @@
 """Resuming a TorchTitan 0.3.x job with changed DMuon group options (issue 43, item 1):
 ``ns_steps`` and ``momentum`` changed on the command line are applied from the config on
-resume (``dmuon.resume_contract``, through 0.3's flat FQN-keyed state and DCP), logged on
+resume (``dmuon.state.resume_contract``, through 0.3's flat FQN-keyed state and DCP), logged on
 every rank, and change the losses after the first resumed step.
 
 A 2-rank run of the 0.3.x CPU demo (10 steps, checkpoint at step 5) and one resume. Skipped

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from torchtitan.tools.utils import Color, NoColor
 
-from dmuon.telemetry import StepFigures
+from dmuon.step.telemetry import StepFigures
 from torchtitan_ext.step_figures import console_text
 from torchtitan_ext.titan_log import parse_log
 

@@ -85,7 +85,7 @@ def test_ns_dtype_defaults_to_auto_and_is_set_in_the_shipped_dmuon_configs():
 
 
 def test_unknown_ns_dtype_is_rejected_with_dmuons_own_message_naming_the_section(tmp_path):
-    from dmuon.options import check_ns_dtype
+    from dmuon.options.checks import check_ns_dtype
 
     with pytest.raises(ValueError) as rule:
         check_ns_dtype("fp16", "[optimizer]")

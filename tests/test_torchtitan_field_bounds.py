@@ -6,7 +6,7 @@ parse time, by the check of its own field (the message names it and quotes the v
 
 The cases are generated from the checks' tables: ``validation.NUMBER_FIELDS`` (the fields
 the extension checks as written: ``adamw_lr``, ``beta1``, ``beta2``) and, for the numbers
-dmuon's validator checks (``dmuon/options.py``, which calls one range check per option and
+dmuon's validator checks (``dmuon/options/checks.py``, which calls one range check per option and
 keeps no table), ``DMUON_CHECKED`` below, the specification of those ranges as the TOML
 sees them. ``test_every_number_field_has_its_bounds_here`` keeps the tables whole.
 """

@@ -21,7 +21,7 @@ from torchtitan.tools.utils import NoColor
 import torchtitan_ext.titan02.job  # noqa: F401  (registers the DMuon-aware train specs)
 from dmuon import DMuon
 from dmuon.attention.qk_clip import head_max_logits
-from dmuon.telemetry import StepFigures
+from dmuon.step.telemetry import StepFigures
 from torchtitan_ext.step_figures import console_text, metric_values
 from torchtitan_ext.titan02.kwargs import dmuon_kwargs
 from torchtitan_ext.titan02.max_logits import QKClipUnsupported

@@ -13,7 +13,7 @@ import pytest
 from torchtitan.components.metrics import DeviceMemStats, MetricsProcessor
 from torchtitan.tools.utils import NoColor
 
-from dmuon.telemetry import StepFigures
+from dmuon.step.telemetry import StepFigures
 from torchtitan_ext.step_figures import METRICS
 from torchtitan_ext.titan02.metrics import DMuonMetricsProcessor
 

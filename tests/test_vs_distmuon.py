@@ -20,7 +20,7 @@ from benchmarks.distmuon_model import (
 )
 from benchmarks.vs_distmuon import PRESETS, compare, fsdp_step_bytes, muon_matrices, step_bytes
 from dmuon.numerics.newton_schulz import newton_schulz_flops
-from dmuon.plan_report import min_bytes_per_rank
+from dmuon.tools.plan_report import min_bytes_per_rank
 
 pytestmark = pytest.mark.unit
 

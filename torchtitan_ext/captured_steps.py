@@ -3,7 +3,7 @@
 Both lines' containers take :class:`CapturedSteps` as a mixin. When the config turns
 ``capture_step`` on, each DMuon is built with ``capturable=True`` (its learning rate and
 weight decay on the GPU, where TorchTitan's LR scheduler fills them) and
-:meth:`CapturedSteps.capture_optimizer_steps` wraps it in ``dmuon.cuda_graphs.CapturedStep``:
+:meth:`CapturedSteps.capture_optimizer_steps` wraps it in ``dmuon.capture.cuda_graphs.CapturedStep``:
 eager for a few warm-up steps, then one graph replayed at every step. The container's
 ``zero_grad`` then keeps the grad tensors (``set_to_none=False``, as TorchTitan 0.3's own
 graphs of the forward and backward need too), since the graph reads them where they are;
@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from dmuon import DMuon
-from dmuon.cuda_graphs import CapturedStep
+from dmuon.capture.cuda_graphs import CapturedStep
 from dmuon.torch_compat import local_of
 
 # Every CapturedStep a container made, released before the process group is destroyed.

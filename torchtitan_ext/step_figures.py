@@ -14,7 +14,7 @@ import math
 from collections.abc import Iterator
 from typing import Any
 
-from dmuon.telemetry import StepFigures
+from dmuon.step.telemetry import StepFigures
 
 # TensorBoard / W&B keys, in TorchTitan's "group/name(unit)" style.
 METRICS = {

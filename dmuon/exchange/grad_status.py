@@ -125,7 +125,7 @@ class GradStatus:
 
     def start_tally(self, device: torch.device) -> None:
         """Count the status of every step recorded from now on in a :class:`ReplayTally` (a
-        CUDA graph's capture: ``dmuon.cuda_graphs``); made and zeroed now, before the capture."""
+        CUDA graph's capture: ``dmuon.capture.cuda_graphs``); made and zeroed now, before the capture."""
         names = [] if self._channel is None else self._channel.names
         self._tally = ReplayTally(names, self.device or device)
 
@@ -153,7 +153,7 @@ class GradStatus:
 
     def take_held(self) -> Exception | None:
         """The error :meth:`settle` read early and holds for the next step, taken (a captured
-        step's reader raises it itself: ``dmuon.cuda_graphs``)."""
+        step's reader raises it itself: ``dmuon.capture.cuda_graphs``)."""
         held, self._held = self._held, None
         return held
 

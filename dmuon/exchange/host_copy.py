@@ -26,7 +26,7 @@ class HostCopy:
         self._event = None
         self.in_graph = False
         """Made while a CUDA graph was captured: every replay copies again into the same
-        pinned memory, and a reader waits for the replay itself (``dmuon.cuda_graphs``)."""
+        pinned memory, and a reader waits for the replay itself (``dmuon.capture.cuda_graphs``)."""
         if tensor.device.type == "cpu":
             self._host = tensor
             return

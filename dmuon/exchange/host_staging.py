@@ -45,7 +45,7 @@ from dmuon.torch_compat import is_fake, local_of
 FORCE = False
 """Stage every fast path, also one whose tensors are on the mesh's device (tests)."""
 MASKS, RESULTS, KEPT, NORMUON_ROWS = "masks", "batch results", "kept unit result", "NorMuon rows"
-# The step's mask for an AdamW part on the host (``dmuon.adamw_part``): one wait a step.
+# The step's mask for an AdamW part on the host (``dmuon.step.adamw_part``): one wait a step.
 ADAMW_MASK = "AdamW mask"
 QK_CLIP_FACTORS = "QK-clip factors"
 """The kinds of wait, as :func:`listening` reports them."""

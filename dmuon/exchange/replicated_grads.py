@@ -17,7 +17,7 @@ holds its tokens' share) or already ``Replicate``. Each rank sees only its own g
 Ranks that disagree on a parameter (``Partial`` on some, ``Replicate`` on others) are
 counted in the step's status (``dmuon.exchange.grad_status``): that step changes nothing
 and every rank raises. A parameter sharded on some dim must get its grad laid out like it
-(``dmuon.grad_checks``). The cost: one small ``all_reduce`` per replicated parameter
+(``dmuon.step.grad_checks``). The cost: one small ``all_reduce`` per replicated parameter
 (norm weights) per step, also where the grads were already replicated.
 """
 

@@ -67,7 +67,7 @@ class StatusMasks(Mapping[torch.Tensor, torch.Tensor]):
         self._masked_here = masked_here
         self._device = device
         self._pending = pending
-        self._tally = tally  # while a CUDA graph is captured: counts each replay's status (dmuon.cuda_graphs)
+        self._tally = tally  # while a CUDA graph is captured: counts each replay's status (dmuon.capture.cuda_graphs)
         self._keys = {} if channel is None else {p: None for p in channel.params}
         self._oks: dict[torch.Tensor, torch.Tensor] | None = None
         self._step_ok: torch.Tensor | None = None
@@ -139,7 +139,7 @@ class StatusMasks(Mapping[torch.Tensor, torch.Tensor]):
 
 
 class ReplayTally:
-    """What the replays of a captured step found, counted on the device (``dmuon.cuda_graphs``).
+    """What the replays of a captured step found, counted on the device (``dmuon.capture.cuda_graphs``).
 
     An eager step's status sums go to the host and the next step reads them. A replayed
     graph runs no host code and copies into the same pinned memory each time, so a host

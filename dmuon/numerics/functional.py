@@ -156,7 +156,7 @@ def normuon_state(param: torch.Tensor) -> torch.Tensor:
     For a DTensor parameter, a DTensor replicated on the parameter's mesh: every rank
     holds every row. The rows are few (1 / columns of the parameter), a whole matrix's
     rows are what its owner reads, and a replicated tensor reshards under DCP to any
-    world size. ``dmuon.fast_path`` keeps the replicas equal after each step.
+    world size. ``dmuon.step.fast_path`` keeps the replicas equal after each step.
     """
     dtype = torch.float64 if param.dtype == torch.float64 else torch.float32
     shape = normuon_second_moment_shape(param.shape)

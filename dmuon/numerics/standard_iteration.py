@@ -10,7 +10,7 @@ Matrices of one shape run back to back can share one set of buffers
 kernel a new tensor would get), and each buffer has the layout the new tensor would
 have had (contiguous, seen wide), so the bits are the unbuffered iteration's
 (``tests/test_standard_iteration.py``). The memory held is never more than the one
-matrix's workspace the step's memory bound counts (``dmuon.dry_run.memory_bound``): two
+matrix's workspace the step's memory bound counts (``dmuon.tools.dry_run.memory_bound``): two
 iterates, the Gram matrix and the polynomial (and the bf16 result where the iteration runs
 wider; how a result leaves the buffers: ``newton_schulz._result``); the owner releases them
 after each batch's Newton-Schulz.

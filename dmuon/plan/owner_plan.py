@@ -215,7 +215,7 @@ def scratch_events(plan: OwnerPlan, rank: int) -> list[int]:
     ``dmuon.plan.schedule.batch_schedule``, each event as the buffers it makes and frees.
 
     - start gather(b): send buffer (each chunk's blocks packed straight into it: their
-      look-ahead is the elementwise scratch of ``dmuon.dry_run.memory_bound``); receive buffer;
+      look-ahead is the elementwise scratch of ``dmuon.tools.dry_run.memory_bound``); receive buffer;
     - finish gather(b): send freed; the owned whole matrices, one buffer, are cut from
       the receive buffer (receive freed);
     - Newton-Schulz(b): units kept local: update copy, result, both freed; owned

@@ -1,5 +1,5 @@
 """Where every block of one batch lies in one rank's exchange buffers: pure, from the
-plan, computed once per plan and batch and kept (``dmuon.fast_path`` caches them with
+plan, computed once per plan and batch and kept (``dmuon.step.fast_path`` caches them with
 its plan), so packing is a few tensor ops per batch and direction instead of a slice
 and a copy per block.
 
@@ -29,7 +29,7 @@ from dmuon.plan.units import Unit
 
 # The most elements the gather packs with one list op: the look-ahead it computes for
 # them (in the parameters' dtype) lives until they are packed, so this bounds that
-# scratch (``dmuon.dry_run.memory_bound``). A larger block is packed alone.
+# scratch (``dmuon.tools.dry_run.memory_bound``). A larger block is packed alone.
 PACK_CHUNK_NUMEL = 1 << 24
 
 

@@ -3,7 +3,7 @@
 - ``local``: the rank holds the whole parameter (plain tensor, replicated DTensor,
   one-rank mesh); it orthogonalizes its own update in place and nothing moves;
 - ``all_to_all``: the owner exchange (``dmuon.exchange.owner_exchange``) over one
-  owner plan (``dmuon.fast_path``);
+  owner plan (``dmuon.step.fast_path``);
 - ``redistribute``: every rank gathers and orthogonalizes the whole parameter
   (``dmuon.exchange.reference``).
 

@@ -111,11 +111,11 @@ CORE = [
         new="",
         tests=("tests/test_replay_tally.py", "tests/test_cuda_graphs.py", "-k", "check or tally or read"),
     ),
-    # ---- rollback: dmuon/state_rollback.py, dmuon/step_phases.py
+    # ---- rollback: dmuon/state/rollback.py, dmuon/step/phases.py
     Mutant(
         name="masked-step-counters-not-taken-back",
         guarantee=NOTHING_CHANGES + " (the AdamW step counters torch keeps on the host)",
-        path="dmuon/state_rollback.py",
+        path="dmuon/state/rollback.py",
         old="            counter.sub_(1)",
         new="            counter.sub_(0)",
         tests=(SKIP_TESTS,),
@@ -123,7 +123,7 @@ CORE = [
     Mutant(
         name="masked-step-state-kept",
         guarantee=NOTHING_CHANGES + " (the state a masked step made for a first grad)",
-        path="dmuon/state_rollback.py",
+        path="dmuon/state/rollback.py",
         old="                entry.pop(key, None)",
         new="                entry.get(key, None)",
         tests=(SWEEP_SKIPS,),
@@ -131,16 +131,16 @@ CORE = [
     Mutant(
         name="settle-forgets-the-undo",
         guarantee="a checkpoint written after a skipped step holds the state of a run that never took it",
-        path="dmuon/step_phases.py",
+        path="dmuon/step/phases.py",
         old="        if self.grad_status.settle():\n            self.rollback.undo()",
         new="        if self.grad_status.settle():\n            pass",
         tests=(SKIP_TESTS,),
     ),
-    # ---- state loading and dtypes: dmuon/state_loading.py, dmuon/device_hyperparameters.py
+    # ---- state loading and dtypes: dmuon/state/loading.py, dmuon/options/device_hyperparameters.py
     Mutant(
         name="saved-momentum-dtype-not-kept",
         guarantee="a resume is bitwise the uninterrupted run (Muon's state keeps its saved dtype)",
-        path="dmuon/state_loading.py",
+        path="dmuon/state/loading.py",
         old="if isinstance(value, torch.Tensor) and value.dtype != optimizer.state[param][key].dtype:",
         new="if False:",
         tests=("tests/test_state_loading.py",),
@@ -148,7 +148,7 @@ CORE = [
     Mutant(
         name="loaded-state-not-copied-into-captured-tensors",
         guarantee="load_state_dict on a captured optimizer reaches the graph",
-        path="dmuon/state_loading.py",
+        path="dmuon/state/loading.py",
         old="                old.copy_(new)\n",
         new="",
         tests=("tests/test_cuda_graphs.py", "-k", "load_state_dict"),
@@ -156,7 +156,7 @@ CORE = [
     Mutant(
         name="loaded-lr-not-copied-into-the-groups-tensor",
         guarantee="a capturable group keeps its lr tensor through a load, holding the loaded value",
-        path="dmuon/device_hyperparameters.py",
+        path="dmuon/options/device_hyperparameters.py",
         old="                    before.copy_(loaded.detach().reshape(()))",
         new="                    pass",
         tests=("tests/test_capturable.py", "-k", "load or checkpoint"),
@@ -239,11 +239,11 @@ CORE = [
         new='"early_step_in_backward")',
         tests=("tests/test_torchtitan_field_checks.py", "-k", "capture_step"),
     ),
-    # ---- QK-clip's order: dmuon/step_phases.py
+    # ---- QK-clip's order: dmuon/step/phases.py
     Mutant(
         name="qk-clip-before-the-update",
         guarantee="QK-clip scales the weights after the step's update lands (Kimi K2's order)",
-        path="dmuon/step_phases.py",
+        path="dmuon/step/phases.py",
         old=("        self.scratch_stats.reset_peak()\n"
              "        self.fast_path.step(grads, status, muon_groups, state, steps, self.comm_stats, self.scratch_stats)\n"
              "        steps.muon_off_the_fast_path(param_groups, self.paths(param_groups, name_of), grads, status, state)\n"
@@ -258,11 +258,11 @@ CORE = [
              "        steps.muon_off_the_fast_path(param_groups, self.paths(param_groups, name_of), grads, status, state)\n"),
         tests=("tests/test_qk_clip.py", "-k", "after_the_update"),
     ),
-    # ---- the captured step: dmuon/replay_guard.py, dmuon/cuda_graphs.py
+    # ---- the captured step: dmuon/capture/replay_guard.py, dmuon/capture/cuda_graphs.py
     Mutant(
         name="replay-guard-compares-identity-only",
         guarantee="a replay never reads a grad or state tensor other than the captured one (new storage included)",
-        path="dmuon/replay_guard.py",
+        path="dmuon/capture/replay_guard.py",
         old="if tensor_now is not tensor or where_now != where or _storage(tensor_now) != storage:",
         new="if tensor_now is not tensor or where_now != where:",
         tests=("tests/test_cuda_graphs.py", "-k", "replay_after_a_change"),
@@ -270,7 +270,7 @@ CORE = [
     Mutant(
         name="number-lr-between-replays-not-copied-in",
         guarantee="a number written to lr between replays reaches the graph",
-        path="dmuon/replay_guard.py",
+        path="dmuon/capture/replay_guard.py",
         old="                    tensor.fill_(float(value))",
         new="                    pass",
         tests=("tests/test_cuda_graphs.py", "-k", "number_written"),
@@ -278,7 +278,7 @@ CORE = [
     Mutant(
         name="number-lr-left-on-the-host-for-the-capture",
         guarantee="a number written to lr before the capture never fails it",
-        path="dmuon/cuda_graphs.py",
+        path="dmuon/capture/cuda_graphs.py",
         old="        place_on_device(self.optimizer.param_groups)\n",
         new="",
         tests=("tests/test_cuda_graphs.py", "-k", "number_written"),
@@ -286,7 +286,7 @@ CORE = [
     Mutant(
         name="raising-warm-up-leaves-the-side-stream-unjoined",
         guarantee="a warm-up step that raises leaves no kernel racing the caller's stream",
-        path="dmuon/cuda_graphs.py",
+        path="dmuon/capture/cuda_graphs.py",
         old="            torch.cuda.current_stream().wait_stream(side)\n        self.eager_steps += 1",
         new="            pass\n        torch.cuda.current_stream().wait_stream(side)\n        self.eager_steps += 1",
         tests=("tests/test_cuda_graphs.py", "-k", "side_stream"),

@@ -116,7 +116,7 @@ WIDE = [
         name="copy-keeps-torchs-differentiable-default",
         guarantee="A deep copy or pickle of a DMuon keeps torch's state and DMuon's configuration, its defaults "
                   "still the keys a group may set, and steps bitwise like the original (as torch optimizers do).",
-        path="dmuon/pickling.py",
+        path="dmuon/state/pickling.py",
         old="        self.defaults.pop(\"differentiable\", None)\n",
         new="",
         tests=("tests/test_torch_optim_contract.py::"
@@ -126,7 +126,7 @@ WIDE = [
         name="resume-accepts-normuon-toggled",
         guarantee="Options that decide the state's layout (use_muon, normuon, split_rows) are refused on resume "
                   "before anything loads, naming the key.",
-        path="dmuon/resume_contract.py",
+        path="dmuon/state/resume_contract.py",
         old="LAYOUT_KEYS = (\"use_muon\", \"normuon\", \"split_rows\")",
         new="LAYOUT_KEYS = (\"use_muon\", \"split_rows\")",
         tests=("tests/test_resume_contract.py::"
@@ -137,7 +137,7 @@ WIDE = [
         name="resume-scales-scheduled-lr-by-old-over-new",
         guarantee="Under an LR scheduler a changed initial lr scales the saved lr by new / old, so the schedule "
                   "keeps its place.",
-        path="dmuon/resume_contract.py",
+        path="dmuon/state/resume_contract.py",
         old="group[LR] = saved[LR] * (new / old) if old else mine[LR]",
         new="group[LR] = saved[LR] * (old / new) if old else mine[LR]",
         tests=("tests/test_resume_contract.py::"
@@ -179,7 +179,7 @@ WIDE = [
         name="adamw-group-foreach-loses-to-the-optimizers",
         guarantee="A group's foreach wins over the optimizer's, as torch reads group['foreach']: foreach=False "
                   "steps that group's AdamW part one tensor at a time.",
-        path="dmuon/adamw_part.py",
+        path="dmuon/step/adamw_part.py",
         old="foreach = group.get(\"foreach\", foreach)",
         new="foreach = foreach if foreach is not None else group.get(\"foreach\")",
         tests=("tests/test_implementation_flags.py::"
@@ -258,7 +258,7 @@ WIDE = [
         name="grad-check-compares-ndim-not-shape",
         guarantee="A grad whose shape differs from its parameter's is a problem: the step raises ValueError "
                   "naming the parameter and both shapes, and changes nothing.",
-        path="dmuon/grad_checks.py",
+        path="dmuon/step/grad_checks.py",
         old="    if grad.shape != param.shape:\n",
         new="    if grad.ndim != param.ndim:\n",
         tests=("tests/test_validation.py::test_grad_shape_mismatch_in_muon_is_rejected_at_step",),
@@ -267,7 +267,7 @@ WIDE = [
         name="ns-steps-upper-bound-inclusive",
         guarantee="ns_steps must be an int in [1, 100) (torch.optim.Muon refuses 100 or more): ValueError at "
                   "construction naming the option.",
-        path="dmuon/options.py",
+        path="dmuon/options/checks.py",
         old="not 1 <= steps < MAX_NS_STEPS",
         new="not 1 <= steps <= MAX_NS_STEPS",
         tests=("tests/test_validation.py::test_bad_optimizer_option_is_rejected_naming_it",),
@@ -304,7 +304,7 @@ WIDE = [
         name="int8-momentum-kept-off-the-blocks",
         guarantee="Where a layout cuts rows off int8's 128-element blocks (TP's Shard(1) at an odd width), the "
                   "parameter's momentum is kept in bf16, so the run stays bitwise a single process's (issue 51).",
-        path="dmuon/momentum_state.py",
+        path="dmuon/state/momentum_state.py",
         old="    if momentum_dtype == \"int8\" and isinstance(param, DTensor) and not int8_blocks_whole(",
         new="    if False and isinstance(param, DTensor) and not int8_blocks_whole(",
         tests=("tests/test_momentum_dtype_ranks.py::"
@@ -314,7 +314,7 @@ WIDE = [
         name="momentum-not-converted-on-resume",
         guarantee="A checkpoint saved with another momentum_dtype is converted on load: the run goes on in the "
                   "form its optimizer asks for, from the momentum the checkpoint held (issue 51).",
-        path="dmuon/momentum_state.py",
+        path="dmuon/state/momentum_state.py",
         old="            if _held_as(values, scales) == _held_as_for(target, param.dtype):",
         new="            if True:",
         tests=("tests/test_momentum_dtype.py::test_an_int8_checkpoint_resumed_without_it_reads_the_momentum_it_held",),
@@ -323,7 +323,7 @@ WIDE = [
         name="unpacked-converted-momentum-skips-its-ema",
         guarantee="A low-precision momentum's blocks that a rank holds but never packs (HSDP's replica outside the "
                   "owner's, Newton-Schulz split across replicas) still take their EMA each step (issue 59, item 2).",
-        path="dmuon/fast_path.py",
+        path="dmuon/step/fast_path.py",
         old="        converted.unpacked(run.unpacked_units(), grad_blocks)\n",
         new="",
         tests=("tests/test_momentum_dtype_ranks.py::"
@@ -333,7 +333,7 @@ WIDE = [
         name="momentum-read-whole-off-the-fast-path",
         guarantee="Off the fast path a low-precision momentum is read, updated and stored a chunk at a time, "
                   "so its parameter-dtype copies never hold more than one chunk (issue 59, item 2).",
-        path="dmuon/momentum_state.py",
+        path="dmuon/state/momentum_state.py",
         old="    if all(_is_own_working(kept_momentum(state), like) for state, like in zip(states, likes)):",
         new="    if True:",
         tests=("tests/test_momentum_working_copies.py::"
@@ -382,7 +382,7 @@ WIDE = [
         name="fast-path-keeps-its-last-working-copies",
         guarantee="Nothing of a low-precision momentum's read outlives its pack chunk: at rest only the store "
                   "is left (issue 60, item 1).",
-        path="dmuon/converted_momenta.py",
+        path="dmuon/step/converted_momenta.py",
         old="            for k, momentum in zip(todo, work):\n                momenta[k] = momentum",
         new="            self.last_working = work\n            for k, momentum in zip(todo, work):\n"
             "                momenta[k] = momentum",
@@ -419,7 +419,7 @@ WIDE = [
         name="resume-conversion-aims-at-the-groups-dtype",
         guarantee="A load converts each momentum to the form its layout keeps (the bf16 fallback where a layout "
                   "cuts rows off the blocks), not to the group's momentum_dtype (issue 60: a survivor).",
-        path="dmuon/momentum_state.py",
+        path="dmuon/state/momentum_state.py",
         old="            target = storage_of(param, group[\"momentum_dtype\"])",
         new="            target = group[\"momentum_dtype\"]",
         tests=("tests/test_momentum_dtype_ranks.py::"
@@ -429,7 +429,7 @@ WIDE = [
         name="masked-read-misaligns-its-masks",
         guarantee="A masked read keeps each mask with its momentum when some parameters have no state yet "
                   "(issue 60: a survivor).",
-        path="dmuon/momentum_state.py",
+        path="dmuon/state/momentum_state.py",
         old="None if oks is None else [oks[i] for i in kept])",
         new="None if oks is None else list(oks)[: len(kept)])",
         tests=("tests/test_momentum_dtype.py::"
@@ -439,7 +439,7 @@ WIDE = [
         name="momentum-dtype-from-the-checkpoint-on-resume",
         guarantee="On resume the optimizer's momentum_dtype applies, not the checkpoint's, and the momentum is "
                   "converted to it (issue 60: a survivor).",
-        path="dmuon/resume_contract.py",
+        path="dmuon/state/resume_contract.py",
         old="\"qk_clip_threshold\", \"momentum_dtype\", \"betas\"",
         new="\"qk_clip_threshold\", \"betas\"",
         tests=("tests/test_momentum_dtype.py::test_a_float32_checkpoint_resumed_with_int8_rounds_its_momentum_once",),

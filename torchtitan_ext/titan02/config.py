@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 from dmuon.numerics.newton_schulz import DEFAULT_NS_COEFFICIENTS_NAME, DEFAULT_NS_DTYPE, DEFAULT_NS_STEPS
 from dmuon.numerics.update_rules import DEFAULT_MATCHED_ADAMW_RMS
-from dmuon.param_groups import (
+from dmuon.options.param_groups import (
     DEFAULT_ADJUST_LR,
     DEFAULT_MOMENTUM,
     DEFAULT_NESTEROV,
@@ -213,7 +213,7 @@ class Optimizer:
     Off by default: the step lines then stay exactly TorchTitan's (log parsers keep
     working), and the step does no extra work. On, it costs one 6-number all_reduce per
     step, a copy of one Muon block at a time, and a copy of the AdamW part's local
-    shards during its update (see dmuon/telemetry.py).
+    shards during its update (see dmuon/step/telemetry.py).
     """
 
     skip_nonfinite: bool = False
@@ -228,7 +228,7 @@ class Optimizer:
     capture_step: bool = False
     """
     Capture DMuon's step in a CUDA graph after three eager warm-up steps and replay it at
-    every step after (dmuon.cuda_graphs): its hundreds of launches become one. Turns on
+    every step after (dmuon.capture.cuda_graphs): its hundreds of launches become one. Turns on
     DMuon(capturable=True): the learning rate and weight decay live on the GPU, where the LR
     scheduler writes them, so the replay follows the schedule, with the bits of an uncaptured
     step. Grads are then zeroed in place. CUDA only (refused on a CPU run); not with

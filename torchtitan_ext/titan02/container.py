@@ -29,7 +29,7 @@ from typing import Any
 
 import torch.nn as nn
 from dmuon import DMuon
-from dmuon.telemetry import StepFigures
+from dmuon.step.telemetry import StepFigures
 
 from torchtitan.components.optimizer import OptimizersContainer
 from torchtitan.tools.logging import logger

@@ -11,7 +11,7 @@ TorchTitan's ``dcp.load``, on every rank alike:
 * a different Muon/AdamW routing (below).
 
 Options that may change on resume are applied by DMuon's own ``load_state_dict``
-(``dmuon.resume_contract``); the LR schedulers then take their base lrs from the groups
+(``dmuon.state.resume_contract``); the LR schedulers then take their base lrs from the groups
 (``install``).
 
 A parameter's optimizer (Muon or AdamW) comes from ``[optimizer] adamw_param_regex``
@@ -152,7 +152,7 @@ def check_routing(container: DMuonOptimizersContainer, checkpoint_id: str) -> No
 
 def base_lrs_from_groups(schedulers: LRSchedulersContainer) -> None:
     """After the LR schedulers load their state: a DMuon's schedulers take their base lrs
-    from its groups' ``initial_lr``, which ``dmuon.resume_contract`` set from the config, so
+    from its groups' ``initial_lr``, which ``dmuon.state.resume_contract`` set from the config, so
     a changed ``lr`` / ``adamw_lr`` holds for every later step, not only the first."""
     from dmuon import DMuon
 

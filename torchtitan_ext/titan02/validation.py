@@ -15,7 +15,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 from dmuon.numerics.newton_schulz import DEFAULT_NS_EPS
-from dmuon.options import (
+from dmuon.options.checks import (
     check_adamw_hyperparameters,
     check_comm,
     check_link_gbps,
@@ -23,7 +23,7 @@ from dmuon.options import (
     check_ns_dtype,
     check_split_replicas,
 )
-from dmuon.param_groups import split_options
+from dmuon.options.param_groups import split_options
 
 from ..field_checks import check_flag, check_number, Interval, NON_NEGATIVE, UNIT
 from ..versions import require_tested

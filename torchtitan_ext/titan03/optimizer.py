@@ -29,8 +29,8 @@ from torchtitan.tools.logging import logger
 
 from dmuon import DMuon
 from dmuon.numerics.newton_schulz import DEFAULT_NS_COEFFICIENTS_NAME
-from dmuon.param_groups import MUON_KEYS
-from dmuon.telemetry import StepFigures
+from dmuon.options.param_groups import MUON_KEYS
+from dmuon.step.telemetry import StepFigures
 
 from ..captured_steps import capture_refusal, CapturedSteps
 from ..implementation import dmuon_implementation

@@ -31,8 +31,8 @@ from typing import Any
 from torchtitan.components.optimizer import OptimizersContainer
 
 from dmuon import DMuon
-from dmuon.options import check_link_gbps, check_ns_dtype, check_optimizer_options
-from dmuon.param_groups import check_no_fused_muon, GROUP_OPTIONS, make_group, split_options
+from dmuon.options.checks import check_link_gbps, check_ns_dtype, check_optimizer_options
+from dmuon.options.param_groups import check_no_fused_muon, GROUP_OPTIONS, make_group, split_options
 
 from ..field_checks import check_number, Interval, NON_NEGATIVE, UNIT
 from ..implementation import dmuon_implementation
@@ -66,7 +66,7 @@ def check_group_options(options: dict[str, Any], where: str, implementation: dic
     """Raise ``ValueError`` naming ``where`` for a DMuon group's bad key or value.
 
     The values are checked by the validator ``DMuon(...)`` runs on each group it
-    builds (``dmuon.param_groups``), with this group's options over DMuon's defaults
+    builds (``dmuon.options.param_groups``), with this group's options over DMuon's defaults
     and ``implementation`` (DMuon's ``foreach`` / ``fused`` from the config's).
     """
     use_muon = options.get("use_muon")

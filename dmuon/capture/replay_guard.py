@@ -1,4 +1,4 @@
-"""What a captured step's graph reads, held and checked before each replay (``dmuon.cuda_graphs``).
+"""What a captured step's graph reads, held and checked before each replay (``dmuon.capture.cuda_graphs``).
 
 A CUDA graph replays its kernels on the memory addresses it was captured with; no host
 code of ``step()`` runs. Every tensor it reads must therefore still be the one captured,
@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from dmuon.device_hyperparameters import SCHEDULER_VALUES
+from dmuon.options.device_hyperparameters import SCHEDULER_VALUES
 from dmuon.numerics.device_scalars import DEVICE_HYPERPARAMETERS
 from dmuon.torch_compat import local_of
 
@@ -100,21 +100,21 @@ class ReplayGuard:
         self._copy_numbers_in()
         options = _options(self._optimizer)
         if len(options) != len(self._options):
-            raise RuntimeError(f"dmuon.cuda_graphs: param groups were added since the capture: {_RECAPTURE}")
+            raise RuntimeError(f"dmuon.capture.cuda_graphs: param groups were added since the capture: {_RECAPTURE}")
         for index, (before, now) in enumerate(zip(self._options, options)):
             if before != now:
                 changed = sorted({k for k, _ in set(before) ^ set(now)})
-                raise RuntimeError(f"dmuon.cuda_graphs: param group {index} changed since the capture (the option(s) "
+                raise RuntimeError(f"dmuon.capture.cuda_graphs: param group {index} changed since the capture (the option(s) "
                                    f"{changed}, fixed in the graph): {_RECAPTURE}")
         now_read = list(_read_tensors(self._optimizer))
         for (where, tensor, storage), (where_now, tensor_now) in zip(self._held, now_read):
             if tensor_now is not tensor or where_now != where or _storage(tensor_now) != storage:
                 what = _what(self._optimizer, where)
-                raise RuntimeError(f"dmuon.cuda_graphs: {what} was replaced since the capture (another tensor, or "
+                raise RuntimeError(f"dmuon.capture.cuda_graphs: {what} was replaced since the capture (another tensor, or "
                                    f"its storage moved): the graph would replay on the one it captured; "
                                    f"{_FIX[where[0]]}")
         if len(now_read) != len(self._held):
-            raise RuntimeError("dmuon.cuda_graphs: parameters or state entries were added or removed since the "
+            raise RuntimeError("dmuon.capture.cuda_graphs: parameters or state entries were added or removed since the "
                                f"capture: {_RECAPTURE}")
 
     def _copy_numbers_in(self) -> None:

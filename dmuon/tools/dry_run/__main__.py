@@ -1,16 +1,16 @@
-"""``python -m dmuon.dry_run``: DMuon's CUDA step at real scale, without a GPU.
+"""``python -m dmuon.tools.dry_run``: DMuon's CUDA step at real scale, without a GPU.
 
 Examples::
 
-    python -m dmuon.dry_run --model llama3-8b --world-size 64 --layout fsdp
-    python -m dmuon.dry_run --model llama3-70b --world-size 256 --layout hsdp:4x64 --json
-    python -m dmuon.dry_run --model moe-16b --world-size 32 --layout ep --ranks all --normuon
-    python -m dmuon.dry_run --model llama3-8b --world-size 64 --layout fsdp --cpu-offload
+    python -m dmuon.tools.dry_run --model llama3-8b --world-size 64 --layout fsdp
+    python -m dmuon.tools.dry_run --model llama3-70b --world-size 256 --layout hsdp:4x64 --json
+    python -m dmuon.tools.dry_run --model moe-16b --world-size 32 --layout ep --ranks all --normuon
+    python -m dmuon.tools.dry_run --model llama3-8b --world-size 64 --layout fsdp --cpu-offload
 
 Each impersonated rank runs in a process of its own (a fresh fake process group and
 fake CUDA device), builds the preset's parameters as fake CUDA tensors, lays them out
 with FSDP2 / DTensor, and takes two real ``DMuon`` steps; the second is recorded
-(``dmuon.dry_run.recorder``). Exits 1 if any rank read a device value on the host, mixed
+(``dmuon.tools.dry_run.recorder``). Exits 1 if any rank read a device value on the host, mixed
 CPU and CUDA tensors, sent other bytes than the plan says, held more memory than the
 bound, or ran a collective on CPU tensors; 2 on bad input (checked first, on any torch
 build) or without a CUDA build of torch, which it needs (no GPU). What it proves and
@@ -26,10 +26,10 @@ import os
 import sys
 from concurrent.futures import ProcessPoolExecutor
 
-from dmuon.dry_run.fake_cuda import DryRunError, check_cuda_build
-from dmuon.dry_run.layouts import OFFLOAD_LAYOUTS, parse_layout
-from dmuon.dry_run.models import PRESETS
-from dmuon.dry_run.run import PARAM_DTYPES, DryRunConfig, RankReport, run_rank, sample_ranks
+from dmuon.tools.dry_run.fake_cuda import DryRunError, check_cuda_build
+from dmuon.tools.dry_run.layouts import OFFLOAD_LAYOUTS, parse_layout
+from dmuon.tools.dry_run.models import PRESETS
+from dmuon.tools.dry_run.run import PARAM_DTYPES, DryRunConfig, RankReport, run_rank, sample_ranks
 
 MiB = 1 << 20
 # Parallel rank processes by default: each is one thread (fake tensors do no math).
@@ -37,7 +37,7 @@ DEFAULT_JOBS = min(2, os.cpu_count() or 1)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m dmuon.dry_run", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m dmuon.tools.dry_run", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", required=True, help=f"preset: {', '.join(PRESETS)}")
     parser.add_argument("--world-size", type=int, required=True, help="P ranks")
     parser.add_argument("--layout", default="fsdp", help="fsdp, hsdp[:RxS], fsdp_tp[:T], tp, ep (default fsdp)")
@@ -170,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
         config, ranks = make_config(args)  # bad input is told on any torch build
         check_cuda_build()
     except DryRunError as error:
-        print(f"dmuon.dry_run: {error}", file=sys.stderr)
+        print(f"dmuon.tools.dry_run: {error}", file=sys.stderr)
         return 2
     reports = run_ranks(config, ranks, args.jobs)
     print(json.dumps(summary(config, reports), indent=1) if args.json else format_table(config, reports))

@@ -2,7 +2,7 @@
 torch's hooks do not pickle):
 
 - ``load_state_dict`` keeps this optimizer's options where the saved ones differ
-  (``dmuon.resume_contract``);
+  (``dmuon.state.resume_contract``);
 - ``state_dict`` first settles the last step (:func:`settle_last_step`), so a checkpoint
   never holds the host changes of a step the device masked or skipped.
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from dmuon import resume_contract
+from dmuon.state import resume_contract
 from dmuon.torch_compat import has_optimizer_hook
 
 

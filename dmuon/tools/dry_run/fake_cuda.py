@@ -14,7 +14,7 @@ Use it for a model of your own::
     with fake_cuda_rank(rank=5, world_size=64) as mode:
         with torch.device("cuda"):
             model = MyModel()
-        ...  # fully_shard, DMuon, grads, steps: see dmuon.dry_run.run
+        ...  # fully_shard, DMuon, grads, steps: see dmuon.tools.dry_run.run
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@
 - each unit this rank holds whole and keeps: one, before it applies its result;
 - NorMuon's rows: one, after they were shared (``normuon``);
 - QK-clip's factors: one, before the rows are scaled (``qk_clip_threshold``);
-- the step's mask for the AdamW part on the host: one (``dmuon.adamw_part``).
+- the step's mask for the AdamW part on the host: one (``dmuon.step.adamw_part``).
 """
 
 from __future__ import annotations

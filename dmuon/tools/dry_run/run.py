@@ -2,7 +2,7 @@
 
 The first step makes the state and the plan (and runs the plan's one-time checks); the
 second is the steady step every later one repeats, and the third and fourth show that it
-does (the same program); each runs under :class:`~dmuon.dry_run.recorder.StepRecorder`.
+does (the same program); each runs under :class:`~dmuon.tools.dry_run.recorder.StepRecorder`.
 The steps run under a schedule that changes every group's learning rate and weight decay
 at every step (:func:`schedule`), as a real job's does, so the report also says whether
 the steady steps launch their kernels with the same host values (what a CUDA graph
@@ -21,14 +21,14 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate
 
 from dmuon.attention.qk_clip import AttentionHeads
-from dmuon.dry_run.fake_cuda import fake_cuda_rank
-from dmuon.dry_run.host_costs import counting_groups, plan_host_bytes
-from dmuon.dry_run.layouts import LayoutSpec, lay_out, make_mesh
-from dmuon.dry_run.memory_bound import peak_bound_bytes
-from dmuon.dry_run.models import Preset, Transformer, build
-from dmuon.dry_run.offload import documented_waits
-from dmuon.dry_run.recorder import HostTensorsStayReal, StepRecord, StepRecorder, first_scalar_changes
-from dmuon.group_steps import NORMUON_STATE_KEY
+from dmuon.tools.dry_run.fake_cuda import fake_cuda_rank
+from dmuon.tools.dry_run.host_costs import counting_groups, plan_host_bytes
+from dmuon.tools.dry_run.layouts import LayoutSpec, lay_out, make_mesh
+from dmuon.tools.dry_run.memory_bound import peak_bound_bytes
+from dmuon.tools.dry_run.models import Preset, Transformer, build
+from dmuon.tools.dry_run.offload import documented_waits
+from dmuon.tools.dry_run.recorder import HostTensorsStayReal, StepRecord, StepRecorder, first_scalar_changes
+from dmuon.step.group_steps import NORMUON_STATE_KEY
 from dmuon.optimizer import DMuon
 from dmuon.plan.owner_plan import WIRE_BYTES
 from dmuon.torch_compat import local_of
@@ -64,12 +64,12 @@ class DryRunConfig:
     options: dict = field(default_factory=dict)
     """Keyword arguments of ``DMuon`` (``normuon``, ``qk_clip_threshold``, ...)."""
     nccl_alone: bool = False
-    """The default group takes no CPU tensors, as NCCL alone (``dmuon.dry_run.host_costs``)."""
+    """The default group takes no CPU tensors, as NCCL alone (``dmuon.tools.dry_run.host_costs``)."""
     param_dtype: str = "float32"
     """The parameters' dtype (and so their grads' and state's): ``float32`` as TorchTitan
     keeps sharded parameters, or ``bfloat16``/``float16`` as a user of the FSDP2 API may."""
     cpu_offload: bool = False
-    """FSDP2's ``CPUOffloadPolicy``: parameters, grads and state on the host (``dmuon.dry_run.offload``)."""
+    """FSDP2's ``CPUOffloadPolicy``: parameters, grads and state on the host (``dmuon.tools.dry_run.offload``)."""
 
 
 @dataclass
@@ -162,7 +162,7 @@ class RankReport:
             found.append(f"{self.process_groups_made} process group(s) made by DMuon")
         if self.plan_host_bytes > self.plan_heap_bound_bytes:
             found.append(f"the plan keeps {self.plan_host_bytes} bytes of Python heap, over its bound "
-                         f"{self.plan_heap_bound_bytes} (dmuon.dry_run.run.plan_heap_bound)")
+                         f"{self.plan_heap_bound_bytes} (dmuon.tools.dry_run.run.plan_heap_bound)")
         if not self.same_program:
             found.append("steps 2 to 4 dispatched different device programs")
         elif self.capturable and not self.same_scalars:

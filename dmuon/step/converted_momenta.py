@@ -2,7 +2,7 @@
 block by block as the owner exchange packs them (issue 59, item 2).
 
 A momentum held in its parameter's dtype is its own working tensor: the fast path runs its
-EMA in place on the whole local shard before the exchange (``dmuon.fast_path``). One kept
+EMA in place on the whole local shard before the exchange (``dmuon.step.fast_path``). One kept
 narrower would need a parameter-dtype copy to run the rule on; made for every momentum at
 once and kept through the exchange, those copies raised the step's peak by the rank's whole
 momentum in the parameter's dtype (416 MiB on a llama3 8B rank at P = 64), and under a CUDA
@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
-from dmuon.group_steps import GroupSteps, by_group
-from dmuon.momentum_state import MomentumReads
+from dmuon.step.group_steps import GroupSteps, by_group
+from dmuon.state.momentum_state import MomentumReads
 from dmuon.numerics.update_lists import bounded_chunks
 from dmuon.plan.local_blocks import LocalBlocks
 from dmuon.plan.owner_plan import OwnerPlan

@@ -2,9 +2,9 @@
 
 Run::
 
-    python -m dmuon.plan_report --model llama3-8b --world-size 8 64 256 1024
-    python -m dmuon.plan_report --model llama3-70b --world-size 64 --json
-    python -m dmuon.plan_report --shapes shapes.json --world-size 16
+    python -m dmuon.tools.plan_report --model llama3-8b --world-size 8 64 256 1024
+    python -m dmuon.tools.plan_report --model llama3-70b --world-size 64 --json
+    python -m dmuon.tools.plan_report --shapes shapes.json --world-size 16
 
 It builds the optimizer's own owner plan (``dmuon.plan.make_owner_plan``) for the Muon
 matrices of a model, FSDP2-sharded (``Shard(0)``) over P ranks, and reports the balance
@@ -189,7 +189,7 @@ def load_shapes(path: Path) -> tuple[list[ParamSpec], int]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m dmuon.plan_report", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m dmuon.tools.plan_report", description=__doc__.split("\n\n")[0])
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--model", nargs="+", choices=sorted(PRESETS), help="llama3 preset(s)")
     source.add_argument("--shapes", type=Path, help="JSON file of Muon matrix shapes")

@@ -29,9 +29,9 @@ from dmuon.exchange.groups import group_of
 from dmuon.exchange.host_staging import HostStaging, check_offload, staging_for
 from dmuon.exchange.owner_exchange import Callbacks, run_owner_plan
 from dmuon.exchange.reductions import share_second_moments
-from dmuon.group_steps import GroupSteps, by_group
-from dmuon.converted_momenta import ConvertedMomenta
-from dmuon.momentum_state import kept_momentum
+from dmuon.step.group_steps import GroupSteps, by_group
+from dmuon.step.converted_momenta import ConvertedMomenta
+from dmuon.state.momentum_state import kept_momentum
 from dmuon.numerics.functional import normuon_state
 from dmuon.numerics.masked_updates import UnitMasks
 from dmuon.numerics.newton_schulz import resolve_ns_algorithm, resolve_ns_dtype
@@ -275,7 +275,7 @@ class FastPath:
              steps: GroupSteps, stats: CommStats, meter: ScratchMeter) -> None:
         """The fast path's step for every parameter of the plan, whatever its grad: the
         momentum EMA of every local shard kept in its parameter's dtype first (one list op per
-        group; the others' as their blocks are packed: ``dmuon.converted_momenta``), the Nesterov
+        group; the others' as their blocks are packed: ``dmuon.step.converted_momenta``), the Nesterov
         look-ahead packed as blocks travel, Newton-Schulz on the owner, the update on the
         local rows as results come back (``dmuon.exchange.owner_exchange``), each a list op
         per batch; everything masked by ``oks`` (each parameter's 0-dim bool on the device)."""
@@ -283,7 +283,7 @@ class FastPath:
             return
         run, params = self._run, self._run.params
         param_groups = [groups[p] for p in params]  # by plan parameter
-        ok = [oks[p] for p in params]  # made by the step's wait (dmuon.step_phases)
+        ok = [oks[p] for p in params]  # made by the step's wait (dmuon.step.phases)
         here = ok if run.staging is None else run.staging.masks(ok)  # where the elementwise rules run
         local_grads, local_bufs, converted = run.momentum_step(grads, state, here, param_groups, steps)
         bufs = run.blocks.kept("momentum_buffer", local_bufs)

@@ -12,7 +12,7 @@ bit as it was when the mask is False, without reading the mask on the host:
   ops on CUDA), one group at a time (the copy's memory: one group's local shards, three
   times); torch's host step counters are
   incremented as usual and recorded, so the next step takes them back if the mask was
-  False (``dmuon.state_rollback``). Prefer ``fused=True`` where torch has it: it costs nothing.
+  False (``dmuon.state.rollback``). Prefer ``fused=True`` where torch has it: it costs nothing.
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ from dmuon.exchange.status_masks import StatusMasks, StepMask
 from dmuon.exchange.host_staging import ADAMW_MASK, HostStaging
 from dmuon.numerics.functional import adamw_, adamw_state, adamw_steps
 from dmuon.numerics.masked_updates import select_
-from dmuon.state_rollback import StateRollback
-from dmuon.telemetry import Telemetry
+from dmuon.state.rollback import StateRollback
+from dmuon.step.telemetry import Telemetry
 from dmuon.torch_compat import capturable_devices, local_of
 
 State = MutableMapping[torch.Tensor, dict[str, Any]]

@@ -30,11 +30,11 @@ Refused at construction, each with the reason: ``capturable=False`` (the learnin
 would be the capture's forever), telemetry (it times with host events), QK-clip (its
 reports are host bookkeeping of the forward), parameters off the GPU (FSDP2's CPU offload:
 the step runs on the host); at capture: a parameter without a grad. Before each replay,
-host checks only (``dmuon.replay_guard``): a replaced or moved grad, parameter, state or
+host checks only (``dmuon.capture.replay_guard``): a replaced or moved grad, parameter, state or
 hyperparameter tensor, or a changed option (momentum, ``ns_steps``, ...: fixed at capture),
 raises instead of replaying a stale graph; a number written to ``lr`` or ``weight_decay``
 is copied into the tensor the graph reads. ``load_state_dict`` copies the loaded state into
-the tensors the graph reads (``dmuon.state_loading``).
+the tensors the graph reads (``dmuon.state.loading``).
 """
 
 from __future__ import annotations
@@ -43,10 +43,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from dmuon.device_hyperparameters import place_on_device
+from dmuon.options.device_hyperparameters import place_on_device
 from dmuon.exchange.status_masks import ReplayTally
-from dmuon.optimizer_hooks import settle_last_step
-from dmuon.replay_guard import ReplayGuard
+from dmuon.state.optimizer_hooks import settle_last_step
+from dmuon.capture.replay_guard import ReplayGuard
 from dmuon.torch_compat import local_of
 
 if TYPE_CHECKING:
@@ -99,9 +99,9 @@ class CapturedStep:
         steps its optimizers (``torch.cuda.graph``'s ``pool``)."""
         problems = capture_problems(optimizer)
         if problems:
-            raise ValueError("dmuon.cuda_graphs: this DMuon's step cannot be captured: " + "; ".join(problems))
+            raise ValueError("dmuon.capture.cuda_graphs: this DMuon's step cannot be captured: " + "; ".join(problems))
         if not isinstance(warmup_steps, int) or warmup_steps < 1:
-            raise ValueError(f"dmuon.cuda_graphs: warmup_steps must be an int >= 1, got {warmup_steps!r}")
+            raise ValueError(f"dmuon.capture.cuda_graphs: warmup_steps must be an int >= 1, got {warmup_steps!r}")
         self.optimizer, self.warmup_steps, self._pool = optimizer, warmup_steps, pool
         self.eager_steps = 0
         self.graph: torch.cuda.CUDAGraph | None = None
@@ -160,7 +160,7 @@ class CapturedStep:
         problem = device_problem(local_of(self.optimizer.param_groups[0]["params"][0]).device,
                                  torch.cuda.current_device())
         if problem is not None:
-            raise RuntimeError(f"dmuon.cuda_graphs: {problem}")
+            raise RuntimeError(f"dmuon.capture.cuda_graphs: {problem}")
 
     def _eager_step(self) -> None:
         self._check_device()
@@ -195,6 +195,6 @@ class CapturedStep:
         missing = [self.optimizer.param_name(p) for g in self.optimizer.param_groups for p in g["params"]
                    if p.grad is None]
         if missing:
-            raise ValueError(f"dmuon.cuda_graphs: no grad for {missing[:3]}{' ...' if len(missing) > 3 else ''}: a "
+            raise ValueError(f"dmuon.capture.cuda_graphs: no grad for {missing[:3]}{' ...' if len(missing) > 3 else ''}: a "
                              "captured step reads every grad where it is; give every parameter a grad and zero them "
                              "with zero_grad(set_to_none=False)")

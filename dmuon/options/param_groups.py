@@ -19,8 +19,8 @@ from dmuon.numerics.newton_schulz import (
 from dmuon.numerics.update_rules import DEFAULT_NORMUON_BETA2
 from dmuon.torch_compat import local_of
 from dmuon.numerics.device_scalars import DEVICE_HYPERPARAMETERS, device_scalar
-from dmuon.implementation_flags import IMPLEMENTATION_KEYS, NO_PATH_KEYS, check_no_fused_muon, check_no_path_flags, own_flags
-from dmuon.options import check_adamw_hyperparameters, check_muon_hyperparameters, check_muon_param
+from dmuon.options.implementation_flags import IMPLEMENTATION_KEYS, NO_PATH_KEYS, check_no_fused_muon, check_no_path_flags, own_flags
+from dmuon.options.checks import check_adamw_hyperparameters, check_muon_hyperparameters, check_muon_param
 
 # By default, a parameter with ndim >= 2 gets Muon unless its name marks it as an
 # embedding or an output head: those are lookup tables / classifiers, not linear maps

@@ -27,8 +27,8 @@ from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from dmuon.dry_run.fake_cuda import DryRunError
-from dmuon.dry_run.models import Transformer
+from dmuon.tools.dry_run.fake_cuda import DryRunError
+from dmuon.tools.dry_run.models import Transformer
 
 LAYOUTS = ("fsdp", "hsdp", "fsdp_tp", "tp", "ep")
 # The layouts whose FSDP2 holds every Muon matrix, so its offload policy moves them all to

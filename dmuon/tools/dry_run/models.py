@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from dmuon.plan_report import PRESETS as LLAMA3_SHAPES
+from dmuon.tools.plan_report import PRESETS as LLAMA3_SHAPES
 
 # The head size of every preset (llama3's).
 HEAD_DIM = 128

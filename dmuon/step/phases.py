@@ -1,7 +1,7 @@
 """One ``DMuon``'s step as the phases of one object, :class:`StepPhases`, which holds what
-they share: the paths and the owner plan (``dmuon.fast_path``), the status channel
+they share: the paths and the owner plan (``dmuon.step.fast_path``), the status channel
 (``dmuon.exchange.grad_status``), the host changes a masked step takes back
-(``dmuon.state_rollback``), QK-clip's attentions (``dmuon.attention.clipping``), the
+(``dmuon.state.rollback``), QK-clip's attentions (``dmuon.attention.clipping``), the
 telemetry and the communication counters. ``DMuon.step`` calls them in order::
 
     groups, last = phases.prepare(...)       # the plan (once); the last step's status read
@@ -26,19 +26,19 @@ from typing import Any
 
 import torch
 
-from dmuon.adamw_part import adamw_part
+from dmuon.step.adamw_part import adamw_part
 from dmuon.attention.clipping import AttentionClip, muon_group_threshold
 from dmuon.exchange.comm import CommStats, ScratchMeter
 from dmuon.exchange.grad_status import GradStatus, usable_grad
 from dmuon.exchange.status_masks import StatusMasks, StepMask
-from dmuon.fast_path import FastPath
-from dmuon.grad_checks import step_problems
-from dmuon.group_steps import GroupSteps
-from dmuon.momentum_state import MomentumDtypes
+from dmuon.step.fast_path import FastPath
+from dmuon.step.grad_checks import step_problems
+from dmuon.step.group_steps import GroupSteps
+from dmuon.state.momentum_state import MomentumDtypes
 from dmuon.numerics.finite import all_finite
-from dmuon.param_groups import muon_groups as param_muon_groups
-from dmuon.state_rollback import StateRollback
-from dmuon.telemetry import Telemetry
+from dmuon.options.param_groups import muon_groups as param_muon_groups
+from dmuon.state.rollback import StateRollback
+from dmuon.step.telemetry import Telemetry
 from dmuon.torch_compat import local_of
 
 ParamGroups = list[dict[str, Any]]

@@ -12,7 +12,7 @@ Two things can put something else there, and both are mended here, outside the k
 - code that assigns a number or another tensor (``torch.distributed.checkpoint``'s state
   initialization sets ``lr`` to a CPU ``torch.tensor(0.0)`` for one step):
   :func:`place_on_device` makes a device tensor of it at the next step (eagerly: a capture
-  would see a host copy; ``dmuon.cuda_graphs`` refuses to replay a graph whose tensors were
+  would see a host copy; ``dmuon.capture.cuda_graphs`` refuses to replay a graph whose tensors were
   replaced).
 """
 

@@ -24,7 +24,7 @@ runs the one momentum rule on it (``dmuon.numerics.update_lists.momentum_``), or
 the look-ahead of the unrounded result, and rounds the result into the store under the
 step's masks. The store is the state at rest (what sits beside activations between steps).
 The fast path reads, updates and stores a momentum kept in another dtype a few blocks at a
-time, as the owner exchange packs them (``dmuon.fast_path``), so its parameter-dtype copies
+time, as the owner exchange packs them (``dmuon.step.fast_path``), so its parameter-dtype copies
 never hold more than one pack chunk: a low-precision momentum does not raise the step's
 peak. Nothing of a read outlives its step.
 """

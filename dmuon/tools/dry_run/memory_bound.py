@@ -23,12 +23,12 @@ next, so the bound is the largest of three terms (``e``: the parameter's element
   root of the second moment, the step): ``ADAMW_TEMPORARIES`` times their local bytes;
   under a mask only the device knows, a group that is not fused (or decays cautiously)
   is copied before its step, parameters and both moments (``ADAMW_MASK_COPIES`` times
-  its local bytes more: ``dmuon.adamw_part``);
+  its local bytes more: ``dmuon.step.adamw_part``);
 - plus, through every phase, the masks' small tensors (``MASK_SCALAR_BYTES`` per parameter);
 - *masked momentum*: the EMAs computed out of place before they are selected
   (``dmuon.numerics.masked_updates``): a chunk of ``MASKED_CHUNK_NUMEL`` elements, or the
   largest Muon shard where that is larger;
-- *momentum kept in bf16 or int8* (``dmuon.momentum_state``): through every Muon phase, the
+- *momentum kept in bf16 or int8* (``dmuon.state.momentum_state``): through every Muon phase, the
   momenta of one chunk read into the parameters' dtype (a pack chunk on the fast path,
   ``READ_CHUNK_NUMEL`` elements off it, or the largest such shard where larger: each chunk is
   let go before the next is read); while they are rounded back, the new values in their kept
@@ -45,7 +45,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from dmuon.exchange.packing import stages_casts
-from dmuon.momentum_state import READ_CHUNK_NUMEL, kept_momentum
+from dmuon.state.momentum_state import READ_CHUNK_NUMEL, kept_momentum
 from dmuon.numerics.momentum_storage import ROUNDING_CHUNK_NUMEL, read_together
 from dmuon.numerics.update_lists import MASKED_CHUNK_NUMEL
 from dmuon.numerics.newton_schulz import matrix_shape, resolve_ns_dtype

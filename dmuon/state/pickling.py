@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from dmuon.optimizer_hooks import attach_hooks
-from dmuon.param_groups import fill_in_variant_defaults
+from dmuon.state.optimizer_hooks import attach_hooks
+from dmuon.options.param_groups import fill_in_variant_defaults
 
 # What a pickle keeps besides torch's defaults, state and param_groups.
 PICKLED_ATTRIBUTES = (

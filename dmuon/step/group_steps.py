@@ -26,7 +26,7 @@ from dmuon.numerics.functional import (
     update_scale,
 )
 from dmuon.exchange.status_channel import distributed
-from dmuon.momentum_state import (BUFFER_KEY, INT8_KEY, SCALES_KEY, MomentumReads, kept_momentum, make_momentum,
+from dmuon.state.momentum_state import (BUFFER_KEY, INT8_KEY, SCALES_KEY, MomentumReads, kept_momentum, make_momentum,
                                   read_chunks)
 from dmuon.exchange.status_masks import StatusMasks, StepMask
 from dmuon.numerics.device_scalars import StepScalars
@@ -36,8 +36,8 @@ from dmuon.numerics.standard_iteration import NewtonSchulzBuffers
 from dmuon.numerics.update_rules import nesterov_lookahead
 from dmuon.numerics.update_lists import apply_muon_, lookahead, momentum_, resolve_foreach
 from dmuon.plan.paths import ALL_TO_ALL, REDISTRIBUTE
-from dmuon.state_rollback import StateRollback
-from dmuon.telemetry import Telemetry
+from dmuon.state.rollback import StateRollback
+from dmuon.step.telemetry import Telemetry
 from dmuon.torch_compat import local_of
 
 # The Muon group values the update rules read (the rest configure Newton-Schulz).
@@ -135,7 +135,7 @@ class GroupSteps:
                         state: MutableMapping[torch.Tensor, dict[str, Any]], rollback: StateRollback,
                         name_of: Callable[[torch.Tensor], str]) -> None:
         """At a Muon parameter's first grad: a zero momentum in the group's ``momentum_dtype``
-        (``dmuon.momentum_state``), and in a NorMuon group a zero second moment
+        (``dmuon.state.momentum_state``), and in a NorMuon group a zero second moment
         (``dmuon.numerics.functional.normuon_state``); what is made is recorded in
         ``rollback`` (a masked step's is taken back by the next)."""
         for param in grads:
@@ -170,7 +170,7 @@ class GroupSteps:
 
         local_params = [local_of(p) for p in params]
         foreach = bool(local_params) and self.lists_for(local_params[0].device, group)
-        for chunk in read_chunks([state[p] for p in params], local_params):  # (module dmuon.momentum_state)
+        for chunk in read_chunks([state[p] for p in params], local_params):  # (module dmuon.state.momentum_state)
             momenta = MomentumReads()
             muon_([local_params[i] for i in chunk], [local_of(grads[params[i]]) for i in chunk],
                   momenta.read([state[params[i]] for i in chunk], [local_params[i] for i in chunk]),
@@ -204,7 +204,7 @@ class GroupSteps:
         collectives run on every rank alike. One parameter in hand at a time."""
         params = [p for p in group["params"] if p in oks and paths[p] != ALL_TO_ALL]
         states = [state.get(p) for p in params]
-        for chunk in read_chunks(states, [local_of(p) for p in params]):  # (module dmuon.momentum_state)
+        for chunk in read_chunks(states, [local_of(p) for p in params]):  # (module dmuon.state.momentum_state)
             self._muon_masked_chunk(group, [params[i] for i in chunk], [states[i] for i in chunk], paths, grads,
                                     oks, state)
 

@@ -3,7 +3,7 @@ process groups DMuon makes, the Python heap its plan keeps, and (with the record
 collectives on CPU tensors and whether every step dispatches the same program.
 
 Under the fake group every collective is free and every group is made at once, so these
-are counted, not timed (``dmuon.dry_run.fake_cuda.fake_cuda_rank(nccl_alone=True)`` makes the
+are counted, not timed (``dmuon.tools.dry_run.fake_cuda.fake_cuda_rank(nccl_alone=True)`` makes the
 default group take CUDA tensors only, as NCCL alone, TorchTitan's GPU default).
 """
 
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from dmuon.optimizer import DMuon
-from dmuon.param_groups import muon_groups
+from dmuon.options.param_groups import muon_groups
 
 
 @dataclass
