@@ -44,31 +44,13 @@ from dmuon.exchange.comm import CommStats, ScratchMeter
 from dmuon.step.fast_path import FastPath
 from dmuon.step.group_steps import MUON_STATE_KEYS
 from dmuon.state.momentum_state import convert_loaded
-from dmuon.numerics.newton_schulz import (
-    DEFAULT_GRAM_RESTARTS,
-    DEFAULT_NS_ALGORITHM,
-    DEFAULT_NS_DTYPE,
-    DEFAULT_NS_EPS,
-    DEFAULT_NS_STEPS,
-    KELLER_COEFFICIENTS,
-)
-from dmuon.numerics.update_rules import DEFAULT_MATCHED_ADAMW_RMS, DEFAULT_NORMUON_BETA2
 from dmuon.options.implementation_flags import check_optimizer_flags
-from dmuon.options.checks import (
-    check_bool,
-    check_hyperparameter_defaults,
-    check_link_gbps,
-    check_ns_dtype,
-    check_optimizer_options,
-)
 from dmuon.options.param_groups import build_param_groups, split_options
+from dmuon.options.table import ADAMW_ALIASES, DEFAULTS as D, check_group, check_optimizer_options
 from dmuon.state.optimizer_hooks import attach_hooks
 from dmuon.state.pickling import PicklesConfiguration
 from dmuon.state.loading import keep_saved_dtypes, keep_state_tensors, state_tensors
-from dmuon.plan.batches import DEFAULT_BATCH_NUMEL
-from dmuon.plan.cost_model import CostModel
 from dmuon.plan.owner_plan import OwnerPlan
-from dmuon.plan.paths import ALL_TO_ALL
 from dmuon.step.phases import StepOptions, StepPhases
 from dmuon.step.telemetry import StateBytes, StepFigures, Telemetry, state_bytes
 from dmuon.torch_compat import local_of
@@ -132,62 +114,62 @@ class DMuon(PicklesConfiguration, Optimizer):
     def __init__(
         self,
         params: ParamsArg,
-        lr: float | torch.Tensor = 0.02,
+        lr: float | torch.Tensor = D["lr"],
         *,
-        momentum: float = 0.95,
-        nesterov: bool = True,
-        weight_decay: float = 0.0,
-        ns_steps: int = DEFAULT_NS_STEPS,
-        ns_coefficients: str | Sequence[float] = KELLER_COEFFICIENTS,
-        ns_algorithm: str = DEFAULT_NS_ALGORITHM,
-        ns_gram_restarts: Sequence[int] = DEFAULT_GRAM_RESTARTS,
-        eps: float = DEFAULT_NS_EPS,
-        adjust_lr: str | None = "original",
-        matched_adamw_rms: float = DEFAULT_MATCHED_ADAMW_RMS,
-        adamw_lr: float | None = None,
-        adamw_betas: tuple[float, float] = (0.9, 0.95),
-        adamw_eps: float = 1e-8,
-        adamw_weight_decay: float | None = None,
-        split_rows: int | None = None,
-        normuon: bool = False,
-        normuon_beta2: float = DEFAULT_NORMUON_BETA2,
-        cautious_weight_decay: bool = False,
-        qk_clip_threshold: float | None = None, momentum_dtype: str | torch.dtype | None = None,
-        comm: str = ALL_TO_ALL,
-        max_batch_numel: int = DEFAULT_BATCH_NUMEL,
-        split_replicas: bool | None = None,
-        ns_dtype: str | torch.dtype = DEFAULT_NS_DTYPE,
-        link_gbps: float = CostModel.link_gbps, replica_link_gbps: float = CostModel.replica_link_gbps,
-        telemetry: bool = False, skip_nonfinite: bool = False,
-        foreach: bool | None = None, fused: bool | None = None,
-        maximize: bool | None = False, capturable: bool | None = False, differentiable: bool | None = False,
+        momentum: float = D["momentum"],
+        nesterov: bool = D["nesterov"],
+        weight_decay: float = D["weight_decay"],
+        ns_steps: int = D["ns_steps"],
+        ns_coefficients: str | Sequence[float] = D["ns_coefficients"],
+        ns_algorithm: str = D["ns_algorithm"],
+        ns_gram_restarts: Sequence[int] = D["ns_gram_restarts"],
+        eps: float = D["eps"],
+        adjust_lr: str | None = D["adjust_lr"],
+        matched_adamw_rms: float = D["matched_adamw_rms"],
+        adamw_lr: float | None = D["adamw_lr"],
+        adamw_betas: tuple[float, float] = D["adamw_betas"],
+        adamw_eps: float = D["adamw_eps"],
+        adamw_weight_decay: float | None = D["adamw_weight_decay"],
+        split_rows: int | None = D["split_rows"],
+        normuon: bool = D["normuon"],
+        normuon_beta2: float = D["normuon_beta2"],
+        cautious_weight_decay: bool = D["cautious_weight_decay"],
+        qk_clip_threshold: float | None = D["qk_clip_threshold"],
+        momentum_dtype: str | torch.dtype | None = D["momentum_dtype"],
+        comm: str = D["comm"],
+        max_batch_numel: int = D["max_batch_numel"],
+        split_replicas: bool | None = D["split_replicas"],
+        ns_dtype: str | torch.dtype = D["ns_dtype"],
+        link_gbps: float = D["link_gbps"],
+        replica_link_gbps: float = D["replica_link_gbps"],
+        telemetry: bool = D["telemetry"],
+        skip_nonfinite: bool = D["skip_nonfinite"],
+        foreach: bool | None = D["foreach"],
+        fused: bool | None = D["fused"],
+        maximize: bool | None = D["maximize"],
+        capturable: bool | None = D["capturable"],
+        differentiable: bool | None = D["differentiable"],
     ) -> None:
+        # Every option by name (each is a keyword above; the table holds its default and check).
+        given = {name: value for name, value in locals().items() if name in D}
         if isinstance(params, (set, frozenset)):
             # A set's order differs between processes: ranks would plan differently.
             raise TypeError("DMuon: params must be an ordered collection (list), not a set")
-        muon_defaults, adamw_defaults = split_options(dict(
-            lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay, ns_steps=ns_steps,
-            ns_coefficients=ns_coefficients, ns_algorithm=ns_algorithm, ns_gram_restarts=ns_gram_restarts, eps=eps,
-            adjust_lr=adjust_lr, matched_adamw_rms=matched_adamw_rms, split_rows=split_rows, normuon=normuon,
-            normuon_beta2=normuon_beta2, cautious_weight_decay=cautious_weight_decay, qk_clip_threshold=qk_clip_threshold,
-            momentum_dtype=momentum_dtype, adamw_lr=adamw_lr, adamw_betas=adamw_betas, adamw_eps=adamw_eps, adamw_weight_decay=adamw_weight_decay))
-        check_hyperparameter_defaults(muon_defaults, adamw_defaults)  # before any group is built
+        muon_defaults, adamw_defaults = split_options(given)
+        check_group(dict(muon_defaults), True, "DMuon")  # before any group is built
+        check_group(dict(adamw_defaults), False, "DMuon (AdamW part)")
         self._muon_defaults, self._adamw_defaults = muon_defaults, adamw_defaults
-        self.comm, self.max_batch_numel, self.split_replicas = check_optimizer_options(
-            comm, max_batch_numel, split_replicas)
-        self.ns_dtype, self.skip_nonfinite = check_ns_dtype(ns_dtype), check_bool(
-            {"skip_nonfinite": skip_nonfinite}, "skip_nonfinite", "DMuon")
-        self.foreach, self.fused, self.capturable = check_optimizer_flags(
-            dict(foreach=foreach, fused=fused, capturable=capturable, maximize=maximize, differentiable=differentiable),
-            adamw_defaults["lr"])
-        self.link_gbps, self.replica_link_gbps = (check_link_gbps(link_gbps, "link_gbps", "DMuon"),
-                                                  check_link_gbps(replica_link_gbps, "replica_link_gbps", "DMuon"))
+        whole = check_optimizer_options(given)
+        self.comm, self.max_batch_numel, self.split_replicas = whole["comm"], whole["max_batch_numel"], \
+            whole["split_replicas"]
+        self.ns_dtype, self.skip_nonfinite = whole["ns_dtype"], whole["skip_nonfinite"]
+        self.link_gbps, self.replica_link_gbps = whole["link_gbps"], whole["replica_link_gbps"]
+        self.foreach, self.fused, self.capturable = check_optimizer_flags(given, adamw_defaults["lr"])
         self._names: dict[torch.Tensor, str] = {}
         self._groups_added = 0  # groups as the user wrote them, before any split
-        self.start_afresh(telemetry)
+        self.start_afresh(whole["telemetry"])
         # The options a group may set (comm, ns_dtype and the rest are the whole optimizer's).
-        super().__init__(params, dict(muon_defaults, adamw_lr=adamw_lr, adamw_betas=adamw_betas,
-                                      adamw_eps=adamw_eps, adamw_weight_decay=adamw_weight_decay))
+        super().__init__(params, dict(muon_defaults, **{name: given[name] for name in ADAMW_ALIASES}))
         attach_hooks(self)  # load_state_dict keeps the options; state_dict settles the last step
 
     def start_afresh(self, telemetry: bool) -> None:

@@ -35,7 +35,7 @@ ANY_TORCH_FILES = frozenset({
     "test_docs_links.py", "test_docs_module_paths.py", "test_layers.py", "test_package_boundaries.py",
     "test_spawned_ranks.py", "test_multiprocess.py", "test_launch_hygiene.py",
     "test_plan_report.py", "test_plan_answers.py", "test_cost_model.py", "test_titan_log.py",
-    "test_suite_schedule.py", "test_plan_memory.py", "test_mutants.py",
+    "test_suite_schedule.py", "test_plan_memory.py", "test_mutants.py", "test_docs_architecture.py",
 })
 # The multi-rank files every torch leg runs (marked ``every_torch``): exactness on every
 # layout at P = 1, 2 and 4, the 2 x 2 meshes, TorchTitan's own layouts and DCP resharding,

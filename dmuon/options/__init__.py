@@ -5,6 +5,9 @@ May import: the layers (``dmuon.numerics``, ``dmuon.plan``, ``dmuon.exchange``,
 ``dmuon.attention``) and ``dmuon.torch_compat``; never the state, the step or the
 optimizer.
 
+- ``table``: every option once: its default, check, scope, what a resume does with a change,
+  and its TorchTitan names; the constructor, the group keys, the resume contract, TorchTitan's
+  fields and the docs' option tables are read from it;
 - ``checks``: the legal values of each option, with errors that name the option, the group
   (or front end) and what to do;
 - ``param_groups``: DMuon's ``params`` argument turned into checked Muon and AdamW groups

@@ -1,15 +1,16 @@
-"""The legal values of DMuon's options, checked with errors that name the option, the
-group (or front end) and what to do: the group hyperparameters first, then the options
-of the whole optimizer.
+"""The legal values of DMuon's options, each checked by one function with an error that
+names the option, the group (or front end) and what to do: the group options first, then
+the whole optimizer's. Which check an option gets is its row of ``dmuon.options.table``.
 
 Every front end (``DMuon(...)``, TorchTitan's ``[optimizer]`` fields and 0.3.x's config)
-calls these, passing ``where`` (its name for itself), so a message differs only by that
-prefix.
+calls these through the table, passing ``where`` (its name for itself), so a message differs
+only by that prefix. A group option's check is ``check(value, key, where)``.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -76,46 +77,97 @@ def check_ns_dtype(value: Any, where: str = "DMuon") -> str:
     return value
 
 
-def check_muon_hyperparameters(group: dict[str, Any], where: str) -> None:
-    """Raise ``ValueError`` naming ``where`` for an illegal Muon group value."""
-    _check_range(group, "lr", where, low=0.0)
-    _check_range(group, "weight_decay", where, low=0.0)
-    _check_range(group, "momentum", where, low=0.0, high=1.0, high_open=True)
-    _check_range(group, "eps", where, low=0.0, low_open=True)
-    _check_range(group, "matched_adamw_rms", where, low=0.0, low_open=True)
-    steps = group["ns_steps"]
-    if not isinstance(steps, int) or isinstance(steps, bool) or not 1 <= steps < MAX_NS_STEPS:
-        raise ValueError(f"{where}: ns_steps must be an int in [1, {MAX_NS_STEPS}), got {steps!r}")
-    if group["adjust_lr"] not in ADJUST_LR_CHOICES:
-        raise ValueError(f"{where}: unknown adjust_lr {group['adjust_lr']!r}; use one of {ADJUST_LR_CHOICES}")
-    split_rows = group["split_rows"]
-    if split_rows is not None and (not isinstance(split_rows, int) or isinstance(split_rows, bool) or split_rows < 1):
-        raise ValueError(f"{where}: split_rows must be None or a positive int, got {split_rows!r}")
-    check_bool(group, "nesterov", where)
-    check_bool(group, "normuon", where)
-    _check_range(group, "normuon_beta2", where, low=0.0, high=1.0, high_open=True)
-    check_bool(group, "cautious_weight_decay", where)
-    threshold = group["qk_clip_threshold"]
-    if threshold is not None and not (isinstance(threshold, (int, float)) and not isinstance(threshold, bool)
-                                      and math.isfinite(threshold) and threshold > 0):
+def in_range(low: float, high: float = math.inf, low_open: bool = False,
+             high_open: bool = False) -> Callable[[Any, str, str], Any]:
+    """A check that a number (or a one-element Tensor, torch.optim's rule for ``lr``) is
+    finite and within the bounds; the value is kept as given."""
+    def check(value: Any, key: str, where: str) -> Any:
+        number = value
+        if isinstance(value, torch.Tensor):
+            if value.numel() != 1:  # torch.optim's rule: a Tensor lr is one value, of any shape
+                raise ValueError(f"{where}: a Tensor {key} must be 1-element (one value), got shape "
+                                 f"{tuple(value.shape)}; pass a float or a one-element Tensor")
+            number = value.item()
+        # Finite: an infinite lr, decay or epsilon turns the weights NaN within a few steps.
+        ok = isinstance(number, (int, float)) and not isinstance(number, bool) and math.isfinite(number)
+        ok = ok and (number > low if low_open else number >= low) and (number < high if high_open else number <= high)
+        if not ok:
+            bounds = f"{'(' if low_open else '['}{low}, {high}{')' if high_open or high == math.inf else ']'}"
+            raise ValueError(f"{where}: {key} must be in {bounds}, got {number!r}")
+        return value
+    return check
+
+
+def optional(check: Callable[[Any, str, str], Any]) -> Callable[[Any, str, str], Any]:
+    """``check``, or None (unset)."""
+    return lambda value, key, where: value if value is None else check(value, key, where)
+
+
+def check_bool(value: Any, key: str, where: str) -> bool:
+    """An on/off option (``nesterov``, ``normuon``, ``skip_nonfinite``...): True or
+    False, not a truthy stand-in such as 1 or "yes"; returned."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{where}: {key} must be a bool (True or False), got {value!r}")
+    return value
+
+
+def check_ns_steps(value: Any, key: str, where: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value < MAX_NS_STEPS:
+        raise ValueError(f"{where}: ns_steps must be an int in [1, {MAX_NS_STEPS}), got {value!r}")
+    return value
+
+
+def check_adjust_lr(value: Any, key: str, where: str) -> str | None:
+    if value not in ADJUST_LR_CHOICES:
+        raise ValueError(f"{where}: unknown adjust_lr {value!r}; use one of {ADJUST_LR_CHOICES}")
+    return value
+
+
+def check_split_rows(value: Any, key: str, where: str) -> int | None:
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+        raise ValueError(f"{where}: split_rows must be None or a positive int, got {value!r}")
+    return value
+
+
+def check_qk_clip_threshold(value: Any, key: str, where: str) -> float | None:
+    if value is not None and not (isinstance(value, (int, float)) and not isinstance(value, bool)
+                                  and math.isfinite(value) and value > 0):
         raise ValueError(f"{where}: qk_clip_threshold must be None (off) or a finite number > 0, the largest "
-                         f"attention logit to allow (Kimi K2 used 100), got {threshold!r}")
-    if group["ns_algorithm"] not in NS_ALGORITHMS:
-        raise ValueError(f"{where}: ns_algorithm must be one of {NS_ALGORITHMS}, got {group['ns_algorithm']!r}. "
+                         f"attention logit to allow (Kimi K2 used 100), got {value!r}")
+    return value
+
+
+def check_ns_algorithm(value: Any, key: str, where: str) -> str:
+    if value not in NS_ALGORITHMS:
+        raise ValueError(f"{where}: ns_algorithm must be one of {NS_ALGORITHMS}, got {value!r}. "
                          "\"gram\" runs Gram Newton-Schulz on every matrix, \"auto\" where it costs fewer flops "
                          "(aspect above 1.5), \"standard\" nowhere (torch.optim.Muon's iteration).")
-    group["ns_gram_restarts"] = check_gram_restarts(group["ns_gram_restarts"], where)
+    return value
+
+
+def check_momentum_dtype(value: Any, key: str, where: str) -> str | None:
+    """The name of the momentum's storage (a ``torch.dtype`` is taken too), or None."""
     try:
-        group["momentum_dtype"] = parse_momentum_dtype(group["momentum_dtype"])
-    except ValueError as error:
-        raise ValueError(f"{where}: {error}") from None
-    try:
-        group["ns_coefficients"] = resolve_ns_coefficients(group["ns_coefficients"])
+        return parse_momentum_dtype(value)
     except ValueError as error:
         raise ValueError(f"{where}: {error}") from None
 
 
-def check_gram_restarts(value: Any, where: str = "DMuon") -> tuple[int, ...]:
+def check_ns_coefficients(value: Any, key: str, where: str) -> Any:
+    try:
+        return resolve_ns_coefficients(value)
+    except ValueError as error:
+        raise ValueError(f"{where}: {error}") from None
+
+
+def check_betas(value: Any, key: str, where: str) -> tuple[float, float]:
+    if not isinstance(value, (tuple, list)) or len(value) != 2 or not all(
+            isinstance(b, (int, float)) and 0.0 <= b < 1.0 for b in value):
+        raise ValueError(f"{where}: betas must be two numbers in [0, 1), got {value!r}")
+    return tuple(float(b) for b in value)  # type: ignore[return-value]
+
+
+def check_gram_restarts(value: Any, key: str, where: str) -> tuple[int, ...]:
     """``ns_gram_restarts``: the iterations after which Gram Newton-Schulz restarts, as a
     sorted tuple of distinct positive ints (empty: never; one at or after the group's
     last iteration does nothing)."""
@@ -129,32 +181,6 @@ def check_gram_restarts(value: Any, where: str = "DMuon") -> tuple[int, ...]:
                          f"Newton-Schulz recomputes X and X X^T (default {DEFAULT_GRAM_RESTARTS}; () for none), "
                          f"got {value!r}")
     return tuple(sorted(items))
-
-
-def check_adamw_hyperparameters(group: dict[str, Any], where: str) -> None:
-    """Raise ``ValueError`` naming ``where`` for an illegal AdamW group value."""
-    _check_range(group, "lr", where, low=0.0)
-    _check_range(group, "weight_decay", where, low=0.0)
-    _check_range(group, "eps", where, low=0.0)
-    betas = group["betas"]
-    if not isinstance(betas, (tuple, list)) or len(betas) != 2 or not all(isinstance(b, (int, float)) and 0.0 <= b < 1.0 for b in betas):
-        raise ValueError(f"{where}: betas must be two numbers in [0, 1), got {betas!r}")
-    group["betas"] = tuple(float(b) for b in betas)
-    check_bool(group, "cautious_weight_decay", where)
-
-
-def check_hyperparameter_defaults(muon: dict[str, Any], adamw: dict[str, Any]) -> None:
-    """DMuon's keyword defaults of its Muon and AdamW parts (each group's are checked when it is made)."""
-    check_muon_hyperparameters(dict(muon), "DMuon")
-    check_adamw_hyperparameters(dict(adamw), "DMuon (AdamW part)")
-
-
-def check_bool(group: dict[str, Any], key: str, where: str) -> bool:
-    """An on/off option (``nesterov``, ``normuon``, ``skip_nonfinite``...): True or
-    False, not a truthy stand-in such as 1 or "yes"; returned."""
-    if not isinstance(group[key], bool):
-        raise ValueError(f"{where}: {key} must be a bool (True or False), got {group[key]!r}")
-    return group[key]
 
 
 def check_muon_param(param: torch.Tensor, name: str, split_rows: int | None = None) -> None:
@@ -173,29 +199,6 @@ def check_muon_param(param: torch.Tensor, name: str, split_rows: int | None = No
             f"parameter {name!r} has shape {tuple(param.shape)}: split_rows={split_rows} needs a 2-D parameter "
             f"whose row count is a multiple of it; put it in a group without split_rows"
         )
-
-
-def _check_range(
-    group: dict[str, Any],
-    key: str,
-    where: str,
-    low: float,
-    high: float = math.inf,
-    low_open: bool = False,
-    high_open: bool = False,
-) -> None:
-    value = group[key]
-    if isinstance(value, torch.Tensor):
-        if value.numel() != 1:  # torch.optim's rule: a Tensor lr is one value, of any shape
-            raise ValueError(f"{where}: a Tensor {key} must be 1-element (one value), got shape "
-                             f"{tuple(value.shape)}; pass a float or a one-element Tensor")
-        value = value.item()
-    # Finite: an infinite lr, decay or epsilon turns the weights NaN within a few steps.
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    ok = ok and (value > low if low_open else value >= low) and (value < high if high_open else value <= high)
-    if not ok:
-        bounds = f"{'(' if low_open else '['}{low}, {high}{')' if high_open or high == math.inf else ']'}"
-        raise ValueError(f"{where}: {key} must be in {bounds}, got {value!r}")
 
 
 # ---------------------------------------------------------------- whole-optimizer options
@@ -224,16 +227,6 @@ def check_split_replicas(value: Any, where: str = "DMuon") -> bool | None:
         raise ValueError(f"{where}: split_replicas must be True, False or None (let the cost model decide), "
                          f"got {value!r}")
     return value
-
-
-def check_optimizer_options(comm: Any, max_batch_numel: Any, split_replicas: Any,
-                            where: str = "DMuon") -> tuple[str, int, bool | None]:
-    """The options that are the whole optimizer's, not a group's, in the order DMuon checks
-    them; returned."""
-    check_comm(comm, where)
-    check_max_batch_numel(max_batch_numel, where)
-    check_split_replicas(split_replicas, where)
-    return comm, max_batch_numel, split_replicas
 
 
 def check_link_gbps(value: Any, name: str, where: str = "DMuon") -> float:

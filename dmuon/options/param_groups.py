@@ -12,15 +12,11 @@ from typing import Any
 
 import torch
 
-from dmuon.numerics.newton_schulz import (
-    DEFAULT_GRAM_RESTARTS,
-    DEFAULT_NS_ALGORITHM,
-)
-from dmuon.numerics.update_rules import DEFAULT_NORMUON_BETA2
 from dmuon.torch_compat import local_of
 from dmuon.numerics.device_scalars import DEVICE_HYPERPARAMETERS, device_scalar
-from dmuon.options.implementation_flags import IMPLEMENTATION_KEYS, NO_PATH_KEYS, check_no_fused_muon, check_no_path_flags, own_flags
-from dmuon.options.checks import check_adamw_hyperparameters, check_muon_hyperparameters, check_muon_param
+from dmuon.options.implementation_flags import NO_PATH_KEYS, check_no_fused_muon, check_no_path_flags, own_flags
+from dmuon.options.checks import check_muon_param
+from dmuon.options.table import ADAMW_ALIASES, ADAMW_KEYS, ADDED_LATER, DEFAULTS, FLAG_KEYS, MUON_KEYS, check_group
 
 # By default, a parameter with ndim >= 2 gets Muon unless its name marks it as an
 # embedding or an output head: those are lookup tables / classifiers, not linear maps
@@ -29,58 +25,17 @@ from dmuon.options.checks import check_adamw_hyperparameters, check_muon_hyperpa
 # layers such as BERT's ``attention.output.dense.weight`` keep Muon.
 DEFAULT_ADAMW_NAME_PATTERN = r"(^|\.)(embed\w*|tok_embeddings|wte|wpe)\.|(^|\.)(output|lm_head|head)\.(weight|bias)$"
 
-MUON_KEYS = (
-    "lr",
-    "momentum",
-    "nesterov",
-    "weight_decay",
-    "ns_steps",
-    "ns_coefficients",
-    "ns_algorithm",
-    "ns_gram_restarts",
-    "eps",
-    "adjust_lr",
-    "matched_adamw_rms",
-    "split_rows",
-    "normuon",
-    "normuon_beta2",
-    "cautious_weight_decay",
-    "qk_clip_threshold",
-    "momentum_dtype",
-)
-ADAMW_KEYS = ("lr", "betas", "eps", "weight_decay", "cautious_weight_decay")
-# The update-rule variants (issue 16), each off by default so that a group without them
-# steps bit for bit as before: NorMuon's neuron-wise normalization (Muon groups) and
-# cautious weight decay (Muon and AdamW groups), and QK-clip's threshold (Muon groups
-# holding attention weights; None: off), and Gram Newton-Schulz (issue 23: the standard
-# iteration unless asked), and the momentum's storage (issue 51: the parameter's dtype
-# unless asked). A front end that has no field for one of them gets this
-# default (``split_options``).
-VARIANT_DEFAULTS = {"normuon": False, "normuon_beta2": DEFAULT_NORMUON_BETA2, "cautious_weight_decay": False,
-                    "qk_clip_threshold": None, "ns_algorithm": DEFAULT_NS_ALGORITHM,
-                    "ns_gram_restarts": DEFAULT_GRAM_RESTARTS, "momentum_dtype": None}
-# The constructor's AdamW keywords, accepted as group keys too: each sets the AdamW
-# value of its plain key and, as ``adamw_lr`` over ``lr`` in the constructor, wins over
-# it. None (the constructor's default of ``adamw_lr``) means unset.
-ADAMW_ALIASES = {"adamw_lr": "lr", "adamw_betas": "betas", "adamw_eps": "eps", "adamw_weight_decay": "weight_decay"}
 # The LR schedulers' key: it goes to every group made from the user's group.
 SCHEDULER_KEYS = ("initial_lr",)
 # The options a user's group may set (besides ``params``, ``param_names`` and
 # ``use_muon``), by what it becomes: a Muon group (``use_muon=True``), an AdamW group
 # (``use_muon=False``), or both (no ``use_muon``: split by the default routing).
 GROUP_OPTIONS = {
-    True: frozenset(MUON_KEYS + SCHEDULER_KEYS + IMPLEMENTATION_KEYS),
-    False: frozenset(ADAMW_KEYS + tuple(ADAMW_ALIASES) + SCHEDULER_KEYS + IMPLEMENTATION_KEYS),
-    None: frozenset(MUON_KEYS + ADAMW_KEYS + tuple(ADAMW_ALIASES) + SCHEDULER_KEYS + IMPLEMENTATION_KEYS),
+    True: frozenset(MUON_KEYS + SCHEDULER_KEYS + FLAG_KEYS),
+    False: frozenset(ADAMW_KEYS + tuple(ADAMW_ALIASES) + SCHEDULER_KEYS + FLAG_KEYS),
+    None: frozenset(MUON_KEYS + ADAMW_KEYS + tuple(ADAMW_ALIASES) + SCHEDULER_KEYS + FLAG_KEYS),
 }
 GROUP_KIND = {True: "a Muon group", False: "an AdamW group", None: "a group without use_muon (split)"}
-
-# DMuon's defaults that have no home in a lower module, written once for every front
-# end (DMuon's signature, TorchTitan's ``[optimizer]`` fields) so they cannot drift.
-DEFAULT_MOMENTUM = 0.95
-DEFAULT_NESTEROV = True
-DEFAULT_ADJUST_LR = "original"
-DEFAULT_SPLIT_REPLICAS = None  # let the cost model decide
 
 
 def default_use_muon(
@@ -204,13 +159,13 @@ def make_group(
     optimizer's, which a group without them steps with)."""
     if use_muon:
         values = {key: options.get(key, defaults[key]) for key in MUON_KEYS}
-        check_muon_hyperparameters(values, where)
+        check_group(values, True, where)
         for name, param in members:
             check_muon_param(param, name, values["split_rows"])
     else:
         values = {key: options.get(key, defaults[key]) for key in ADAMW_KEYS}
         values.update({key: options[alias] for alias, key in ADAMW_ALIASES.items() if options.get(alias) is not None})
-        check_adamw_hyperparameters(values, where)
+        check_group(values, False, where)
     group: dict[str, Any] = {"params": [p for _, p in members]}
     if has_names:
         group["param_names"] = [n for n, _ in members]
@@ -230,17 +185,15 @@ def fill_in_variant_defaults(groups: list[dict[str, Any]]) -> None:
     existed each variant's off value, so they step as they did then (torch's optimizers
     fill in options added after a checkpoint was written the same way)."""
     for group in groups:
-        for key in VARIANT_DEFAULTS if group.get("use_muon") else ("cautious_weight_decay",):
-            group.setdefault(key, VARIANT_DEFAULTS[key])
+        for key in ADDED_LATER if group.get("use_muon") else [k for k in ADDED_LATER if k in ADAMW_KEYS]:
+            group.setdefault(key, ADDED_LATER[key])
 
 
 def split_options(options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """The Muon and AdamW group defaults that DMuon's keyword arguments ``options``
     make: the Muon keys as given, and the AdamW part with ``adamw_<x>`` over ``<x>``
-    (None: unset). ``options`` needs every key of ``MUON_KEYS`` and ``adamw_betas``,
-    ``adamw_eps``; ``adamw_lr``, ``adamw_weight_decay`` and the variants of
-    ``VARIANT_DEFAULTS`` may be left out."""
-    options = {**VARIANT_DEFAULTS, **options}
+    (None: unset). An option left out takes its default (``dmuon.options.table``)."""
+    options = {**DEFAULTS, **options}
     muon = {key: options[key] for key in MUON_KEYS}
     adamw = {
         "lr": options["lr"] if options.get("adamw_lr") is None else options["adamw_lr"],

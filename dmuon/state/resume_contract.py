@@ -27,18 +27,12 @@ from typing import Any
 
 import torch
 
+# Which options a resume applies and which it refuses: each option's row of the table says.
+from dmuon.options.table import APPLIED_ON_RESUME, LAYOUT_KEYS
 from dmuon.torch_compat import has_optimizer_hook
 
 logger = logging.getLogger("dmuon")
 
-# Options applied from the optimizer as constructed (not from the state dict) on load.
-APPLIED_ON_RESUME = (
-    "lr", "momentum", "nesterov", "weight_decay", "ns_steps", "ns_coefficients", "ns_algorithm",
-    "ns_gram_restarts", "eps", "adjust_lr", "matched_adamw_rms", "normuon_beta2", "cautious_weight_decay",
-    "qk_clip_threshold", "momentum_dtype", "betas", "foreach", "fused", "maximize", "capturable", "differentiable",
-)
-# Options that decide the state's layout: refused when they differ.
-LAYOUT_KEYS = ("use_muon", "normuon", "split_rows")
 # The keys an LR scheduler (torch's LRScheduler) adds and drives.
 LR, INITIAL_LR = "lr", "initial_lr"
 # How a refusal says what to do.

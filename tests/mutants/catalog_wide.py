@@ -126,9 +126,9 @@ WIDE = [
         name="resume-accepts-normuon-toggled",
         guarantee="Options that decide the state's layout (use_muon, normuon, split_rows) are refused on resume "
                   "before anything loads, naming the key.",
-        path="dmuon/state/resume_contract.py",
-        old="LAYOUT_KEYS = (\"use_muon\", \"normuon\", \"split_rows\")",
-        new="LAYOUT_KEYS = (\"use_muon\", \"split_rows\")",
+        path="dmuon/options/table.py",
+        old="Option(\"normuon\", False, Scope.MUON, c.check_bool, OnResume.REFUSED,",
+        new="Option(\"normuon\", False, Scope.MUON, c.check_bool, OnResume.APPLIED,",
         tests=("tests/test_resume_contract.py::"
                "test_turning_normuon_on_or_off_is_refused_naming_the_key_before_anything_loads",
                "tests/test_resume_contract.py::test_a_copy_keeps_the_contract"),
@@ -268,8 +268,8 @@ WIDE = [
         guarantee="ns_steps must be an int in [1, 100) (torch.optim.Muon refuses 100 or more): ValueError at "
                   "construction naming the option.",
         path="dmuon/options/checks.py",
-        old="not 1 <= steps < MAX_NS_STEPS",
-        new="not 1 <= steps <= MAX_NS_STEPS",
+        old="not 1 <= value < MAX_NS_STEPS",
+        new="not 1 <= value <= MAX_NS_STEPS",
         tests=("tests/test_validation.py::test_bad_optimizer_option_is_rejected_naming_it",),
     ),
     # ------------------------------------------------ low-precision momentum (dmuon/numerics/momentum_storage.py)
@@ -439,9 +439,9 @@ WIDE = [
         name="momentum-dtype-from-the-checkpoint-on-resume",
         guarantee="On resume the optimizer's momentum_dtype applies, not the checkpoint's, and the momentum is "
                   "converted to it (issue 60: a survivor).",
-        path="dmuon/state/resume_contract.py",
-        old="\"qk_clip_threshold\", \"momentum_dtype\", \"betas\"",
-        new="\"qk_clip_threshold\", \"betas\"",
+        path="dmuon/options/table.py",
+        old="o.key for o in OPTIONS if o.on_resume in (OnResume.APPLIED, OnResume.CONVERTED)))",
+        new="o.key for o in OPTIONS if o.on_resume in (OnResume.APPLIED,)))",
         tests=("tests/test_momentum_dtype.py::test_a_float32_checkpoint_resumed_with_int8_rounds_its_momentum_once",),
     ),
     Mutant(

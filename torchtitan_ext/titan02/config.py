@@ -17,8 +17,9 @@ stock keys keep their TorchTitan meaning:
   for the AdamW part where torch has it for the parameters' device (CUDA, CPU), else
   list ops (``torchtitan_ext.implementation``).
 
-What the fields make, DMuon's keyword arguments, is ``kwargs.dmuon_kwargs``; their
-parse-time checks are in ``validation``.
+Each field's default is DMuon's (``dmuon.options.table``, as TOML spells it:
+``kwargs.default_of``). What the fields make, DMuon's keyword arguments, is
+``kwargs.dmuon_kwargs``; their parse-time checks are in ``validation``.
 """
 
 # No `from __future__ import annotations` here: TorchTitan merges dataclasses by
@@ -28,26 +29,11 @@ parse-time checks are in ``validation``.
 # and a TOML value and a command-line value would be checked by two different rules.
 from dataclasses import dataclass, field
 
-from dmuon.numerics.newton_schulz import DEFAULT_NS_COEFFICIENTS_NAME, DEFAULT_NS_DTYPE, DEFAULT_NS_STEPS
-from dmuon.numerics.update_rules import DEFAULT_MATCHED_ADAMW_RMS
-from dmuon.options.param_groups import (
-    DEFAULT_ADJUST_LR,
-    DEFAULT_MOMENTUM,
-    DEFAULT_NESTEROV,
-    DEFAULT_SPLIT_REPLICAS,
-    VARIANT_DEFAULTS,
-)
-from dmuon.plan.cost_model import CostModel
-from dmuon.plan.paths import ALL_TO_ALL
 
 from ..routing import DEFAULT_ADAMW_PARAM_REGEX
-from .kwargs import MOMENTUM_DTYPE_PARAM, SPLIT_REPLICAS
+from .kwargs import default_of
 
 DMUON_NAME = "DMuon"
-# DMuon's default split_replicas, as TOML spells it.
-DEFAULT_SPLIT_REPLICAS_NAME = {value: name for name, value in SPLIT_REPLICAS.items()}[DEFAULT_SPLIT_REPLICAS]
-# The bandwidth fields default to those of DMuon's cost model.
-_COST_MODEL = CostModel()
 
 # Parameter names (as ``model.named_parameters()`` prints them; FSDP2 adds no
 # prefix) that AdamW optimizes: dmuon's own default (token embeddings such as
@@ -59,16 +45,16 @@ _COST_MODEL = CostModel()
 
 @dataclass
 class Optimizer:
-    momentum: float = DEFAULT_MOMENTUM
+    momentum: float = default_of("momentum")
     """Muon momentum coefficient mu (EMA of gradients). 0.95 is the standard choice."""
 
-    nesterov: bool = DEFAULT_NESTEROV
+    nesterov: bool = default_of("nesterov")
     """Use Nesterov momentum (orthogonalize g.lerp(buf, mu) instead of buf)."""
 
-    ns_steps: int = DEFAULT_NS_STEPS
+    ns_steps: int = default_of("ns_steps")
     """Newton-Schulz iterations per step. 5 is enough for the default coefficients."""
 
-    ns_coefficients: str | list[list[float]] = DEFAULT_NS_COEFFICIENTS_NAME
+    ns_coefficients: str | list[list[float]] = default_of("ns_coefficients")
     """
     Newton-Schulz coefficients: a name from ``dmuon.NS_COEFFICIENT_SETS``
     ("keller": Keller Jordan's quintic (3.4445, -4.7750, 2.0315) in every iteration;
@@ -76,7 +62,7 @@ class Optimizer:
     or a list of [a, b, c] triples, one per iteration (the last repeats).
     """
 
-    ns_algorithm: str = VARIANT_DEFAULTS["ns_algorithm"]
+    ns_algorithm: str = default_of("ns_algorithm")
     """
     How Newton-Schulz iterates: "standard" (torch.optim.Muon's iteration), "gram" (Gram
     Newton-Schulz on every matrix: the quintic on the m x m Gram matrix, m the smaller
@@ -84,10 +70,10 @@ class Optimizer:
     e.g. wk/wv and the MLP of llama3). Exact across world sizes either way.
     """
 
-    ns_gram_restarts: list[int] = field(default_factory=lambda: list(VARIANT_DEFAULTS["ns_gram_restarts"]))
+    ns_gram_restarts: list[int] = field(default_factory=lambda: default_of("ns_gram_restarts"))
     """Iterations after which Gram Newton-Schulz recomputes X and X X^T (default [2]; [] for none)."""
 
-    ns_dtype: str = DEFAULT_NS_DTYPE
+    ns_dtype: str = default_of("ns_dtype")
     """
     What Newton-Schulz multiplies in: "bfloat16" (what Muon is tuned for), "float32"
     (for CPUs without a native bf16 matmul, where bf16 runs ~50x slower), or "auto":
@@ -95,7 +81,7 @@ class Optimizer:
     (AVX2). Matrices travel and results come back in bf16 either way.
     """
 
-    adjust_lr: str = DEFAULT_ADJUST_LR
+    adjust_lr: str = default_of("adjust_lr")
     """
     How the Muon update is scaled for an A x B matrix:
     "original" sqrt(max(1, A/B)) (Keller Jordan; use lr around 0.02),
@@ -103,10 +89,10 @@ class Optimizer:
     an AdamW lr, around 1e-3 to 4e-3), "spectral" sqrt(A/B), or "none" (no scaling).
     """
 
-    matched_adamw_rms: float = DEFAULT_MATCHED_ADAMW_RMS
+    matched_adamw_rms: float = default_of("matched_adamw_rms")
     """Target update RMS for adjust_lr = "match_rms_adamw" (Moonlight uses 0.2)."""
 
-    adamw_lr: float | None = None
+    adamw_lr: float | None = default_of("adamw_lr")
     """
     Learning rate of the AdamW part (embeddings, output head, norms, biases).
     Leave unset to use ``lr`` for both parts (right with "match_rms_adamw").
@@ -128,7 +114,7 @@ class Optimizer:
     ``wo`` and models without such modules (deepseek_v3's MLA) are unaffected.
     """
 
-    normuon: bool = VARIANT_DEFAULTS["normuon"]
+    normuon: bool = default_of("normuon")
     """
     NorMuon (Li et al., arXiv 2510.05491): divide each row of Muon's orthogonalized
     update by the root of an EMA of its mean square, then rescale it to the update's
@@ -136,17 +122,17 @@ class Optimizer:
     matrix. Off by default (plain Muon).
     """
 
-    normuon_beta2: float = VARIANT_DEFAULTS["normuon_beta2"]
+    normuon_beta2: float = default_of("normuon_beta2")
     """The EMA coefficient of NorMuon's per-row second moment, in [0, 1). Used only with normuon = true."""
 
-    cautious_weight_decay: bool = VARIANT_DEFAULTS["cautious_weight_decay"]
+    cautious_weight_decay: bool = default_of("cautious_weight_decay")
     """
     Cautious weight decay (Chen et al., arXiv 2510.12402), for both parts: decay only
     the entries whose update and weight agree in sign. Off by default (plain decoupled
     decay, ``weight_decay`` everywhere).
     """
 
-    momentum_dtype: str = MOMENTUM_DTYPE_PARAM
+    momentum_dtype: str = default_of("momentum_dtype")
     """
     How Muon's momentum is kept between steps: "param" (the parameter's dtype: fp32 under
     FSDP2 mixed precision, 4 bytes an element), "bfloat16" (2 bytes), or "int8" (one fp32
@@ -158,7 +144,7 @@ class Optimizer:
     fails naming the missing key: resume with the saved value.
     """
 
-    qk_clip_threshold: float = 0.0
+    qk_clip_threshold: float = default_of("qk_clip_threshold")
     """
     QK-clip (MuonClip, Kimi K2): after each step, every attention head whose largest
     pre-softmax logit in the step's forward exceeded this value gets its ``wq`` rows
@@ -176,13 +162,13 @@ class Optimizer:
     the step line's largest logit). Implied by qk_clip_threshold > 0.
     """
 
-    comm: str = ALL_TO_ALL
+    comm: str = default_of("comm")
     """
     How DMuon gathers each sharded matrix to the rank that orthogonalizes it:
     "all_to_all" (batched, fast) or "redistribute" (DTensor reference path).
     """
 
-    split_replicas: str = DEFAULT_SPLIT_REPLICAS_NAME
+    split_replicas: str = default_of("split_replicas")
     """
     Under HSDP (data_parallel_replicate_degree > 1): "always" spreads Newton-Schulz over
     every rank of every replica (each orthogonalizes ~1/(R*S) of the matrices; results
@@ -191,21 +177,21 @@ class Optimizer:
     (dmuon.plan.cost_model.plan_with_best_split). No effect without replicas.
     """
 
-    link_gbps: float = _COST_MODEL.link_gbps
+    link_gbps: float = default_of("link_gbps")
     """
     Per-rank network bandwidth inside a replica, Gbit/s (one 400G NIC per GPU: 400).
     DMuon's cost model uses it to predict the step's time, e.g. for
     split_replicas = "auto". A positive number.
     """
 
-    replica_link_gbps: float = _COST_MODEL.replica_link_gbps
+    replica_link_gbps: float = default_of("replica_link_gbps")
     """
     Per-rank bandwidth to the ranks of other replicas (HSDP), Gbit/s: set it lower than
     link_gbps where replicas sit behind a slower tier of the network, so that
     split_replicas = "auto" weighs the traffic between replicas right. A positive number.
     """
 
-    telemetry: bool = False
+    telemetry: bool = default_of("telemetry")
     """
     Report, on each logged step, DMuon's step time, Newton-Schulz time, bytes sent, and
     the RMS of the update and of the weights of the Muon and AdamW parts: appended to the
@@ -216,7 +202,7 @@ class Optimizer:
     shards during its update (see dmuon/step/telemetry.py).
     """
 
-    skip_nonfinite: bool = False
+    skip_nonfinite: bool = default_of("skip_nonfinite")
     """
     Skip a step whose grads hold a NaN or inf on any rank: that step changes no weight,
     optimizer state or step count anywhere, and training goes on (DMuon(skip_nonfinite=True),
@@ -225,7 +211,7 @@ class Optimizer:
     torch.optim.Muon applies it.
     """
 
-    capture_step: bool = False
+    capture_step: bool = default_of("capturable")
     """
     Capture DMuon's step in a CUDA graph after three eager warm-up steps and replay it at
     every step after (dmuon.capture.cuda_graphs): its hundreds of launches become one. Turns on

@@ -14,21 +14,13 @@ import re
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-from dmuon.numerics.newton_schulz import DEFAULT_NS_EPS
-from dmuon.options.checks import (
-    check_adamw_hyperparameters,
-    check_comm,
-    check_link_gbps,
-    check_muon_hyperparameters,
-    check_ns_dtype,
-    check_split_replicas,
-)
 from dmuon.options.param_groups import split_options
+from dmuon.options.table import check_group, check_optimizer_options
 
 from ..field_checks import check_flag, check_number, Interval, NON_NEGATIVE, UNIT
 from ..versions import require_tested
 from .config import DMUON_NAME
-from .kwargs import ADJUST_LR_CHOICES, dmuon_kwargs, LINK_SPEEDS, MOMENTUM_DTYPE_CHOICES, SPLIT_REPLICAS
+from .kwargs import dmuon_kwargs, TOML_CHOICES
 
 # What [experimental] custom_import names: importing it installs the job half (job.py).
 JOB_MODULE = "torchtitan_ext.titan02.job"
@@ -54,26 +46,18 @@ CONFIG_MODULE_FIELD = "adamw_param_regex"
 
 
 @contextlib.contextmanager
-def _toml_spellings(field: str, spellings: Iterable[str]) -> Iterator[None]:
+def _toml_spellings() -> Iterator[None]:
     """DMuon's message names Python values (``None``, ``True``); for the fields TOML
     spells differently, append the TOML spellings to it."""
     try:
         yield
     except ValueError as error:
-        if f" {field} " not in str(error):
-            raise
-        raise ValueError(f"{error}; in TOML, {field} is one of {', '.join(map(repr, spellings))}") from None
-
-
-@contextlib.contextmanager
-def _qk_clip_off_is_zero() -> Iterator[None]:
-    """DMuon's message says None is off; in TOML it is 0."""
-    try:
-        yield
-    except ValueError as error:
-        if " qk_clip_threshold " not in str(error):
-            raise
-        raise ValueError(f"{error}; in TOML, qk_clip_threshold = 0 turns QK-clip off") from None
+        for field, spellings in TOML_CHOICES.items():
+            if f" {field} " in str(error):
+                raise ValueError(f"{error}; in TOML, {field} is one of {', '.join(map(repr, spellings))}") from None
+        if " qk_clip_threshold " in str(error):  # DMuon's message says None is off; in TOML it is 0
+            raise ValueError(f"{error}; in TOML, qk_clip_threshold = 0 turns QK-clip off") from None
+        raise
 
 
 def validate_optimizer_config(optimizer_config: Any) -> None:
@@ -105,20 +89,13 @@ def validate_optimizer_config(optimizer_config: Any) -> None:
             "single quotes so backslashes stay as typed."
         ) from e
     kwargs = dmuon_kwargs(cfg)
-    # In DMuon.__init__'s order, so that a config with several bad values reports
-    # the one DMuon would report first.
-    check_comm(kwargs["comm"], WHERE)
-    with _toml_spellings("split_replicas", SPLIT_REPLICAS):
-        check_split_replicas(kwargs["split_replicas"], WHERE)
-    # The Muon keys TOML has no field for keep DMuon's defaults.
-    muon, adamw = split_options({"eps": DEFAULT_NS_EPS, "split_rows": None, **kwargs})
-    with _toml_spellings("adjust_lr", ADJUST_LR_CHOICES), _toml_spellings("momentum_dtype", MOMENTUM_DTYPE_CHOICES), \
-            _qk_clip_off_is_zero():
-        check_muon_hyperparameters(muon, WHERE)
-    check_adamw_hyperparameters(adamw, f"{WHERE} (AdamW part)")
-    check_ns_dtype(kwargs["ns_dtype"], WHERE)
-    for name in LINK_SPEEDS:
-        check_link_gbps(getattr(cfg, name), name, WHERE)
+    muon, adamw = split_options(kwargs)  # the options TOML has no field for keep DMuon's defaults
+    # In DMuon.__init__'s order, so that a config with several bad values reports the one
+    # DMuon would report first.
+    with _toml_spellings():
+        check_group(muon, True, WHERE)
+        check_group(adamw, False, f"{WHERE} (AdamW part)")
+        check_optimizer_options(kwargs, WHERE)
 
 
 def check_fields_as_written(optimizer_config: Any) -> None:

@@ -24,15 +24,14 @@ config field in the message.
 
 from __future__ import annotations
 
-import inspect
 import re
 from typing import Any
 
 from torchtitan.components.optimizer import OptimizersContainer
 
-from dmuon import DMuon
-from dmuon.options.checks import check_link_gbps, check_ns_dtype, check_optimizer_options
+from dmuon.options.checks import check_bool
 from dmuon.options.param_groups import check_no_fused_muon, GROUP_OPTIONS, make_group, split_options
+from dmuon.options.table import check_optimizer_options, DEFAULTS, FACTORY_KWARGS, OPTIONS
 
 from ..field_checks import check_number, Interval, NON_NEGATIVE, UNIT
 from ..implementation import dmuon_implementation
@@ -44,20 +43,17 @@ DMUON_NAME = "DMuon"
 CAPTURE_STEP = "capture_step"
 # Group keys the container reads to split a DMuon group (DMuon never sees them).
 ROUTING_KEYS = ("adamw_param_regex", "split_attention_heads")
-# DMuon's options that are the whole optimizer's (its constructor's, not a group's).
-FACTORY_OPTIONS = ("comm", "max_batch_numel", "split_replicas", "ns_dtype", "link_gbps",
-                   "replica_link_gbps", "telemetry", "skip_nonfinite", CAPTURE_STEP)
+# DMuon's options that are the whole optimizer's (its constructor's, not a group's), and the
+# container's capture_step (``dmuon.options.table``: those taken in ``FACTORY_KWARGS``).
+FACTORY_OPTIONS = (*(o.name for o in OPTIONS if o.titan03 == FACTORY_KWARGS), CAPTURE_STEP)
 # Group options dmuon's validator would report under another name (``adamw_lr`` as the AdamW
 # part's ``lr``, ``adamw_betas`` as ``betas``) or that may be None: checked first, as written.
 # A Tensor lr is left to dmuon's validator (torch.optim's one-element rule).
 NAMED_NUMBERS: dict[str, Interval] = {"adamw_lr": NON_NEGATIVE, "adamw_weight_decay": NON_NEGATIVE,
                                       "adamw_eps": NON_NEGATIVE}
 PAIRS = {"adamw_betas": UNIT}
-# DMuon's constructor defaults, read from its signature so they cannot drift.
-DMUON_DEFAULTS = {
-    name: p.default for name, p in inspect.signature(DMuon.__init__).parameters.items()
-    if p.default is not inspect.Parameter.empty
-}
+# DMuon's defaults, from its option table.
+DMUON_DEFAULTS = DEFAULTS
 # The whole-optimizer options' defaults: DMuon's, and the container's capture_step (off).
 FACTORY_DEFAULTS = {**{k: DMUON_DEFAULTS[k] for k in FACTORY_OPTIONS if k != CAPTURE_STEP}, CAPTURE_STEP: False}
 
@@ -125,13 +121,8 @@ def check_factory_options(options: dict[str, Any], where: str) -> None:
                          f"options {list(FACTORY_OPTIONS)} (group options go in a param group's "
                          "optimizer_kwargs)")
     merged = {**FACTORY_DEFAULTS, **options}
-    check_optimizer_options(merged["comm"], merged["max_batch_numel"], merged["split_replicas"], where)
-    check_ns_dtype(merged["ns_dtype"], where)
-    for name in ("link_gbps", "replica_link_gbps"):
-        check_link_gbps(merged[name], name, where)
-    for name in ("telemetry", "skip_nonfinite", CAPTURE_STEP):
-        if not isinstance(merged[name], bool):
-            raise ValueError(f"{where}: {name} must be a bool, got {merged[name]!r}")
+    check_optimizer_options(merged, where)
+    check_bool(merged[CAPTURE_STEP], CAPTURE_STEP, where)
 
 
 def validate_dmuon_config(config: OptimizersContainer.Config) -> None:
