@@ -1,7 +1,8 @@
 """DMuon: Muon for matrices, AdamW for the rest, native to DTensor/FSDP2.
 
-One ``step()``, in five phases, methods of :class:`dmuon.step.phases.StepPhases` (the object
-that holds what they share; ``DMuon.step`` reads top to bottom in them):
+One ``step()``, in five phases, methods of :class:`dmuon.step.phases.Step` (the object made
+for each step by ``StepPhases.prepare``, which holds what they hand each other;
+``DMuon.step`` reads top to bottom in them):
 
 1. **check locally**: host facts only, nothing changed: the error the last step's status
    sums show (``dmuon.exchange.grad_status``) or QK-clip's reports; this rank's own invalid
@@ -213,15 +214,14 @@ class DMuon(PicklesConfiguration, Optimizer):
             with torch.enable_grad():
                 loss = closure()
         place_on_device(self.param_groups)  # capturable: lr and weight_decay where the step reads them
-        phases, groups, name_of, device = self.phases, self.param_groups, self.param_name, self._device()
-        muon_groups, last_error = phases.prepare(groups, name_of)
-        phases.momentum_dtypes.check(groups, self.state, name_of)  # a group's momentum_dtype edited since
-        checked = phases.check_locally(groups, muon_groups, last_error, name_of)
         options = StepOptions(self.ns_dtype, self.skip_nonfinite, self.foreach, self.fused)
-        status = phases.agree(groups, checked, device, options)
-        phases.wait(status)
-        failure = phases.compute_and_apply(groups, self.state, muon_groups, checked, status, name_of, device, options)
-        phases.report(checked, failure)
+        phases = self.phases
+        step = phases.prepare(self.param_groups, self.state, self.param_name, self._device(), options)
+        step.check_locally()
+        step.agree()
+        step.wait()
+        step.compute_and_apply()
+        step.report()
         return loss
 
     def _device(self) -> torch.device:  # where the step's small tensors live (a DTensor's: its shard's)

@@ -13,8 +13,10 @@ step's *status*, before anything is written:
 - with ``skip_nonfinite``, how many ranks hold a NaN or inf in a grad (decided on the
   device, ``dmuon.numerics.finite``): the step is skipped on every rank, no error.
 
-The ``all_reduce`` is asynchronous: :class:`StatusMasks` waits for it at the first mask
-read, so the host work before that overlaps its latency.
+The ``all_reduce`` is asynchronous: :meth:`StatusMasks.wait`, the step's one wait (phase 3
+of ``dmuon.step.phases``), waits for it. On an accelerator that is a stream wait, so the host
+goes on enqueueing the step's updates while the sums travel; on the CPU (gloo) the host
+waits there.
 
 From the sums every rank computes the same masks on the device
 (``dmuon.numerics.masked_updates``): the step's mask, False on every rank when any rank

@@ -27,6 +27,10 @@ disagreement counted over a strict subset of the ranks, ``Partial`` grads), then
 counts: ranks with a problem, ranks with a non-finite grad (``skip_nonfinite``)."""
 
 
+# A mask read before the step's wait: the phases run out of order.
+NOT_WAITED = "a mask was read before the step's wait (dmuon.step.phases: phase 3 comes before any mask read)"
+
+
 class StepMask(enum.Enum):
     """What the host knows of the step's mask without waiting for the device."""
 
@@ -52,8 +56,8 @@ def _disagreement(status: torch.Tensor, n: int) -> torch.Tensor:
 class StatusMasks(Mapping[torch.Tensor, torch.Tensor]):
     """The step's mask and each DTensor parameter's (0-dim bools on the device), once the
     step's status sums arrive. The sums are started by :meth:`GradStatus.agree` and waited
-    for at the first mask read (or :meth:`wait`), so the host work in between (the
-    Muon part's bookkeeping) overlaps the collective's latency; membership needs no wait.
+    for by :meth:`wait`, the step's one wait (its phase 3); a mask read before it is a
+    mistake in the step's order and raises. Membership needs no wait.
 
     ``mask``: the step's mask as the host knows it without waiting (:class:`StepMask`)."""
 
@@ -122,11 +126,14 @@ class StatusMasks(Mapping[torch.Tensor, torch.Tensor]):
     @property
     def step_ok(self) -> torch.Tensor:
         """The step's mask: False on every rank when any rank may not step (0-dim bool)."""
-        self.wait()
+        if self._step_ok is None:
+            raise RuntimeError(NOT_WAITED)
         return self._step_ok
 
     def __getitem__(self, param: torch.Tensor) -> torch.Tensor:
-        return (self._oks if self._oks is not None else self.wait())[param]  # read per parameter: no call once made
+        if self._oks is None:
+            raise RuntimeError(NOT_WAITED)
+        return self._oks[param]
 
     def __contains__(self, param: object) -> bool:
         return param in self._keys

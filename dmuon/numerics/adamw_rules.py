@@ -11,7 +11,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim.adamw import adamw as _torch_adamw
 
 from dmuon.numerics.device_scalars import StepScalars
-from dmuon.numerics.update_lists import decay_, decay_factor
+from dmuon.numerics.update_lists import decay_, decay_factor, keep_factor
 from dmuon.numerics.update_rules import cautious_decay_
 from dmuon.torch_compat import capturable_devices, default_foreach_for, local_of
 
@@ -79,14 +79,17 @@ def adamw_step_(
                           fused=fused, found_inf=found_inf)
         return
     if cautious_weight_decay and weight_decay != 0:
-        keep, scalars = 1 - (lr.squeeze() if isinstance(lr, torch.Tensor) else lr) * weight_decay, StepScalars()
+        scalars = StepScalars()
+        keep = keep_factor(lr, weight_decay, scalars)
+        plain = []  # complex entries have no sign: the plain decay
         for param, grad, exp_avg in zip(params, grads, exp_avgs):
             local = local_of(param)
             if param.is_complex():
-                local.mul_(keep)
+                plain.append(local)
                 continue
             direction = adamw_direction_sign(local_of(exp_avg), local_of(grad), betas[0])
             cautious_decay_(local, direction, decay_factor(keep, local.dtype, scalars, device=local.device)[0])
+        decay_(plain, keep, False, scalars)
         weight_decay = 0.0
     if foreach is None and fused is None:  # torch's own default, decided on the tensors as given, not their shards
         foreach = default_foreach_for(params) and not isinstance(lr, torch.Tensor)
@@ -134,7 +137,7 @@ def _decay_on_device_(params: list[torch.Tensor], grads: list[torch.Tensor], exp
     ``found_inf`` (torch's skip, 1.0: skip) masks it: the factor is exactly 1 where it is
     set, since the fused kernel that reads it skips only its own update, not this decay."""
     scalars = StepScalars()
-    keep = scalars.keep(lr, weight_decay)
+    keep = keep_factor(lr, weight_decay, scalars, capturable=True)
     ok = None if found_inf is None else found_inf == 0
     plain = []
     for param, grad, exp_avg in zip(params, grads, exp_avgs):

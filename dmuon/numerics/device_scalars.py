@@ -25,6 +25,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from typing import Any
+
 import torch
 
 # What a device hyperparameter is held in: a Python float's own format (see the module docstring).
@@ -60,6 +62,12 @@ def alpha_dtype(dtype: torch.dtype, device_type: str) -> torch.dtype:
     return torch.float32
 
 
+def keep_of(lr: Any, weight_decay: Any) -> Any:
+    """The one place the decay's keep factor is written: ``1 - lr * weight_decay``, of numbers
+    or of 0-dim tensors (on the host or the device: the same arithmetic, the same bits)."""
+    return 1 - lr * weight_decay
+
+
 class StepScalars:
     """One step's scalars, each made once and reused for every tensor that needs it (the
     per-tensor forms would otherwise make them per tensor): the device products of
@@ -79,8 +87,8 @@ class StepScalars:
         return self._made[key]
 
     def keep(self, lr: torch.Tensor, weight_decay: torch.Tensor) -> torch.Tensor:
-        """``1 - lr * weight_decay`` (fp64, on the device)."""
-        return self._once(("keep", id(lr), id(weight_decay)), (lr, weight_decay), lambda: 1 - lr * weight_decay)
+        """:func:`keep_of` these device hyperparameters (fp64, on the device), made once."""
+        return self._once(("keep", id(lr), id(weight_decay)), (lr, weight_decay), lambda: keep_of(lr, weight_decay))
 
     def alpha(self, lr: torch.Tensor, scale: float) -> torch.Tensor:
         """``-lr * scale`` (fp64, on the device), as the host computes it."""

@@ -21,7 +21,6 @@ from torch.distributed.tensor import DTensor, Replicate
 from dmuon.numerics.newton_schulz import (
     DEFAULT_GRAM_RESTARTS,
     DEFAULT_NS_ALGORITHM,
-    UPDATE_DTYPE,
     Triple,
     matrix_shape,
     newton_schulz_flops,
@@ -30,10 +29,11 @@ from dmuon.numerics.newton_schulz import (
 )
 from dmuon.numerics.device_scalars import StepScalars
 from dmuon.numerics.standard_iteration import NewtonSchulzBuffers
+from dmuon.numerics.masked_updates import mask_
 from dmuon.numerics.update_lists import apply_muon_, momentum_
 from dmuon.numerics.adamw_rules import adamw_step_ as adamw_
 from dmuon.numerics.update_rules import (
-    nesterov_lookahead,
+    lookahead_copy,
     normuon_normalize_,
     normuon_second_moment_shape,
     shape_scale,
@@ -110,6 +110,7 @@ def muon_(
     foreach: bool = False,
     capturable: bool = False,
     scalars: StepScalars | None = None,
+    oks: Sequence[torch.Tensor] | None = None,
 ) -> None:
     """torch's single-tensor Muon loop over tensors this rank updates whole: its own
     ``params`` (plain tensors, or local tensors of DTensors of global ``shapes``), with
@@ -117,17 +118,23 @@ def muon_(
     where the path puts it. The momentum EMA runs first for every tensor (with
     ``foreach``, one list op: ``dmuon.numerics.update_lists``); the rest, per tensor, keeps one
     update in hand at a time. ``capturable``: ``lr`` and ``weight_decay`` are 0-dim fp64 device
-    tensors (``dmuon.numerics.device_scalars``; ``scalars``: their products, made once a step)."""
-    momentum_(momentum_bufs, grads, momentum, foreach)
+    tensors (``dmuon.numerics.device_scalars``; ``scalars``: their products, made once a step).
+    ``oks``: each tensor's 0-dim device bool; where it does not hold, its momentum and the
+    tensor keep their bits (its result is zeroed before the masked apply). A step without
+    masks is this step with none."""
+    momentum_(momentum_bufs, grads, momentum, foreach, oks)
     scalars = scalars or StepScalars()
     for i, (param, grad, buf) in enumerate(zip(params, grads, momentum_bufs)):
-        update = nesterov_lookahead(grad, buf, momentum, nesterov).to(UPDATE_DTYPE, copy=True)
-        ortho = orthogonalize(i, update)
+        ortho = orthogonalize(i, lookahead_copy(grad, buf, momentum, nesterov))
+        ok = None if oks is None else [oks[i]]
+        if ok is not None:
+            mask_([ortho], ok, foreach)
         scale = update_scale(shapes[i], split_rows=split_rows, adjust_lr=adjust_lr,
                              matched_adamw_rms=matched_adamw_rms)
         with updating(param):
             apply_muon_([param], [ortho], lr=lr, weight_decay=weight_decay, scale=scale,
-                        cautious_weight_decay=cautious_weight_decay, capturable=capturable, scalars=scalars)
+                        cautious_weight_decay=cautious_weight_decay, foreach=foreach, oks=ok, capturable=capturable,
+                        scalars=scalars)
 
 
 def muon_momentum_(grad: torch.Tensor, buf: torch.Tensor, momentum: float, nesterov: bool) -> torch.Tensor:
@@ -135,7 +142,7 @@ def muon_momentum_(grad: torch.Tensor, buf: torch.Tensor, momentum: float, neste
     look-ahead cast to bf16 with a copy, so it never aliases ``buf`` and orthogonalizing it
     cannot corrupt momentum."""
     momentum_([buf], [grad], momentum, foreach=False)
-    return nesterov_lookahead(grad, buf, momentum, nesterov).to(UPDATE_DTYPE, copy=True)
+    return lookahead_copy(grad, buf, momentum, nesterov)
 
 
 def apply_muon_update_(param: torch.Tensor, ortho: torch.Tensor, lr: float | torch.Tensor, weight_decay: float,

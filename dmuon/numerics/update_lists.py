@@ -38,7 +38,7 @@ from collections.abc import Sequence
 
 import torch
 
-from dmuon.numerics.device_scalars import StepScalars, alpha_dtype, opmath_dtype
+from dmuon.numerics.device_scalars import StepScalars, alpha_dtype, keep_of, opmath_dtype
 from dmuon.numerics.masked_updates import by_mask, select_
 from dmuon.numerics.update_rules import cautious_decay_, nesterov_lookahead
 from dmuon.torch_compat import default_foreach
@@ -126,6 +126,16 @@ def lookahead(grads: Tensors, bufs: Tensors, momentum: float, nesterov: bool, fo
 # ------------------------------------------------------------------------- decay
 
 
+def keep_factor(lr: Number, weight_decay: Number, scalars: StepScalars, capturable: bool = False) -> Number:
+    """The decay's keep factor ``1 - lr * weight_decay`` (``device_scalars.keep_of``) as a rule
+    reads it: a number, a Tensor ``lr``'s 0-dim tensor (torch.optim's one-element lr,
+    squeezed), or under ``capturable`` the fp64 device value of the group's device
+    hyperparameters, made once a step (``scalars``)."""
+    if capturable:
+        return scalars.keep(lr, weight_decay)
+    return keep_of(lr.squeeze() if isinstance(lr, torch.Tensor) else lr, weight_decay)
+
+
 def decay_factor(keep: Number, dtype: torch.dtype, scalars: StepScalars, ok: torch.Tensor | None = None,
                  capturable: bool = False, device: torch.device | None = None) -> tuple[torch.Tensor, bool]:
     """The one place a decay factor is made: ``keep`` (``1 - lr * weight_decay``) for a
@@ -192,7 +202,7 @@ def apply_muon_(params: Tensors, orthos: Tensors, *, lr: Number, weight_decay: N
     scalars = scalars or StepScalars()
     if isinstance(lr, torch.Tensor) and not capturable:  # torch.optim.Muon's arithmetic, per tensor
         lr, foreach = lr.squeeze(), False
-    keep = scalars.keep(lr, weight_decay) if capturable else 1 - lr * weight_decay
+    keep = keep_factor(lr, weight_decay, scalars, capturable)
     if cautious_weight_decay:  # its mask is a torch.where per tensor
         for i, (param, ortho) in enumerate(zip(params, orthos)):
             ok = None if oks is None else oks[i]

@@ -72,6 +72,18 @@ def nesterov_lookahead(grad: torch.Tensor, buf: torch.Tensor, momentum: float, n
     return grad.lerp(buf, momentum) if nesterov else buf
 
 
+def compute_copy(lookahead: torch.Tensor) -> torch.Tensor:
+    """What Newton-Schulz orthogonalizes, from the look-ahead: a bf16 copy, so that it never
+    aliases the momentum (without Nesterov the look-ahead is the buffer itself) and
+    orthogonalizing it in place cannot touch the momentum. The one place it is made."""
+    return lookahead.to(UPDATE_DTYPE, copy=True)
+
+
+def lookahead_copy(grad: torch.Tensor, buf: torch.Tensor, momentum: float, nesterov: bool) -> torch.Tensor:
+    """The look-ahead, then its compute copy: one tensor's input to Newton-Schulz."""
+    return compute_copy(nesterov_lookahead(grad, buf, momentum, nesterov))
+
+
 def normuon_second_moment_shape(shape: Sequence[int]) -> tuple[int, ...]:
     """The shape of NorMuon's state for a parameter of ``shape``: one value per row of
     the matrices Newton-Schulz sees (``[A, 1]``; ``[E, A, 1]`` for experts; ``[O, 1]``

@@ -16,7 +16,8 @@ from dmuon.torch_compat import local_of
 from dmuon.numerics.device_scalars import DEVICE_HYPERPARAMETERS, device_scalar
 from dmuon.options.implementation_flags import NO_PATH_KEYS, check_no_fused_muon, check_no_path_flags, own_flags
 from dmuon.options.checks import check_muon_param
-from dmuon.options.table import ADAMW_ALIASES, ADAMW_KEYS, ADDED_LATER, DEFAULTS, FLAG_KEYS, MUON_KEYS, check_group
+from dmuon.options.table import (ADAMW_ALIASES, ADAMW_KEYS, ADDED_LATER, DEFAULTS, FLAG_KEYS, MUON_KEYS,
+                                 SHARED_KEYS, check_group)
 
 # By default, a parameter with ndim >= 2 gets Muon unless its name marks it as an
 # embedding or an output head: those are lookup tables / classifiers, not linear maps
@@ -195,14 +196,9 @@ def split_options(options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, An
     (None: unset). An option left out takes its default (``dmuon.options.table``)."""
     options = {**DEFAULTS, **options}
     muon = {key: options[key] for key in MUON_KEYS}
-    adamw = {
-        "lr": options["lr"] if options.get("adamw_lr") is None else options["adamw_lr"],
-        "betas": options["adamw_betas"],
-        "eps": options["adamw_eps"],
-        "weight_decay": options["weight_decay"] if options.get("adamw_weight_decay") is None
-        else options["adamw_weight_decay"],
-        "cautious_weight_decay": options["cautious_weight_decay"],
-    }
+    adamw = {key: options[key] for key in SHARED_KEYS}
+    adamw.update({key: options[alias] for alias, key in ADAMW_ALIASES.items()
+                  if options[alias] is not None or key not in adamw})  # adamw_<x> over <x>
     return muon, adamw
 
 

@@ -182,6 +182,8 @@ def _keys(*scopes: Scope) -> tuple[str, ...]:
 # A Muon group's keys and an AdamW group's (besides params, use_muon and the flags).
 MUON_KEYS = _keys(Scope.MUON, Scope.GROUPS)
 ADAMW_KEYS = _keys(Scope.ADAMW, Scope.GROUPS)
+# The keys whose one value serves both parts (unless an AdamW keyword below sets the AdamW part's).
+SHARED_KEYS = _keys(Scope.GROUPS)
 # The AdamW part's constructor keywords, each the AdamW group's value of its key.
 ADAMW_ALIASES: Mapping[str, str] = {o.name: o.key for o in OPTIONS if o.scope is Scope.ADAMW}
 # torch.optim's implementation flags, kept per group.

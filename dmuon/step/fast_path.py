@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from dmuon.exchange.comm import WIRE_DTYPE, CommStats, ScratchMeter, mesh_device
+from dmuon.exchange.comm import CommStats, ScratchMeter, mesh_device
 from dmuon.exchange.groups import group_of
 from dmuon.exchange.host_staging import HostStaging, check_offload, staging_for
 from dmuon.exchange.owner_exchange import Callbacks, run_owner_plan
@@ -36,6 +36,7 @@ from dmuon.numerics.functional import normuon_state
 from dmuon.numerics.masked_updates import UnitMasks
 from dmuon.numerics.newton_schulz import resolve_ns_algorithm, resolve_ns_dtype
 from dmuon.numerics.standard_iteration import NewtonSchulzBuffers
+from dmuon.numerics.update_rules import compute_copy
 from dmuon.plan.cost_model import CostModel, plan_with_best_split
 from dmuon.plan.local_blocks import LocalBlocks
 from dmuon.plan.mesh_facts import mesh_ranks
@@ -49,7 +50,8 @@ logger = logging.getLogger("dmuon")
 
 @dataclass
 class OwnerRun:
-    """The fast-path Muon parameters, their owner plan, and the ranks that run it."""
+    """The fast-path Muon parameters, their owner plan, and the ranks that run it: what is
+    made once per plan (a step's own tensors are :class:`FastStep`'s)."""
 
     group: dist.ProcessGroup
     """Every rank of the parameters' meshes (plan rank = rank in this group)."""
@@ -99,37 +101,6 @@ class OwnerRun:
         parameters were reassigned); a wrong shard's stand-in."""
         return [self.stand_ins.get(j, local_of(p)) for j, p in enumerate(self.params)]
 
-    def momentum_step(self, grads: Mapping[torch.Tensor, torch.Tensor], state: Mapping[torch.Tensor, dict[str, Any]],
-                      oks: Sequence[torch.Tensor], groups: Sequence[dict[str, Any]], steps: GroupSteps
-                      ) -> tuple[list[torch.Tensor], list[torch.Tensor | None], ConvertedMomenta]:
-        """Each parameter's local grad; its momentum after this step's EMA (one list op per group,
-        where its ``oks`` entry holds) where the momentum is its own working tensor (kept in the
-        parameter's dtype, updated in place; zeros before its state exists; a wrong shard's
-        stand-in), None where it is kept in another dtype; and those others, whose EMA runs a
-        few blocks at a time as they are packed (:meth:`ConvertedMomenta.blocks`)."""
-        local_bufs: list[torch.Tensor | None] = [None] * len(self.params)
-        converted = ConvertedMomenta(self.plan, self.blocks, self.rank, self.dtypes, self.device, oks, groups, steps)
-        for j, param in enumerate(self.params):
-            if j in self.stand_ins:
-                local_bufs[j] = self.stand_ins[j]
-            elif (momentum := kept_momentum(state.get(param))) is None:  # get: no empty state made
-                local_bufs[j] = torch.zeros_like(local_of(param))  # nothing is stored: no state yet
-            elif momentum[1] is None and momentum[0].dtype == self.dtypes[j]:
-                local_bufs[j] = local_of(momentum[0])
-            else:
-                converted.values[j] = local_of(momentum[0])
-                if momentum[1] is not None:
-                    converted.scales[j] = local_of(momentum[1])
-        # Without a usable grad here, the momentum stands in for it (the masked EMA leaves it as
-        # it is); a converted momentum's working copy takes that place block by block.
-        local_grads = [self.local(j, grads[p]) if p in grads else local_bufs[j] for j, p in enumerate(self.params)]
-        converted.grads = local_grads
-        in_place = [j for j, buf in enumerate(local_bufs) if buf is not None]
-        for group, members in by_group(in_place, groups):
-            steps.momentum([local_bufs[j] for j in members], [local_grads[j] for j in members], group,
-                           [oks[j] for j in members])
-        return local_grads, local_bufs, converted
-
     def unpacked_units(self) -> list[int]:
         """Units this rank holds a block of but never packs: a replica's blocks outside its
         owner's replica (they receive the result, they send nothing). Their momentum still
@@ -142,14 +113,6 @@ class OwnerRun:
             self._unpacked = [i for i, unit in enumerate(self.plan.units)
                               if i not in packed and unit.block_numel(self.rank) > 0]
         return self._unpacked
-
-    def second_moments(self, groups: Sequence[dict[str, Any]], state: Mapping[torch.Tensor, dict[str, Any]]
-                       ) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]:
-        """The NorMuon rows of this rank's state (zeros before it exists: the sum sharing them
-        has one size everywhere), and where Newton-Schulz reads and writes them (staged up)."""
-        moments = {j: m if (m := GroupSteps.second_moment(p, state)) is not None else local_of(normuon_state(p))
-                   for j, (p, group) in enumerate(zip(self.params, groups)) if group["normuon"]}
-        return moments, moments if self.staging is None else self.staging.moments_up(moments)
 
     def local(self, j: int, tensor: torch.Tensor) -> torch.Tensor:
         """The local tensor of ``tensor`` (a grad or state of plan parameter ``j``), or the stand-in."""
@@ -273,59 +236,121 @@ class FastPath:
     def step(self, grads: Mapping[torch.Tensor, torch.Tensor], oks: Mapping[torch.Tensor, torch.Tensor],
              groups: Mapping[torch.Tensor, dict[str, Any]], state: Mapping[torch.Tensor, dict[str, Any]],
              steps: GroupSteps, stats: CommStats, meter: ScratchMeter) -> None:
-        """The fast path's step for every parameter of the plan, whatever its grad: the
-        momentum EMA of every local shard kept in its parameter's dtype first (one list op per
-        group; the others' as their blocks are packed: ``dmuon.step.converted_momenta``), the Nesterov
-        look-ahead packed as blocks travel, Newton-Schulz on the owner, the update on the
-        local rows as results come back (``dmuon.exchange.owner_exchange``), each a list op
-        per batch; everything masked by ``oks`` (each parameter's 0-dim bool on the device)."""
+        """The fast path's step for every parameter of the plan, whatever its grad
+        (:class:`FastStep`); everything masked by ``oks`` (each parameter's 0-dim bool on the
+        device, made by the step's wait)."""
         if self._run is None:
             return
-        run, params = self._run, self._run.params
-        param_groups = [groups[p] for p in params]  # by plan parameter
-        ok = [oks[p] for p in params]  # made by the step's wait (dmuon.step.phases)
-        here = ok if run.staging is None else run.staging.masks(ok)  # where the elementwise rules run
-        local_grads, local_bufs, converted = run.momentum_step(grads, state, here, param_groups, steps)
-        bufs = run.blocks.kept("momentum_buffer", local_bufs)
-        targets = run.blocks.kept("param", run.locals(), flat=True)
-        moments, rows = run.second_moments(param_groups, state)  # staged after the masks' wait (host_staging)
-        masks = UnitMasks(ok, [u.param for u in run.plan.units], steps.lists_for(run.device))
-        grad_blocks: dict[int, list[torch.Tensor]] = {}  # this step's grads, split on first use
-        converted.unpacked(run.unpacked_units(), grad_blocks)
+        run = self._run
+        fast = FastStep(run, grads, oks, groups, state, steps)
+        run_owner_plan(run.plan, group=run.group, rank=run.rank, device=run.device, callbacks=fast.callbacks(),
+                       stats=stats, meter=meter, staging=run.staging)
+        fast.share_second_moments()
 
-        def pack_blocks(units: Sequence[int]) -> list[torch.Tensor]:
-            unit_grads, momenta = converted.blocks(units, grad_blocks, bufs)
-            unit_groups = [param_groups[run.plan.units[i].param] for i in units]
-            out: list[torch.Tensor] = [None] * len(units)  # type: ignore[list-item]
-            for group, positions in by_group(range(len(units)), unit_groups):
-                looks = steps.lookahead([unit_grads[k] for k in positions], [momenta[k] for k in positions], group)
-                for k, look in zip(positions, looks):
-                    out[k] = look
-            return out
 
-        def update_of(i: int) -> torch.Tensor:
-            (update,) = pack_blocks([i])
-            return update.to(WIRE_DTYPE, copy=True).view(run.plan.units[i].matrix)
+class FastStep:
+    """One step of the fast path, and what its batches share: the momentum EMA of every local
+    shard kept in its parameter's dtype first (one list op per group; the others' as their
+    blocks are packed: ``dmuon.step.converted_momenta``), then, batch by batch as the owner
+    exchange calls its methods (``dmuon.exchange.owner_exchange``), the Nesterov look-ahead
+    packed as blocks travel (:meth:`pack_blocks`), Newton-Schulz on the owner
+    (:meth:`orthogonalize`) and the update of the local rows as results come back
+    (:meth:`apply_blocks`), each a list op per batch."""
 
-        buffers = NewtonSchulzBuffers()  # kept through a batch's Newton-Schulz, released after it
+    def __init__(self, run: OwnerRun, grads: Mapping[torch.Tensor, torch.Tensor],
+                 oks: Mapping[torch.Tensor, torch.Tensor], groups: Mapping[torch.Tensor, dict[str, Any]],
+                 state: Mapping[torch.Tensor, dict[str, Any]], steps: GroupSteps) -> None:
+        self.run, self.steps, self.params = run, steps, run.params
+        self.groups = [groups[p] for p in run.params]  # by plan parameter
+        self.ok = [oks[p] for p in run.params]
+        self.here = self.ok if run.staging is None else run.staging.masks(self.ok)  # where the elementwise rules run
+        self.local_grads, local_bufs, self.converted = self.momentum_step(grads, state)
+        self.bufs = run.blocks.kept("momentum_buffer", local_bufs)
+        self.targets = run.blocks.kept("param", run.locals(), flat=True)
+        self.moments, self.rows = self.second_moments(state)  # staged after the masks' wait (host_staging)
+        self.masks = UnitMasks(self.ok, [u.param for u in run.plan.units], steps.lists_for(run.device))
+        self.grad_blocks: dict[int, list[torch.Tensor]] = {}  # this step's grads, split on first use
+        self.converted.unpacked(run.unpacked_units(), self.grad_blocks)
+        self.buffers = NewtonSchulzBuffers()  # kept through a batch's Newton-Schulz, released after it
 
-        def orthogonalize(unit: Unit, matrix: torch.Tensor) -> torch.Tensor:
-            moment = rows.get(unit.param)
-            return steps.orthogonalize(matrix, param_groups[unit.param],
-                                       None if moment is None else moment[unit.dim0[0] : unit.dim0[1]], ok[unit.param],
-                                       buffers)
+    def momentum_step(self, grads: Mapping[torch.Tensor, torch.Tensor], state: Mapping[torch.Tensor, dict[str, Any]]
+                      ) -> tuple[list[torch.Tensor], list[torch.Tensor | None], ConvertedMomenta]:
+        """Each parameter's local grad; its momentum after this step's EMA (one list op per group,
+        where its mask holds) where the momentum is its own working tensor (kept in the
+        parameter's dtype, updated in place; zeros before its state exists; a wrong shard's
+        stand-in), None where it is kept in another dtype; and those others, whose EMA runs a
+        few blocks at a time as they are packed (:meth:`ConvertedMomenta.blocks`)."""
+        run, oks, groups = self.run, self.here, self.groups
+        local_bufs: list[torch.Tensor | None] = [None] * len(run.params)
+        converted = ConvertedMomenta(run.plan, run.blocks, run.rank, run.dtypes, run.device, oks, groups, self.steps)
+        for j, param in enumerate(run.params):
+            if j in run.stand_ins:
+                local_bufs[j] = run.stand_ins[j]
+            elif (momentum := kept_momentum(state.get(param))) is None:  # get: no empty state made
+                local_bufs[j] = torch.zeros_like(local_of(param))  # nothing is stored: no state yet
+            elif momentum[1] is None and momentum[0].dtype == run.dtypes[j]:
+                local_bufs[j] = local_of(momentum[0])
+            else:
+                converted.values[j] = local_of(momentum[0])
+                if momentum[1] is not None:
+                    converted.scales[j] = local_of(momentum[1])
+        # Without a usable grad here, the momentum stands in for it (the masked EMA leaves it as
+        # it is); a converted momentum's working copy takes that place block by block.
+        local_grads = [run.local(j, grads[p]) if p in grads else local_bufs[j] for j, p in enumerate(run.params)]
+        converted.grads = local_grads
+        in_place = [j for j, buf in enumerate(local_bufs) if buf is not None]
+        for group, members in by_group(in_place, groups):
+            self.steps.momentum([local_bufs[j] for j in members], [local_grads[j] for j in members], group,
+                                [oks[j] for j in members])
+        return local_grads, local_bufs, converted
 
-        def apply_blocks(units: Sequence[int], orthos: Sequence[torch.Tensor]) -> None:
-            steps.apply_many([params[run.plan.units[i].param] for i in units], [targets[i] for i in units], orthos,
-                             [param_groups[run.plan.units[i].param] for i in units],
-                             [here[run.plan.units[i].param] for i in units])
+    def second_moments(self, state: Mapping[torch.Tensor, dict[str, Any]]
+                       ) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]:
+        """The NorMuon rows of this rank's state (zeros before it exists: the sum sharing them
+        has one size everywhere), and where Newton-Schulz reads and writes them (staged up)."""
+        moments = {j: m if (m := GroupSteps.second_moment(p, state)) is not None else local_of(normuon_state(p))
+                   for j, (p, group) in enumerate(zip(self.params, self.groups)) if group["normuon"]}
+        return moments, moments if self.run.staging is None else self.run.staging.moments_up(moments)
 
-        callbacks = Callbacks(pack_blocks, update_of, orthogonalize, apply_blocks, run.layout,
-                              run.widen if steps.lists_for(run.device) else Callbacks.widen, masks.zero_masked,
-                              buffers.release)
-        run_owner_plan(run.plan, group=run.group, rank=run.rank, device=run.device,
-                       callbacks=callbacks, stats=stats, meter=meter, staging=run.staging)
-        share_second_moments(run.plan, run.rank, rows, run.group, run.device)
+    def pack_blocks(self, units: Sequence[int]) -> list[torch.Tensor]:
+        """The look-ahead of this rank's block of each unit, in its parameter's dtype."""
+        unit_grads, momenta = self.converted.blocks(units, self.grad_blocks, self.bufs)
+        unit_groups = [self.groups[self.run.plan.units[i].param] for i in units]
+        out: list[torch.Tensor] = [None] * len(units)  # type: ignore[list-item]
+        for group, positions in by_group(range(len(units)), unit_groups):
+            looks = self.steps.lookahead([unit_grads[k] for k in positions], [momenta[k] for k in positions], group)
+            for k, look in zip(positions, looks):
+                out[k] = look
+        return out
+
+    def update_of(self, i: int) -> torch.Tensor:
+        """The bf16 update of unit ``i``, which this rank holds whole, as its matrix."""
+        (update,) = self.pack_blocks([i])
+        return compute_copy(update).view(self.run.plan.units[i].matrix)
+
+    def orthogonalize(self, unit: Unit, matrix: torch.Tensor) -> torch.Tensor:
+        """Newton-Schulz (and NorMuon) of one unit's matrix with its group's settings."""
+        moment = self.rows.get(unit.param)
+        return self.steps.orthogonalize(matrix, self.groups[unit.param],
+                                        None if moment is None else moment[unit.dim0[0] : unit.dim0[1]],
+                                        self.ok[unit.param], self.buffers)
+
+    def apply_blocks(self, units: Sequence[int], orthos: Sequence[torch.Tensor]) -> None:
+        """The decayed, scaled update of this rank's block of each unit with its result."""
+        param_of = [self.run.plan.units[i].param for i in units]
+        self.steps.apply_many([self.params[j] for j in param_of], [self.targets[i] for i in units], orthos,
+                              [self.groups[j] for j in param_of], [self.here[j] for j in param_of])
+
+    def callbacks(self) -> Callbacks:
+        """These methods, as the owner exchange calls them."""
+        run = self.run
+        return Callbacks(self.pack_blocks, self.update_of, self.orthogonalize, self.apply_blocks, run.layout,
+                         run.widen if self.steps.lists_for(run.device) else Callbacks.widen, self.masks.zero_masked,
+                         self.buffers.release)
+
+    def share_second_moments(self) -> None:
+        """After the exchange: every rank gets the NorMuon rows the owners wrote."""
+        run = self.run
+        share_second_moments(run.plan, run.rank, self.rows, run.group, run.device)
         if run.staging is not None:
-            run.staging.moments_down(rows, moments)
-
+            run.staging.moments_down(self.rows, self.moments)

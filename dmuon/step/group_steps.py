@@ -30,10 +30,8 @@ from dmuon.state.momentum_state import (BUFFER_KEY, INT8_KEY, SCALES_KEY, Moment
                                   read_chunks)
 from dmuon.exchange.status_masks import StatusMasks, StepMask
 from dmuon.numerics.device_scalars import StepScalars
-from dmuon.numerics.masked_updates import mask_
-from dmuon.numerics.newton_schulz import UPDATE_DTYPE, resolve_ns_algorithm, resolve_ns_dtype
+from dmuon.numerics.newton_schulz import resolve_ns_algorithm, resolve_ns_dtype
 from dmuon.numerics.standard_iteration import NewtonSchulzBuffers
-from dmuon.numerics.update_rules import nesterov_lookahead
 from dmuon.numerics.update_lists import apply_muon_, lookahead, momentum_, resolve_foreach
 from dmuon.plan.paths import ALL_TO_ALL, REDISTRIBUTE
 from dmuon.state.rollback import StateRollback
@@ -61,6 +59,8 @@ class GroupSteps:
         """The optimizer's ``foreach``: None lets torch choose per device (``dmuon.numerics.update_lists``)."""
         self.fused = fused
         """The optimizer's ``fused``: the AdamW part steps with torch's fused AdamW."""
+        self.forms: dict[tuple[int | None, torch.device], bool] = {}
+        """Each group's form on each device, this step (:meth:`lists_for`)."""
         self.scalars = StepScalars()
         """A capturable step's device products of its hyperparameters, made once (a step's
         ``GroupSteps`` lives for that step only)."""
@@ -90,8 +90,14 @@ class GroupSteps:
 
     def lists_for(self, device: torch.device, group: dict[str, Any] | None = None) -> bool:
         """Whether the elementwise rules (of ``group``) run as list ops on ``device``: the
-        group's ``foreach`` where it sets one (torch keeps it per group), else the optimizer's."""
-        return resolve_foreach(self.foreach if group is None else group.get("foreach", self.foreach), device)
+        group's ``foreach`` where it sets one (torch keeps it per group), else the optimizer's.
+        Decided once per group and device a step (``GroupSteps`` lives for one step), as
+        torch's ``adamw()`` decides its form once and passes it down; every rule asks here."""
+        key = (None if group is None else id(group), device)
+        if key not in self.forms:
+            self.forms[key] = resolve_foreach(self.foreach if group is None else group.get("foreach", self.foreach),
+                                              device)
+        return self.forms[key]
 
     def momentum(self, bufs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], group: dict[str, Any],
                  oks: Sequence[torch.Tensor] | None = None) -> None:
@@ -154,85 +160,73 @@ class GroupSteps:
         moment = state.get(param, {}).get(NORMUON_STATE_KEY)
         return None if moment is None else local_of(moment)
 
-    def muon_whole(self, group: dict[str, Any], paths: Mapping[torch.Tensor, str],
-                   grads: Mapping[torch.Tensor, torch.Tensor], state: Mapping[torch.Tensor, dict[str, Any]]) -> None:
-        """Muon for the group's parameters with a grad that are whole on this rank
-        (``local``: orthogonalized in place) or gathered whole on every rank
-        (``redistribute``: ``dmuon.exchange.reference``); the fast path ran the others,
-        and :meth:`muon_masked` the distributed ones."""
-        params = [p for p in group["params"] if p in grads and paths[p] != ALL_TO_ALL and not distributed(p)]
-
-        def orthogonalize(i: int, update: torch.Tensor) -> torch.Tensor:
-            moment = self.second_moment(params[i], state)
-            if paths[params[i]] == REDISTRIBUTE:
-                return orthogonalize_gathered(update, params[i], lambda full: self.orthogonalize(full, group, moment))
-            return self.orthogonalize(update, group, moment)
-
-        local_params = [local_of(p) for p in params]
-        foreach = bool(local_params) and self.lists_for(local_params[0].device, group)
-        for chunk in read_chunks([state[p] for p in params], local_params):  # (module dmuon.state.momentum_state)
-            momenta = MomentumReads()
-            muon_([local_params[i] for i in chunk], [local_of(grads[params[i]]) for i in chunk],
-                  momenta.read([state[params[i]] for i in chunk], [local_params[i] for i in chunk]),
-                  shapes=[params[i].shape for i in chunk],
-                  orthogonalize=lambda k, update, chunk=chunk: orthogonalize(chunk[k], update),
-                  updating=self.telemetry.muon_update, foreach=foreach, capturable=capturable(group),
-                  scalars=self.scalars, **{key: group[key] for key in MUON_STEP_KEYS})
-            momenta.store(foreach)
-
     def muon_off_the_fast_path(self, param_groups: Sequence[dict[str, Any]], paths: Mapping[torch.Tensor, str],
                                grads: Mapping[torch.Tensor, torch.Tensor], status: StatusMasks,
                                state: Mapping[torch.Tensor, dict[str, Any]]) -> None:
-        """Every Muon group's parameters the fast path did not run: the DTensors masked
-        (:meth:`muon_masked`), every step; the plain ones with a grad here as they are
-        (:meth:`muon_whole`) where the host knows the step stands, under the step's mask
-        where only the device knows, not at all where it is masked."""
-        plain = ({p: status.step_ok for p in grads if not distributed(p)} if status.mask is StepMask.ON_DEVICE
-                 else {})
-        oks = {**status, **plain}  # each DTensor parameter's mask, then the plain ones' (the step's)
+        """Every Muon group's parameters the fast path did not run, through :meth:`muon_local`:
+        the DTensors every step, grad or not, each under its mask (the reference path's
+        collectives run on every rank alike); the plain ones with a grad here under no mask
+        where the host knows the step stands, under the step's mask where only the device
+        knows, not at all where it is masked."""
         for group in (g for g in param_groups if g["use_muon"]):
-            self.muon_masked(group, paths, grads, oks, state)
+            off = [p for p in group["params"] if paths[p] != ALL_TO_ALL]
+            plain = {p for p in off if p in grads and not distributed(p)}
+            if status.mask is StepMask.ON_DEVICE:
+                masked = [p for p in off if p in status or p in plain]
+                self.muon_local(group, masked, [status[p] if p in status else status.step_ok for p in masked], paths,
+                                grads, state)
+                continue
+            shared = [p for p in off if p in status]
+            self.muon_local(group, shared, [status[p] for p in shared], paths, grads, state)
             if status.mask is StepMask.STANDS:
-                self.muon_whole(group, paths, grads, state)
+                self.muon_local(group, [p for p in off if p in plain], None, paths, grads, state)
 
-    def muon_masked(self, group: dict[str, Any], paths: Mapping[torch.Tensor, str],
-                    grads: Mapping[torch.Tensor, torch.Tensor], oks: Mapping[torch.Tensor, torch.Tensor],
-                    state: Mapping[torch.Tensor, dict[str, Any]]) -> None:
-        """Muon for the group's distributed parameters off the fast path (replicated ones on
-        the ``local`` path, ``redistribute``), every step, grad or not, each masked by its
-        0-dim device bool in ``oks`` (``dmuon.exchange.grad_status``): the reference path's
-        collectives run on every rank alike. One parameter in hand at a time."""
-        params = [p for p in group["params"] if p in oks and paths[p] != ALL_TO_ALL]
-        states = [state.get(p) for p in params]
-        for chunk in read_chunks(states, [local_of(p) for p in params]):  # (module dmuon.state.momentum_state)
-            self._muon_masked_chunk(group, [params[i] for i in chunk], [states[i] for i in chunk], paths, grads,
-                                    oks, state)
+    def muon_local(self, group: dict[str, Any], params: Sequence[torch.Tensor], oks: Sequence[torch.Tensor] | None,
+                   paths: Mapping[torch.Tensor, str], grads: Mapping[torch.Tensor, torch.Tensor],
+                   state: Mapping[torch.Tensor, dict[str, Any]]) -> None:
+        """Muon (``dmuon.numerics.functional.muon_``) for ``params`` of one group that are whole
+        on this rank (``local``: orthogonalized in place) or gathered whole on every rank
+        (``redistribute``: ``dmuon.exchange.reference``), each under its 0-dim device bool in
+        ``oks`` (None: no mask). A parameter without a grad here steps its momentum as its
+        grad (the masked EMA leaves it as it is). Momenta are read a chunk at a time."""
+        if not params:
+            return
+        states, local_params = [state.get(p) for p in params], [local_of(p) for p in params]
+        foreach = self.lists_for(local_params[0].device, group)
+        for chunk in read_chunks(states, local_params):  # (module dmuon.state.momentum_state)
+            self._muon_chunk(group, [params[i] for i in chunk], [states[i] for i in chunk],
+                             None if oks is None else [oks[i] for i in chunk], paths, grads, state, foreach)
 
-    def _muon_masked_chunk(self, group: dict[str, Any], params: Sequence[torch.Tensor],
-                           states: Sequence[Mapping[str, Any] | None], paths: Mapping[torch.Tensor, str],
-                           grads: Mapping[torch.Tensor, torch.Tensor], oks: Mapping[torch.Tensor, torch.Tensor],
-                           state: Mapping[torch.Tensor, dict[str, Any]]) -> None:
-        """:meth:`muon_masked` of some of the group's parameters, whose momenta are read together."""
-        ok = [oks[p] for p in params]
+    def _muon_chunk(self, group: dict[str, Any], params: Sequence[torch.Tensor],
+                    states: Sequence[Mapping[str, Any] | None], oks: Sequence[torch.Tensor] | None,
+                    paths: Mapping[torch.Tensor, str], grads: Mapping[torch.Tensor, torch.Tensor],
+                    state: Mapping[torch.Tensor, dict[str, Any]], foreach: bool) -> None:
+        """:meth:`muon_local` of some of the group's parameters, whose momenta are read together
+        (their working copies die with this call, before the next chunk's are read)."""
+        local_params = [local_of(p) for p in params]
         momenta = MomentumReads()
-        bufs = momenta.read(states, [local_of(p) for p in params], ok)
-        local_grads = [local_of(grads[p]) if p in grads else buf for p, buf in zip(params, bufs)]
-        self.momentum(bufs, local_grads, group, ok)
-        momenta.store(self.lists_for(bufs[0].device, group))
-        for i, param in enumerate(params):
-            update = nesterov_lookahead(local_grads[i], bufs[i], group["momentum"], group["nesterov"])
-            update = update.to(UPDATE_DTYPE, copy=True)
-            moment = self.second_moment(param, state)
-            if group["normuon"] and moment is None:
-                moment = local_of(normuon_state(param))
+        bufs = momenta.read(states, local_params, oks)
+        muon_(local_params, [local_of(grads[p]) if p in grads else buf for p, buf in zip(params, bufs)], bufs,
+              shapes=[p.shape for p in params],
+              orthogonalize=lambda k, update: self._orthogonalize_whole(group, params[k], update, paths, state,
+                                                                        None if oks is None else oks[k]),
+              updating=self.telemetry.muon_update, foreach=foreach, capturable=capturable(group),
+              scalars=self.scalars, oks=oks, **{key: group[key] for key in MUON_STEP_KEYS})
+        momenta.store(foreach)
 
-            def orthogonalize(full: torch.Tensor, i: int = i, moment: torch.Tensor | None = moment) -> torch.Tensor:
-                return self.orthogonalize(full, group, moment, ok[i])
+    def _orthogonalize_whole(self, group: dict[str, Any], param: torch.Tensor, update: torch.Tensor,
+                             paths: Mapping[torch.Tensor, str], state: Mapping[torch.Tensor, dict[str, Any]],
+                             ok: torch.Tensor | None) -> torch.Tensor:
+        """Newton-Schulz of one parameter's update: here, or gathered on every rank."""
+        moment = self.second_moment(param, state)
+        if group["normuon"] and moment is None:  # no state yet (no grad here): its rows start at zero
+            moment = local_of(normuon_state(param))
 
-            ortho = (orthogonalize_gathered(update, param, orthogonalize) if paths[param] == REDISTRIBUTE
-                     else orthogonalize(update))
-            mask_([ortho], [ok[i]], self.lists_for(ortho.device, group))
-            self.apply_many([param], [local_of(param)], [ortho], [group], [ok[i]])
+        def orthogonalize(full: torch.Tensor) -> torch.Tensor:
+            return self.orthogonalize(full, group, moment, ok)
+
+        return orthogonalize_gathered(update, param, orthogonalize) if paths[param] == REDISTRIBUTE \
+            else orthogonalize(update)
 
 
 def capturable(group: dict[str, Any]) -> bool:

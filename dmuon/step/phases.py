@@ -1,15 +1,17 @@
-"""One ``DMuon``'s step as the phases of one object, :class:`StepPhases`, which holds what
-they share: the paths and the owner plan (``dmuon.step.fast_path``), the status channel
+"""One ``DMuon``'s step as the phases of one object, :class:`Step`, made for each step by
+:meth:`StepPhases.prepare` and holding what its phases share (the groups, the state, this
+rank's checks, the status masks, AdamW's failure). :class:`StepPhases` holds what lasts
+between steps: the paths and the owner plan (``dmuon.step.fast_path``), the status channel
 (``dmuon.exchange.grad_status``), the host changes a masked step takes back
 (``dmuon.state.rollback``), QK-clip's attentions (``dmuon.attention.clipping``), the
 telemetry and the communication counters. ``DMuon.step`` calls them in order::
 
-    groups, last = phases.prepare(...)       # the plan (once); the last step's status read
-    checked = phases.check_locally(...)      # 1. host facts only: nothing changes
-    status = phases.agree(...)               # 2. the status sums start (one device all_reduce)
-    phases.wait(status)                      # 3. the one wait: the masks are made
-    failure = phases.compute_and_apply(...)  # 4. every update, under the masks
-    phases.report(checked, failure)          # 5. telemetry; the step's first error raised
+    step = phases.prepare(...)   # the plan (once); the last step's status read
+    step.check_locally()         # 1. host facts only: nothing changes
+    step.agree()                 # 2. the status sums start (one device all_reduce)
+    step.wait()                  # 3. the one wait: the masks are made
+    step.compute_and_apply()     # 4. every update, under the masks
+    step.report()                # 5. telemetry; the step's first error raised
 
 The order is what the step's guarantees rest on (docs/architecture.md, "What a step
 guarantees"): nothing collective or state-changing before the status is agreed, every
@@ -116,13 +118,14 @@ class StepPhases:
 
     # --------------------------------------------------------------- before the phases
 
-    def prepare(self, param_groups: ParamGroups, name_of: NameOf) -> tuple[dict[torch.Tensor, dict[str, Any]],
-                                                                          Exception | None]:
-        """Each Muon parameter's group, after making the paths, the owner plan and the status
-        channel (at the first step, and again when the parameters or a Muon group's
-        Newton-Schulz settings changed: a direct edit of ``param_groups``, ``load_state_dict``;
-        no collective but the groups a plan may make); and the last step's error, read from
-        its status, with its host changes taken back if it was masked."""
+    def prepare(self, param_groups: ParamGroups, state: dict[torch.Tensor, dict[str, Any]], name_of: NameOf,
+                device: torch.device, options: StepOptions) -> Step:
+        """This step, after making the paths, the owner plan and the status channel (at the
+        first step, and again when the parameters or a Muon group's Newton-Schulz settings
+        changed: a direct edit of ``param_groups``, ``load_state_dict``; no collective but the
+        groups a plan may make), reading the last step's error from its status (its host
+        changes taken back if it was masked) and converting the momenta of a group whose
+        ``momentum_dtype`` was edited since."""
         signature = plan_signature(param_groups)
         if signature != self.plan_signature:
             self.forget_plan()
@@ -135,68 +138,86 @@ class StepPhases:
             self.rollback.undo()
         else:
             self.rollback.keep()
-        return muon_groups, last_error
+        self.momentum_dtypes.check(param_groups, state, name_of)
+        return Step(self, param_groups, state, name_of, device, options, muon_groups, last_error)
 
-    # --------------------------------------------------------------------- the phases
 
-    def check_locally(self, param_groups: ParamGroups, muon_groups: dict[torch.Tensor, dict[str, Any]],
-                      last_error: Exception | None, name_of: NameOf) -> LocalChecks:
+class Step:
+    """One step in flight, its phases as methods: what :meth:`StepPhases.prepare` found, and
+    what each phase leaves the next (this rank's checks, the status masks, AdamW's failure)."""
+
+    def __init__(self, phases: StepPhases, param_groups: ParamGroups, state: dict[torch.Tensor, dict[str, Any]],
+                 name_of: NameOf, device: torch.device, options: StepOptions,
+                 muon_groups: dict[torch.Tensor, dict[str, Any]], last_error: Exception | None) -> None:
+        self.phases, self.param_groups, self.state, self.name_of = phases, param_groups, state, name_of
+        self.device, self.options = device, options
+        self.muon_groups = muon_groups
+        """Each Muon parameter's group, in order."""
+        self.last_error = last_error
+        """The last step's error, read from its status (every rank raises it alike)."""
+        self.checked: LocalChecks | None = None
+        """Phase 1's findings."""
+        self.status: StatusMasks | None = None
+        """Phase 2's sums in flight; the masks once phase 3 waited for them."""
+        self.failure: Exception | None = None
+        """What torch's AdamW raised in phase 4 (phase 5 raises it)."""
+
+    def check_locally(self) -> None:
         """Phase 1, host facts only, nothing changed: the error every rank raises alike (the
         last step's, or QK-clip's reports), this rank's own problems, and QK-clip's thresholds
         (a configuration error raises here, on every rank alike, before any collective)."""
-        thresholds = self.attention_clip.thresholds(muon_group_threshold(muon_groups, name_of))
-        pending = last_error or self.attention_clip.take_pending()
-        invalid, problems = step_problems(param_groups, name_of, self.fast_path.shard_problem)
-        return LocalChecks(pending, invalid, problems, thresholds)
+        clip = self.phases.attention_clip
+        thresholds = clip.thresholds(muon_group_threshold(self.muon_groups, self.name_of))
+        pending = self.last_error or clip.take_pending()
+        invalid, problems = step_problems(self.param_groups, self.name_of, self.phases.fast_path.shard_problem)
+        self.checked = LocalChecks(pending, invalid, problems, thresholds)
 
-    def agree(self, param_groups: ParamGroups, checked: LocalChecks, device: torch.device,
-              options: StepOptions) -> StatusMasks:
+    def agree(self) -> None:
         """Phase 2: start summing every rank's status (one asynchronous device ``all_reduce``):
         which DTensor parameters have a usable grad, whether a rank found a problem, and with
         ``skip_nonfinite`` whether a grad holds a NaN or inf (checked on the device)."""
+        checked, grad_status = self.checked, self.phases.grad_status
         finite = None
-        if options.skip_nonfinite:
-            grads = [local_of(p.grad) for g in param_groups for p in g["params"] if checked.has_usable_grad(p)]
-            finite = all_finite(grads, self.grad_status.device or device)  # where the status is summed
-        return self.grad_status.agree(checked.has_usable_grad, bool(checked.problems), checked.pending is not None,
-                                      device, finite)
+        if self.options.skip_nonfinite:
+            grads = [local_of(p.grad) for g in self.param_groups for p in g["params"] if checked.has_usable_grad(p)]
+            finite = all_finite(grads, grad_status.device or self.device)  # where the status is summed
+        self.status = grad_status.agree(checked.has_usable_grad, bool(checked.problems), checked.pending is not None,
+                                        self.device, finite)
 
-    @staticmethod
-    def wait(status: StatusMasks) -> None:
+    def wait(self) -> None:
         """Phase 3, the one wait of the step: the status sums are in and the masks made (on an
         accelerator a stream wait, no host read); the sums go to the host for the next step."""
-        status.wait()
+        self.status.wait()
 
-    def compute_and_apply(self, param_groups: ParamGroups, state: dict[torch.Tensor, dict[str, Any]],
-                          muon_groups: dict[torch.Tensor, dict[str, Any]], checked: LocalChecks,
-                          status: StatusMasks, name_of: NameOf, device: torch.device,
-                          options: StepOptions) -> Exception | None:
+    def compute_and_apply(self) -> None:
         """Phase 4: every update of the step under the masks, the same collectives on every
         rank whatever they say: the replicated grads summed, the AdamW part, Muon on each
-        path, QK-clip. What torch's AdamW raised is returned (phase 5 raises it)."""
-        self.telemetry.begin_step(device, self.comm_stats.bytes_sent)
-        steps = GroupSteps(options.ns_dtype, self.comm_stats, self.telemetry, options.foreach, options.fused)
-        summed = self.grad_status.sum_replicated(checked.has_usable_grad)  # on every rank, whatever its grads
-        grads = {p: usable_grad(p, summed) for p in muon_groups if checked.has_usable_grad(p)}
-        failure = adamw_part(param_groups, state, status, self.telemetry, options.foreach, options.fused,
-                             self.rollback, summed)
-        if failure is not None and status.mask is not StepMask.MASKED and status.alone:
+        path, QK-clip. What torch's AdamW raised is kept for phase 5."""
+        phases, status, checked, options = self.phases, self.status, self.checked, self.options
+        telemetry, state = phases.telemetry, self.state
+        telemetry.begin_step(self.device, phases.comm_stats.bytes_sent)
+        steps = GroupSteps(options.ns_dtype, phases.comm_stats, telemetry, options.foreach, options.fused)
+        summed = phases.grad_status.sum_replicated(checked.has_usable_grad)  # on every rank, whatever its grads
+        grads = {p: usable_grad(p, summed) for p in self.muon_groups if checked.has_usable_grad(p)}
+        self.failure = adamw_part(self.param_groups, state, status, telemetry, options.foreach, options.fused,
+                                  phases.rollback, summed)
+        if self.failure is not None and status.mask is not StepMask.MASKED and status.alone:
             status.mask_here()  # the Muon part stays as it is too
         if status.mask is not StepMask.MASKED:
-            steps.make_muon_state(grads, muon_groups, state, self.rollback, name_of)
-        self.scratch_stats.reset_peak()
-        self.fast_path.step(grads, status, muon_groups, state, steps, self.comm_stats, self.scratch_stats)
-        steps.muon_off_the_fast_path(param_groups, self.paths(param_groups, name_of), grads, status, state)
+            steps.make_muon_state(grads, self.muon_groups, state, phases.rollback, self.name_of)
+        phases.scratch_stats.reset_peak()
+        phases.fast_path.step(grads, status, self.muon_groups, state, steps, phases.comm_stats, phases.scratch_stats)
+        steps.muon_off_the_fast_path(self.param_groups, phases.paths(self.param_groups, self.name_of), grads, status,
+                                     state)
         step_ok = None if status.mask is StepMask.STANDS else status.step_ok
-        if clip := self.attention_clip.step(checked.thresholds, step_ok):
-            self.telemetry.qk_clip(clip.largest, clip.clipped_heads)
-        return failure
+        if clip := phases.attention_clip.step(checked.thresholds, step_ok):
+            telemetry.qk_clip(clip.largest, clip.clipped_heads)
 
-    def report(self, checked: LocalChecks, failure: Exception | None) -> None:
+    def report(self) -> None:
         """Phase 5: the telemetry's figures of the step, then its first error, raised here
         after every collective of the step (the same on every rank where it is shared)."""
-        errors = checked.errors(failure)
-        self.telemetry.end_step(self.comm_stats.bytes_sent, complete=not errors)
+        errors = self.checked.errors(self.failure)
+        self.phases.telemetry.end_step(self.phases.comm_stats.bytes_sent, complete=not errors)
         if errors:
             raise errors[0]
 

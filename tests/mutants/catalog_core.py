@@ -166,7 +166,7 @@ CORE = [
         name="keep-made-in-fp32-then-widened",  # survivor 2
         guarantee="capturable=True steps with the bits of capturable=False (the products are the host's numbers)",
         path="dmuon/numerics/device_scalars.py",
-        old="lambda: 1 - lr * weight_decay)",
+        old="lambda: keep_of(lr, weight_decay))",
         new="lambda: (1 - lr.float() * weight_decay.float()).double())",
         tests=("tests/test_device_scalars.py", "-k", "products"),
     ),
@@ -190,10 +190,10 @@ CORE = [
         name="capturable-step-reads-weight-decay-on-the-host",
         guarantee="a capturable step reads no hyperparameter on the host (a comparison's bool included)",
         path="dmuon/numerics/update_lists.py",
-        old="    keep = scalars.keep(lr, weight_decay) if capturable else 1 - lr * weight_decay",
+        old="    keep = keep_factor(lr, weight_decay, scalars, capturable)",
         new=("    if capturable and bool(weight_decay == 0):  # skip the decay at 0, as the float step does\n"
              "        weight_decay = torch.zeros_like(weight_decay)\n"
-             "    keep = scalars.keep(lr, weight_decay) if capturable else 1 - lr * weight_decay"),
+             "    keep = keep_factor(lr, weight_decay, scalars, capturable)"),
         tests=("tests/test_capturable.py", "-k", "reads_no_hyperparameter"),
     ),
     Mutant(
@@ -244,18 +244,24 @@ CORE = [
         name="qk-clip-before-the-update",
         guarantee="QK-clip scales the weights after the step's update lands (Kimi K2's order)",
         path="dmuon/step/phases.py",
-        old=("        self.scratch_stats.reset_peak()\n"
-             "        self.fast_path.step(grads, status, muon_groups, state, steps, self.comm_stats, self.scratch_stats)\n"
-             "        steps.muon_off_the_fast_path(param_groups, self.paths(param_groups, name_of), grads, status, state)\n"
+        old=("        phases.scratch_stats.reset_peak()\n"
+             "        phases.fast_path.step(grads, status, self.muon_groups, state, steps, phases.comm_stats, "
+             "phases.scratch_stats)\n"
+             "        steps.muon_off_the_fast_path(self.param_groups, phases.paths(self.param_groups, self.name_of), "
+             "grads, status,\n"
+             "                                     state)\n"
              "        step_ok = None if status.mask is StepMask.STANDS else status.step_ok\n"
-             "        if clip := self.attention_clip.step(checked.thresholds, step_ok):\n"
-             "            self.telemetry.qk_clip(clip.largest, clip.clipped_heads)\n"),
+             "        if clip := phases.attention_clip.step(checked.thresholds, step_ok):\n"
+             "            telemetry.qk_clip(clip.largest, clip.clipped_heads)\n"),
         new=("        step_ok = None if status.mask is StepMask.STANDS else status.step_ok\n"
-             "        if clip := self.attention_clip.step(checked.thresholds, step_ok):\n"
-             "            self.telemetry.qk_clip(clip.largest, clip.clipped_heads)\n"
-             "        self.scratch_stats.reset_peak()\n"
-             "        self.fast_path.step(grads, status, muon_groups, state, steps, self.comm_stats, self.scratch_stats)\n"
-             "        steps.muon_off_the_fast_path(param_groups, self.paths(param_groups, name_of), grads, status, state)\n"),
+             "        if clip := phases.attention_clip.step(checked.thresholds, step_ok):\n"
+             "            telemetry.qk_clip(clip.largest, clip.clipped_heads)\n"
+             "        phases.scratch_stats.reset_peak()\n"
+             "        phases.fast_path.step(grads, status, self.muon_groups, state, steps, phases.comm_stats, "
+             "phases.scratch_stats)\n"
+             "        steps.muon_off_the_fast_path(self.param_groups, phases.paths(self.param_groups, self.name_of), "
+             "grads, status,\n"
+             "                                     state)\n"),
         tests=("tests/test_qk_clip.py", "-k", "after_the_update"),
     ),
     # ---- the captured step: dmuon/capture/replay_guard.py, dmuon/capture/cuda_graphs.py

@@ -324,7 +324,7 @@ WIDE = [
         guarantee="A low-precision momentum's blocks that a rank holds but never packs (HSDP's replica outside the "
                   "owner's, Newton-Schulz split across replicas) still take their EMA each step (issue 59, item 2).",
         path="dmuon/step/fast_path.py",
-        old="        converted.unpacked(run.unpacked_units(), grad_blocks)\n",
+        old="        self.converted.unpacked(run.unpacked_units(), self.grad_blocks)\n",
         new="",
         tests=("tests/test_momentum_dtype_ranks.py::"
                "test_a_replica_that_never_sends_a_block_still_updates_its_momentum",),
@@ -448,8 +448,8 @@ WIDE = [
         name="edited-momentum-dtype-not-checked",
         guarantee="A group's momentum_dtype edited between steps is checked at the next step: refused by name, "
                   "or applied with the momentum converted (issue 60, item 6).",
-        path="dmuon/optimizer.py",
-        old="        phases.momentum_dtypes.check(groups, self.state, name_of)  # a group's momentum_dtype edited since\n",
+        path="dmuon/step/phases.py",
+        old="        self.momentum_dtypes.check(param_groups, state, name_of)\n",
         new="",
         tests=("tests/test_momentum_dtype.py", "-k", "edited"),
     ),
@@ -486,8 +486,37 @@ WIDE = [
         guarantee="The capturable AdamW part's decay factor 1 - lr * wd is made from the fp64 lr and weight "
                   "decay, so it has the float step's bits for any value.",
         path="dmuon/numerics/adamw_rules.py",
-        old="    keep = scalars.keep(lr, weight_decay)",
-        new="    keep = scalars.keep(lr.float().double(), weight_decay.float().double())",
+        old="    keep = keep_factor(lr, weight_decay, scalars, capturable=True)",
+        new="    keep = keep_factor(lr.float().double(), weight_decay.float().double(), scalars, capturable=True)",
         tests=("tests/test_capturable.py::test_the_capturable_adamw_decay_is_made_from_the_fp64_lr_and_weight_decay",),
+    ),
+    # ------------------------------------------------ issue 62: the option table, one Muon path, one wait
+    Mutant(
+        name="option-table-momentum-checked-as-non-negative",
+        guarantee="Each option is checked by its row of the option table: momentum must be in [0, 1), "
+                  "refused at construction naming it.",
+        path="dmuon/options/table.py",
+        old="    Option(\"momentum\", 0.95, Scope.MUON, _UNIT,",
+        new="    Option(\"momentum\", 0.95, Scope.MUON, _NON_NEGATIVE,",
+        tests=("tests/test_validation.py::test_bad_optimizer_option_is_rejected_naming_it",
+               "tests/test_option_table.py"),
+    ),
+    Mutant(
+        name="masked-local-step-applies-unzeroed-results",
+        guarantee="Off the owner exchange, a masked parameter's result is zeroed before the masked apply, so a "
+                  "NaN result changes nothing where the mask does not hold (one Muon step, masks or none).",
+        path="dmuon/numerics/functional.py",
+        old="        if ok is not None:\n            mask_([ortho], ok, foreach)\n",
+        new="",
+        tests=("tests/test_skip_nonfinite.py",),
+    ),
+    Mutant(
+        name="mask-read-before-the-wait-waits-on-its-own",
+        guarantee="The step's masks exist only after its one named wait; a read before it raises instead of "
+                  "waiting on its own.",
+        path="dmuon/exchange/status_masks.py",
+        old="        if self._step_ok is None:\n            raise RuntimeError(NOT_WAITED)\n",
+        new="        if self._step_ok is None:\n            self.wait()\n",
+        tests=("tests/test_status_masks.py",),
     ),
 ]

@@ -34,7 +34,7 @@ NUMBER_FIELDS: dict[str, Interval] = {"adamw_lr": NON_NEGATIVE, "beta1": UNIT, "
 OPTIONAL_FIELDS = ("adamw_lr",)
 # What a field's message adds after its interval.
 NUMBER_NOTES = {"adamw_lr": " (leave it out to use lr)"}
-# The on/off fields only TOML has (dmuon checks nesterov, normuon, cautious_weight_decay with
+# The on/off fields only TOML has (dmuon checks its own on/off options with
 # its own message): true / false only, since a string "false" would be truthy.
 FLAG_FIELDS = ("split_attention_heads", "track_max_logits", "telemetry", "skip_nonfinite", "early_step_in_backward",
                "capture_step")

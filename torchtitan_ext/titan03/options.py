@@ -1,13 +1,11 @@
 """DMuon's options in a TorchTitan 0.3.x optimizer config: where each goes, and its checks.
 
-* group options (``lr``, ``momentum``, ``ns_steps``, ``ns_algorithm``, ..., the update-rule variants
-  ``normuon`` / ``normuon_beta2`` / ``cautious_weight_decay``, ``momentum_dtype``, the AdamW part's
-  ``adamw_lr`` / ``adamw_betas`` / ``adamw_eps`` / ``adamw_weight_decay``) and the
-  routing keys ``adamw_param_regex`` and ``split_attention_heads``: the group's
+* group options (each option whose row of ``dmuon.options.table`` has the place
+  ``GROUP_KWARGS``: ``lr``, ``momentum``, ``ns_steps``, the AdamW part's ``adamw_<x>``, ...)
+  and the routing keys ``adamw_param_regex`` and ``split_attention_heads``: the group's
   ``optimizer_kwargs``;
-* whole-optimizer options (``comm``, ``max_batch_numel``, ``split_replicas``,
-  ``ns_dtype``, ``link_gbps``, ``replica_link_gbps``, ``telemetry``, ``skip_nonfinite``, and
-  the container's ``capture_step``: ``torchtitan_ext.captured_steps``):
+* whole-optimizer options (the table's ``FACTORY_KWARGS`` rows: ``comm``, ``ns_dtype``, ...,
+  and the container's ``capture_step``: ``torchtitan_ext.captured_steps``):
   ``optimizer_factory_kwargs_by_name["DMuon"]``.
 
 TorchTitan adds ``fused`` / ``foreach`` (from ``implementation``) to every group
