@@ -9,14 +9,18 @@ from typing import Any
 
 from dmuon.state.optimizer_hooks import attach_hooks
 from dmuon.options.param_groups import fill_in_variant_defaults
+from dmuon.options.table import DEFAULTS, OPTIMIZER_OPTIONS
 
-# What a pickle keeps besides torch's defaults, state and param_groups.
+# What a pickle keeps besides torch's defaults, state and param_groups: the optimizer's own
+# records and, from the option table, every whole-optimizer option and the optimizer's
+# ``foreach`` / ``fused`` / ``capturable`` (``telemetry`` is kept under its own key, below).
 PICKLED_ATTRIBUTES = (
-    "_muon_defaults", "_adamw_defaults", "_names", "_groups_added", "comm", "max_batch_numel", "split_replicas",
-    "ns_dtype", "link_gbps", "replica_link_gbps", "foreach", "fused", "skip_nonfinite", "capturable",
+    "_muon_defaults", "_adamw_defaults", "_names", "_groups_added",
+    *(name for name in OPTIMIZER_OPTIONS if name != "telemetry"), "foreach", "fused", "capturable",
 )
-# Options added after the first release, with the value a pickle made before them gets.
-LATER_OPTIONS = {"foreach": None, "fused": None, "skip_nonfinite": False, "capturable": False}
+# Options added after the first release, with the value (the table's default) a pickle made
+# before them gets.
+LATER_OPTIONS = {name: DEFAULTS[name] for name in ("foreach", "fused", "skip_nonfinite", "capturable")}
 # The key under which a pickle keeps ``telemetry``. It also tells __setstate__ that it
 # makes a copy: load_state_dict calls it too, with only state and param_groups.
 TELEMETRY_STATE_KEY = "telemetry_enabled"
