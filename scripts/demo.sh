@@ -90,6 +90,19 @@ train() {
     fi
 }
 
+# summary LOG_NAME... [-- PLOT]: a closing summary from the runs' own logs (steps, first and
+# last train and validation loss, where the logs, checkpoints and plot are; scripts/demo_summary.py).
+summary() {
+    local args=() plot=""
+    while [[ $# -gt 0 ]]; do
+        if [[ $1 == -- ]]; then plot="$2"; break; fi
+        args+=(--run "$1=outputs/demo/$1.log"); shift
+    done
+    [[ -n "$steps" ]] && args+=(--steps "$steps")
+    [[ -n "$plot" ]] && args+=(--plot "$plot")
+    "$PYTHON" scripts/demo_summary.py --toml train_configs/llama3_debug_dmuon.toml "${args[@]}"
+}
+
 if [[ $ns_algorithms == 1 ]]; then
     # float32 on both sides: "auto" runs Gram in the dtype it is given, and on a CPU
     # "auto" with bf16 stays "standard" (docs/optimizer.md#ns_algorithm).
@@ -100,6 +113,7 @@ if [[ $ns_algorithms == 1 ]]; then
     echo "== comparison"
     "$PYTHON" scripts/compare.py --run standard=outputs/demo/ns_standard.log --run auto=outputs/demo/ns_auto.log \
         --name loss_ns_algorithms --out outputs/demo
+    summary ns_standard ns_auto -- outputs/demo/loss_ns_algorithms.png
     exit 0
 fi
 
@@ -119,11 +133,14 @@ if [[ $momentum_dtypes == 1 ]]; then
         --run "fp32 seed 1"=outputs/demo/momentum_param_seed1.log \
         --run "fp32 seed 2"=outputs/demo/momentum_param_seed2.log --relative-to fp32 \
         --name loss_momentum_dtypes --out outputs/demo
+    summary momentum_param momentum_bfloat16 momentum_int8 momentum_param_seed1 momentum_param_seed2 \
+        -- outputs/demo/loss_momentum_dtypes.png
     exit 0
 fi
 
 if [[ $compare == 0 ]]; then
     train dmuon train_configs/llama3_debug_dmuon.toml
+    summary dmuon
     exit 0
 fi
 
@@ -132,3 +149,4 @@ train dmuon train_configs/llama3_debug_dmuon.toml --metrics.log_freq 1
 train adamw train_configs/llama3_debug_adamw.toml --metrics.log_freq 1
 echo "== comparison"
 "$PYTHON" scripts/compare.py --dmuon outputs/demo/dmuon.log --adamw outputs/demo/adamw.log --out outputs/demo
+summary dmuon adamw -- outputs/demo/loss_dmuon_vs_adamw.png

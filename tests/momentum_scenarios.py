@@ -300,3 +300,36 @@ def resume_whole(saved: dict[str, Any], momentum_dtype: str, done: int, total: i
     converted.load_state_dict(reference.state_dict())
     _run(oracle, converted, MESH_SHAPES, range(done, total))
     return {"agreement": agreement(params, resumed, oracle, converted), "log": lines}
+
+
+# The cases of a 1-D mesh of 2 ranks: a column cut off the blocks (5 columns a rank: bf16
+# under int8) and a row cut (whole blocks: int8).
+LINE_SHAPES = {"cut": (6, 10), "rows": (6, 300)}
+LINE_PLACEMENTS = {"cut": (Shard(1),), "rows": (Shard(0),)}
+
+
+def line_plain_resume_from_float(done: int) -> dict[str, dict[str, Any]]:
+    """:data:`LINE_SHAPES` on 2 ranks with float32 momentum (``momentum_dtype=None``), ``done``
+    steps, then ``state_dict()`` loaded by ``load_state_dict`` into a DMuon with int8 on the
+    same layout: per case, the form its momentum is held in after the load, and whether it
+    holds the saved momentum rounded once into that form (bf16, or int8's quantization)."""
+    from dmuon.numerics.momentum_storage import quantize_int8
+
+    params, optimizer, place = _on_ranks(LINE_SHAPES, LINE_PLACEMENTS, (2,), None)
+    _run(params, optimizer, LINE_SHAPES, range(done), place)
+    saved = optimizer.state_dict()
+    fp32 = {n: _whole(optimizer.state[p]["momentum_buffer"]) for n, p in params.items()}
+    resumed_params = {n: nn.Parameter(p.detach().clone()) for n, p in params.items()}
+    resumed = DMuon(_groups(resumed_params, "int8"), **OPTIONS)
+    resumed.load_state_dict(saved)
+    out = {}
+    for name, param in resumed_params.items():
+        state = resumed.state[param]
+        if "momentum_int8" in state:
+            values, scales = quantize_int8(fp32[name])
+            rounded = (torch.equal(_whole(state["momentum_int8"]), values)
+                       and torch.equal(_whole(state["momentum_scales"]), scales))
+        else:
+            rounded = torch.equal(_whole(state["momentum_buffer"]), fp32[name].to(state["momentum_buffer"].dtype))
+        out[name] = {"held_as": held_as(state), "rounded_once": rounded}
+    return out

@@ -124,11 +124,13 @@ def layout_of(case: Case, param: Param, layout: str | None = None) -> tuple[Any,
 
 def falls_back(case: Case, param: Param, layout: str | None = None) -> bool:
     """Whether int8 momentum must be kept in bf16 for ``param`` under ``layout`` (docs/optimizer.md,
-    "Momentum dtype"): its placements cut the rows of a 4-D weight, or cut a row of a 2-D/3-D
+    "Momentum dtype"): its rows are narrower than 5 elements, or its placements cut the rows of a 4-D weight, or cut a row of a 2-D/3-D
     one so that some rank's part does not start on a block or its scales, cut by the same
     placements, are not its blocks' (every rank's box from torch's shard arithmetic)."""
     if param.kind == "vector":
         return False
+    if row_length(param.shape) < 5:  # rows too narrow for int8 to pay (docs/optimizer.md): bf16 on any layout
+        return True
     mesh_name, specs = placements_of(case, param, layout)
     if not cuts_rows(len(param.shape), specs):
         return False

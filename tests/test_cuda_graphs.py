@@ -1,6 +1,7 @@
 """``dmuon.capture.cuda_graphs.CapturedStep`` on the CPU: what it refuses to capture, each with the
-reason; with stand-ins for torch.cuda's streams and graphs, its host logic (issues 42, 50):
-the replay guard, numbers written to ``lr``, a load reaching what the graph reads, the
+reason; with stand-ins for torch.cuda's streams and graphs, its host logic (issues 42, 50, 67):
+the replay guard (the tensors, the groups' and the whole optimizer's options), numbers
+written to ``lr`` or ``weight_decay``, a load reaching what the graph reads, the
 replays' counts read by ``check()``, the side stream joined after a failed warm-up step.
 The capture and replay themselves need a GPU: tests/test_cuda.py."""
 
@@ -15,6 +16,7 @@ import torch
 
 from dmuon import AttentionHeads, DMuon
 from dmuon.capture.cuda_graphs import CapturedStep, capture_problems
+from dmuon.options.table import OPTIMIZER_OPTIONS
 
 pytestmark = pytest.mark.unit
 
@@ -181,6 +183,41 @@ def test_a_replay_after_a_change_the_graph_cannot_see_is_refused_naming_it(chang
     assert captured.graph.replays == 1  # refused before the replay
 
 
+# A legal value other than the captured optimizer's (capturable=True, the rest the defaults),
+# for each whole-optimizer option: a new option of the table fails below until it has one.
+WHOLE_CHANGED = {"comm": "redistribute", "max_batch_numel": 1 << 20, "split_replicas": True, "ns_dtype": "float32",
+                 "link_gbps": 100.0, "replica_link_gbps": 50.0, "telemetry": True, "skip_nonfinite": True,
+                 "foreach": True, "fused": True, "capturable": False}
+
+
+def _set_whole_option(optimizer: DMuon, name: str, value) -> None:
+    if name == "telemetry":
+        optimizer.phases.telemetry.enabled = value
+    else:
+        setattr(optimizer, name, value)
+
+
+@pytest.mark.parametrize("name", [*OPTIMIZER_OPTIONS, "foreach", "fused", "capturable"])
+def test_a_whole_optimizer_option_changed_after_the_capture_is_refused_naming_it(name, monkeypatch):
+    optimizer, _, captured = _replaying(monkeypatch)
+    _set_whole_option(optimizer, name, WHOLE_CHANGED[name])
+    with pytest.raises(RuntimeError, match=rf"the optimizer's option\(s\) \['{name}'\] changed since the capture.*"
+                                           r"call release\(\) and step\(\) again"):
+        captured.step()
+    assert captured.graph.replays == 1  # refused before the replay
+
+
+def test_skip_nonfinite_turned_on_after_the_capture_is_refused_rather_than_a_nan_applied(monkeypatch):
+    optimizer, params, captured = _replaying(monkeypatch)  # captured without skip_nonfinite: it applies a NaN
+    before = [p.detach().clone() for _, p in params]
+    optimizer.skip_nonfinite = True
+    params[0][1].grad[0, 0] = float("nan")  # in place: the grad the graph reads
+    with pytest.raises(RuntimeError, match=r"\['skip_nonfinite'\] changed since the capture"):
+        captured.step()
+    assert captured.graph.replays == 1
+    assert all(torch.equal(p, b) for (_, p), b in zip(params, before))
+
+
 def test_the_guard_holds_a_replaced_grad_so_its_memory_is_never_handed_to_another_tensor(monkeypatch):
     _, params, captured = _replaying(monkeypatch)
     old = weakref.ref(params[0][1].grad)
@@ -218,6 +255,15 @@ def test_a_number_written_to_lr_between_replays_is_copied_into_the_tensor_the_gr
     optimizer.param_groups[0]["lr"] = 0.005
     captured.step()
     assert optimizer.param_groups[0]["lr"] is held and held.item() == 0.005
+    assert captured.graph.replays == 2
+
+
+def test_an_int_written_to_weight_decay_between_replays_is_copied_into_the_tensor_the_graph_reads(monkeypatch):
+    optimizer, _, captured = _replaying(monkeypatch, weight_decay=0.1)
+    held = optimizer.param_groups[0]["weight_decay"]
+    optimizer.param_groups[0]["weight_decay"] = 0  # an int, as a schedule may write it
+    captured.step()
+    assert optimizer.param_groups[0]["weight_decay"] is held and held.item() == 0.0
     assert captured.graph.replays == 2
 
 

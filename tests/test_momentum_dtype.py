@@ -7,6 +7,8 @@ import logging
 
 import pytest
 import torch
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
 
 from dmuon import DMuon
 from dmuon.numerics.momentum_storage import dequantize_int8, quantize_int8
@@ -149,3 +151,30 @@ def test_a_masked_read_keeps_each_mask_with_its_momentum_when_some_have_no_state
     reads.store()
     assert torch.all(states[1]["momentum_int8"] == 0) and torch.all(states[1]["momentum_scales"] == 0)  # masked
     assert torch.all(states[2]["momentum_int8"] == 127)  # stored: 1.0 is its block's maximum
+
+
+@pytest.mark.parametrize("momentum_dtype", ["bfloat16", "int8"])
+def test_a_masked_step_stores_each_momentum_beside_a_parameter_without_state_as_a_single_process(
+        one_rank_gloo, momentum_dtype):
+    # A one-rank mesh steps its DTensors on the local path under their masks. The first
+    # parameter never has a grad (no state, its mask False); the second's momentum is read,
+    # stepped and stored under its own mask (True), bitwise as single process (issue 67, item 5).
+    mesh = init_device_mesh("cpu", (1,))
+    generator = torch.Generator().manual_seed(0)
+    idle_start, start = torch.randn(4, 128, generator=generator), torch.randn(SHAPE, generator=generator)
+    idle = torch.nn.Parameter(distribute_tensor(idle_start.clone(), mesh, [Shard(0)]))
+    param = torch.nn.Parameter(distribute_tensor(start.clone(), mesh, [Shard(0)]))
+    optimizer = DMuon([("idle", idle), ("w", param)], lr=0.02, momentum_dtype=momentum_dtype, ns_dtype="float32")
+    oracle = torch.nn.Parameter(start.clone())
+    reference = DMuon([("w", oracle)], lr=0.02, momentum_dtype=momentum_dtype, ns_dtype="float32")
+    for step in range(3):
+        grad = torch.randn(SHAPE, generator=torch.Generator().manual_seed(10 + step))
+        param.grad, oracle.grad = distribute_tensor(grad.clone(), mesh, [Shard(0)]), grad.clone()
+        optimizer.step()
+        reference.step()
+    assert optimizer.comm_paths() == {"idle": "local", "w": "local"}
+    assert torch.equal(idle.detach().to_local(), idle_start) and idle not in optimizer.state
+    assert torch.equal(param.detach().to_local(), oracle.detach())
+    state, expected = optimizer.state[param], reference.state[oracle]
+    assert state.keys() == expected.keys()
+    assert all(torch.equal(state[k].to_local(), expected[k]) for k in expected)

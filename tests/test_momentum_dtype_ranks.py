@@ -150,3 +150,12 @@ def test_int8_resumes_on_a_layout_without_the_fallback_converting_and_naming_eac
         MESH_NAMES, (True, True, "int8"))
     assert resumed["log"] == [f"DMuon: momentum converted on resume from bfloat16 to int8: "
                               f"{', '.join(sorted(scenarios.OFF_BLOCKS))}"]
+
+
+def test_a_plain_resume_from_float_momentum_makes_the_fallbacks_bf16_not_the_groups_int8():
+    # float32 momentum saved on 2 ranks, loaded into an int8 group on the same layout: the
+    # conversion makes each momentum in the form its layout keeps, the column cut off the
+    # blocks in bf16 (issue 67, item 5).
+    figures = run_on_ranks(scenarios.line_plain_resume_from_float, 2, 2)
+    assert figures == [{"cut": {"held_as": "bfloat16", "rounded_once": True},
+                        "rows": {"held_as": "int8", "rounded_once": True}}] * 2

@@ -8,7 +8,8 @@ The scenarios of the multi-rank exactness tests (``tests/distributed_scenarios.p
 P = 2 and 4), run here in this process on a one-rank gloo group: the base cases in both
 compute dtypes (``comm`` all_to_all and redistribute), NorMuon with cautious weight decay
 (split_rows included), Gram Newton-Schulz, and the block layouts and attention heads of
-the scale-out tests.
+the scale-out tests. A DTensor without a grad keeps its bits on the local path, under the
+step's mask made on the host or on the device.
 """
 
 from __future__ import annotations
@@ -17,7 +18,12 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+import torch
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
+from dmuon import DMuon
 from tests import distributed_scenarios as scenarios
 
 pytestmark = [pytest.mark.unit, pytest.mark.usefixtures("one_rank_gloo", "one_thread")]
@@ -69,3 +75,30 @@ def test_one_rank_steps_the_bits_of_a_single_process_on_the_local_path_or_the_on
     flags, paths = SCENARIOS[scenario]()
     assert flags and [k for k, ok in flags.items() if not ok] == []
     assert paths and paths == {comm: {ONE_RANK_PATH[comm]} for comm in paths}
+
+
+# ------------------------------------------------------------- a parameter without a grad
+
+
+@pytest.mark.parametrize("placement", ["shard", "replicate"])
+@pytest.mark.parametrize("skip_nonfinite", [False, True], ids=["mask_on_the_host", "mask_on_the_device"])
+def test_a_dtensor_without_a_grad_on_the_local_path_keeps_its_bits_under_weight_decay(placement, skip_nonfinite):
+    # Its own "no grad here" mask, not the step's: neither decayed nor stepped (issue 67, item 5).
+    # skip_nonfinite leaves the step's mask to the device, which the local path then reads.
+    mesh = init_device_mesh("cpu", (1,))
+    placements = [Shard(0) if placement == "shard" else Replicate()]
+    generator = torch.Generator().manual_seed(0)
+
+    def dtensor(*shape: int) -> torch.Tensor:
+        return distribute_tensor(torch.randn(shape, generator=generator), mesh, placements)
+
+    stepped, idle = nn.Parameter(dtensor(16, 24)), nn.Parameter(dtensor(12, 20))
+    optimizer = DMuon([("stepped", stepped), ("idle", idle)], lr=0.05, weight_decay=0.1,
+                      skip_nonfinite=skip_nonfinite)
+    before, stepped_before = idle.detach().to_local().clone(), stepped.detach().to_local().clone()
+    for _ in range(2):
+        stepped.grad = dtensor(16, 24)
+        optimizer.step()
+    assert optimizer.comm_paths() == {"stepped": "local", "idle": "local"}
+    assert not torch.equal(stepped.detach().to_local(), stepped_before)
+    assert torch.equal(idle.detach().to_local(), before) and idle not in optimizer.state

@@ -19,9 +19,11 @@ require_titan03()
 
 import torch  # noqa: E402
 from dmuon import DMuon  # noqa: E402
+from dmuon.options.table import FACTORY_KWARGS, OPTIONS  # noqa: E402
 from torchtitan.components.optimizer import LRSchedulersContainer, ParamGroupConfig  # noqa: E402
 from torchtitan.config import ConfigManager  # noqa: E402
 
+from tests.test_option_table import BAD, CHANGED, net  # noqa: E402
 from tests.titan03_support import HEAD_DIM, set_grads, ToyLlama3, two_stages  # noqa: E402
 from torchtitan_ext.titan03.optimizer import DMuonOptimizersContainer, dmuon_optimizer  # noqa: E402
 
@@ -155,6 +157,69 @@ def test_every_option_of_dmuon_optimizer_reaches_dmuon():
     muon, adamw = (next(g for g in optimizer.param_groups if g["use_muon"] is use) for use in (True, False))
     assert (muon["lr"], muon["momentum"], muon["ns_steps"], adamw["lr"]) == (0.03, 0.9, 6, 1e-3)
     assert (optimizer.comm, optimizer.phases.telemetry.enabled, optimizer.ns_dtype) == ("redistribute", True, "float32")
+
+
+# Values each option is tried with, besides the table's bad and changed ones (test_option_table)
+# and its default: none depends on the parameters (a split_rows of 3 would, as 16 rows do not
+# split in 3s), which a config does not have.
+PROBES = (None, True, False, "yes", 0, 1, -1.0, 0.5)
+GROUP_FIELD = "optimizer.param_groups[0].optimizer_kwargs"
+FACTORY_FIELD = "optimizer.optimizer_factory_kwargs_by_name['DMuon']"
+
+
+def config_with(option, value):
+    """A hand-written config setting only ``option``, where TorchTitan 0.3 takes it: a whole-optimizer
+    option in the factory's kwargs, any other (group options, torch's flags; ``capturable``'s
+    ``capture_step`` is the container's bool) in a DMuon group's."""
+    if option.titan03 == FACTORY_KWARGS:
+        return DMuonOptimizersContainer.Config(
+            param_groups=[ParamGroupConfig(pattern=".*", optimizer_name="DMuon", optimizer_kwargs={})],
+            optimizer_factory_kwargs_by_name={"DMuon": {option.name: value}})
+    return DMuonOptimizersContainer.Config(param_groups=[
+        ParamGroupConfig(pattern=".*", optimizer_name="DMuon", optimizer_kwargs={option.name: value})])
+
+
+def dmuon_refuses(params=None, **options) -> bool:
+    try:
+        DMuon(params or list(net().named_parameters()), **options)
+    except (ValueError, TypeError):
+        return True
+    return False
+
+
+@pytest.mark.parametrize("option", OPTIONS, ids=lambda o: o.name)
+def test_each_option_is_refused_at_config_time_exactly_when_dmuon_refuses_it_naming_it(option):
+    values = [BAD[option.name], option.default, *PROBES]
+    if option.name in CHANGED:
+        values.append(CHANGED[option.name])
+    whole = option.titan03 == FACTORY_KWARGS
+    field = FACTORY_FIELD if whole else GROUP_FIELD
+    for value in values:
+        # As 0.3 hands it to DMuon: a whole-optimizer option as its keyword, any other in a group.
+        refused = dmuon_refuses(**{option.name: value}) if whole else \
+            dmuon_refuses([{"params": list(net().named_parameters()), option.name: value}])
+        try:
+            config_with(option, value)
+        except ValueError as error:
+            assert refused, f"{option.name}={value!r}: the config refuses it, DMuon takes it ({error})"
+            assert str(error).startswith(field) and option.name in str(error), (option.name, value, str(error))
+        else:
+            assert not refused, f"{option.name}={value!r}: DMuon refuses it, the config takes it"
+
+
+@pytest.mark.parametrize("option, value, message", [
+    ("maximize", True, r"maximize=True has no path in DMuon"),
+    ("differentiable", "yes", r"differentiable must be False or None"),
+])
+def test_a_flag_dmuon_has_no_path_for_is_refused_when_the_config_is_made_naming_the_field(option, value, message):
+    with pytest.raises(ValueError, match=rf"^optimizer\.param_groups\[0\]\.optimizer_kwargs: {message}"):
+        dmuon_optimizer(**{option: value})
+
+
+def test_capturable_in_a_group_is_taken_when_the_config_is_made_and_reaches_dmuon():
+    config = dmuon_optimizer(capturable=True)
+    (optimizer,) = build(config)
+    assert all(g["capturable"] and isinstance(g["lr"], torch.Tensor) for g in optimizer.param_groups)
 
 
 # ------------------------------------------------------------- command line
@@ -340,6 +405,12 @@ def test_a_tensor_lr_with_implementation_foreach_is_refused_when_the_config_is_m
 def test_a_tensor_lr_with_the_default_fused_implementation_builds():
     (optimizer,) = build(dmuon_optimizer(lr=torch.tensor(0.02)))
     assert optimizer.fused is True
+
+
+def test_a_tensor_lr_with_implementation_foreach_is_taken_when_the_config_captures_the_step():
+    # capture_step is DMuon's capturable=True, whose AdamW part takes a Tensor lr with foreach (on CUDA).
+    config = dmuon_optimizer(lr=torch.tensor(0.02), factory_options={"capture_step": True})
+    assert with_implementation(config, "foreach").implementation == "foreach"
 
 
 def test_an_unknown_implementation_is_refused_naming_the_field():

@@ -21,6 +21,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from dmuon import DMuon
+from dmuon.options.table import MUON_KEYS
 from tests.test_optimizer_single_process import ADAMW_NAMES, MUON_NAMES, TORCH_MUON_DTYPE, TinyLM
 
 pytestmark = [pytest.mark.unit, pytest.mark.usefixtures("one_thread")]
@@ -111,42 +112,20 @@ def test_a_pickle_holds_torchs_state_and_dmuons_configuration_and_nothing_derive
     assert state["telemetry_enabled"] is True
 
 
-def test_a_dmuon_pickled_before_foreach_existed_unpickles_with_torchs_default():
-    dmuon = DMuon(_tiny_lm().named_parameters(), **HYPER, foreach=True)
-    state = dmuon.__getstate__()
-    del state["foreach"]  # what a pickle from before the option holds
-    old = DMuon.__new__(DMuon)
-    old.__setstate__(state)
-    assert old.foreach is None
-    old.load_state_dict(dmuon.state_dict())  # load_state_dict leaves the option alone
-    assert old.foreach is None and dmuon.foreach is True
-
-
-def test_a_dmuon_pickled_before_fused_existed_unpickles_not_fused():
-    dmuon = DMuon(_tiny_lm().named_parameters(), **HYPER, fused=True)
-    state = dmuon.__getstate__()
-    del state["fused"]  # what a pickle from before the option holds
-    old = DMuon.__new__(DMuon)
-    old.__setstate__(state)
-    assert old.fused is None
-    _assert_bitwise_equal(_run([old], range(1)), _run([DMuon(_tiny_lm().named_parameters(), **HYPER)], range(1)))
-
-
-def test_a_state_dict_from_before_the_update_variants_loads_and_steps_as_before():
-    """Checkpoints written before ``normuon``, ``cautious_weight_decay`` and
-    ``qk_clip_threshold`` existed lack those keys; torch's optimizers fill in options
-    added later the same way (e.g. AdamW's ``amsgrad``)."""
+@pytest.mark.parametrize("key", MUON_KEYS)
+def test_a_state_dict_whose_group_lacks_an_option_is_refused_naming_it(key):
+    """No release wrote a state dict without an option of the table: a group without one is
+    refused before anything loads, not filled in (a missing ``normuon`` once turned NorMuon off)."""
     model = _tiny_lm()
-    dmuon = DMuon(model.named_parameters(), **HYPER)
-    _run([dmuon], range(2))
-    old = copy.deepcopy(dmuon.state_dict())
-    for group in old["param_groups"]:
-        for key in ("normuon", "normuon_beta2", "cautious_weight_decay", "qk_clip_threshold"):
-            group.pop(key, None)
-    twin = copy.deepcopy(model)
-    loaded = DMuon(twin.named_parameters(), **HYPER)
-    loaded.load_state_dict(old)
-    _assert_bitwise_equal(_run([loaded], range(2, 3)), _run([dmuon], range(2, 3)))
+    dmuon = DMuon(model.named_parameters(), **HYPER, normuon=True)
+    _run([dmuon], range(1))
+    saved = copy.deepcopy(dmuon.state_dict())
+    del saved["param_groups"][0][key]
+    loaded = DMuon(copy.deepcopy(model).named_parameters(), **HYPER, normuon=True)
+    before = copy.deepcopy(loaded.state_dict())
+    with pytest.raises(ValueError, match=rf"group 0 was saved without the option\(s\) \['{key}'\]"):
+        loaded.load_state_dict(saved)
+    assert str(loaded.state_dict()) == str(before)
 
 
 # ------------------------------------------------------------------ Tensor lr

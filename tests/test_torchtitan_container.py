@@ -130,6 +130,23 @@ def test_one_dmuon_per_model_part():
         assert in_optimizer == {id(p) for p in part.parameters()}
 
 
+def test_a_step_both_model_parts_skipped_counts_once_in_the_containers_figures():
+    # Pipeline parallelism: one DMuon per part, stepped one after the other. A NaN in every
+    # part's grads is one training step skipped, not one per part (issue 67, item 5).
+    parts = [tiny_llama(), tiny_llama()]
+    container = build(parts, "--optimizer.telemetry", "--optimizer.skip_nonfinite")
+    generator = torch.Generator().manual_seed(0)
+    for step in range(2):  # a NaN step, then a finite one (the count is read one step late)
+        for part in parts:
+            for param in part.parameters():
+                param.grad = torch.randn(param.shape, generator=generator)
+                if step == 0:
+                    param.grad[(0,) * param.ndim] = float("nan")
+        container.step()
+    assert [optimizer.skipped_steps for optimizer in container] == [1, 1]
+    assert container.telemetry().skipped_steps == 1
+
+
 def test_every_part_gets_a_muon_group_then_an_adamw_group():
     container = build([tiny_llama(), tiny_llama(n_layers=1)])
     for optimizer in container:

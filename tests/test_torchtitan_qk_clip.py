@@ -100,6 +100,30 @@ def test_the_hook_reports_the_per_head_maxima_of_the_q_and_k_the_attention_compu
 
 
 @pytest.mark.unit
+def test_a_steps_max_logits_are_its_own_when_they_fall_below_the_last_steps():
+    # The hook's slot is emptied when the step takes it: the second step reports its own
+    # (smaller) maxima, not the largest since the run began (issue 67, item 5).
+    model = tiny_llama()
+    container = build(model, "--optimizer.track_max_logits", "--optimizer.lr", "0", "--optimizer.adamw_lr", "0")
+    (optimizer,) = container.optimizers
+    tokens = torch.randint(0, 128, (2, 17), generator=torch.Generator().manual_seed(0))
+    _train_step(model, container, tokens)
+    first = optimizer.last_max_logits()
+    seen = {}  # our own hook, next to the extension's: the second step's q and k of each attention
+    with torch.no_grad():  # halve every query: the logits fall
+        for name, layer in model.layers.items():
+            layer.attention.wq.weight.mul_(0.5)
+            layer.attention.inner_attention.register_forward_pre_hook(
+                lambda _m, args, name=name: seen.__setitem__(f"layers.{name}.attention", (args[0], args[1])))
+    _train_step(model, container, tokens)
+    second = optimizer.last_max_logits()
+    assert sorted(second) == sorted(seen) == ["layers.0.attention", "layers.1.attention"]
+    for name, (q, k) in seen.items():
+        assert bool((second[name] < first[name]).all()), "the test data do not lower the logits"
+        torch.testing.assert_close(second[name], head_max_logits(q.detach(), k.detach()), rtol=0, atol=0)
+
+
+@pytest.mark.unit
 def test_a_low_threshold_clips_heads_and_the_step_figures_say_how_many():
     model = tiny_llama()
     container = build(model, "--optimizer.qk_clip_threshold", "0.01", "--optimizer.telemetry")

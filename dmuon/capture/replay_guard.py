@@ -12,7 +12,10 @@ groups' ``lr`` and ``weight_decay`` tensors, each parameter, its grad and its st
 tensors) and the step's long-lived buffers (``StepPhases.replay_buffers``), so none of
 them is freed while the graph may replay, and compares each one's identity and storage
 address (``data_ptr``) before each replay: a replaced or moved tensor raises, naming the
-parameter and the fix. The groups' other options are compared by value.
+parameter and the fix. The groups' other options are compared by value, and so are the
+whole optimizer's (``dmuon.options.table``'s whole-optimizer options and the optimizer's
+values of the flags that choose a path, ``foreach``, ``fused`` and ``capturable``), fixed in
+the graph too: a change raises, naming the option(s).
 
 A number written to ``lr`` or ``weight_decay`` between replays (a scheduler that assigns
 ``group["lr"] = value``) is copied into the tensor the graph reads, on the device; the
@@ -28,6 +31,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from dmuon.options.device_hyperparameters import SCHEDULER_VALUES
+from dmuon.options.implementation_flags import NO_PATH_KEYS
+from dmuon.options.table import FLAG_KEYS, OPTIMIZER_OPTIONS
 from dmuon.numerics.device_scalars import DEVICE_HYPERPARAMETERS
 from dmuon.torch_compat import local_of
 
@@ -37,6 +42,8 @@ if TYPE_CHECKING:
 # Group keys a replay may see change: the device hyperparameters (read on the device) and
 # what schedulers keep beside them.
 _MAY_CHANGE = {"params", *DEVICE_HYPERPARAMETERS, *SCHEDULER_VALUES}
+# The whole optimizer's options, each an attribute of the DMuon (telemetry: its phases').
+_WHOLE = (*OPTIMIZER_OPTIONS, *(name for name in FLAG_KEYS if name not in NO_PATH_KEYS))
 _RECAPTURE = "call release() and step() again to capture anew"
 # What to do when a tensor of each kind was replaced.
 _FIX = {
@@ -85,6 +92,11 @@ def _options(optimizer: DMuon) -> list[tuple[tuple[str, str], ...]]:
             for group in optimizer.param_groups]
 
 
+def _whole_options(optimizer: DMuon) -> dict[str, str]:
+    return {name: repr(optimizer.phases.telemetry.enabled if name == "telemetry" else getattr(optimizer, name))
+            for name in _WHOLE}
+
+
 class ReplayGuard:
     """The tensors, buffers and options a graph of ``optimizer``'s step was captured with."""
 
@@ -93,6 +105,7 @@ class ReplayGuard:
         self._held = [(where, tensor, _storage(tensor)) for where, tensor in _read_tensors(optimizer)]
         self._buffers = optimizer.phases.replay_buffers()  # held: freed, a replay would read freed memory
         self._options = _options(optimizer)
+        self._whole = _whole_options(optimizer)
 
     def check(self) -> None:
         """Raise, naming what and the fix, if a replay would not read what was captured;
@@ -106,6 +119,10 @@ class ReplayGuard:
                 changed = sorted({k for k, _ in set(before) ^ set(now)})
                 raise RuntimeError(f"dmuon.capture.cuda_graphs: param group {index} changed since the capture (the option(s) "
                                    f"{changed}, fixed in the graph): {_RECAPTURE}")
+        changed = [name for name, value in _whole_options(self._optimizer).items() if value != self._whole[name]]
+        if changed:
+            raise RuntimeError(f"dmuon.capture.cuda_graphs: the optimizer's option(s) {changed} changed since the "
+                               f"capture (fixed in the graph): {_RECAPTURE}")
         now_read = list(_read_tensors(self._optimizer))
         for (where, tensor, storage), (where_now, tensor_now) in zip(self._held, now_read):
             if tensor_now is not tensor or where_now != where or _storage(tensor_now) != storage:

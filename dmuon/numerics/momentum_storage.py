@@ -50,6 +50,9 @@ from dmuon.numerics.masked_updates import select_
 MOMENTUM_DTYPES = (None, "bfloat16", "int8")
 # Elements per fp32 scale along the last dim of a row (module docstring: why 128).
 INT8_BLOCK = 128
+# The narrowest row int8 pays for: a row of w elements costs 1 + 4 / w bytes an element with its
+# scale, bf16's 2 or more below 5 (such a momentum is kept in bf16: dmuon.state.momentum_state).
+INT8_MIN_ROW = 5
 # The largest magnitude an int8 value takes: symmetric, so -x quantizes to -q.
 INT8_MAX = 127
 
@@ -101,8 +104,10 @@ def row_split_on_blocks(offset: int) -> bool:
     return offset % INT8_BLOCK == 0
 
 
-def bytes_per_element(shape: Sequence[int], momentum_dtype: str | None, param_dtype: torch.dtype) -> float:
-    """The momentum's bytes per element of a tensor of ``shape`` (scales included)."""
+def bytes_per_element(shape: Sequence[int], momentum_dtype: str | None,
+                      param_dtype: torch.dtype = torch.float32) -> float:
+    """The momentum's bytes per element of a tensor of ``shape`` kept in ``momentum_dtype``
+    (scales included): 1 + 4 * ceil(w / 128) / w for int8 rows of w elements."""
     if momentum_dtype is None:
         return float(param_dtype.itemsize)
     if momentum_dtype == "bfloat16":
@@ -111,14 +116,20 @@ def bytes_per_element(shape: Sequence[int], momentum_dtype: str | None, param_dt
     return (numel + 4 * math.prod(scales_shape(shape))) / max(numel, 1)
 
 
-def _blocks(x: torch.Tensor) -> torch.Tensor:
-    """``x`` (``[..., columns]``, a float dtype) as ``[..., blocks, INT8_BLOCK]``, the last block
-    of each row padded with zeros (which change no block's maximum)."""
-    columns = x.shape[-1]
-    padded = blocks_per_row(columns) * INT8_BLOCK
-    if padded != columns:
-        x = torch.nn.functional.pad(x, (0, padded - columns))
-    return x.reshape(*x.shape[:-1], padded // INT8_BLOCK, INT8_BLOCK)
+def _block_views(rows: torch.Tensor, scales: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``rows`` (``[..., columns]``) as views of its blocks, each with the view of ``scales``
+    (``[..., blocks_per_row(columns)]``) it has: the whole blocks ``[..., n, INT8_BLOCK]`` and
+    the shorter last block of each row ``[..., 1, columns % INT8_BLOCK]`` (a row narrower than
+    a block is that one block). Views, not a padded copy: a row of 1 element padded to a block
+    took 128 times its size in each fp32 temporary (issue 67)."""
+    columns = rows.shape[-1]
+    whole = columns // INT8_BLOCK
+    views = []
+    if whole:
+        views.append((rows[..., : whole * INT8_BLOCK].unflatten(-1, (whole, INT8_BLOCK)), scales[..., :whole]))
+    if columns % INT8_BLOCK:
+        views.append((rows[..., whole * INT8_BLOCK :].unsqueeze(-2), scales[..., whole:]))
+    return [(blocks, block_scales.unsqueeze(-1)) for blocks, block_scales in views]
 
 
 # Rounding by addition (:func:`_quantize_blocks_`): fp32 holds every integer of [2**23, 2**24)
@@ -194,25 +205,24 @@ def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``x`` (any float dtype; its rows :func:`_rows`) as int8 values of its shape and fp32
     scales of :func:`scales_shape`, block by block of each row
     (module docstring; :func:`_quantize_blocks_`). New tensors."""
-    shape = x.shape
-    rows = _rows(x)
-    blocks = _blocks(rows if rows.dtype in _WIDENED_EXACTLY else rows.to(torch.float32))
-    values = torch.empty(blocks.shape, dtype=torch.int8, device=x.device)
-    scales = torch.empty((*blocks.shape[:-1], 1), dtype=torch.float32, device=x.device)
-    _quantize_blocks_(blocks, values, scales, _int8_constants(x.device))
-    values = values.reshape(*rows.shape[:-1], blocks.shape[-2] * INT8_BLOCK)[..., : rows.shape[-1]]
-    return values.reshape(shape).contiguous(), scales.reshape(scales_shape(shape))
+    rows = _rows(x if x.dtype in _WIDENED_EXACTLY else x.to(torch.float32))
+    values = torch.empty(rows.shape, dtype=torch.int8, device=x.device)
+    scales = torch.empty((*rows.shape[:-1], blocks_per_row(rows.shape[-1])), dtype=torch.float32, device=x.device)
+    constants = _int8_constants(x.device)
+    for (blocks, _), (value_blocks, block_scales) in zip(_block_views(rows, scales), _block_views(values, scales)):
+        _quantize_blocks_(blocks, value_blocks, block_scales, constants)
+    return values.view(x.shape), scales.view(scales_shape(x.shape))
 
 
 def dequantize_int8(values: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``values * scale`` block by block, as a new tensor of ``dtype`` and ``values``' shape
     (computed in fp32, then cast: exact for fp32, one rounding for bf16)."""
-    shape = values.shape
     rows = _rows(values)
-    blocks = _blocks(rows.to(torch.float32))
-    out = blocks.mul_(scales.reshape(*blocks.shape[:-1], 1))
-    out = out.reshape(*rows.shape[:-1], blocks.shape[-2] * INT8_BLOCK)[..., : rows.shape[-1]]
-    return out.reshape(shape).to(dtype)
+    out = torch.empty(rows.shape, dtype=torch.float32, device=values.device)
+    scales = scales.reshape(*rows.shape[:-1], blocks_per_row(rows.shape[-1]))
+    for (value_blocks, block_scales), (out_blocks, _) in zip(_block_views(rows, scales), _block_views(out, scales)):
+        torch.mul(value_blocks, block_scales, out=out_blocks)
+    return out.view(values.shape).to(dtype)
 
 
 # ----------------------------------------------------------- the step's reads and writes

@@ -16,7 +16,7 @@ from dmuon.torch_compat import local_of
 from dmuon.numerics.device_scalars import DEVICE_HYPERPARAMETERS, device_scalar
 from dmuon.options.implementation_flags import NO_PATH_KEYS, check_no_fused_muon, check_no_path_flags, own_flags
 from dmuon.options.checks import check_muon_param
-from dmuon.options.table import (ADAMW_ALIASES, ADAMW_KEYS, ADDED_LATER, DEFAULTS, FLAG_KEYS, MUON_KEYS,
+from dmuon.options.table import (ADAMW_ALIASES, ADAMW_KEYS, DEFAULTS, FLAG_KEYS, MUON_KEYS,
                                  SHARED_KEYS, check_group)
 
 # By default, a parameter with ndim >= 2 gets Muon unless its name marks it as an
@@ -36,6 +36,8 @@ GROUP_OPTIONS = {
     False: frozenset(ADAMW_KEYS + tuple(ADAMW_ALIASES) + SCHEDULER_KEYS + FLAG_KEYS),
     None: frozenset(MUON_KEYS + ADAMW_KEYS + tuple(ADAMW_ALIASES) + SCHEDULER_KEYS + FLAG_KEYS),
 }
+# The Muon options whose key an AdamW group has for an option of its own (``eps``).
+MUON_ONLY_KEYS = frozenset(MUON_KEYS) - frozenset(SHARED_KEYS)
 GROUP_KIND = {True: "a Muon group", False: "an AdamW group", None: "a group without use_muon (split)"}
 
 
@@ -88,7 +90,8 @@ def build_param_groups(
         members = [(n, p) for n, p in named if use_muon is not None or default_use_muon(n, p) == kind]
         if members:
             defaults = muon_defaults if kind else adamw_defaults
-            group = make_group(members, kind, has_names, options, defaults, where, implementation)
+            group = make_group(members, kind, has_names, options, defaults, where, implementation,
+                               split=use_muon is None)
             groups.append(([n for n, _ in members], group))
     return groups
 
@@ -154,19 +157,16 @@ def make_group(
     defaults: dict[str, Any],
     where: str,
     implementation: Mapping[str, Any] | None = None,
+    split: bool = False,
 ) -> dict[str, Any]:
-    """One checked Muon or AdamW group: the group's options over the optimizer's defaults,
-    and its own ``foreach`` / ``fused`` where it sets them (``implementation``: the
-    optimizer's, which a group without them steps with)."""
+    """One checked Muon or AdamW group: the group's options over the optimizer's defaults
+    (:func:`part_values`), and its own ``foreach`` / ``fused`` where it sets them
+    (``implementation``: the optimizer's, which a group without them steps with)."""
+    values = part_values(options, use_muon, defaults, split)
+    check_group(values, use_muon, where)
     if use_muon:
-        values = {key: options.get(key, defaults[key]) for key in MUON_KEYS}
-        check_group(values, True, where)
         for name, param in members:
             check_muon_param(param, name, values["split_rows"])
-    else:
-        values = {key: options.get(key, defaults[key]) for key in ADAMW_KEYS}
-        values.update({key: options[alias] for alias, key in ADAMW_ALIASES.items() if options.get(alias) is not None})
-        check_group(values, False, where)
     group: dict[str, Any] = {"params": [p for _, p in members]}
     if has_names:
         group["param_names"] = [n for n, _ in members]
@@ -181,13 +181,21 @@ def make_group(
     return group
 
 
-def fill_in_variant_defaults(groups: list[dict[str, Any]]) -> None:
-    """Give groups loaded from a state_dict written before the update-rule variants
-    existed each variant's off value, so they step as they did then (torch's optimizers
-    fill in options added after a checkpoint was written the same way)."""
-    for group in groups:
-        for key in ADDED_LATER if group.get("use_muon") else [k for k in ADDED_LATER if k in ADAMW_KEYS]:
-            group.setdefault(key, ADDED_LATER[key])
+def part_values(options: Mapping[str, Any], use_muon: bool, defaults: Mapping[str, Any], split: bool = False
+                ) -> dict[str, Any]:
+    """A Muon (``use_muon``) or AdamW group's option values: the user's group ``options`` over
+    the optimizer's ``defaults``; for the AdamW part ``adamw_<x>`` over ``<x>`` (None: unset
+    where the option's default is None, as DMuon's keyword is). The AdamW part of a ``split``
+    group (no ``use_muon``) takes no Muon option of its key: a split group's ``eps`` is
+    Newton-Schulz's, as ``DMuon(eps=...)`` is (AdamW's: ``adamw_eps``)."""
+    if use_muon:
+        return {key: options.get(key, defaults[key]) for key in MUON_KEYS}
+    if split:
+        options = {key: value for key, value in options.items() if key not in MUON_ONLY_KEYS}
+    values = {key: options.get(key, defaults[key]) for key in ADAMW_KEYS}
+    values.update({key: options[alias] for alias, key in ADAMW_ALIASES.items()
+                   if alias in options and (options[alias] is not None or DEFAULTS[alias] is not None)})
+    return values
 
 
 def split_options(options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:

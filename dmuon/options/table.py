@@ -73,8 +73,6 @@ class Option:
     titan03: str | None
     summary: str
     key: str = ""
-    # Added after the first state dicts were written: a group loaded without it gets the default.
-    added_later: bool = False
 
     def __post_init__(self) -> None:
         if not self.key:
@@ -115,22 +113,19 @@ OPTIONS: tuple[Option, ...] = (
     Option("nesterov", True, Scope.MUON, c.check_bool, OnResume.APPLIED, "nesterov", GROUP_KWARGS,
            "Nesterov look-ahead: orthogonalize g.lerp(momentum, mu)"),
     Option("normuon", False, Scope.MUON, c.check_bool, OnResume.REFUSED, "normuon", GROUP_KWARGS,
-           "NorMuon's row-normalized update (adds the state normuon_second_moment)", added_later=True),
+           "NorMuon's row-normalized update (adds the state normuon_second_moment)"),
     Option("normuon_beta2", DEFAULT_NORMUON_BETA2, Scope.MUON, _UNIT, OnResume.APPLIED, "normuon_beta2",
-           GROUP_KWARGS, "the EMA coefficient of NorMuon's row second moment", added_later=True),
+           GROUP_KWARGS, "the EMA coefficient of NorMuon's row second moment"),
     Option("cautious_weight_decay", False, Scope.GROUPS, c.check_bool, OnResume.APPLIED, "cautious_weight_decay",
-           GROUP_KWARGS, "decay only where the update and the weight agree in sign", added_later=True),
+           GROUP_KWARGS, "decay only where the update and the weight agree in sign"),
     Option("qk_clip_threshold", None, Scope.MUON, c.check_qk_clip_threshold, OnResume.APPLIED,
-           "qk_clip_threshold", GROUP_KWARGS, "QK-clip's largest attention logit (None: off)", added_later=True),
+           "qk_clip_threshold", GROUP_KWARGS, "QK-clip's largest attention logit (None: off)"),
     Option("ns_algorithm", DEFAULT_NS_ALGORITHM, Scope.MUON, c.check_ns_algorithm, OnResume.APPLIED,
-           "ns_algorithm", GROUP_KWARGS, "'standard', 'gram' or 'auto' (Gram Newton-Schulz where cheaper)",
-           added_later=True),
+           "ns_algorithm", GROUP_KWARGS, "'standard', 'gram' or 'auto' (Gram Newton-Schulz where cheaper)"),
     Option("ns_gram_restarts", DEFAULT_GRAM_RESTARTS, Scope.MUON, c.check_gram_restarts, OnResume.APPLIED,
-           "ns_gram_restarts", GROUP_KWARGS, "the iterations after which Gram Newton-Schulz restarts",
-           added_later=True),
+           "ns_gram_restarts", GROUP_KWARGS, "the iterations after which Gram Newton-Schulz restarts"),
     Option("momentum_dtype", None, Scope.MUON, c.check_momentum_dtype, OnResume.CONVERTED, "momentum_dtype",
-           GROUP_KWARGS, "the momentum kept between steps: None (the parameter's dtype), bfloat16 or int8",
-           added_later=True),
+           GROUP_KWARGS, "the momentum kept between steps: None (the parameter's dtype), bfloat16 or int8"),
     Option("ns_coefficients", KELLER_COEFFICIENTS, Scope.MUON, c.check_ns_coefficients, OnResume.APPLIED,
            "ns_coefficients", GROUP_KWARGS, "a name, one (a, b, c), or one triple per iteration"),
     Option("adamw_lr", None, Scope.ADAMW, c.optional(_NON_NEGATIVE), OnResume.APPLIED, "adamw_lr", GROUP_KWARGS,
@@ -193,10 +188,10 @@ OPTIMIZER_OPTIONS = tuple(option.name for option in OPTIONS if option.scope is S
 # What a resume does with each group key: applied (converted counts as applied) or refused.
 APPLIED_ON_RESUME = tuple(dict.fromkeys(
     o.key for o in OPTIONS if o.on_resume in (OnResume.APPLIED, OnResume.CONVERTED)))
+# Every key the table gives a meaning to, in a group or as a whole-optimizer option's name.
+KNOWN_KEYS = tuple(dict.fromkeys(key for o in OPTIONS for key in (o.key, o.name)))
 # ``use_muon`` is no option (it picks the algorithm), but a group's value of it decides the layout too.
 LAYOUT_KEYS = ("use_muon", *(o.key for o in OPTIONS if o.on_resume is OnResume.REFUSED))
-# The group options added after the first state dicts, with the value that steps as before.
-ADDED_LATER: Mapping[str, Any] = {o.key: o.default for o in OPTIONS if o.added_later}
 
 
 def check_group(values: dict[str, Any], use_muon: bool, where: str) -> None:

@@ -50,10 +50,12 @@ class LocalBlocks:
             blocks[param] = self.blocks_of(param, local_of[param])
         return blocks[param][k]
 
-    def kept(self, name: str, locals_: Sequence[torch.Tensor | None], flat: bool = False) -> dict[int, torch.Tensor]:
+    def kept(self, name: str, locals_: Sequence[torch.Tensor | None], flat: bool = False,
+             keep: bool = True) -> dict[int, torch.Tensor]:
         """Every held unit's block of the persistent tensors ``locals_`` (by plan
         parameter; flat 1-D views where the block is contiguous with ``flat``), made once
-        and remade only when one of the tensors is a new object."""
+        and remade only when one of the tensors is a new object; not kept past the call
+        with ``keep=False`` (``locals_`` holds a tensor of this step only)."""
         cached = self._kept.get(name)
         if cached is not None and len(cached[0]) == len(locals_) and all(a is b for a, b in zip(cached[0], locals_)):
             return cached[1]
@@ -65,5 +67,8 @@ class LocalBlocks:
                 if flat:
                     view = view.view(-1) if view.is_contiguous() else view.view(self.plan.units[i].block(self.rank).shape)
                 views[i] = view
-        self._kept[name] = (list(locals_), views)
+        if keep:
+            self._kept[name] = (list(locals_), views)
+        else:
+            self._kept.pop(name, None)
         return views

@@ -39,9 +39,12 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from dmuon.numerics.momentum_storage import (
+    INT8_MIN_ROW,
     MomentumCopies,
+    bytes_per_element,
     parse_momentum_dtype,
     read_momenta,
+    row_length,
     scales_shape,
     store_momenta_,
 )
@@ -71,12 +74,22 @@ def kept_momentum(state: Mapping[str, Any] | None) -> tuple[torch.Tensor, torch.
 
 
 def storage_of(param: torch.Tensor, momentum_dtype: str | None) -> str | None:
-    """The form ``param``'s momentum is kept in: the group's ``momentum_dtype``, except int8 on
-    a layout that cuts rows off the blocks, which is kept in bf16 (the same on every rank)."""
-    if momentum_dtype == "int8" and isinstance(param, DTensor) and not int8_blocks_whole(layout_of(param),
-                                                                                         param.shape):
-        return "bfloat16"
-    return momentum_dtype
+    """The form ``param``'s momentum is kept in: the group's ``momentum_dtype``, except int8
+    where it does not pay or cannot keep its blocks, kept in bf16 instead, decided from the
+    global shape and placements (the same on every rank): rows narrower than
+    ``INT8_MIN_ROW`` (a scale per row costs as much as bf16's second byte), or a layout that
+    cuts rows off the blocks."""
+    return "bfloat16" if momentum_dtype == "int8" and int8_falls_back(param) is not None else momentum_dtype
+
+
+def int8_falls_back(param: torch.Tensor) -> str | None:
+    """Why ``param``'s int8 momentum is kept in bf16 (:func:`storage_of`), in words; None where it is not."""
+    if row_length(param.shape) < INT8_MIN_ROW:
+        return (f"its rows of {row_length(param.shape)} element(s) would cost {bytes_per_element(param.shape, 'int8')}"
+                " bytes an element in int8 with their scales")
+    if isinstance(param, DTensor) and not int8_blocks_whole(layout_of(param), param.shape):
+        return f"its placements {tuple(param.placements)} cut its rows off int8's 128-element blocks"
+    return None
 
 
 def new_momentum(param: torch.Tensor, storage: str | None) -> dict[str, torch.Tensor]:
@@ -98,9 +111,8 @@ def make_momentum(param: torch.Tensor, momentum_dtype: str | None, state: Mutabl
     """Put ``param``'s zero momentum into its ``state`` (at its first grad); the keys made."""
     storage = storage_of(param, momentum_dtype)
     if storage != momentum_dtype:
-        logger.info("DMuon: parameter %r keeps its momentum in bfloat16, not int8: its placements %s cut its "
-                    "rows off int8's 128-element blocks (docs/optimizer.md, \"Momentum dtype\")", name,
-                    tuple(param.placements))
+        logger.info("DMuon: parameter %r keeps its momentum in bfloat16, not int8: %s (docs/optimizer.md, "
+                    "\"Momentum dtype\")", name, int8_falls_back(param))
     made = new_momentum(param, storage)
     state.update(made)
     return list(made)

@@ -8,8 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from dmuon.state.optimizer_hooks import attach_hooks
-from dmuon.options.param_groups import fill_in_variant_defaults
-from dmuon.options.table import DEFAULTS, OPTIMIZER_OPTIONS
+from dmuon.options.table import OPTIMIZER_OPTIONS
 
 # What a pickle keeps besides torch's defaults, state and param_groups: the optimizer's own
 # records and, from the option table, every whole-optimizer option and the optimizer's
@@ -18,9 +17,6 @@ PICKLED_ATTRIBUTES = (
     "_muon_defaults", "_adamw_defaults", "_names", "_groups_added",
     *(name for name in OPTIMIZER_OPTIONS if name != "telemetry"), "foreach", "fused", "capturable",
 )
-# Options added after the first release, with the value (the table's default) a pickle made
-# before them gets.
-LATER_OPTIONS = {name: DEFAULTS[name] for name in ("foreach", "fused", "skip_nonfinite", "capturable")}
 # The key under which a pickle keeps ``telemetry``. It also tells __setstate__ that it
 # makes a copy: load_state_dict calls it too, with only state and param_groups.
 TELEMETRY_STATE_KEY = "telemetry_enabled"
@@ -39,13 +35,10 @@ class PicklesConfiguration:
     def __setstate__(self, state: dict[str, Any]) -> None:
         state = dict(state)
         telemetry = state.pop(TELEMETRY_STATE_KEY, None)
-        if telemetry is not None:  # a pickled DMuon, perhaps from before an option existed
-            state = LATER_OPTIONS | state
         super().__setstate__(state)
         # torch's __setstate__ (also run by load_state_dict) adds differentiable=False to
         # defaults; DMuon has no such option, and defaults stay the keys a group may set.
         self.defaults.pop("differentiable", None)
-        fill_in_variant_defaults(self.param_groups)  # a state_dict from before they existed
         if telemetry is not None:  # a copy, not load_state_dict: nothing derived came with it
             self.start_afresh(telemetry)
             attach_hooks(self)  # torch's hooks do not pickle: the copy keeps them

@@ -7,10 +7,13 @@ states a contract instead, enforced by a load-state-dict pre-hook (:func:`attach
 
 * the options in :data:`APPLIED_ON_RESUME` can change between a save and a resume: the
   optimizer's own value (the current configuration) is kept, and each change is logged
-  once, ``DMuon: changed on resume: ns_steps 5 -> 1``;
+  once, ``DMuon: changed on resume: ns_steps 5 -> 1``; a key the optimizer's group leaves
+  unset (a ``foreach`` or ``fused`` of the saved group's own) is dropped, logged alike, so
+  the group steps with the optimizer's flags, as configured;
 * the options in :data:`LAYOUT_KEYS`, the number of groups and the number of parameters in
   each decide the state's layout (which tensors exist, for which parameters): a state dict
-  that differs in any of them is refused before anything is loaded, naming each key.
+  that differs in any of them is refused before anything is loaded, naming each key; so is
+  a saved group without one of its kind's options (not a state dict of this optimizer).
 
 The learning rate under an LR scheduler (a group with ``initial_lr``): the configured value
 is ``initial_lr``; when it changed, the saved ``lr`` (the schedule's value for the next step)
@@ -28,7 +31,7 @@ from typing import Any
 import torch
 
 # Which options a resume applies and which it refuses: each option's row of the table says.
-from dmuon.options.table import APPLIED_ON_RESUME, LAYOUT_KEYS
+from dmuon.options.table import ADAMW_KEYS, APPLIED_ON_RESUME, KNOWN_KEYS, LAYOUT_KEYS, MUON_KEYS
 from dmuon.torch_compat import has_optimizer_hook
 
 logger = logging.getLogger("dmuon")
@@ -79,8 +82,13 @@ def layout_problems(saved_groups: Sequence[dict[str, Any]], groups: Sequence[dic
         if len(saved["params"]) != len(mine["params"]):
             problems.append(f"group {index} holds {len(mine['params'])} parameters, saved {len(saved['params'])} "
                             "(the Muon/AdamW routing changed)")
+        missing = [key for key in ("use_muon", *(MUON_KEYS if mine.get("use_muon") else ADAMW_KEYS))
+                   if key in mine and key not in saved]
+        if missing:
+            problems.append(f"group {index} was saved without the option(s) {missing} (not a state dict of "
+                            "this optimizer)")
         for key in LAYOUT_KEYS:
-            if key in mine and saved.get(key, mine[key]) != mine[key]:
+            if key in mine and key in saved and saved[key] != mine[key]:
                 problems.append(f"group {index} {key}: saved {saved[key]!r}, now {mine[key]!r}")
     return problems
 
@@ -90,14 +98,17 @@ def _apply(group: dict[str, Any], saved: dict[str, Any], mine: dict[str, Any]) -
     return the changes as (key, old, new) texts."""
     changes = []
     scheduled = INITIAL_LR in mine and INITIAL_LR in saved
+    for key in KNOWN_KEYS:  # a key this group leaves unset (a flag: the optimizer's) or not of its kind
+        if key not in mine and key in saved:
+            del group[key]
+            changes.append((key, _text(saved[key]), "unset"))
     for key in APPLIED_ON_RESUME:
         if key not in mine or (key == LR and scheduled):
             continue
         if key in saved and _same(saved[key], mine[key]):
             continue
         group[key] = mine[key]
-        if key in saved:  # a key the saved group lacks (an older state dict) is filled in silently
-            changes.append((key, _text(saved[key]), _text(mine[key])))
+        changes.append((key, _text(saved[key]) if key in saved else "unset", _text(mine[key])))
     if scheduled and not _same(saved[INITIAL_LR], mine[INITIAL_LR]):
         old, new = _number(saved[INITIAL_LR]), _number(mine[INITIAL_LR])
         group[INITIAL_LR] = mine[INITIAL_LR]
@@ -112,6 +123,8 @@ def _number(value: Any) -> float:
 
 
 def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, bool) or isinstance(b, bool):  # a saved 1 is no True: the group takes the optimizer's
+        return a is b
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         return _number(a) == _number(b)
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):  # a tuple saved may come back a list

@@ -83,7 +83,7 @@ class ConvertedMomenta:
             for group, members in by_group(range(len(todo)), [self.groups[params[k]] for k in todo]):
                 self.steps.momentum([work[m] for m in members], [grads[todo[m]] for m in members], group,
                                     [self.oks[params[todo[m]]] for m in members])
-            reads.store(self.steps.lists_for(self.device))
+            reads.store(self.steps.lists_for_all(self.device, [self.groups[params[k]] for k in todo]))
         return grads, momenta  # type: ignore[return-value]
 
     def unpacked(self, units: Sequence[int], grad_blocks: dict[int, list[torch.Tensor]]) -> None:

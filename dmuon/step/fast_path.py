@@ -265,10 +265,12 @@ class FastStep:
         self.ok = [oks[p] for p in run.params]
         self.here = self.ok if run.staging is None else run.staging.masks(self.ok)  # where the elementwise rules run
         self.local_grads, local_bufs, self.converted = self.momentum_step(grads, state)
-        self.bufs = run.blocks.kept("momentum_buffer", local_bufs)
+        # Zeros made for a parameter with no state yet must not outlive the step: not kept.
+        self.bufs = run.blocks.kept("momentum_buffer", local_bufs, keep=not self.made_zeros)
         self.targets = run.blocks.kept("param", run.locals(), flat=True)
         self.moments, self.rows = self.second_moments(state)  # staged after the masks' wait (host_staging)
-        self.masks = UnitMasks(self.ok, [u.param for u in run.plan.units], steps.lists_for(run.device))
+        self.lists = steps.lists_for_all(run.device, self.groups)  # for the ops spanning the plan's groups
+        self.masks = UnitMasks(self.ok, [u.param for u in run.plan.units], self.lists)
         self.grad_blocks: dict[int, list[torch.Tensor]] = {}  # this step's grads, split on first use
         self.converted.unpacked(run.unpacked_units(), self.grad_blocks)
         self.buffers = NewtonSchulzBuffers()  # kept through a batch's Newton-Schulz, released after it
@@ -282,12 +284,14 @@ class FastStep:
         few blocks at a time as they are packed (:meth:`ConvertedMomenta.blocks`)."""
         run, oks, groups = self.run, self.here, self.groups
         local_bufs: list[torch.Tensor | None] = [None] * len(run.params)
+        self.made_zeros = False
         converted = ConvertedMomenta(run.plan, run.blocks, run.rank, run.dtypes, run.device, oks, groups, self.steps)
         for j, param in enumerate(run.params):
             if j in run.stand_ins:
                 local_bufs[j] = run.stand_ins[j]
             elif (momentum := kept_momentum(state.get(param))) is None:  # get: no empty state made
                 local_bufs[j] = torch.zeros_like(local_of(param))  # nothing is stored: no state yet
+                self.made_zeros = True
             elif momentum[1] is None and momentum[0].dtype == run.dtypes[j]:
                 local_bufs[j] = local_of(momentum[0])
             else:
@@ -345,7 +349,7 @@ class FastStep:
         """These methods, as the owner exchange calls them."""
         run = self.run
         return Callbacks(self.pack_blocks, self.update_of, self.orthogonalize, self.apply_blocks, run.layout,
-                         run.widen if self.steps.lists_for(run.device) else Callbacks.widen, self.masks.zero_masked,
+                         run.widen if self.lists else Callbacks.widen, self.masks.zero_masked,
                          self.buffers.release)
 
     def share_second_moments(self) -> None:

@@ -59,7 +59,7 @@ class GroupSteps:
         """The optimizer's ``foreach``: None lets torch choose per device (``dmuon.numerics.update_lists``)."""
         self.fused = fused
         """The optimizer's ``fused``: the AdamW part steps with torch's fused AdamW."""
-        self.forms: dict[tuple[int | None, torch.device], bool] = {}
+        self.forms: dict[tuple[int, torch.device], bool] = {}
         """Each group's form on each device, this step (:meth:`lists_for`)."""
         self.scalars = StepScalars()
         """A capturable step's device products of its hyperparameters, made once (a step's
@@ -88,16 +88,21 @@ class GroupSteps:
                 ortho = normuon_normalize_(ortho, second_moment, group["normuon_beta2"], group["split_rows"], ok)
             return ortho
 
-    def lists_for(self, device: torch.device, group: dict[str, Any] | None = None) -> bool:
-        """Whether the elementwise rules (of ``group``) run as list ops on ``device``: the
+    def lists_for(self, device: torch.device, group: dict[str, Any]) -> bool:
+        """Whether the elementwise rules of ``group`` run as list ops on ``device``: the
         group's ``foreach`` where it sets one (torch keeps it per group), else the optimizer's.
         Decided once per group and device a step (``GroupSteps`` lives for one step), as
         torch's ``adamw()`` decides its form once and passes it down; every rule asks here."""
-        key = (None if group is None else id(group), device)
+        key = (id(group), device)
         if key not in self.forms:
-            self.forms[key] = resolve_foreach(self.foreach if group is None else group.get("foreach", self.foreach),
-                                              device)
+            self.forms[key] = resolve_foreach(group.get("foreach", self.foreach), device)
         return self.forms[key]
+
+    def lists_for_all(self, device: torch.device, groups: Iterable[dict[str, Any]]) -> bool:
+        """Whether an op spanning several groups' tensors (a batch of the owner exchange, a store
+        of momenta) runs as list ops: where each of the groups does (a group's ``foreach=False``
+        holds for its tensors there too)."""
+        return all(self.lists_for(device, group) for group in {id(g): g for g in groups}.values())
 
     def momentum(self, bufs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], group: dict[str, Any],
                  oks: Sequence[torch.Tensor] | None = None) -> None:

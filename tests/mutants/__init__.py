@@ -40,5 +40,6 @@ def catalogue() -> list[Mutant]:
     """Every mutant, in the order the runner takes them."""
     from tests.mutants.catalog_core import CORE
     from tests.mutants.catalog_wide import WIDE
+    from tests.mutants.catalog_edges import EDGES
 
-    return [*CORE, *WIDE]
+    return [*CORE, *WIDE, *EDGES]

@@ -305,8 +305,8 @@ WIDE = [
         guarantee="Where a layout cuts rows off int8's 128-element blocks (TP's Shard(1) at an odd width), the "
                   "parameter's momentum is kept in bf16, so the run stays bitwise a single process's (issue 51).",
         path="dmuon/state/momentum_state.py",
-        old="    if momentum_dtype == \"int8\" and isinstance(param, DTensor) and not int8_blocks_whole(",
-        new="    if False and isinstance(param, DTensor) and not int8_blocks_whole(",
+        old="    if isinstance(param, DTensor) and not int8_blocks_whole(layout_of(param), param.shape):",
+        new="    if False and isinstance(param, DTensor) and not int8_blocks_whole(layout_of(param), param.shape):",
         tests=("tests/test_momentum_dtype_ranks.py::"
                "test_int8_momentum_is_kept_in_bf16_exactly_where_a_layout_cuts_rows_off_the_blocks",),
     ),

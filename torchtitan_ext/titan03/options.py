@@ -28,8 +28,9 @@ from typing import Any
 from torchtitan.components.optimizer import OptimizersContainer
 
 from dmuon.options.checks import check_bool
-from dmuon.options.param_groups import check_no_fused_muon, GROUP_OPTIONS, make_group, split_options
-from dmuon.options.table import check_optimizer_options, DEFAULTS, FACTORY_KWARGS, OPTIONS
+from dmuon.options.implementation_flags import check_no_path_flags, NO_PATH_KEYS, own_flags
+from dmuon.options.param_groups import check_no_fused_muon, GROUP_OPTIONS, part_values, split_options
+from dmuon.options.table import check_group, check_optimizer_options, DEFAULTS, FACTORY_KWARGS, OPTIONS
 
 from ..field_checks import check_number, Interval, NON_NEGATIVE, UNIT
 from ..implementation import dmuon_implementation
@@ -59,8 +60,9 @@ FACTORY_DEFAULTS = {**{k: DMUON_DEFAULTS[k] for k in FACTORY_OPTIONS if k != CAP
 def check_group_options(options: dict[str, Any], where: str, implementation: dict[str, Any] | None = None) -> None:
     """Raise ``ValueError`` naming ``where`` for a DMuon group's bad key or value.
 
-    The values are checked by the validator ``DMuon(...)`` runs on each group it
-    builds (``dmuon.options.param_groups``), with this group's options over DMuon's defaults
+    The values are checked by the validators ``DMuon(...)`` runs on each group it
+    builds (``dmuon.options.param_groups.build_param_groups``: the flags it has no path for,
+    then each part's values and flags), with this group's options over DMuon's defaults
     and ``implementation`` (DMuon's ``foreach`` / ``fused`` from the config's).
     """
     use_muon = options.get("use_muon")
@@ -77,11 +79,24 @@ def check_group_options(options: dict[str, Any], where: str, implementation: dic
     _check_routing(options, where)
     _check_as_written(options, where)
     check_no_fused_muon(options, use_muon, where)
+    check_no_path_flags({key: options[key] for key in NO_PATH_KEYS if key in options}, where)
     muon_defaults, adamw_defaults = split_options(DMUON_DEFAULTS)
     for kind in (True, False) if use_muon is None else (use_muon,):
         mine = {k: v for k, v in options.items() if k in GROUP_OPTIONS[kind]}
         defaults = muon_defaults if kind else adamw_defaults
-        make_group([], kind, False, mine, defaults, where if kind else f"{where} (AdamW part)", implementation)
+        _check_part(kind, mine, defaults, where if kind else f"{where} (AdamW part)", implementation or {},
+                    split=use_muon is None)
+
+
+def _check_part(use_muon: bool, options: dict[str, Any], defaults: dict[str, Any], where: str,
+                implementation: dict[str, Any], split: bool) -> None:
+    """What ``make_group`` checks of a Muon (``use_muon``) or AdamW group, without its
+    parameters: the values over ``defaults`` (``check_group``) and the flags (``own_flags``).
+    No group is made: ``capturable=True`` would put its lr on the parameters' device, and a
+    config has no parameters yet."""
+    values = part_values(options, use_muon, defaults, split)
+    check_group(values, use_muon, where)
+    own_flags([], use_muon, options, values["lr"], implementation, where)
 
 
 def _check_as_written(options: dict[str, Any], where: str) -> None:
@@ -91,7 +106,7 @@ def _check_as_written(options: dict[str, Any], where: str) -> None:
         if options.get(key) is not None:
             check_number(options[key], key, f"{where}:", interval)
     for key, interval in PAIRS.items():
-        if key in options:
+        if options.get(key) is not None:  # None: unset, as DMuon takes it in a group
             pair = options[key]
             if not isinstance(pair, (tuple, list)) or len(pair) != 2:
                 raise ValueError(f"{where}: {key} must be two numbers (beta1, beta2), got {pair!r}")
@@ -126,11 +141,14 @@ def check_factory_options(options: dict[str, Any], where: str) -> None:
 def validate_dmuon_config(config: OptimizersContainer.Config) -> None:
     """Check every DMuon setting of an optimizer config; the message names the field."""
     groups = [(index, group) for index, group in enumerate(config.param_groups) if group.optimizer_name == DMUON_NAME]
-    # No model yet: "fused" is taken as fusing the AdamW part, which is what refuses least.
+    factory = config.optimizer_factory_kwargs_by_name.get(DMUON_NAME)
+    # No model yet: "fused" is taken as fusing the AdamW part, which is what refuses least;
+    # capture_step is DMuon's capturable, every group's flag unless the group sets its own.
     implementation = dmuon_implementation(config.implementation) if groups else None
+    if implementation is not None and factory:
+        implementation["capturable"] = factory.get(CAPTURE_STEP) is True
     for index, group in groups:
         check_group_options(group.optimizer_kwargs, f"optimizer.param_groups[{index}].optimizer_kwargs",
                             implementation)
-    factory = config.optimizer_factory_kwargs_by_name.get(DMUON_NAME)
     if factory is not None:
         check_factory_options(factory, f"optimizer.optimizer_factory_kwargs_by_name[{DMUON_NAME!r}]")
