@@ -32,4 +32,4 @@ python=$(DMUON_VENV=.venv-torch2.15 TORCH_VERSION=2.15.0 bash scripts/setup.sh)
 python=$(bash scripts/setup_titan03.sh)
 "$python" -c "import torch, importlib.metadata as m; print('torch', torch.__version__, '+ TorchTitan', m.version('torchtitan'))"
 exec "$python" -m pytest -n 2 --dist loadgroup tests/test_extension_imports.py tests/test_vs_distmuon.py \
-    tests/test_titan03_*.py "$@"
+    tests/test_titan03_*.py tests/test_option_sweep.py "$@"

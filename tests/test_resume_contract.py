@@ -130,3 +130,23 @@ def test_a_copy_keeps_the_contract():
     optimizer = copy.deepcopy(dmuon(model(seed=1), normuon=True))
     with pytest.raises(ValueError, match="normuon"):
         optimizer.load_state_dict(state)
+
+
+@pytest.mark.parametrize("flag", ["foreach", "fused"])
+def test_a_saved_groups_own_flag_the_optimizer_leaves_unset_is_dropped_and_logged(one_thread, caplog, flag):
+    # The checkpoint's run set the flag on its AdamW group; this run configures none: the group
+    # steps with the optimizer's, as configured, not with the checkpoint's kernel (issue 67).
+    net, state = saved_after_two_steps()
+    state["param_groups"][1][flag] = True
+    with caplog.at_level(logging.INFO, logger="dmuon"):
+        _, optimizer = resumed(net.state_dict(), state, foreach=False, fused=False)
+    assert flag not in optimizer.param_groups[1]
+    assert f"DMuon: changed on resume: {flag} True -> unset (group 1)" in caplog.messages
+
+
+def test_a_key_saved_in_a_group_not_of_its_kind_is_dropped(one_thread):
+    net, state = saved_after_two_steps()
+    state["param_groups"][0]["betas"] = (0.5, 0.5)  # an AdamW key in the Muon group
+    state["param_groups"][1]["comm"] = "redistribute"  # a whole-optimizer option in a group
+    _, optimizer = resumed(net.state_dict(), state)
+    assert "betas" not in optimizer.param_groups[0] and "comm" not in optimizer.param_groups[1]

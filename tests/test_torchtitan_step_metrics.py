@@ -128,3 +128,19 @@ def test_the_container_checks_every_captured_step_and_counts_its_dmuons_skips():
     assert container.check_captured_steps() is None  # not captured
     container.captured_steps = [SimpleNamespace(check=lambda: checked.append(1)), None]
     assert container.check_captured_steps() == 0 and checked == [1]
+
+
+def test_a_captured_step_both_model_parts_skipped_counts_once(monkeypatch):
+    # Pipeline stages are DMuons of their own on the same ranks: a step each of them skipped
+    # is one skipped step, as the step's figures count it (StepFigures.combine: the largest).
+    import torch
+
+    from dmuon import DMuon
+    from torchtitan_ext.captured_steps import CapturedSteps
+
+    container = CapturedSteps()
+    parts = [DMuon([(f"w{i}", torch.nn.Parameter(torch.ones(4, 4)))]) for i in range(2)]
+    container.optimizers = parts
+    container.captured_steps = [SimpleNamespace(check=lambda: None)] * 2
+    monkeypatch.setattr(DMuon, "skipped_steps", property(lambda self: 1))
+    assert container.check_captured_steps() == 1

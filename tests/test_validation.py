@@ -250,3 +250,13 @@ def test_rejected_muon_grad_leaves_every_param_and_state_untouched():
         optimizer.step()
     assert torch.equal(good, before[0]) and torch.equal(bad, before[1])
     assert len(optimizer.state) == 0
+
+
+def test_a_split_groups_eps_is_newton_schulzs_as_the_keyword_is():
+    # DMuon(eps=...) sets Newton-Schulz's norm floor; a group without use_muon means the same
+    # (issue 67: its AdamW part once took it as its epsilon). AdamW's is adamw_eps.
+    net = torch.nn.Linear(8, 8)
+    by_keyword = DMuon(list(net.named_parameters()), eps=1e-3)
+    by_group = DMuon([{"params": list(net.named_parameters()), "eps": 1e-3}])
+    assert [g["eps"] for g in by_group.param_groups] == [g["eps"] for g in by_keyword.param_groups] == [1e-3, 1e-8]
+    assert DMuon([{"params": list(net.named_parameters()), "adamw_eps": 1e-3}]).param_groups[1]["eps"] == 1e-3

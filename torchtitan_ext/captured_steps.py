@@ -82,14 +82,14 @@ class CapturedSteps:
 
     def check_captured_steps(self) -> int | None:
         """Read what the replays since the last call found (a wait for the GPU): raise the
-        first error, return this rank's skipped steps so far over its DMuons (None when the
-        steps are not captured)."""
+        first error, return this rank's skipped steps so far: the most any of its DMuons (model
+        parts) skipped, as the step's figures count them (None when the steps are not captured)."""
         if self.captured_steps is None:
             return None
         for captured in self.captured_steps:
             if captured is not None:
                 captured.check()
-        return sum(o.skipped_steps for o in self.optimizers if isinstance(o, DMuon))
+        return max((o.skipped_steps for o in self.optimizers if isinstance(o, DMuon)), default=0)
 
     def step(self, *args: Any, **kwargs: Any) -> None:
         if self.captured_steps is None:

@@ -96,6 +96,15 @@ EDGES = [
         tests=("tests/test_torchtitan_qk_clip.py::"
                "test_a_steps_max_logits_are_its_own_when_they_fall_below_the_last_steps",),
     ),
+    Mutant(
+        name="captured-skipped-steps-of-model-parts-added",
+        guarantee="With captured steps, a step every model part skipped counts once in TorchTitan's step line "
+                  "(the most any part skipped), as the step's figures count it.",
+        path="torchtitan_ext/captured_steps.py",
+        old="        return max((o.skipped_steps for o in self.optimizers if isinstance(o, DMuon)), default=0)",
+        new="        return sum(o.skipped_steps for o in self.optimizers if isinstance(o, DMuon))",
+        tests=("tests/test_torchtitan_step_metrics.py::test_a_captured_step_both_model_parts_skipped_counts_once",),
+    ),
     # ------------------------------------------------ the option sweep's finds (tests/option_sweep.py)
     Mutant(
         name="resume-keeps-a-saved-groups-own-flags",
@@ -104,7 +113,8 @@ EDGES = [
         path="dmuon/state/resume_contract.py",
         old="        if key not in mine and key in saved:\n            del group[key]",
         new="        if False:\n            del group[key]",
-        tests=("tests/test_option_sweep.py::test_a_sample_of_every_option_through_every_front_end_and_resume_holds",),
+        tests=("tests/test_resume_contract.py::test_a_saved_groups_own_flag_the_optimizer_leaves_unset_is_dropped_and_logged",
+               "tests/test_option_sweep.py::test_a_sample_of_every_option_through_every_front_end_and_resume_holds"),
     ),
     Mutant(
         name="resume-fills-in-a-missing-option",
@@ -132,7 +142,8 @@ EDGES = [
         path="dmuon/options/param_groups.py",
         old="    if split:\n        options = ",
         new="    if False:\n        options = ",
-        tests=("tests/test_option_sweep.py::test_a_sample_of_every_option_through_every_front_end_and_resume_holds",),
+        tests=("tests/test_validation.py::test_a_split_groups_eps_is_newton_schulzs_as_the_keyword_is",
+               "tests/test_option_sweep.py::test_a_sample_of_every_option_through_every_front_end_and_resume_holds"),
     ),
     Mutant(
         name="owner-exchange-ignores-the-groups-foreach",
