@@ -1,5 +1,5 @@
 """Every option through every front end and every resume (issue 67, item 1): a fixed sample of
-``tests.option_sweep`` (300 cases: every option through each of its front ends), run in a process
+``tests.option_sweep`` (every option through each of its front ends, with its changed and its bad value), run in a process
 of its own (its owner-exchange cases make a fake process group). Any number more:
 ``python -m tests.option_sweep --cases N --seed S``; a failure's id reruns it alone.
 
@@ -16,12 +16,16 @@ import pytest
 
 from dmuon.options.table import OPTIONS, Scope
 from tests import launch
+from tests.test_option_table import BAD, CHANGED
 from tests.option_sweep import FRONTS, all_cases, count, fronts_of, parse, sample, values_of
 
 pytestmark = pytest.mark.unit
 
 REPO = Path(__file__).resolve().parents[1]
-SAMPLE_CASES, SAMPLE_SEED = 300, 67  # every (option, front end) pair once and more; about 15 s on 2 cores
+# Two rounds over every (option, front end) pair: each with its changed value, then its bad
+# value (tests.option_sweep.sample); about 30 s on 2 cores.
+PAIRS = [(o.name, f) for o in OPTIONS for f in fronts_of(o.name)]
+SAMPLE_CASES, SAMPLE_SEED = 2 * len(PAIRS), 67
 
 
 def test_a_sample_of_every_option_through_every_front_end_and_resume_holds():
@@ -39,10 +43,11 @@ def test_a_case_id_names_its_case():
         parse("lr-nowhere-v0-s1")
 
 
-def test_the_sample_draws_every_option_through_each_of_its_front_ends():
-    pairs = {(o.name, f) for o in OPTIONS for f in fronts_of(o.name)}
-    assert {(c.option, c.front) for c in sample(SAMPLE_CASES, SAMPLE_SEED)} == pairs
-    assert len(pairs) < SAMPLE_CASES
+def test_the_sample_draws_every_option_through_each_of_its_front_ends_with_its_changed_and_bad_value():
+    drawn = {(c.option, c.front, values_of(c.option)[c.value]) for c in sample(SAMPLE_CASES, SAMPLE_SEED)}
+    for name, front in PAIRS:
+        for value in (CHANGED.get(name, BAD[name]), BAD[name]):
+            assert (name, front, value) in drawn
 
 
 def test_each_options_front_ends_follow_its_row():
