@@ -3,6 +3,7 @@ at rest (between steps, grads dropped: what sits beside the activations) and at 
 peak, per local Muon element, for each ``momentum_dtype``.
 
     python -m benchmarks.momentum_memory [--world-size 2] [--dim 512] [--layers 2]
+    python -m benchmarks.momentum_memory --shapes 65536x1,8192x8,1024x129   # each matrix alone
 
 Each rank holds a llama-like stack of ``Shard(0)`` DTensors (FSDP2's layout: per layer
 ``wq``, ``wk``, ``wv``, ``wo`` of ``dim x dim`` and ``w1``, ``w3`` of ``8/3 dim x dim``, ``w2``
@@ -13,6 +14,10 @@ its transpose; fp32, as FSDP2 keeps them) and steps DMuon three times on seeded 
   ``gc`` sees), and the optimizer state's among them;
 - ``step peak``: the most bytes the third step held at once above what existed when it
   began (``benchmarks.live_tensors.PeakBytes``: every storage an op made, until freed).
+
+With ``--shapes``, each matrix is measured alone the same way (one ``Shard(0)`` fp32 DTensor):
+the state and the step's peak per local element by ``momentum_dtype``, how the int8 state's
+cost follows the row width (docs/optimizer.md, "Momentum dtype").
 """
 
 from __future__ import annotations
@@ -76,8 +81,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--dim", type=int, default=512)
     parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--shapes", help="measure each of these matrices alone (RxC, comma-separated) instead")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="with --shapes: measure each this many times, the least peak kept (a buffer gloo's "
+                             "thread lets go of a moment late only adds to a peak)")
     parser.add_argument("--json", help="write the figures here too")
     args = parser.parse_args(argv)
+    if args.shapes:
+        return per_shape([tuple(int(n) for n in shape.split("x")) for shape in args.shapes.split(",")],
+                         args.world_size, args.json, args.repeat)
     rows = {}
     for name in ROWS:
         ranks = run_on_ranks(measure, args.world_size, shapes(args.dim, args.layers), None if name == "None" else name,
@@ -91,6 +103,31 @@ def main(argv: list[str] | None = None) -> None:
     if args.json:
         with open(args.json, "w") as out:
             json.dump(rows, out, indent=2)
+
+
+def per_shape(matrices: list[tuple[int, int]], world_size: int, json_path: str | None, repeat: int = 1) -> None:
+    """``--shapes``: each matrix alone, its state and step peak per local element by ``momentum_dtype``
+    (the least peak of ``repeat`` measures)."""
+    from benchmarks.spawned_ranks import run_on_ranks
+
+    rows = {}
+    for shape in matrices:
+        for name in ROWS:
+            for _ in range(repeat):
+                ranks = run_on_ranks(measure, world_size, [shape], None if name == "None" else name, timeout=600)
+                row = {key: max(r[key] for r in ranks) for key in ranks[0]}
+                held = rows.setdefault((f"{shape[0]}x{shape[1]}", name), row)
+                held["peak"] = min(held["peak"], row["peak"])
+    print(f"momentum memory per matrix: {world_size} ranks, Shard(0), one fp32 matrix alone, torch "
+          f"{torch.__version__}; bytes per local element, the largest rank's (the peak: the least of {repeat})")
+    print(f"{'shape':>10} " + " ".join(f"{'state ' + n:>14}" for n in ROWS) + " "
+          + " ".join(f"{'peak ' + n:>13}" for n in ROWS))
+    for shape in dict.fromkeys(key for key, _ in rows):
+        print(f"{shape:>10} " + " ".join(f"{rows[shape, n]['state']:14.3f}" for n in ROWS) + " "
+              + " ".join(f"{rows[shape, n]['peak']:13.2f}" for n in ROWS))
+    if json_path:
+        with open(json_path, "w") as out:
+            json.dump({f"{shape} {name}": row for (shape, name), row in rows.items()}, out, indent=2)
 
 
 if __name__ == "__main__":

@@ -37,10 +37,7 @@ EDGES = [
         path="torchtitan_ext/titan03/options.py",
         old="    check_no_path_flags({key: options[key] for key in NO_PATH_KEYS if key in options}, where)\n",
         new="",
-        tests=("tests/test_titan03_optimizer.py::"
-               "test_a_flag_dmuon_has_no_path_for_is_refused_when_the_config_is_made_naming_the_field",
-               "tests/test_titan03_optimizer.py::"
-               "test_each_option_is_refused_at_config_time_exactly_when_dmuon_refuses_it_naming_it"),
+        tests=("tests/test_option_sweep.py::test_a_sample_of_every_option_through_every_front_end_and_resume_holds",),
     ),
     # ------------------------------------------------ the planted bugs
     Mutant(
@@ -155,4 +152,22 @@ EDGES = [
         tests=("tests/test_option_sweep.py::test_a_sample_of_every_option_through_every_front_end_and_resume_holds",),
     ),
     # ------------------------------------------------ the option and memory sweeps' defects
+    Mutant(
+        name="int8-momentum-kept-on-rows-narrower-than-five",
+        guarantee="int8 momentum of a parameter whose rows are narrower than 5 elements (a scale per row costs "
+                  "1 + 4 / w bytes an element) is kept in bf16, at 2 bytes an element (issue 67, defect 1).",
+        path="dmuon/state/momentum_state.py",
+        old="if row_length(param.shape) < INT8_MIN_ROW:",
+        new="if False:",
+        tests=("tests/test_memory_sweep.py", "-k", "test_the_memory_sample_holds_every_case_to_its_memory"),
+    ),
+    Mutant(
+        name="frozen-parameters-zeros-kept-between-steps",
+        guarantee="A Muon parameter that never gets a grad keeps nothing alive between steps on the fast path "
+                  "(Shard(0) on 2 ranks): the zeros its step reads are let go (issue 67, defect 4).",
+        path="dmuon/step/fast_path.py",
+        old="keep=not self.made_zeros",
+        new="keep=True",
+        tests=("tests/test_memory_sweep.py::test_the_memory_sample_holds_every_case_to_its_memory[P2]",),
+    ),
 ]
