@@ -79,7 +79,6 @@ failed per check and per layout, time) and every failure with its case id.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import gc
 import json
@@ -94,7 +93,7 @@ from typing import Any
 
 from tests import fault_sweep
 from tests.fault_sweep import Result, _last_error, _tail, launch
-from tests.memory_cases import CHUNKS, WORLDS, Case, Param, count, narrow_widths, params_of, parse, row_length, sample
+from tests.memory_cases import CHUNKS, Case, Param, narrow_widths, params_of, parse, row_length
 from tests.shape_sweep import SCALAR_ALLOWANCE, STATUS_ALLOWANCE_BASE, STATUS_ALLOWANCE_PER_PARAM
 
 CHECKS = {"run": "no exception / hang", "a": "at rest: params + state only", "b": "state at its documented bytes",
@@ -513,27 +512,10 @@ def summary(results: list[Result], seconds: float) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tests.memory_sweep", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--cases", type=int, default=100, help="how many generated cases (default 100)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--world", type=int, choices=WORLDS, action="append", help="P (repeat; default 1, 2 and 4)")
-    parser.add_argument("--case", action="append", default=[], help="run this case id (repeatable)")
-    parser.add_argument("--per-launch", type=int, default=60, help="cases per launch of P ranks")
-    parser.add_argument("--check-timeout", type=float, default=CHECK_TIMEOUT_S,
-                        help="seconds a case may take on a rank before it counts as a hang")
-    parser.add_argument("--max-failed", type=int, default=None, help="stop after this many failed cases")
-    parser.add_argument("--count", action="store_true", help="print how many cases exist")
-    args = parser.parse_args(argv)
-    worlds = tuple(args.world or WORLDS)
-    if args.count:
-        print(f"{count(worlds)} cases (P in {list(worlds)})")
-        return 0
-    cases = [parse(c) for c in args.case] if args.case else sample(args.cases, args.seed, worlds)
-    print(f"running {len(cases)} case(s) (seed {args.seed}, P in {sorted({c.world for c in cases})})", flush=True)
-    start = time.perf_counter()
-    results = sweep(cases, args.per_launch, args.check_timeout, max_failed=args.max_failed)
-    print(summary(results, time.perf_counter() - start))
-    return 1 if any(r.failures for r in results) else 0
+    """The shape sweep's command line over this sweep's cases and checks."""
+    from tests import memory_cases, shape_sweep
+
+    return shape_sweep.main(argv, "python -m tests.memory_sweep", __doc__, memory_cases, sys.modules[__name__])
 
 
 if __name__ == "__main__":

@@ -162,27 +162,35 @@ def summary(results: list[Result], seconds: float) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tests.shape_sweep", description=__doc__.split("\n\n")[0])
+def main(argv: list[str] | None = None, prog: str = "python -m tests.shape_sweep", doc: str = __doc__,
+         cases_of=None, run=None) -> int:
+    """The sweep's command line; the memory sweep's too (``prog``, ``doc``, its ``cases_of``
+    module with ``WORLDS``, ``count``, ``parse``, ``sample``, and ``run``, a module with
+    ``CHECK_TIMEOUT_S``, ``sweep`` and ``summary``)."""
+    import tests.shape_cases
+    cases_of = cases_of or tests.shape_cases
+    run = run or sys.modules[__name__]
+    parser = argparse.ArgumentParser(prog=prog, description=doc.split("\n\n")[0])
     parser.add_argument("--cases", type=int, default=100, help="how many generated cases (default 100)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--world", type=int, choices=WORLDS, action="append", help="P (repeat; default 1, 2 and 4)")
+    parser.add_argument("--world", type=int, choices=cases_of.WORLDS, action="append",
+                        help="P (repeat; default every P)")
     parser.add_argument("--case", action="append", default=[], help="run this case id (repeatable)")
     parser.add_argument("--per-launch", type=int, default=60, help="cases per launch of P ranks")
-    parser.add_argument("--check-timeout", type=float, default=CHECK_TIMEOUT_S,
+    parser.add_argument("--check-timeout", type=float, default=run.CHECK_TIMEOUT_S,
                         help="seconds a case may take on a rank before it counts as a hang")
     parser.add_argument("--max-failed", type=int, default=None, help="stop after this many failed cases")
     parser.add_argument("--count", action="store_true", help="print how many cases exist")
     args = parser.parse_args(argv)
-    worlds = tuple(args.world or WORLDS)
+    worlds = tuple(args.world or cases_of.WORLDS)
     if args.count:
-        print(f"{count(worlds)} cases (P in {list(worlds)})")
+        print(f"{cases_of.count(worlds)} cases (P in {list(worlds)})")
         return 0
-    cases = [parse(c) for c in args.case] if args.case else sample(args.cases, args.seed, worlds)
+    cases = [cases_of.parse(c) for c in args.case] if args.case else cases_of.sample(args.cases, args.seed, worlds)
     print(f"running {len(cases)} case(s) (seed {args.seed}, P in {sorted({c.world for c in cases})})", flush=True)
     start = time.perf_counter()
-    results = sweep(cases, args.per_launch, args.check_timeout, max_failed=args.max_failed)
-    print(summary(results, time.perf_counter() - start))
+    results = run.sweep(cases, args.per_launch, args.check_timeout, max_failed=args.max_failed)
+    print(run.summary(results, time.perf_counter() - start))
     return 1 if any(r.failures for r in results) else 0
 
 
