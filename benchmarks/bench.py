@@ -78,17 +78,9 @@ from benchmarks.bench_workload import (
     slow_bf16_rows,
 )
 from benchmarks.layouts import LAYOUTS, default_mesh_shape
-from dmuon.numerics.newton_schulz import (
-    DEFAULT_NS_STEPS,
-    NS_ALGORITHMS,
-    NS_DTYPE_CHOICES,
-    newton_schulz_flops,
-    ns_dtype_name,
-    resolve_ns_algorithm,
-    resolve_ns_dtype,
-)
-from dmuon.optimizer import DMuon
-from dmuon.tools.plan_report import min_bytes_per_rank
+from dmuon import DMuon
+from dmuon.tools import (DEFAULT_NS_STEPS, min_bytes_per_rank, newton_schulz_flops, NS_ALGORITHMS, NS_DTYPE_CHOICES,
+                         ns_dtype_name, resolve_ns_algorithm, resolve_ns_dtype)
 
 
 def run_benchmark(cfg: BenchConfig) -> dict:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 
-from dmuon.numerics.newton_schulz import DEFAULT_NS_ALGORITHM
+from dmuon.tools import DEFAULT_NS_ALGORITHM
 
 
 def write_report(report: dict, json_path: str | None, plot_path: str | None) -> None:

@@ -14,7 +14,8 @@ import torch
 import torch.distributed as dist
 
 from benchmarks.bench_workload import BenchConfig
-from dmuon.numerics.newton_schulz import NS_DTYPES, native_bf16_matmul, newton_schulz_flops, orthogonalize
+from dmuon import orthogonalize
+from dmuon.tools import native_bf16_matmul, newton_schulz_flops, NS_DTYPES
 
 
 def time_steps(step: Callable[[], None], cfg: BenchConfig, device: torch.device, label: str) -> float:

@@ -16,8 +16,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from benchmarks.layouts import like, parallelize
-from dmuon.numerics.newton_schulz import DEFAULT_NS_ALGORITHM, DEFAULT_NS_DTYPE, native_bf16_matmul
-from dmuon.plan import DEFAULT_BATCH_NUMEL
+from dmuon.tools import DEFAULT_BATCH_NUMEL, DEFAULT_NS_ALGORITHM, DEFAULT_NS_DTYPE, native_bf16_matmul
 
 OPTIMIZERS = ("dmuon", "dmuon_bf16", "redistribute", "vanilla", "adamw", "single")
 # The rows that run DMuon, and so Newton-Schulz in the chosen dtype (dmuon_bf16: in bf16),

@@ -17,8 +17,7 @@ import heapq
 import math
 from collections.abc import Sequence
 
-from dmuon.numerics.newton_schulz import DEFAULT_NS_STEPS, newton_schulz_flops
-from dmuon.plan.layout import chunk_ranges
+from dmuon.tools import chunk_ranges, DEFAULT_NS_STEPS, newton_schulz_flops
 
 PARAM_BYTES = 4  # fp32, what TorchTitan stores: DistMuon's exchange dtype (storage dtype)
 BUCKETINGS = ("per_layer", "one_bucket")

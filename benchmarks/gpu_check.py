@@ -77,9 +77,7 @@ def one_rank(model: str, world_size: int, device: torch.device, steps: int) -> d
     from torch.distributed.device_mesh import init_device_mesh
 
     from dmuon import DMuon
-    from dmuon.tools.dry_run.layouts import lay_out, parse_layout
-    from dmuon.tools.dry_run.models import PRESETS, build
-    from dmuon.torch_compat import fake_store
+    from dmuon.tools import build, DRY_RUN_PRESETS as PRESETS, fake_store, lay_out, parse_layout
 
     dist.init_process_group("fake", store=fake_store(), rank=0, world_size=world_size)
     try:
@@ -109,7 +107,7 @@ def one_rank(model: str, world_size: int, device: torch.device, steps: int) -> d
 def plan_prediction(model: str, world_size: int) -> dict:
     """``python -m dmuon.tools.plan_report --json``'s prediction for ``model`` at ``world_size``
     (empty for a preset plan_report does not know, e.g. the rehearsal's ``debug``)."""
-    from dmuon.tools.plan_report import PRESETS
+    from dmuon.tools import LLAMA3_SHAPES as PRESETS
 
     if model not in PRESETS:
         return {}
@@ -124,7 +122,7 @@ def plan_prediction(model: str, world_size: int) -> dict:
 def compare(dim: int, layers: int, device: torch.device, steps: int) -> dict:
     """Step times of DMuon, torch.optim.Muon + AdamW and fused AdamW on one model."""
     from dmuon import DMuon
-    from dmuon.tools.dry_run.models import Preset, build
+    from dmuon.tools import build, Preset
 
     preset = Preset(dim=dim, ffn=int(dim * 3.5), n_heads=max(1, dim // 128), n_kv_heads=max(1, dim // 512),
                     layers=layers, vocab=4096, head_dim=128 if dim >= 1024 else 16)
@@ -167,9 +165,8 @@ def captured(dim: int, layers: int, device: torch.device, steps: int, total: int
     model and grads under a cosine schedule (a NaN grad at one step, ``skip_nonfinite``):
     bitwise equal after ``total`` steps, the skipped step counted once by ``check()`` called
     twice every few steps, and the eager against the replayed step time (issues 42, 50)."""
-    from dmuon import DMuon
-    from dmuon.capture.cuda_graphs import CapturedStep
-    from dmuon.tools.dry_run.models import Preset, build
+    from dmuon import CapturedStep, DMuon
+    from dmuon.tools import build, Preset
 
     if device.type != "cuda":
         raise RuntimeError("needs a CUDA GPU (CUDA graphs)")

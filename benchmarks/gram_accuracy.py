@@ -24,7 +24,8 @@ import json
 
 import torch
 
-from dmuon.numerics.newton_schulz import GRAM, STANDARD, orthogonalize
+from dmuon import orthogonalize
+from dmuon.tools import GRAM, STANDARD
 
 DEFAULT_SHAPES = ("256x384", "384x256", "256x896", "896x256", "256x1024", "1024x256", "128x1024", "1024x128")
 INPUTS = ("gaussian", "lowrank", "momentum")

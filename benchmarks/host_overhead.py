@@ -51,8 +51,8 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from dmuon.optimizer import DMuon
-from dmuon.torch_compat import TorchDispatchMode
+from dmuon import DMuon
+from dmuon.tools import TorchDispatchMode
 
 OPTIMIZERS = ("dmuon", "dmuon_foreach", "adamw", "muon", "dmuon_capturable")
 # DMuon() with its momentum kept in bf16 or int8 (issue 51): asked for by name, not in the default set.

@@ -25,7 +25,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Placement
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from dmuon.torch_compat import compute_local_shape_and_global_offset
+from dmuon.tools import compute_local_shape_and_global_offset
 
 LAYOUTS = ("fsdp", "hsdp", "fsdp_tp", "tp")
 COLWISE = ("wq", "wk", "wv", "w1", "w3")

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from dmuon.torch_compat import TorchDispatchMode
+from dmuon.tools import TorchDispatchMode
 
 
 def storage_key(tensor: torch.Tensor) -> tuple[int, int] | None:

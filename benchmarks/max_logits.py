@@ -22,7 +22,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from dmuon.attention.qk_clip import DEFAULT_LOGIT_SCRATCH_BYTES, head_max_logits
+from dmuon.tools import DEFAULT_LOGIT_SCRATCH_BYTES, head_max_logits
 
 
 def _median_seconds(fn, device: torch.device, repeats: int) -> float:

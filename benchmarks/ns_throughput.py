@@ -24,17 +24,8 @@ import time
 
 import torch
 
-from dmuon import DMuon
-from dmuon.numerics.newton_schulz import (
-    DEFAULT_NS_DTYPE,
-    NS_ALGORITHMS,
-    NS_DTYPE_CHOICES,
-    STANDARD,
-    newton_schulz_flops,
-    orthogonalize,
-    resolve_ns_algorithm,
-    resolve_ns_dtype,
-)
+from dmuon import DMuon, orthogonalize
+from dmuon.tools import (DEFAULT_NS_DTYPE, newton_schulz_flops, NS_ALGORITHMS, NS_DTYPE_CHOICES, resolve_ns_algorithm, resolve_ns_dtype, STANDARD)
 
 # llama3 8B's Muon matrices (wq/wo, wk/wv, w1/w3, w2) and 70B's MLP: rows x cols.
 DEFAULT_SHAPES = ("4096x4096", "1024x4096", "14336x4096", "4096x14336", "28672x8192")

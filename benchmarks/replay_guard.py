@@ -27,8 +27,7 @@ from types import ModuleType
 
 import torch
 
-from dmuon import DMuon
-from dmuon.capture.replay_guard import ReplayGuard
+from dmuon import DMuon, ReplayGuard
 
 
 def guarded_optimizer(params: int) -> DMuon:

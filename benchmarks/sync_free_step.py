@@ -21,8 +21,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from dmuon import DMuon
-from dmuon.tools.dry_run.layouts import parse_layout, lay_out
-from dmuon.tools.dry_run.models import Preset, build
+from dmuon.tools import build, lay_out, parse_layout, Preset
 
 VARIANTS = {"default": {}, "cautious": {"cautious_weight_decay": True}, "normuon": {"normuon": True},
             "normuon+cautious": {"normuon": True, "cautious_weight_decay": True}, "gram": {"ns_algorithm": "gram"}}

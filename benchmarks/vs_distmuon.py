@@ -43,9 +43,8 @@ from benchmarks.distmuon_model import (
 )
 from benchmarks import vs_distmuon_time
 from benchmarks.vs_distmuon_tables import compare_table, step_table
-from dmuon.numerics.newton_schulz import AUTO, DEFAULT_NS_ALGORITHM, newton_schulz_flops
-from dmuon.plan import WIRE_BYTES, OwnerPlan, ParamSpec, make_owner_plan
-from dmuon.tools.plan_report import PRESETS, Llama3, min_bytes_per_rank
+from dmuon.tools import (AUTO, DEFAULT_NS_ALGORITHM, Llama3, LLAMA3_SHAPES as PRESETS, make_owner_plan,
+                         min_bytes_per_rank, newton_schulz_flops, OwnerPlan, ParamSpec, WIRE_BYTES)
 
 COMPARE_MODELS = ("llama3-8b", "llama3-70b")
 COMPARE_WORLD_SIZES = (8, 64)

@@ -42,7 +42,7 @@ from benchmarks.sent_bytes import count_sent
 from benchmarks.spawned_ranks import run_on_ranks
 from benchmarks.vs_distmuon_peers import BUILDERS, HYPERPARAMETERS, skip_reason, titan_fqn, torch_muon
 from benchmarks.vs_distmuon_tables import timed_header, timed_table
-from dmuon.numerics.newton_schulz import native_bf16_matmul
+from dmuon.tools import native_bf16_matmul
 
 WORLD_SIZES = (1, 2, 4)
 WIDTH = 512

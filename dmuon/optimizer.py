@@ -1,30 +1,10 @@
 """DMuon: Muon for matrices, AdamW for the rest, native to DTensor/FSDP2.
 
-One ``step()``, in five phases, methods of :class:`dmuon.step.phases.Step` (the object made
-for each step by ``StepPhases.prepare``, which holds what they hand each other;
-``DMuon.step`` reads top to bottom in them):
-
-1. **check locally**: host facts only, nothing changed: the error the last step's status
-   sums show (``dmuon.exchange.grad_status``) or QK-clip's reports; this rank's own invalid
-   grads and shards (``dmuon.step.grad_checks``);
-2. **agree**: one small device ``all_reduce`` over the DMuon's ranks sums which DTensor
-   parameters (Muon and AdamW) have a grad here and whether a rank found a problem;
-3. **wait**: the one wait of the step; the step's mask and each parameter's, on the device;
-4. **compute and apply**, under the masks: the AdamW part (``dmuon.step.adamw_part``; no
-   collective); each matrix orthogonalized once, on the path ``dmuon.plan.paths`` chose
-   for it: on its owner rank, batch by batch (``all_to_all`` fast path: ``dmuon.step.fast_path``
-   over ``dmuon.exchange.owner_exchange``), on every rank (``redistribute`` reference path,
-   ``dmuon.exchange.reference``), or where it lives (``local``: plain tensors, replicas);
-   then QK-clip for the attentions registered with :meth:`DMuon.clip_attention` (one
-   ``all_reduce(MAX)`` of their per-head logits, rows of ``W_q``/``W_k`` scaled where they
-   lie, ``dmuon.attention.clipping``);
-5. **report**: telemetry's reduction, then the step's first error, raised on this rank
-   after every collective of the step.
-
-Before them the plan is made (at the first step) and the last step's status read (its host
-changes taken back if it was masked, ``dmuon.state.rollback``). The math is
-``dmuon.numerics.functional`` (run with a group's settings, counted and timed, by
-``dmuon.step.group_steps``); the groups are ``dmuon.options.param_groups``'.
+``DMuon.step`` runs the five phases of ``dmuon.step.phases`` (check locally, agree, wait,
+compute and apply, report); before them the plan is made (at the first step) and the last
+step's status read (its host changes taken back if it was masked, ``dmuon.state.rollback``).
+The math is ``dmuon.numerics.update_rules`` and ``adamw_rules`` (run with a group's settings,
+counted and timed, by ``dmuon.step.group_steps``); the groups are ``dmuon.options.param_groups``'.
 
 The collectives a rank runs depend only on the parameters, never on its grads, values
 or errors, so ranks cannot fall out of step; no host collective runs in a step.
@@ -47,7 +27,8 @@ from dmuon.step.group_steps import MUON_STATE_KEYS
 from dmuon.state.momentum_state import convert_loaded
 from dmuon.options.implementation_flags import check_optimizer_flags
 from dmuon.options.param_groups import build_param_groups, split_options
-from dmuon.options.table import ADAMW_ALIASES, DEFAULTS as D, check_group, check_optimizer_options
+from dmuon.options.table import (ADAMW_ALIASES, DEFAULTS as D, OPTIMIZER_ATTRIBUTES, check_group,
+                                 check_optimizer_options)
 from dmuon.state.optimizer_hooks import attach_hooks
 from dmuon.state.pickling import PicklesConfiguration
 from dmuon.state.loading import keep_saved_dtypes, keep_state_tensors, state_tensors
@@ -61,7 +42,7 @@ ParamsArg = Iterable[torch.Tensor] | Iterable[tuple[str, torch.Tensor]] | Iterab
 class DMuon(PicklesConfiguration, Optimizer):
     """Distributed Muon with an AdamW fallback, for plain tensors and DTensors.
 
-    Args (each option's rules in full: docs/optimizer.md):
+    Args (each option's rules in full: docs/optimizer.md; its summary: ``dmuon.options.table``):
         params: tensors, ``(name, tensor)`` pairs (``model.named_parameters()``) or group
             dicts. A group's ``use_muon`` picks the algorithm; without it, ndim >= 2
             parameters go to Muon unless named like an embedding or output head
@@ -72,43 +53,25 @@ class DMuon(PicklesConfiguration, Optimizer):
         momentum, nesterov, weight_decay: Muon's momentum EMA, Nesterov look-ahead and
             decoupled decay (``p *= 1 - lr * weight_decay``).
         ns_steps, ns_coefficients, eps, ns_algorithm, ns_gram_restarts: the Newton-Schulz
-            iteration (coefficients: a triple, one per step, or a name from
-            ``dmuon.NS_COEFFICIENT_SETS``), the norm floor before it, and ``"standard"``,
-            ``"gram"`` or ``"auto"`` (Gram Newton-Schulz where cheaper) with its restarts.
-        adjust_lr, matched_adamw_rms: the shape scale, ``"original"`` (``sqrt(max(1,
-            A/B))``), ``"match_rms_adamw"`` (``matched_adamw_rms * sqrt(max(A, B))``),
-            ``"spectral"`` (``sqrt(A/B)``) or ``None``.
+            iteration, the norm floor before it, and Gram Newton-Schulz with its restarts.
+        adjust_lr, matched_adamw_rms: the shape scale and the RMS ``"match_rms_adamw"`` aims at.
         split_rows: orthogonalize each block of this many rows on its own (a head).
-        normuon, normuon_beta2: NorMuon's row-normalized update and its EMA coefficient
-            (``dmuon.numerics.update_rules``; adds the state ``normuon_second_moment``).
+        normuon, normuon_beta2: NorMuon's row-normalized update and its EMA coefficient.
         cautious_weight_decay: decay only where update and weight agree in sign.
         qk_clip_threshold: QK-clip (``dmuon.attention.qk_clip``); None: off. Needs the attentions
             registered with :meth:`clip_attention` and reporting to :attr:`max_logits`.
         momentum_dtype: how the momentum is kept between steps: None (the parameter's dtype),
-            ``torch.bfloat16`` / ``"bfloat16"``, or ``"int8"`` (one fp32 scale per 128 elements of
-            a row; bf16 where a layout cuts rows off those blocks). Exact across world sizes
-            (``dmuon.state.momentum_state``).
+            ``torch.bfloat16`` / ``"bfloat16"``, or ``"int8"`` (``dmuon.state.momentum_state``).
         adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay: the AdamW part.
-        comm: ``"all_to_all"`` (owner-computed fast path where the placement allows it)
-            or ``"redistribute"`` (reference path: every rank orthogonalizes every matrix).
-        max_batch_numel: matrix elements a rank owns per batch of the fast path (its
-            scratch bound, ``OwnerPlan.peak_scratch_bytes``).
-        split_replicas, link_gbps, replica_link_gbps: under HSDP, spread Newton-Schulz
-            over every replica (True), keep each replica to itself (False), or let the
-            cost model choose from the links' Gbit/s (None).
-        ns_dtype: what Newton-Schulz multiplies in: ``"bfloat16"``, ``"float32"`` or
-            ``"auto"`` (bf16 on accelerators and on CPUs with a bf16 matmul); every
-            choice is exact across world sizes.
+        comm, max_batch_numel: the owner-computed fast path or the reference path, and the
+            fast path's matrix elements a rank owns per batch (its scratch bound).
+        split_replicas, link_gbps, replica_link_gbps: under HSDP, spread Newton-Schulz over
+            every replica, or not, or let the cost model choose from the links' Gbit/s.
+        ns_dtype: what Newton-Schulz multiplies in; every choice is exact across world sizes.
         telemetry: record each step's figures, read with :meth:`telemetry`.
-        skip_nonfinite: a step with a NaN or inf grad on any rank changes nothing anywhere
-            (:attr:`skipped_steps`); off: applied, as in ``torch.optim.Muon``.
-        foreach: elementwise rules and AdamW as list ops; None: torch's default per device.
-        fused: the AdamW part steps with torch's fused AdamW (``torch.optim.AdamW(fused=True)``'s bits).
-            A group may set ``foreach`` and ``fused`` for itself, as torch's groups do.
-        capturable: each group's ``lr`` and ``weight_decay`` are 0-dim fp64 tensors on its
-            parameters' device, which LR schedulers update in place, and the step reads them
-            there (no host read): a step captured in a CUDA graph (``dmuon.capture.cuda_graphs``) follows
-            the schedule; the same bits as off (docs/optimizer.md, "Capturable").
+        skip_nonfinite: a step with a NaN or inf grad on any rank changes nothing anywhere.
+        foreach, fused, capturable: torch.optim's flags, also group keys (capturable: ``lr``
+            and ``weight_decay`` as device tensors, for ``dmuon.capture.cuda_graphs``).
         maximize, differentiable (also group keys): no such path in DMuon: False or None only.
     """
 
@@ -161,11 +124,10 @@ class DMuon(PicklesConfiguration, Optimizer):
         check_group(dict(adamw_defaults), False, "DMuon (AdamW part)")
         self._muon_defaults, self._adamw_defaults = muon_defaults, adamw_defaults
         whole = check_optimizer_options(given)
-        self.comm, self.max_batch_numel, self.split_replicas = whole["comm"], whole["max_batch_numel"], \
-            whole["split_replicas"]
-        self.ns_dtype, self.skip_nonfinite = whole["ns_dtype"], whole["skip_nonfinite"]
-        self.link_gbps, self.replica_link_gbps = whole["link_gbps"], whole["replica_link_gbps"]
         self.foreach, self.fused, self.capturable = check_optimizer_flags(given, adamw_defaults["lr"])
+        for name in OPTIMIZER_ATTRIBUTES:  # the whole optimizer's options (the flags: above)
+            if name in whole:
+                setattr(self, name, whole[name])
         self._names: dict[torch.Tensor, str] = {}
         self._groups_added = 0  # groups as the user wrote them, before any split
         self.start_afresh(whole["telemetry"])
@@ -215,17 +177,15 @@ class DMuon(PicklesConfiguration, Optimizer):
                 loss = closure()
         place_on_device(self.param_groups)  # capturable: lr and weight_decay where the step reads them
         options = StepOptions(self.ns_dtype, self.skip_nonfinite, self.foreach, self.fused)
+        device = local_of(self.param_groups[0]["params"][0]).device  # the step's small tensors' (a DTensor's shard's)
         phases = self.phases
-        step = phases.prepare(self.param_groups, self.state, self.param_name, self._device(), options)
+        step = phases.prepare(self.param_groups, self.state, self.param_name, device, options)
         step.check_locally()
         step.agree()
         step.wait()
         step.compute_and_apply()
         step.report()
         return loss
-
-    def _device(self) -> torch.device:  # where the step's small tensors live (a DTensor's: its shard's)
-        return local_of(self.param_groups[0]["params"][0]).device
 
     # ------------------------------------------------------------ read-only queries
     # None of them runs a collective: each is safe to call on one rank only (logging code).
@@ -264,7 +224,8 @@ class DMuon(PicklesConfiguration, Optimizer):
 
     def owner_plans(self) -> list[OwnerPlan]:
         """The fast path's plan of each mesh (made at the first ``step()``; empty before)."""
-        return self.phases.fast_path.owner_plans()
+        run = self.phases.fast_path.owner_run
+        return [] if run is None else [run.plan]
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """torch's, but Muon's state keeps its saved dtype, a capturable group its state tensors

@@ -28,6 +28,8 @@ moves one, this module is the one to change, and its tests say which entry broke
 | ``dtensor_where_it_is`` (``DTensor(local, DTensorSpec(...))``, as FSDP2's ``_from_local_no_grad``) | NorMuon's state under FSDP2's CPU offload, and int8 momentum's scales (a shard of a global shape): a DTensor on the device mesh whose local tensor stays where it is (``DTensor.from_local`` moves it to the mesh's device) | 2.11.0, 2.13.0, 2.15.0 |
 | ``has_optimizer_hook`` (``Optimizer._optimizer_state_dict_pre_hooks``, ``_optimizer_load_state_dict_pre_hooks``) | DMuon's hooks attached once, also on a copy (torch's hooks do not pickle) | 2.11.0, 2.13.0, 2.15.0 |
 | ``host_tensor_ops`` (``torch._subclasses.fake_tensor.unset_fake_temporarily``) | host-side bookkeeping (mesh ranks, shard offsets, agreement counts) on real CPU tensors also while a ``FakeTensorMode`` is active (``python -m dmuon.tools.dry_run``) | 2.11.0, 2.13.0, 2.15.0 |
+| ``non_overlapping_and_dense`` (``torch._prims_common.is_non_overlapping_and_dense_or_false``) | whether a tensor's elements fill its storage span once each, as torch's multi-tensor kernels require of every operand (``ForeachUtils.h``) | 2.11.0, 2.13.0, 2.15.0 |
+| ``make_contiguous_strides_for`` (``torch._prims_common``) | the contiguous strides of a global shape, for a shard's DTensor metadata (``dtensor_where_it_is``) | 2.13.0, 2.15.0 |
 """
 
 from __future__ import annotations
@@ -38,16 +40,21 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
-from torch._prims_common import is_non_overlapping_and_dense_or_false
+# Whether a tensor's elements fill its storage span once each, in any dim order (what torch's multi-tensor
+# kernels require of every operand, ``ForeachUtils.h``).
+from torch._prims_common import is_non_overlapping_and_dense_or_false as non_overlapping_and_dense
+from torch._prims_common import make_contiguous_strides_for
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch._subclasses.fake_tensor import unset_fake_temporarily as host_tensor_ops
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import _StridedShard as StridedShard
-from torch.optim.optimizer import _default_to_fused_or_foreach, _get_capturable_supported_devices
+from torch.optim.optimizer import _default_to_fused_or_foreach
+from torch.optim.optimizer import _get_capturable_supported_devices as capturable_devices
 from torch.optim.optimizer import _foreach_supported_types as _optim_foreach_types
 from torch.optim.optimizer import _get_scalar_dtype as scalar_dtype
-from torch.utils._foreach_utils import _get_foreach_kernels_supported_devices, _get_fused_kernels_supported_devices
+from torch.utils._foreach_utils import _get_foreach_kernels_supported_devices
+from torch.utils._foreach_utils import _get_fused_kernels_supported_devices as fused_adamw_devices
 from torch.utils._python_dispatch import TorchDispatchMode
 
 # The lowest torch dmuon supports (pyproject.toml's requirement) and the newest it was tested on.
@@ -74,15 +81,13 @@ def mkldnn_fp16_supported() -> bool:
 def avx512_bf16_supported() -> bool:
     """Whether the CPU has AVX512_BF16 (cpuinfo, as torch reads it): a native bf16 dot
     product. False where this torch has no such query (then the caller falls back to fp32)."""
-    query = getattr(torch.cpu, "_is_avx512_bf16_supported", None)
-    return bool(query()) if query is not None else False
+    return bool(getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)())
 
 
 def amx_tile_supported() -> bool:
     """Whether the CPU has AMX tiles (Sapphire Rapids and newer, all with AMX-BF16).
     False where this torch has no such query."""
-    query = getattr(torch.cpu, "_is_amx_tile_supported", None)
-    return bool(query()) if query is not None else False
+    return bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
 
 
 def default_foreach(device: torch.device) -> bool:
@@ -105,16 +110,6 @@ def default_foreach_for(params: list[torch.Tensor]) -> bool:
     return _default_to_fused_or_foreach(params, False, use_fused=False)[1]
 
 
-def fused_adamw_devices() -> list[str]:
-    """The device types whose parameters torch.optim.AdamW(fused=True) steps (it refuses others)."""
-    return _get_fused_kernels_supported_devices()
-
-
-def capturable_devices() -> list[str]:
-    """The device types torch.optim.AdamW(capturable=True) steps (it refuses the CPU)."""
-    return _get_capturable_supported_devices()
-
-
 def chunk_cat(tensors: list[torch.Tensor], out: torch.Tensor, chunks: int = 1) -> None:
     """Write ``tensors`` (one dtype, any shapes and strides), flattened and one after
     another, into the 1-D ``out`` (any dtype: the values are cast as ``copy_`` casts).
@@ -135,28 +130,14 @@ def dtensor_where_it_is(local: torch.Tensor, mesh: "torch.distributed.device_mes
     ``local`` to the mesh's device: FSDP2's CPU offload keeps host shards on a device mesh.
     ``shape``: the global shape (contiguous) where ``local`` is a shard (default: ``local``'s)."""
     meta = (TensorMeta(local.shape, local.stride(), local.dtype) if shape is None
-            else TensorMeta(torch.Size(shape), _contiguous_strides(shape), local.dtype))
+            else TensorMeta(torch.Size(shape), make_contiguous_strides_for(shape), local.dtype))
     return DTensor(local, DTensorSpec(mesh, tuple(placements), tensor_meta=meta), requires_grad=False)
-
-
-def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= max(size, 1)
-    return tuple(reversed(strides))
 
 
 def flattened_group(mesh: "torch.distributed.device_mesh.DeviceMesh", name: str) -> dist.ProcessGroup:
     """The group of every rank of ``mesh`` (n-D, with dim names), from ``mesh._flatten(name)``:
     made once per root mesh and name, every rank of the root mesh taking part."""
     return mesh._flatten(name).get_group()
-
-
-def non_overlapping_and_dense(tensor: torch.Tensor) -> bool:
-    """Whether ``tensor``'s elements fill its storage span once each, in any dim order (what
-    torch's multi-tensor kernels require of every operand, ``ForeachUtils.h``)."""
-    return is_non_overlapping_and_dense_or_false(tensor)
 
 
 def is_fake(tensor: torch.Tensor) -> bool:

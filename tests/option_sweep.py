@@ -64,7 +64,10 @@ from torch import nn
 from dmuon import DMuon
 from dmuon.options.table import (BY_NAME, DEFAULTS, FLAG_KEYS, OPTIMIZER_OPTIONS, OPTIONS, OnResume, Scope,
                                  ADAMW_KEYS, MUON_KEYS)
-from tests.test_option_table import BAD, CHANGED
+
+# Each option's bad and changed values, from its row.
+BAD = {o.name: o.bad for o in OPTIONS}
+CHANGED = {o.name: o.changed for o in OPTIONS}
 
 FRONTS = ("kwargs", "split", "muon_group", "adamw_group", "titan02", "titan03", "resume_changed", "resume_missing",
           "resume_bad", "resume_elsewhere", "capture")
@@ -629,7 +632,7 @@ def owner_exchange_forms(case: Case, value: Any, front: str) -> list[str]:
     group's form, against the optimizer's opposite."""
     from torch.distributed.tensor import DTensor, Shard
 
-    from dmuon.numerics.update_lists import resolve_foreach
+    from dmuon.numerics.update_rules import resolve_foreach
 
     mesh = _fake_mesh()
     gen = torch.Generator().manual_seed(case.seed)

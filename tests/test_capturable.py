@@ -13,8 +13,7 @@ import pytest
 import torch
 
 from dmuon import DMuon
-from dmuon.numerics.device_scalars import alpha_dtype
-from dmuon.numerics.update_lists import apply_muon_
+from dmuon.numerics.update_rules import alpha_dtype, apply_muon_
 
 pytestmark = pytest.mark.unit
 

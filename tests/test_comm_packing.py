@@ -15,12 +15,25 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from dmuon.exchange.comm import WIRE_DTYPE, CommStats, Exchange, ScratchMeter
-from dmuon.exchange.packing import pack_gather, pack_scatter, unpack_gather, unpack_scatter
+from dmuon.exchange.packing import gather_whole, pack_gather, pack_scatter, scatter_blocks
 from dmuon.numerics.newton_schulz import orthogonalize
 from dmuon.plan import OwnerPlan, ParamSpec, make_owner_plan
 from dmuon.plan.layout import Layout
+from dmuon.plan.pack_layout import make_batch_layout
 
 pytestmark = pytest.mark.unit
+
+
+def unpack_gather(plan: OwnerPlan, batch, rank: int, recv: torch.Tensor) -> dict[int, torch.Tensor]:
+    """Whole matrices of the travelling units ``rank`` owns (views of one new buffer)."""
+    return gather_whole(plan, make_batch_layout(plan, batch, rank), recv)[1]
+
+
+def unpack_scatter(plan: OwnerPlan, batch, rank: int, recv: torch.Tensor) -> dict[int, torch.Tensor]:
+    """``rank``'s block (a view of ``recv``, in its block shape) of every travelling unit it holds."""
+    layout = make_batch_layout(plan, batch, rank)
+    return {i: view.view(plan.units[i].block(rank).shape)
+            for i, view in zip(layout.scatter_recv_units, scatter_blocks(layout, recv))}
 
 CPU = torch.device("cpu")
 # Uneven shards (10 rows over 4), empty shards (3 rows over 4, 2 rows over 4), a tall

@@ -21,7 +21,7 @@ import torch
 
 from dmuon.tools.dry_run.recorder import StepRecorder
 from dmuon.numerics.device_scalars import StepScalars
-from dmuon.numerics.update_lists import apply_muon_, decay_factor
+from dmuon.numerics.update_rules import apply_muon_, decay_factor
 from dmuon.numerics.update_rules import cautious_decay_
 from tests.dry_runs import dry_run, needs_cuda_build, sweep
 

@@ -16,6 +16,7 @@ That every module and path the page names exists is tests/test_docs_module_paths
 
 from __future__ import annotations
 
+import ast
 import re
 from collections.abc import Iterable
 from pathlib import Path
@@ -92,3 +93,71 @@ def test_a_longer_name_does_not_name_a_module():
 def test_a_folder_named_only_through_its_files_is_named_by_the_check():
     text = "`dmuon/step/phases.py` and `dmuon.step.fast_path`; `dmuon/state/` holds the state."
     assert unnamed_folders(text, ["dmuon/step/", "dmuon/state/"]) == ["dmuon/step/"]
+
+
+# ---- the table of where each line of the Muon update lives, against the code
+
+RULES = PACKAGE / "numerics" / "update_rules.py"
+TABLE_START = "Where each line of the Muon update lives"
+
+
+def definitions() -> dict[str, ast.AST]:
+    """Every function, class and method of dmuon by its name (``momentum_``, ``FastStep.pack_blocks``)."""
+    found: dict[str, ast.AST] = {}
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.FunctionDef):
+                found[node.name] = node
+            elif isinstance(node, ast.ClassDef):
+                found[node.name] = node
+                found.update((f"{node.name}.{item.name}", item) for item in node.body
+                             if isinstance(item, ast.FunctionDef))
+    return found
+
+
+def calls(node: ast.AST) -> set[str]:
+    """The names a function calls (``f(...)``, ``x.f(...)``: ``f``)."""
+    return {call.func.id if isinstance(call.func, ast.Name) else call.func.attr for call in ast.walk(node)
+            if isinstance(call, ast.Call) and isinstance(call.func, (ast.Name, ast.Attribute))}
+
+
+def update_table(text: str) -> list[list[str]]:
+    """The rows of the page's table of where each line of the update lives, as cells (no header)."""
+    lines = text[text.index(TABLE_START):].splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("|"))
+    end = next((i for i in range(start, len(lines)) if not lines[i].startswith("|")), len(lines))
+    return [[cell.strip() for cell in row.strip("|").split("|")] for row in lines[start + 2 : end]]
+
+
+def chains(cell: str, defined: dict[str, ast.AST]) -> list[list[str]]:
+    """Each alternative (``;``) of a cell as the chain of functions it names, in order."""
+    return [[name for name in re.findall(r"`([\w.]+)`", part) if name in defined] for part in cell.split(";")]
+
+
+def test_each_line_of_the_update_is_one_rule_reached_in_at_most_two_calls_as_the_page_says():
+    defined, rules = definitions(), {n.name for n in ast.parse(RULES.read_text()).body if isinstance(n, ast.FunctionDef)}
+    rows = update_table(PAGE.read_text())
+    assert len(rows) >= 8, "the table of where each line of the update lives is gone"
+    for line, math, *paths in rows:
+        rule = re.match(r"`([\w.]+)`", math)
+        rule = rule.group(1) if rule and rule.group(1) in rules else None
+        for cell in paths:
+            alternatives = [chain for chain in chains(cell, defined) if chain]
+            assert alternatives, f"{line}: {cell!r} names no function of dmuon"
+            for chain in alternatives:
+                assert len(chain) <= 2, f"{line}: {chain} is more than two calls from the step to the rule"
+                for caller, callee in zip(chain, chain[1:]):
+                    assert callee.split(".")[-1] in calls(defined[caller]), f"{line}: {caller} does not call {callee}"
+            if rule is not None:
+                assert any(rule in calls(defined[chain[-1]]) or chain[-1] == rule for chain in alternatives), \
+                    f"{line}: no path of {cell!r} calls update_rules.{rule}"
+
+
+def test_a_table_path_that_does_not_reach_its_rule_is_named():
+    text = (f"{TABLE_START}\n\n| line | math | on | off |\n| --- | --- | --- | --- |\n"
+            "| momentum | `momentum_` | `FastStep.pack_blocks` | `GroupSteps._muon_chunk` |\n\n")
+    defined = definitions()
+    (row,) = update_table(text)
+    assert chains(row[2], defined) == [["FastStep.pack_blocks"]]
+    assert "momentum_" not in calls(defined["FastStep.pack_blocks"])
+    assert "momentum_" in calls(defined["GroupSteps._muon_chunk"])

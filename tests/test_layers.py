@@ -3,14 +3,14 @@ layers below it.
 
     numerics  <  plan  <  exchange  <  attention                 (the layers)
       <  options  <  state  <  step  <  dmuon.optimizer  <  capture  (the optimizer)
-      <  tools
+      <  the package (dmuon/__init__.py, the public surface)  <  tools
 
 ``dmuon.torch_compat`` is the floor beneath them all: it imports no dmuon module, and any
 layer may import it (it is where torch's private names live). The optimizer's own folders
 are floors too: its options, then its state, then its step, then the ``DMuon`` class
-(``dmuon.optimizer``, with the package's ``__init__``), then the captured step that wraps a
-built DMuon. The tools users call, ``dmuon.tools.plan_report`` and ``dmuon.tools.dry_run``,
-sit on top; nothing in the runtime imports them (tests/test_package_boundaries.py). The
+(``dmuon.optimizer``), then the captured step that wraps a built DMuon, then the package's
+``__init__``, which exports both (docs/development.md, "The public surface"). The tools users
+call, ``dmuon.tools.plan_report`` and ``dmuon.tools.dry_run``, sit on top; nothing in the runtime imports them (tests/test_package_boundaries.py). The
 exchange is the only layer that issues collectives. Read from the source (``ast``), so an
 import inside a function counts.
 """
@@ -32,7 +32,8 @@ LAYERS = ("dmuon.numerics", "dmuon.plan", "dmuon.exchange", "dmuon.attention")
 # The optimizer's floors, lowest first: its folders below the DMuon class, the class
 # (``dmuon.optimizer`` and the package itself), and the captured step above it.
 OPTIMIZER_FLOORS = ("dmuon.options", "dmuon.state", "dmuon.step", "dmuon", "dmuon.capture")
-OPTIMIZER = "dmuon"  # the DMuon class: dmuon.optimizer and the package's __init__
+OPTIMIZER = "dmuon"  # the DMuon class: dmuon.optimizer
+PACKAGE = "dmuon"  # the package's __init__: the public surface, above the captured step
 TOOLS = ("dmuon.tools",)
 # The folders every runtime module lives in: the layers and the optimizer's floors.
 FOLDERS = LAYERS + tuple(floor for floor in OPTIMIZER_FLOORS if floor != OPTIMIZER)
@@ -59,8 +60,10 @@ def level(module: str) -> tuple[int, str]:
     for height, layer in enumerate(LAYERS + OPTIMIZER_FLOORS, start=1):
         if layer != OPTIMIZER and within(module, (layer,)):
             return height, layer
+    if module == PACKAGE:
+        return len(LAYERS) + len(OPTIMIZER_FLOORS) + 1, "the package"
     if within(module, TOOLS):
-        return len(LAYERS) + len(OPTIMIZER_FLOORS) + 1, "the tools"
+        return len(LAYERS) + len(OPTIMIZER_FLOORS) + 2, "the tools"
     return len(LAYERS) + 1 + OPTIMIZER_FLOORS.index(OPTIMIZER), OPTIMIZER
 
 
@@ -71,8 +74,8 @@ def upward_imports(imports: dict[str, set[str]]) -> list[str]:
     for module, names in sorted(imports.items()):
         height, folder = level(module)
         for name in sorted(n for n in names if within(n, ("dmuon",))):
-            if name == "dmuon" and module != "dmuon" and height < level(OPTIMIZER)[0]:
-                found.append(f"{module} imports the dmuon package (the optimizer) from {folder}")
+            if name == PACKAGE and module != PACKAGE and height < level(PACKAGE)[0]:
+                found.append(f"{module} imports the dmuon package (the public surface) from {folder}")
                 continue
             other_height, other_folder = level(name)
             if other_height > height or (other_height == height and other_folder != folder):

@@ -14,7 +14,7 @@ import torch
 
 from dmuon.numerics import masked_updates
 from dmuon.numerics.masked_updates import mask_
-from dmuon.numerics.update_lists import apply_muon_, momentum_
+from dmuon.numerics.update_rules import apply_muon_, momentum_
 
 pytestmark = pytest.mark.unit
 
@@ -166,7 +166,7 @@ def test_masked_momentum_holds_one_chunk_of_emas_at_a_time():
     # freed before the next chunk's are made (found by the dry run: MoE 16B under EP at
     # P = 1024 held two chunks, over its memory bound). Meta tensors: sizes without data.
     from dmuon.tools.dry_run.recorder import StepRecorder
-    from dmuon.numerics.update_lists import MASKED_CHUNK_NUMEL
+    from dmuon.numerics.update_rules import MASKED_CHUNK_NUMEL
 
     numel = MASKED_CHUNK_NUMEL * 6 // 10
     bufs = [torch.empty(numel, device="meta") for _ in range(3)]

@@ -15,10 +15,10 @@ from dmuon.numerics.momentum_storage import (
     parse_momentum_dtype,
     quantize_int8,
     read_momenta,
-    row_split_on_blocks,
     scales_shape,
     store_momenta_,
 )
+from tests.momentum_helpers import row_split_on_blocks
 
 pytestmark = pytest.mark.unit
 

@@ -16,7 +16,7 @@ import pytest
 
 from dmuon.options.table import OPTIONS, Scope
 from tests import launch
-from tests.test_option_table import BAD, CHANGED
+from tests.option_sweep import BAD, CHANGED
 from tests.option_sweep import FRONTS, all_cases, count, fronts_of, parse, sample, values_of
 
 pytestmark = pytest.mark.unit

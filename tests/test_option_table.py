@@ -4,8 +4,8 @@ table gives its kind, a resume applies or refuses each change as the option's ro
 TorchTitan 0.2's ``[optimizer]`` has the fields the table names with DMuon's defaults, 0.3's
 factory takes the whole-optimizer options, and the docs hold the table as it is.
 
-Generated from the table: each test runs over every option, so a new option fails here until
-it has a bad value, a changed value, a field and a row in the docs."""
+Generated from the table: each test runs over every option and reads the row's ``bad`` and
+``changed`` values, so a new option needs nothing here."""
 
 from __future__ import annotations
 
@@ -39,26 +39,9 @@ REPO = Path(__file__).resolve().parents[1]
 GROUP_SCOPES = (Scope.MUON, Scope.ADAMW, Scope.GROUPS, Scope.FLAG)
 # The tests of TorchTitan 0.2's [optimizer] fields (the 0.3 environment runs the rest).
 titan02 = pytest.mark.skipif(versions.torchtitan_line() != "0.2", reason="[optimizer] fields need TorchTitan 0.2.x")
-# A value each option refuses (a new option needs one here).
-BAD = {
-    "lr": -1.0, "weight_decay": -0.1, "momentum": 1.0, "eps": 0.0, "matched_adamw_rms": 0.0, "ns_steps": 0,
-    "adjust_lr": "sometimes", "split_rows": 0, "nesterov": 1, "normuon": "yes", "normuon_beta2": 1.0,
-    "cautious_weight_decay": 1, "qk_clip_threshold": -1.0, "ns_algorithm": "fast", "ns_gram_restarts": (0,),
-    "momentum_dtype": "fp8", "ns_coefficients": "best", "adamw_lr": -1.0, "adamw_betas": (1.0, 0.9),
-    "adamw_eps": -1.0, "adamw_weight_decay": -1.0, "comm": "nccl", "max_batch_numel": 0,
-    "split_replicas": "sometimes", "ns_dtype": "fp16", "link_gbps": 0.0, "replica_link_gbps": -1.0,
-    "telemetry": "yes", "skip_nonfinite": 1, "foreach": "yes", "fused": "yes", "maximize": True,
-    "capturable": "yes", "differentiable": True,
-}
-# A legal value other than the default, for a resume that changes it (a new option needs one).
-CHANGED = {
-    "lr": 0.01, "weight_decay": 0.05, "momentum": 0.9, "eps": 1e-6, "matched_adamw_rms": 0.3, "ns_steps": 3,
-    "adjust_lr": "spectral", "split_rows": 4, "nesterov": False, "normuon": True, "normuon_beta2": 0.9,
-    "cautious_weight_decay": True, "qk_clip_threshold": 50.0, "ns_algorithm": "gram", "ns_gram_restarts": (),
-    "momentum_dtype": "bfloat16", "ns_coefficients": "polar_express", "adamw_lr": 1e-3, "adamw_betas": (0.8, 0.9),
-    "adamw_eps": 1e-6, "adamw_weight_decay": 0.2, "foreach": True, "fused": True, "maximize": None,
-    "capturable": True, "differentiable": None,
-}
+# Each row's bad and changed values, by option.
+BAD = {o.name: o.bad for o in OPTIONS}
+CHANGED = {o.name: o.changed for o in OPTIONS}
 
 
 def net() -> nn.Module:
@@ -155,6 +138,14 @@ def test_the_docs_hold_the_option_table_as_the_table_makes_it():
 def test_a_stale_option_table_in_the_docs_is_told_apart():
     text = option_table.DOCS.read_text().replace("| `momentum` | `0.95` |", "| `momentum` | `0.9` |")
     assert option_table.in_docs(text) != option_table.markdown()
+
+
+@titan02
+def test_the_torchtitan_docs_hold_the_0_2_field_table_as_the_config_makes_it():
+    from torchtitan_ext.titan02 import field_table
+
+    assert field_table.in_docs(field_table.DOCS.read_text()) == field_table.markdown(), (
+        "docs/torchtitan.md's [optimizer] field table is stale: python -m torchtitan_ext.titan02.field_table --write")
 
 
 @titan02

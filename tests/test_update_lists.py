@@ -1,4 +1,4 @@
-"""The elementwise rules over lists (dmuon.numerics.update_lists): the foreach ops give the
+"""The elementwise rules over lists (dmuon.numerics.update_rules): the foreach ops give the
 per-tensor rules' bits, for every dtype mix a step meets."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dmuon.numerics.update_lists import apply_muon_, by_signature, lookahead, momentum_, resolve_foreach
-from dmuon.numerics.update_rules import nesterov_lookahead
+from dmuon.numerics.update_rules import apply_muon_, by_signature, lookahead, momentum_, resolve_foreach
+from tests.muon_reference import nesterov_lookahead
 from dmuon.optimizer import DMuon
 
 pytestmark = pytest.mark.unit
@@ -47,7 +47,7 @@ def _add_in_the_vector_loop_(param: torch.Tensor, ortho: torch.Tensor, alpha) ->
     """``param.add_(ortho, alpha=alpha)`` with every element in its vector loop: on the CPU a
     bf16 or fp16 ``add_`` rounds ``alpha * ortho`` to that dtype first in the scalar loop over its
     last ``numel % (2 * vector width)`` elements, bits of where an element sits, which a row
-    shard could not give (``update_lists._add_rounds_by_position``); padded to 256 elements,
+    shard could not give (``update_rules.apply_muon_``'s ``addcmul_`` route); padded to 256 elements,
     a multiple of every width's, no element is left to that loop."""
     n = param.numel()
     padded, other = (torch.zeros(n + (-n) % 256, dtype=t.dtype) for t in (param, ortho))

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from dmuon.numerics.functional import apply_muon_update_, muon_momentum_
+from tests.muon_reference import apply_muon_update_, muon_momentum_
 from dmuon.numerics.update_rules import ADJUST_LR_CHOICES, shape_scale
 
 pytestmark = pytest.mark.unit

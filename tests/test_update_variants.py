@@ -18,12 +18,10 @@ import torch
 from torch import nn
 
 from dmuon import DMuon
-from dmuon.numerics.functional import newton_schulz
+from tests.muon_reference import apply_muon_update_, newton_schulz
 from dmuon.numerics.newton_schulz import KELLER_COEFFICIENTS
 from dmuon.numerics.device_scalars import StepScalars
-from dmuon.numerics.functional import apply_muon_update_
-from dmuon.numerics.update_lists import decay_factor
-from dmuon.numerics.update_rules import cautious_decay_, cautious_mask, normuon_normalize_
+from dmuon.numerics.update_rules import cautious_decay_, cautious_mask, decay_factor, normuon_normalize_
 
 pytestmark = pytest.mark.unit
 

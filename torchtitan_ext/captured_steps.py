@@ -29,9 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dmuon import DMuon
-from dmuon.capture.cuda_graphs import CapturedStep
-from dmuon.torch_compat import local_of
+from dmuon import CapturedStep, DMuon
 
 # Every CapturedStep a container made, released before the process group is destroyed.
 _LIVE: weakref.WeakSet[CapturedStep] = weakref.WeakSet()
@@ -40,7 +38,7 @@ _LIVE: weakref.WeakSet[CapturedStep] = weakref.WeakSet()
 def capture_refusal(params: Iterable[torch.Tensor], field: str) -> str | None:
     """Why ``field`` cannot capture the steps of an optimizer of ``params`` (None: it can);
     asked before the optimizer is built, so this is the message a CPU run gets."""
-    places = sorted({local_of(p).device.type for p in params})
+    places = sorted({p.device.type for p in params})  # a DTensor's: its shard's
     if places != ["cuda"]:
         return (f"{field} captures the optimizer step in a CUDA graph: CUDA only, and this job's parameters are on "
                 f"{', '.join(places) or 'no device'} (a CPU run, or FSDP2's CPU offload); set it to false")

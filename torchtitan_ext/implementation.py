@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-from dmuon.options.implementation_flags import takes_fused_adamw
+from dmuon.options import takes_fused_adamw
 
 # TorchTitan's values of ``implementation``: 0.2.x's, and 0.3.x's.
 IMPLEMENTATIONS_0_2 = ("for-loop", "foreach", "fused")

@@ -14,8 +14,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor
 
-from dmuon import DMuon
-from dmuon.exchange.comm import mesh_device
+from dmuon import DMuon, mesh_device
 
 
 def logit_slot(optimizer: DMuon, name: str, n_heads: int, q_weight: torch.Tensor) -> torch.Tensor:

@@ -19,8 +19,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import torch.nn as nn
-from dmuon import DEFAULT_ADAMW_NAME_PATTERN
-from dmuon.options.param_groups import default_use_muon
+from dmuon import DEFAULT_ADAMW_NAME_PATTERN, default_use_muon
 
 # Module wrappers TorchTitan may add (activation checkpointing, torch.compile, FSDP1):
 # DCP drops them from the fully qualified names it saves, and the extension's own names

@@ -14,7 +14,7 @@ import math
 from collections.abc import Iterator
 from typing import Any
 
-from dmuon.step.telemetry import StepFigures
+from dmuon import StepFigures
 
 # TensorBoard / W&B keys, in TorchTitan's "group/name(unit)" style.
 METRICS = {

@@ -1,17 +1,12 @@
-"""QK-clip inside ``DMuon``: the attentions it clips, one MAX reduction of their logits
-per step, and the row scaling of whatever block of ``W_q`` / ``W_k`` each rank holds.
+"""QK-clip inside ``DMuon``. No weight travels: each rank learns every head's largest logit from one
+``all_reduce(MAX)`` of a small vector (one float per head of every registered attention) over the ranks of the
+weights' mesh, computes the same factors (``dmuon.attention.qk_clip``), and scales the rows it holds: FSDP's row
+shards, TP's column-wise (``Shard(0)``) shards, FSDP+TP's strided rows, replicas, all read from the placements
+(``dmuon.plan.layout.local_indices``). The factors are equal on every rank and the scaling is elementwise, so the
+clipped weights are bitwise those of a single process.
 
-No weight travels. Each rank learns every head's largest logit from one
-``all_reduce(MAX)`` of a small vector (one float per head of every registered
-attention) over the ranks of the weights' mesh, computes the same factors
-(``dmuon.attention.qk_clip``), and scales the rows it holds: FSDP's row shards, TP's column-wise
-(``Shard(0)``) shards, FSDP+TP's strided rows, replicas, all read from the placements
-(``dmuon.plan.layout.local_indices``). The factors are equal on every rank and the scaling
-is elementwise, so the clipped weights are bitwise those of a single process.
-
-Every rank runs the reduction at every step, whatever its grads or logits, so ranks
-stay in step; a rank that saw no logits contributes ``-inf``.
-"""
+Every rank runs the reduction at every step, whatever its grads or logits, so ranks stay in step; a rank that saw no
+logits contributes ``-inf``."""
 
 from __future__ import annotations
 
@@ -71,8 +66,7 @@ class AttentionClip:
         self._warned_silent = False
         self._reports: HostCopy | None = None  # the last step's "reported on some rank", per attention
         self._staging: HostStaging | bool | None = None  # FSDP2's CPU offload: factors come down in one copy
-        self.last: ClipResult | None = None
-        """The last step's result (None before the first step)."""
+        self.last: ClipResult | None = None  # the last step's result (None before the first step)
 
     def add(self, name: str, q_weight: torch.Tensor, k_weight: torch.Tensor, heads: AttentionHeads,
             param_name: Callable[[torch.Tensor], str]) -> None:
@@ -102,21 +96,30 @@ class AttentionClip:
         self.targets.append(ClipTarget(name, q_weight, k_weight, heads))
 
     def thresholds(self, threshold_of: Callable[[torch.Tensor, str], float | None]) -> list[float | None]:
-        """Each attention's threshold (``threshold_of(weight, role)``: the option of the
-        weight's param group), checked on the host before the step changes anything: a
-        configuration error raises here, on every rank alike, before any collective."""
-        return [self._threshold(target, threshold_of) for target in self.targets]
+        """Each attention's threshold (``threshold_of(weight, role)``: the option of the weight's param group),
+        checked on the host before the step changes anything: a configuration error raises here, on every rank
+        alike, before any collective."""
+        found = []
+        for target in self.targets:
+            q_threshold = threshold_of(target.q_weight, "q_weight")
+            k_threshold = threshold_of(target.k_weight, "k_weight")
+            if q_threshold != k_threshold:
+                raise ValueError(f"DMuon: attention {target.name!r}: its q and k weights are in param groups with "
+                                 f"different qk_clip_threshold ({q_threshold} and {k_threshold}); give both the same")
+            found.append(q_threshold)
+        return found
 
     def step(self, thresholds: list[float | None], step_ok: torch.Tensor | None = None) -> ClipResult | None:
-        """Reduce this step's logits and clip the heads over their threshold (from
-        :meth:`thresholds`); where the 0-dim device bool ``step_ok`` is False, the step's
-        mask, every factor is exactly 1 (the weights keep their bits)."""
+        """Reduce this step's logits and clip the heads over their threshold (from :meth:`thresholds`); where the
+        0-dim device bool ``step_ok`` is False, the step's mask, every factor is exactly 1 (the weights keep
+        their bits)."""
         if not self.targets:
             return None
-        device = self._device()
-        seen = [self.tracker.take(t.name, t.heads.n_heads, device) for t in self.targets]
-        flat = torch.cat(seen)
-        max_in_place(flat, self._group())
+        weight = self.targets[0].q_weight  # plain weights: replicated over every rank (DDP)
+        device = mesh_device(weight.device_mesh) if isinstance(weight, DTensor) else weight.device
+        flat = torch.cat([self.tracker.take(t.name, t.heads.n_heads, device) for t in self.targets])
+        max_in_place(flat, group_of(_ranks(weight), [weight.device_mesh]) if isinstance(weight, DTensor)
+                     else dist.group.WORLD)
         max_logits = dict(zip((t.name for t in self.targets), flat.split([t.heads.n_heads for t in self.targets])))
         if not self._checked_reports:  # a head no rank saw keeps -inf: read at the next step
             self._reports = HostCopy(torch.stack([(m > -math.inf).any() for m in max_logits.values()]))
@@ -137,67 +140,52 @@ class AttentionClip:
                 if not target.heads.shares_keys:  # GQA / MQA: shared keys stay (dmuon.attention.qk_clip)
                     scalings.append((target.k_weight, k_factors))
         for weight, factors in self._where_weights_are(scalings, device):
-            _scale_local_rows(weight, factors)
+            local = local_of(weight)
+            scale_rows_(local.data if isinstance(local, torch.nn.Parameter) else local, local_rows(weight), factors)
         largest = flat.max() if flat.numel() else torch.full((), -math.inf, device=device)
         self.last = ClipResult(max_logits, largest, clipped)
         return self.last
 
     def last_max_logits(self) -> dict[str, torch.Tensor]:
-        """Each attention's per-head largest logit in the last step, over every rank,
-        before clipping (empty before the first step, or without attentions)."""
+        """Each attention's per-head largest logit in the last step, over every rank, before clipping (empty
+        before the first step, or without attentions)."""
         return {} if self.last is None else dict(self.last.max_logits)
 
-    def _threshold(self, target: ClipTarget, threshold_of: Callable[[torch.Tensor, str], float | None]
-                   ) -> float | None:
-        q_threshold = threshold_of(target.q_weight, "q_weight")
-        k_threshold = threshold_of(target.k_weight, "k_weight")
-        if q_threshold != k_threshold:
-            raise ValueError(f"DMuon: attention {target.name!r}: its q and k weights are in param groups with "
-                             f"different qk_clip_threshold ({q_threshold} and {k_threshold}); give both the same")
-        return q_threshold
-
     def take_pending(self) -> Exception | None:
-        """The error the last step's reports show (None if none): read at the start of a step,
-        so a step that raises it changes nothing (``DMuon.step`` masks it)."""
-        try:
-            self._check_reported()
-        except ValueError as error:
-            return error
-        return None
+        """The error the last step's reports show (None if none): read at the start of a step, so a step that raises
+        it changes nothing (``DMuon.step`` masks it).
 
-    def _check_reported(self) -> None:
-        """Until the first step in which some attention reported logits: then every
-        registered attention must have reported on some rank, or the model does not call
-        the tracker for it and its clip would silently do nothing. A step in which none
-        reported (TorchTitan 0.3's state-making step, run before any forward) is let
-        through with one warning. Whether an attention reported on some rank is read from
-        the previous step's reduced logits (a head no rank saw stays ``-inf``), copied to
-        the host without waiting: every rank reads the same values and decides alike,
-        with no host collective, one step after the fact."""
+        Until the first step in which some attention reported logits: then every registered attention must have
+        reported on some rank, or the model does not call the tracker for it and its clip would silently do
+        nothing. A step in which none reported (TorchTitan 0.3's state-making step, run before any forward) is
+        let through with one warning. Whether an attention reported on some rank is read from the previous step's
+        reduced logits (a head no rank saw stays ``-inf``), copied to the host without waiting: every rank reads
+        the same values and decides alike, with no host collective, one step after the fact."""
         if self._checked_reports or self._reports is None or self._reports.deferred():
-            return
+            return None
         reported = self._reports.read()
         self._reports = None
         if reported is None:  # a fake run: no values to check
-            return
+            return None
         if not any(reported):
             if not self._warned_silent:
                 logger.warning("DMuon: QK-clip got no attention logits in the previous step (nothing to clip); "
                                "expected only before the first forward")
                 self._warned_silent = True
-            return
+            return None
         self._checked_reports = True
         silent = [t.name for t, ok in zip(self.targets, reported) if not ok]
-        if silent:
-            raise ValueError(
-                f"DMuon: QK-clip got no attention logits for {silent} in the previous step while others reported "
-                "theirs: call optimizer.max_logits.observe(name, q, k, n_heads=...) in each registered attention's "
-                "forward (torchtitan_ext does it for TorchTitan's models)")
+        if not silent:
+            return None
+        return ValueError(
+            f"DMuon: QK-clip got no attention logits for {silent} in the previous step while others reported "
+            "theirs: call optimizer.max_logits.observe(name, q, k, n_heads=...) in each registered attention's "
+            "forward (torchtitan_ext does it for TorchTitan's models)")
 
     def _where_weights_are(self, scalings: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device
                            ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """The factors where the weights' local rows are: under FSDP2's CPU offload, every
-        factor down to the host in one copy and one wait (``dmuon.exchange.host_staging``)."""
+        """The factors where the weights' local rows are: under FSDP2's CPU offload, every factor down to the
+        host in one copy and one wait (``dmuon.exchange.host_staging``)."""
         if not scalings:
             return scalings
         if self._staging is None:  # decided at the first clip: whether the weights' rows are off the device
@@ -207,16 +195,6 @@ class AttentionClip:
         weights, factors = zip(*scalings)
         host = self._staging.down(QK_CLIP_FACTORS, torch.cat(factors), QK_CLIP_FACTORS)
         return list(zip(weights, host.split([f.numel() for f in factors])))
-
-    def _device(self) -> torch.device:
-        weight = self.targets[0].q_weight
-        return mesh_device(weight.device_mesh) if isinstance(weight, DTensor) else weight.device
-
-    def _group(self) -> dist.ProcessGroup:
-        weight = self.targets[0].q_weight
-        if isinstance(weight, DTensor):
-            return group_of(_ranks(weight), [weight.device_mesh])
-        return dist.group.WORLD  # plain weights: replicated over every rank (DDP)
 
 
 def _ranks(weight: torch.Tensor) -> tuple[int, ...] | None:
@@ -232,16 +210,10 @@ def local_rows(weight: torch.Tensor) -> list[Range]:
     return local_indices(weight.shape, tuple(mesh.shape), weight.placements, mesh.get_coordinate())[0]
 
 
-def _scale_local_rows(weight: torch.Tensor, factors: torch.Tensor) -> None:
-    local = local_of(weight)
-    scale_rows_(local.data if isinstance(local, torch.nn.Parameter) else local, local_rows(weight), factors)
-
-
 def muon_group_threshold(groups: Mapping[torch.Tensor, dict[str, Any]], name_of: Callable[[torch.Tensor], str]
                          ) -> Callable[[torch.Tensor, str], float | None]:
-    """``threshold_of`` for :meth:`AttentionClip.step`: a weight's Muon group's
-    ``qk_clip_threshold``; a weight outside the Muon groups is refused (QK-clip is the
-    clip of MuonClip: it follows a Muon step)."""
+    """``threshold_of`` for :meth:`AttentionClip.step`: a weight's Muon group's ``qk_clip_threshold``; a weight
+    outside the Muon groups is refused (QK-clip is the clip of MuonClip: it follows a Muon step)."""
 
     def threshold_of(weight: torch.Tensor, role: str) -> float | None:
         if weight not in groups:

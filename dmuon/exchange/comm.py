@@ -1,18 +1,10 @@
-"""Move the blocks of an :class:`~dmuon.plan.OwnerPlan` with collectives.
+"""Move the blocks of an :class:`~dmuon.plan.OwnerPlan` with collectives: one batch is two
+``all_to_all_single`` calls (gather, scatter: ``dmuon.plan.owner_plan``) on flat bf16 buffers.
 
-One batch is two ``all_to_all_single`` calls on flat bf16 buffers:
-
-- *gather*: every source rank sends its block of each travelling unit to the unit's
-  owner, and the owner copies each block to its place in the whole matrix (the same
-  bf16 values a single process would hold);
-- *scatter*: each owner sends every holder (every replica) its block of the
-  orthogonalized matrix.
-
-Packing and unpacking (``dmuon.exchange.packing``) are plain tensor code, separate from the
-collective here, so they can be tested by routing buffers between simulated ranks in
-one process (also on the ``meta`` device). Every buffer is created on the device the
-caller names, which is the mesh's device: NCCL rejects a CPU tensor where gloo would
-quietly accept it.
+Packing (``dmuon.exchange.packing``) is plain tensor code, separate from the collective
+here, so it can be tested by routing buffers between simulated ranks in one process (also
+on the ``meta`` device). Every buffer is created on the mesh's device: NCCL rejects a CPU
+tensor where gloo would quietly accept it.
 """
 
 from __future__ import annotations
@@ -39,13 +31,10 @@ class CommStats:
 
 
 class ScratchMeter:
-    """Live and peak bytes of the scratch tensors the step's schedule holds.
-
-    The step calls ``track(t)`` when it makes a scratch tensor and ``free(t)`` where the
-    schedule lets go of it, so ``peak_bytes`` is exactly what the plan's
-    ``peak_scratch_bytes`` predicts. (Counting Python object lifetimes instead would be
-    racy: gloo's and NCCL's workers release a finished collective's tensors a moment
-    after ``wait()`` returns.)
+    """Live and peak bytes of the scratch tensors the step's schedule holds: ``track(t)`` where
+    the step makes one, ``free(t)`` where the schedule lets go of it, so ``peak_bytes`` is
+    exactly the plan's ``peak_scratch_bytes``. (Counting Python object lifetimes would be
+    racy: gloo's and NCCL's workers release a collective's tensors a moment after ``wait()``.)
     """
 
     def __init__(self) -> None:
@@ -75,23 +64,13 @@ def mesh_device(mesh: DeviceMesh) -> torch.device:
 
 
 class Exchange:
-    """An ``all_to_all_single`` in flight: ``wait()`` hands over the receive buffer.
+    """An ``all_to_all_single`` in flight: ``wait()`` hands over the receive buffer. Both
+    buffers are checked to be on the mesh's device type before the collective, so a wrong
+    device fails here, with a message, on every backend."""
 
-    Both buffers must be on the mesh's device type; the check runs before the
-    collective, so a wrong device fails here, with a message, on every backend.
-    """
-
-    def __init__(
-        self,
-        send: torch.Tensor,
-        send_splits: list[int],
-        recv_splits: list[int],
-        group: dist.ProcessGroup,
-        group_rank: int,
-        stats: CommStats,
-        device: torch.device,
-        meter: ScratchMeter | None = None,
-    ) -> None:
+    def __init__(self, send: torch.Tensor, send_splits: list[int], recv_splits: list[int],
+                 group: dist.ProcessGroup, group_rank: int, stats: CommStats, device: torch.device,
+                 meter: ScratchMeter | None = None) -> None:
         self.send_splits, self.recv_splits = send_splits, recv_splits
         recv = track(meter, torch.empty(sum(recv_splits), dtype=WIRE_DTYPE, device=device))
         for name, buffer in (("send", send), ("receive", recv)):

@@ -2,40 +2,23 @@
 
 The step's collectives are the plan's, the same on every rank whatever its grads: a rank
 with a missing or unusable grad still sends a block (its momentum, unchanged). What the
-ranks must agree on travels in **one** small device ``all_reduce`` per ``DMuon`` and
-step, over the union of the ranks of its DTensor parameters (Muon and AdamW alike), the
-step's *status*, before anything is written:
+ranks must agree on travels in **one** small device ``all_reduce`` per ``DMuon`` and step,
+over the union of the ranks of its DTensor parameters (Muon and AdamW alike), before
+anything is written: per DTensor parameter, how many ranks have a usable grad, none, or a
+``Partial`` one (``dmuon.exchange.replicated_grads``: all of them or none may); how many
+ranks found a problem of their own; with ``skip_nonfinite``, how many hold a NaN or inf
+(``dmuon.numerics.finite``: the step is skipped on every rank, no error). It is
+asynchronous: :meth:`StatusMasks.wait` (phase 3 of ``dmuon.step.phases``) waits for it, on
+an accelerator a stream wait, so the host goes on enqueueing while the sums travel. The
+masks read from the sums: ``dmuon.exchange.status_masks``.
 
-- per DTensor parameter: how many ranks have a usable grad, how many have none, and how
-  many hold it as a ``Partial`` sum (``dmuon.exchange.replicated_grads``: all of them or
-  none may);
-- how many ranks found a problem of their own (an invalid grad, a shard unlike the plan);
-- with ``skip_nonfinite``, how many ranks hold a NaN or inf in a grad (decided on the
-  device, ``dmuon.numerics.finite``): the step is skipped on every rank, no error.
-
-The ``all_reduce`` is asynchronous: :meth:`StatusMasks.wait`, the step's one wait (phase 3
-of ``dmuon.step.phases``), waits for it. On an accelerator that is a stream wait, so the host
-goes on enqueueing the step's updates while the sums travel; on the CPU (gloo) the host
-waits there.
-
-From the sums every rank computes the same masks on the device
-(``dmuon.numerics.masked_updates``): the step's mask, False on every rank when any rank
-found a problem or a DTensor parameter has a grad on some ranks but not on others (the
-whole step then changes nothing, on any rank, plain parameters included); and each DTensor
-parameter's mask, the step's and "some rank has its grad" (a parameter without a grad
-anywhere is skipped, as ``torch.optim`` skips it): where the step's mask holds, that is
-this rank's own answer (``dmuon.exchange.status_masks``).
-
-Errors, the same on every rank. A rank that found a problem of its own raises its
-message at the end of that step, after the collectives every rank runs. The sums are
-copied to the host without waiting (pinned memory, non-blocking) and read at the next
-``step()`` (:meth:`GradStatus.take_pending`): if they show a problem, that step runs
-masked on every rank (the same collectives, nothing written) and every rank raises the
-same error at its end. So every rank raises at the latest at the next step, and none
-waits in a collective the others skipped.
-
-Plain (non-DTensor) parameters are per-process, as in ``torch.optim``: they take no part
-in the sums, but the step's mask covers them too.
+Errors, the same on every rank. A rank's own problem is raised at the end of that step,
+after the collectives every rank runs. The sums go to the host without waiting (pinned
+memory, non-blocking) and are read at the next ``step()`` (:meth:`GradStatus.take_pending`):
+if they show a problem, that step runs masked on every rank (the same collectives, nothing
+written) and every rank raises the same error at its end, so none waits in a collective
+the others skipped. Plain (non-DTensor) parameters take no part in the sums (per-process,
+as in ``torch.optim``), but the step's mask covers them too.
 """
 
 from __future__ import annotations
@@ -74,24 +57,23 @@ class GradStatus:
 
     def agree(self, has_grad: Callable[[torch.Tensor], bool], problem_here: bool, masked_here: bool,
               device: torch.device, finite: torch.Tensor | None = None) -> StatusMasks:
-        """Start summing every rank's status (one device ``all_reduce`` over the union,
-        asynchronous; before it, one per rank set of parameters on a strict subset of it,
-        whose disagreements it carries) and return the masks that read the sums
-        (:class:`StatusMasks`). ``masked_here``: every rank knows this step is masked (an
-        error pending from the last step). ``finite``: whether this rank's grads are finite
-        (a 0-dim device bool; ``skip_nonfinite``), or None (not checked)."""
+        """Start summing every rank's status (one asynchronous device ``all_reduce`` over the
+        union; before it, one per strict subset, whose disagreements it carries) and return
+        the masks that read the sums. ``masked_here``: an error is pending from the last step.
+        ``finite``: whether this rank's grads are finite (0-dim device bool), or None."""
         channel = self._channel
+        mask = StepMask.ON_DEVICE
+        if problem_here or masked_here:
+            mask = StepMask.MASKED
+        elif (channel is None or channel.group is None) and finite is None:
+            mask = StepMask.STANDS
         if channel is None:
-            mask = (StepMask.MASKED if problem_here or masked_here else
-                    StepMask.ON_DEVICE if finite is not None else StepMask.STANDS)
             return StatusMasks(None, None, None, [], mask, masked_here, device, self._pending, self._tally, finite)
         has = [int(has_grad(p)) for p in channel.params]
         partial = [int(h and partial_grad(p.grad)) for h, p in zip(has, channel.params)]
         n = len(has)
-        outside = n * [1]
-        for subset in channel.subsets:
-            for j in subset.positions:
-                outside[j] = 0
+        inside = {j for subset in channel.subsets for j in subset.positions}
+        outside = [int(j not in inside) for j in range(n)]
         status = to_device([*(h * o for h, o in zip(has, outside)), *((1 - h) * o for h, o in zip(has, outside)),
                             *n * [0], *(q * o for q, o in zip(partial, outside)), int(problem_here), 0],
                            channel.device, STATUS_DTYPE)
@@ -107,11 +89,6 @@ class GradStatus:
             disagree = ((some > 0) & (none > 0)) | ((partials > 0) & (partials < some))
             status[2 * n : 3 * n].index_copy_(0, subset.index(channel.device), disagree.to(STATUS_DTYPE))
         work = None if channel.group is None else dist.all_reduce(status, group=channel.group, async_op=True)
-        mask = StepMask.ON_DEVICE
-        if problem_here or masked_here:
-            mask = StepMask.MASKED
-        elif channel.group is None and finite is None:
-            mask = StepMask.STANDS
         return StatusMasks(channel, status, work, has, mask, masked_here or problem_here, channel.device,
                            self._pending, self._tally)
 
@@ -230,7 +207,8 @@ def _status_error(problems: int, mixed: list[str], uneven: list[str]) -> Excepti
         return RuntimeError(
             f"DMuon: ranks disagree on which parameters have gradients: {uneven} had a grad on some ranks "
             "but not on others (or a Partial one on some ranks only) in the previous step, which changed no "
-            "parameter or state on any rank. Every rank must produce the same set of grads (set unused grads to zeros, or to None on every rank).")
+            "parameter or state on any rank. Every rank must produce the same set of grads (set unused grads to "
+            "zeros, or to None on every rank).")
     return None
 
 

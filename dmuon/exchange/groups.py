@@ -21,8 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from dmuon.plan.mesh_facts import mesh_ranks
 from dmuon.torch_compat import flattened_group
 
-# The name of the flattened mesh DMuon asks an n-D mesh for (its own, so it meets no
-# name a training script gave its meshes).
+# DMuon's own name for an n-D mesh flattened (it meets no name a training script gave).
 FLAT_MESH_PREFIX = "dmuon_"
 
 # Groups made for rank sets, per default group: a group dies with the default group
@@ -34,11 +33,7 @@ _GROUPS: weakref.WeakKeyDictionary[dist.ProcessGroup, dict[tuple[int, ...], dist
 
 
 def group_of(ranks: tuple[int, ...], meshes: Sequence[DeviceMesh]) -> dist.ProcessGroup:
-    """A process group of exactly ``ranks`` for device collectives: the default group or
-    a 1-D mesh's group when one has them; for an n-D mesh of these ranks (a pipeline
-    stage's), its flattened mesh's group (every rank of the root mesh makes it together,
-    as under ``init_process_group(device_id=...)``'s eager NCCL every rank must); else, for
-    a mesh without dim names, a group made once per rank set by its members only."""
+    """A process group of exactly ``ranks`` for device collectives (module docstring)."""
     if ranks == tuple(range(dist.get_world_size())):
         return dist.group.WORLD
     for mesh in meshes:

@@ -17,10 +17,8 @@ from dmuon.torch_compat import is_fake
 
 
 class HostCopy:
-    """A small device tensor on its way to the host, read later without a sync of its own:
-    copied into pinned memory with ``non_blocking``, an event recorded behind it; reading
-    waits for that event (the copy was queued a step earlier). A fake tensor (the dry
-    run) has no values: it is copied, never read."""
+    """A small device tensor on its way to the host (module docstring); reading waits for the
+    event recorded behind its copy. A fake tensor (the dry run) is copied, never read."""
 
     def __init__(self, tensor: torch.Tensor) -> None:
         self._event = None

@@ -2,33 +2,20 @@
 
 Under ``fully_shard(..., offload_policy=CPUOffloadPolicy())`` (TorchTitan's
 ``training.enable_cpu_offload``) a parameter's local shard, its grad and DMuon's state
-are host tensors while its mesh is a device mesh. The step keeps every elementwise rule
-where those tensors are (momentum, look-ahead, decay and update run on the host, as
-torch's AdamW does under the offload) and runs the owner exchange, Newton-Schulz and
-the small all-reduces on the mesh's device. What crosses, crosses through a pinned host
-buffer kept per key (a batch, a unit, a NorMuon state) and reused step to step:
-
-- up: packed into its host buffer, then one non-blocking copy to a device tensor;
-- down: one non-blocking copy into its host buffer, then a wait, as the host is about
-  to compute with it.
-
-The waits are the offload's by nature (the host computes with what the device made),
-one each (docs/dry_run.md, "CPU offload"):
-
-1. the step's masks (``dmuon.exchange.grad_status``), before the masked momentum;
-2. each batch's results this rank receives, before they are applied;
-3. each unit this rank holds whole and keeps, its result before it is applied;
-4. NorMuon's rows, after the owners wrote them and they were shared (a NorMuon step);
-5. QK-clip's row factors, before the host scales its rows (a step that clips,
-   ``dmuon.attention.clipping``).
+are host tensors while its mesh is a device mesh. Every elementwise rule runs where those
+tensors are (on the host, as torch's AdamW does under the offload); the owner exchange,
+Newton-Schulz and the small all-reduces run on the mesh's device. What crosses goes through
+a pinned host buffer kept per key (a batch, a unit, a NorMuon state), reused step to step:
+up, packed into it and copied non-blocking to the device; down, copied non-blocking into
+it, then a wait, as the host is about to compute with it. The waits are the offload's by
+nature, one each (docs/dry_run.md, "CPU offload"): the step's masks, before the masked
+momentum; each batch's results this rank receives; each unit this rank holds whole and
+keeps; NorMuon's rows, once shared; QK-clip's row factors (``dmuon.attention.clipping``).
 
 A wait waits for the device's current stream, so the first of a step (the masks) also
 finishes every upload of the previous step: a host buffer is written again only after
 the copy that read it. Each wait is announced to the listeners of :func:`listening`
 (the dry run's recorder counts them; a fake tensor has nothing to wait for).
-
-:data:`FORCE` (internal, for tests) stages a run whose tensors are all on the CPU, so a
-gloo test runs this same code with host buffers on both sides.
 """
 
 from __future__ import annotations
@@ -43,7 +30,8 @@ from dmuon.exchange.comm import ScratchMeter, track
 from dmuon.torch_compat import is_fake, local_of
 
 FORCE = False
-"""Stage every fast path, also one whose tensors are on the mesh's device (tests)."""
+"""Stage every fast path, also one whose tensors are on the mesh's device: a gloo test runs
+this same code with host buffers on both sides (tests)."""
 MASKS, RESULTS, KEPT, NORMUON_ROWS = "masks", "batch results", "kept unit result", "NorMuon rows"
 # The step's mask for an AdamW part on the host (``dmuon.step.adamw_part``): one wait a step.
 ADAMW_MASK = "AdamW mask"

@@ -1,40 +1,17 @@
 """The owner exchange: one step of the owner-computed fast path, for any layout the plan describes.
 
-The schedule is ``dmuon.plan.batch_schedule``, written once as data: this module runs
-it, ``dmuon.plan.scratch_events`` predicts its memory and ``dmuon.plan.cost_model`` its time.
-Per batch ``b`` (every rank issues the same collectives in the same order):
+It runs ``dmuon.plan.batch_schedule`` (``dmuon.plan.scratch_events`` predicts its memory,
+``dmuon.plan.cost_model`` its time); every rank issues the same collectives in the same
+order. Per batch: its gather completes and each owner cuts its whole matrices from the
+receive buffer; the next gather starts (the Nesterov look-ahead of its blocks packed
+straight into the send buffer; the momentum EMA ran for every block before the first
+batch), so it travels during this batch's Newton-Schulz, on the units this rank keeps whole
+(applied at once) and the travelling units it owns; its scatter starts and the previous one
+completes. Each buffer is freed as soon as it has been used: scratch is bounded per batch.
 
-1. gather ``b`` completes; each owner cuts its whole matrices from the receive buffer;
-2. gather ``b + 1`` starts (the Nesterov look-ahead of its blocks is packed straight
-   into the send buffer; the momentum EMA ran for every block before the first), so
-   it travels while this rank runs Newton-Schulz;
-3. Newton-Schulz on the units this rank keeps whole (applied at once) and on the
-   travelling units it owns;
-4. scatter ``b`` starts; scatter ``b - 1`` completes and its blocks are applied.
-
-So at most three batches' buffers are alive at once, and each is freed as soon as
-it has been used: the scratch is bounded per batch, not per step.
-
-The optimizer supplies the math as callables, so this module knows nothing of param
-groups or state, and each is called with lists, so a batch costs a few list ops
-whatever its number of blocks (``dmuon.exchange.packing``, ``dmuon.numerics.update_lists``):
-
-- ``pack_blocks(units)``: the look-ahead (momentum already ran) of this rank's block of
-  each unit, in the parameters' dtype, in order (they are flattened into the send buffer);
-- ``update_of(unit)``: the bf16 update of a unit this rank holds whole, as its matrix;
-- ``orthogonalize(unit, matrix)``: Newton-Schulz with the settings of the unit's
-  parameter's group (``unit.param``; ``unit.dim0``: the rows of it the matrix is);
-- ``apply_blocks(units, orthos)``: the decayed, scaled update of this rank's block of
-  each unit with its result (a flat view, or the matrix);
-- ``layout_of(batch)``: the batch's :class:`~dmuon.plan.pack_layout.BatchLayout` on this
-  rank, made once per plan;
-- ``widen(recv)``: the scatter's receive buffer in the dtype the update adds it in
-  (itself, or one cast of the whole buffer where a list op needs one dtype);
-- ``mask_results(units, results)``: zero, in place, the results of units no rank may
-  apply (``dmuon.exchange.grad_status``), on their owner before they travel: one list
-  op for the batch's owned units;
-- ``newton_schulz_done()``: a batch's Newton-Schulz is done (its buffers may go:
-  ``dmuon.numerics.standard_iteration``).
+The optimizer supplies the math as :class:`Callbacks`, so this module knows nothing of
+param groups or state, each called with lists, so a batch costs a few list ops whatever
+its number of blocks (``dmuon.exchange.packing``, ``dmuon.numerics.update_rules``).
 """
 
 from __future__ import annotations
@@ -53,40 +30,37 @@ from dmuon.plan.pack_layout import BatchLayout
 from dmuon.plan.schedule import FINISH_GATHER, NEWTON_SCHULZ, START_GATHER, START_SCATTER, batch_schedule
 from dmuon.plan.units import Unit
 
-PackBlocks = Callable[[Sequence[int]], list[torch.Tensor]]
-UpdateOf = Callable[[int], torch.Tensor]
-Orthogonalize = Callable[[Unit, torch.Tensor], torch.Tensor]
-ApplyBlocks = Callable[[Sequence[int], Sequence[torch.Tensor]], None]
-LayoutOf = Callable[[tuple[int, ...]], BatchLayout]
-Widen = Callable[[torch.Tensor], torch.Tensor]
-MaskResults = Callable[[Sequence[int], Sequence[torch.Tensor]], None]
-
 
 @dataclass
 class Callbacks:
-    """The math and the layouts :func:`run_owner_plan` runs with (see the module docstring)."""
+    """The math and the layouts :func:`run_owner_plan` runs with."""
 
-    pack_blocks: PackBlocks
-    update_of: UpdateOf
-    orthogonalize: Orthogonalize
-    apply_blocks: ApplyBlocks
-    layout_of: LayoutOf
-    widen: Widen = lambda recv: recv
-    mask_results: MaskResults = lambda units, results: None
+    pack_blocks: Callable[[Sequence[int]], list[torch.Tensor]]
+    """``(units)``: the look-ahead (momentum already ran) of this rank's block of each unit,
+    in the parameters' dtype, in order (they are flattened into the send buffer)."""
+    update_of: Callable[[int], torch.Tensor]
+    """``(unit)``: the bf16 update of a unit this rank holds whole, as its matrix."""
+    orthogonalize: Callable[[Unit, torch.Tensor], torch.Tensor]
+    """``(unit, matrix)``: Newton-Schulz with the settings of ``unit.param``'s group
+    (``unit.dim0``: the rows of it the matrix is)."""
+    apply_blocks: Callable[[Sequence[int], Sequence[torch.Tensor]], None]
+    """``(units, orthos)``: the decayed, scaled update of this rank's block of each unit with
+    its result (a flat view, or the matrix)."""
+    layout_of: Callable[[tuple[int, ...]], BatchLayout]
+    """``(batch)``: its :class:`~dmuon.plan.pack_layout.BatchLayout` on this rank, made once per plan."""
+    widen: Callable[[torch.Tensor], torch.Tensor] = lambda recv: recv
+    """The scatter's receive buffer in the dtype the update adds it in (itself, or one cast
+    of the whole buffer where a list op needs one dtype)."""
+    mask_results: Callable[[Sequence[int], Sequence[torch.Tensor]], None] = lambda units, results: None
+    """``(units, results)``: zero, in place, the results no rank may apply
+    (``dmuon.exchange.grad_status``), on their owner before they travel: one list op."""
     newton_schulz_done: Callable[[], None] = lambda: None
+    """A batch's Newton-Schulz is done (its buffers may go: ``dmuon.numerics.standard_iteration``)."""
 
 
-def run_owner_plan(
-    plan: OwnerPlan,
-    *,
-    group: dist.ProcessGroup,
-    rank: int,
-    device: torch.device,
-    callbacks: Callbacks,
-    stats: CommStats,
-    meter: ScratchMeter,
-    staging: HostStaging | None = None,
-) -> None:
+def run_owner_plan(plan: OwnerPlan, *, group: dist.ProcessGroup, rank: int, device: torch.device,
+                   callbacks: Callbacks, stats: CommStats, meter: ScratchMeter,
+                   staging: HostStaging | None = None) -> None:
     """Orthogonalize and apply every unit of ``plan``, every step, whatever the grads: the
     collectives are the plan's on every rank (what a rank may apply is the callbacks' mask).
     With ``staging`` (FSDP2's CPU offload), blocks are packed and results applied on the
@@ -158,7 +132,8 @@ class _OwnerStep:
             self.math.mask_results([i], [ortho])
             self.meter.free(update)
             del update
-            self.math.apply_blocks([i], [ortho if self.staging is None else self.staging.down(("kept", i), ortho, KEPT)])
+            self.math.apply_blocks([i], [ortho if self.staging is None else
+                                         self.staging.down(("kept", i), ortho, KEPT)])
             self.meter.free(ortho)
             del ortho
 

@@ -1,17 +1,11 @@
 """Fill and drain the owner exchange's buffers (``dmuon.exchange.comm``) with a few ops per
 batch and direction, from a :class:`~dmuon.plan.pack_layout.BatchLayout` made once per plan:
-
-- gather send: the blocks flattened into the buffer, one ``_chunk_cat`` per chunk (on an
-  accelerator, blocks wider than bf16 are flattened in their own dtype and cast in one
-  more op, :func:`stages_casts`);
-- gather receive: one ``split`` of it, one of the owner's whole buffer, one
-  ``_foreach_copy_`` between them (the whole matrices are then views of that buffer);
-- scatter send: the results flattened once (``_chunk_cat``), then split, permuted and
-  copied like the gather;
-- scatter receive: one ``split`` into this rank's blocks.
-
-A batch whose owned matrices are cut into columns (``BatchLayout.rows_only`` False)
-is copied block by block. Packing is copies only, so every packing gives the same bits.
+the gather's send buffer is one ``_chunk_cat`` per chunk (:func:`stages_casts`); its
+receive buffer one ``split``, one of the owner's whole buffer and one ``_foreach_copy_``
+between them; the scatter's send buffer the results flattened once (``_chunk_cat``), then
+split, permuted and copied the same way; its receive buffer one ``split``. A batch whose
+owned matrices are cut into columns (``BatchLayout.rows_only`` False) is copied block by
+block. Packing is copies only, so every packing gives the same bits.
 """
 
 from __future__ import annotations
@@ -93,11 +87,6 @@ def _matrices(whole: torch.Tensor, layout: BatchLayout) -> list[torch.Tensor]:
             for matrix in part.view(-1, cols).split(heights)]
 
 
-def unpack_gather(plan: OwnerPlan, batch: Sequence[int], rank: int, recv: torch.Tensor) -> dict[int, torch.Tensor]:
-    """Whole matrices of the travelling units ``rank`` owns (views of one new buffer)."""
-    return gather_whole(plan, make_batch_layout(plan, batch, rank), recv)[1]
-
-
 def pack_scatter(plan: OwnerPlan, batch: Sequence[int], rank: int, results: dict[int, torch.Tensor],
                  device: torch.device, meter: ScratchMeter | None = None,
                  layout: BatchLayout | None = None) -> torch.Tensor:
@@ -144,13 +133,6 @@ def _release(results: dict[int, torch.Tensor], meter: ScratchMeter | None) -> No
 def scatter_blocks(layout: BatchLayout, recv: torch.Tensor) -> list[torch.Tensor]:
     """This rank's block of each unit in ``layout.scatter_recv_units``: flat views of ``recv``."""
     return list(recv.split(layout.scatter_recv_sizes)) if layout.scatter_recv_units else []
-
-
-def unpack_scatter(plan: OwnerPlan, batch: Sequence[int], rank: int, recv: torch.Tensor) -> dict[int, torch.Tensor]:
-    """``rank``'s block (a view of ``recv``, in its block shape) of every travelling unit it holds."""
-    layout = make_batch_layout(plan, batch, rank)
-    return {i: view.view(plan.units[i].block(rank).shape)
-            for i, view in zip(layout.scatter_recv_units, scatter_blocks(layout, recv))}
 
 
 def _region(matrix: torch.Tensor, block: Block) -> torch.Tensor:

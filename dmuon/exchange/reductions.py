@@ -13,8 +13,8 @@ from dmuon.plan.owner_plan import OwnerPlan
 from dmuon.plan.units import Unit
 
 
-def _many_ranks(group: dist.ProcessGroup | None = None) -> bool:
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
+def _many_ranks() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 def max_in_place(flat: torch.Tensor, group: dist.ProcessGroup) -> None:
@@ -31,10 +31,8 @@ def start_sum(flat: torch.Tensor) -> dist.Work | None:
 
 
 def reporting_units(plan: OwnerPlan, rank: int) -> list[Unit]:
-    """The units whose rows ``rank`` reports in :func:`share_second_moments`: of the
-    units covering the same rows of a parameter (one per holder for a unit kept
-    whole, one per replica without ``split_replicas``), the one of the lowest owner,
-    so every row is reported exactly once."""
+    """The units whose rows ``rank`` reports in :func:`share_second_moments`: of the units
+    covering the same rows of a parameter, the one of the lowest owner (each row once)."""
     first: dict[tuple[int, tuple[int, int]], Unit] = {}
     for unit in plan.units:
         key = (unit.param, unit.dim0)

@@ -15,10 +15,9 @@ holds its tokens' share) or already ``Replicate``. Each rank sees only its own g
 - a missing or unusable grad sends ``-0.0`` (the step's status masks what it would do).
 
 Ranks that disagree on a parameter (``Partial`` on some, ``Replicate`` on others) are
-counted in the step's status (``dmuon.exchange.grad_status``): that step changes nothing
-and every rank raises. A parameter sharded on some dim must get its grad laid out like it
-(``dmuon.step.grad_checks``). The cost: one small ``all_reduce`` per replicated parameter
-(norm weights) per step, also where the grads were already replicated.
+counted in the step's status (``dmuon.exchange.grad_status``). The cost: one small
+``all_reduce`` per replicated parameter and mesh dim per step, also where the grads were
+already replicated.
 """
 
 from __future__ import annotations

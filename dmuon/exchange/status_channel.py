@@ -1,9 +1,8 @@
 """Which DTensor parameters of one ``DMuon`` share the step's status reduction, and over
 which ranks: the union of their meshes' ranks (one reduction, so one rank's problem masks
-all of them), with the parameters on a strict subset of it (a grid's row, a stage's mesh
-inside a larger DMuon) counted over their own ranks first, and the parameters replicated
-on every mesh dim, whose grads every rank sums (``dmuon.exchange.replicated_grads``).
-Made once, at planning: a group no mesh provides is made here, never in a steady step.
+all of them), the parameters on a strict subset of it (a grid's row, a stage's mesh)
+counted over their own ranks first. Made once, at planning: a group no mesh provides is
+made here, never in a steady step.
 """
 
 from __future__ import annotations
@@ -30,9 +29,8 @@ def distributed(param: torch.Tensor) -> bool:
 
 @dataclass
 class RankSet:
-    """DTensor parameters on meshes of a strict subset of the union's ranks (a row of a
-    grid, a stage's mesh inside a larger DMuon): the same index may be another parameter on
-    another subset, so their grads are counted over their own ranks first."""
+    """DTensor parameters on meshes of one strict subset of the union's ranks: the same index
+    may be another parameter on another subset, so their grads are counted over their own ranks first."""
 
     positions: list[int]
     """Where they stand among the channel's parameters."""
@@ -48,8 +46,7 @@ class RankSet:
 
 @dataclass
 class StatusChannel:
-    """The DTensor parameters of one ``DMuon`` and where their status is summed: the union
-    of their meshes' ranks (one reduction, so one rank's problem masks all of them)."""
+    """The DTensor parameters of one ``DMuon`` and where their status is summed (module docstring)."""
 
     params: list[DTensor]
     names: list[str]
@@ -63,14 +60,9 @@ class StatusChannel:
     """Parameters replicated on every dim of their mesh, whose grads every rank sums at
     every step (``dmuon.exchange.replicated_grads``)."""
 
-    def union_positions(self) -> list[int]:
-        inside = {j for subset in self.subsets for j in subset.positions}
-        return [j for j in range(len(self.params)) if j not in inside]
-
 
 def status_channel(params: Sequence[torch.Tensor], name_of: Callable[[torch.Tensor], str]) -> StatusChannel | None:
-    """The channel of every DTensor among ``params`` (None without any). Made once, at
-    planning: a group no mesh provides is made here, never in a steady step."""
+    """The channel of every DTensor among ``params`` (None without any)."""
     dtensors = [p for p in params if distributed(p)]
     if not dtensors:
         return None

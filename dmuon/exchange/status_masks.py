@@ -25,9 +25,6 @@ BLOCKS = 4
 """The status's blocks of one entry per parameter (ranks with a grad, without one, a
 disagreement counted over a strict subset of the ranks, ``Partial`` grads), then two
 counts: ranks with a problem, ranks with a non-finite grad (``skip_nonfinite``)."""
-
-
-# A mask read before the step's wait: the phases run out of order.
 NOT_WAITED = "a mask was read before the step's wait (dmuon.step.phases: phase 3 comes before any mask read)"
 
 
@@ -43,10 +40,9 @@ class StepMask(enum.Enum):
 
 
 def _disagreement(status: torch.Tensor, n: int) -> torch.Tensor:
-    """Whether the ranks disagree on some parameter's grad (0-dim device bool): some have it
-    and some do not, a strict subset of them disagrees, or it is ``Partial`` on some only.
-    Counting the ranks with and without a grad (rather than comparing one count with the
-    group's size) gives the right answer on a group whose sums are local too."""
+    """Whether the ranks disagree on some parameter's grad (0-dim device bool). Counting the
+    ranks with and without a grad (not one count against the group's size) is also right
+    on a group whose sums are local."""
     if n == 0:
         return torch.zeros((), dtype=torch.bool, device=status.device)
     has, has_not, uneven_elsewhere, partial = (status[k * n : (k + 1) * n] for k in range(BLOCKS))
@@ -54,12 +50,9 @@ def _disagreement(status: torch.Tensor, n: int) -> torch.Tensor:
 
 
 class StatusMasks(Mapping[torch.Tensor, torch.Tensor]):
-    """The step's mask and each DTensor parameter's (0-dim bools on the device), once the
-    step's status sums arrive. The sums are started by :meth:`GradStatus.agree` and waited
-    for by :meth:`wait`, the step's one wait (its phase 3); a mask read before it is a
-    mistake in the step's order and raises. Membership needs no wait.
-
-    ``mask``: the step's mask as the host knows it without waiting (:class:`StepMask`)."""
+    """The step's mask and each DTensor parameter's, made by :meth:`wait`, the step's one
+    wait (its phase 3); a mask read before it raises. Membership needs no wait. ``mask``:
+    the step's mask as the host knows it without waiting (:class:`StepMask`)."""
 
     def __init__(self, channel: StatusChannel | None, status: torch.Tensor | None, work: Any,
                  has: list[int], mask: StepMask, masked_here: bool,
@@ -148,14 +141,12 @@ class StatusMasks(Mapping[torch.Tensor, torch.Tensor]):
 class ReplayTally:
     """What the replays of a captured step found, counted on the device (``dmuon.capture.cuda_graphs``).
 
-    An eager step's status sums go to the host and the next step reads them. A replayed
-    graph runs no host code and copies into the same pinned memory each time, so a host
-    reader would see the last replay only. A tally is recorded into the graph instead: each
-    replay adds whether its step was skipped (a non-finite grad under ``skip_nonfinite``,
-    nothing else wrong) and whether it found an error, and keeps the status of the first
-    replay with an error; the reader takes the counts and resets them, so each replay is
-    counted once however often it is read. Its tensors are made and zeroed before the
-    capture: zeroed inside it, the zeroing would run at every replay."""
+    A replayed graph runs no host code and copies into the same pinned memory each time, so
+    a host reader would see the last replay only. Each replay adds to a tally instead
+    whether its step was skipped (a non-finite grad, nothing else wrong) and whether it
+    found an error, and keeps the status of the first replay with an error; the reader
+    takes the counts and resets them. Its tensors are made and zeroed before the capture:
+    zeroed inside it, the zeroing would run at every replay."""
 
     def __init__(self, names: list[str], device: torch.device) -> None:
         self.names = names  # the status's parameters (BLOCKS entries each, then the two counts)

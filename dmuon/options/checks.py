@@ -15,15 +15,8 @@ from typing import Any
 
 import torch
 
-from dmuon.numerics.newton_schulz import (
-    DEFAULT_GRAM_RESTARTS,
-    MAX_NS_STEPS,
-    NS_ALGORITHMS,
-    NS_COEFFICIENT_SETS,
-    NS_DTYPE_CHOICES,
-    NS_DTYPES,
-    ns_dtype_name,
-)
+from dmuon.numerics.newton_schulz import (DEFAULT_GRAM_RESTARTS, MAX_NS_STEPS, NS_ALGORITHMS, NS_COEFFICIENT_SETS,
+                                          NS_DTYPE_CHOICES, NS_DTYPES, ns_dtype_name)
 from dmuon.numerics.momentum_storage import parse_momentum_dtype
 from dmuon.numerics.update_rules import ADJUST_LR_CHOICES
 from dmuon.plan.paths import COMM_CHOICES
@@ -53,14 +46,17 @@ def resolve_ns_coefficients(value: Any) -> str | tuple[float, float, float] | tu
     )
 
 
+def _finite(value: Any) -> bool:
+    """A finite int or float, not a bool."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
 def _is_triple(value: Any) -> bool:
     try:
         items = tuple(value)
     except TypeError:
         return False
-    return len(items) == 3 and all(
-        isinstance(c, (int, float)) and not isinstance(c, bool) and math.isfinite(c) for c in items
-    )
+    return len(items) == 3 and all(_finite(c) for c in items)
 
 
 def check_ns_dtype(value: Any, where: str = "DMuon") -> str:
@@ -89,8 +85,7 @@ def in_range(low: float, high: float = math.inf, low_open: bool = False,
                                  f"{tuple(value.shape)}; pass a float or a one-element Tensor")
             number = value.item()
         # Finite: an infinite lr, decay or epsilon turns the weights NaN within a few steps.
-        ok = isinstance(number, (int, float)) and not isinstance(number, bool) and math.isfinite(number)
-        ok = ok and (number > low if low_open else number >= low) and (number < high if high_open else number <= high)
+        ok = _finite(number) and (number > low if low_open else number >= low) and (number < high if high_open else number <= high)
         if not ok:
             bounds = f"{'(' if low_open else '['}{low}, {high}{')' if high_open or high == math.inf else ']'}"
             raise ValueError(f"{where}: {key} must be in {bounds}, got {number!r}")
@@ -130,8 +125,7 @@ def check_split_rows(value: Any, key: str, where: str) -> int | None:
 
 
 def check_qk_clip_threshold(value: Any, key: str, where: str) -> float | None:
-    if value is not None and not (isinstance(value, (int, float)) and not isinstance(value, bool)
-                                  and math.isfinite(value) and value > 0):
+    if value is not None and not (_finite(value) and value > 0):
         raise ValueError(f"{where}: qk_clip_threshold must be None (off) or a finite number > 0, the largest "
                          f"attention logit to allow (Kimi K2 used 100), got {value!r}")
     return value
@@ -145,19 +139,19 @@ def check_ns_algorithm(value: Any, key: str, where: str) -> str:
     return value
 
 
-def check_momentum_dtype(value: Any, key: str, where: str) -> str | None:
-    """The name of the momentum's storage (a ``torch.dtype`` is taken too), or None."""
-    try:
-        return parse_momentum_dtype(value)
-    except ValueError as error:
-        raise ValueError(f"{where}: {error}") from None
+def _where_first(resolve: Callable[[Any], Any]) -> Callable[[Any, str, str], Any]:
+    """``resolve(value)`` as a check: its ``ValueError`` prefixed with ``where``."""
+    def check(value: Any, key: str, where: str) -> Any:
+        try:
+            return resolve(value)
+        except ValueError as error:
+            raise ValueError(f"{where}: {error}") from None
+    return check
 
 
-def check_ns_coefficients(value: Any, key: str, where: str) -> Any:
-    try:
-        return resolve_ns_coefficients(value)
-    except ValueError as error:
-        raise ValueError(f"{where}: {error}") from None
+# The name of the momentum's storage (a ``torch.dtype`` is taken too), or None.
+check_momentum_dtype = _where_first(parse_momentum_dtype)
+check_ns_coefficients = _where_first(resolve_ns_coefficients)
 
 
 def check_betas(value: Any, key: str, where: str) -> tuple[float, float]:
@@ -202,9 +196,6 @@ def check_muon_param(param: torch.Tensor, name: str, split_rows: int | None = No
 
 
 # ---------------------------------------------------------------- whole-optimizer options
-# The options that belong to the whole optimizer, not to a group. Every front end
-# (``DMuon(...)``, TorchTitan's ``[optimizer]``) calls these, passing ``where`` (the
-# front end's name for itself) so the message is the same apart from that prefix.
 
 
 def check_comm(value: Any, where: str = "DMuon") -> str:
@@ -232,7 +223,6 @@ def check_split_replicas(value: Any, where: str = "DMuon") -> bool | None:
 def check_link_gbps(value: Any, name: str, where: str = "DMuon") -> float:
     """A link speed for the cost model (``link_gbps``, ``replica_link_gbps``): a
     positive, finite number of Gbit/s."""
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
-    if not ok:
+    if not (_finite(value) and value > 0):
         raise ValueError(f"{where}: {name} must be a positive finite number of Gbit/s, got {value!r}")
     return float(value)

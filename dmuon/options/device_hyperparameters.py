@@ -32,18 +32,13 @@ SCHEDULER_VALUES = ("initial_lr",)
 Groups = Sequence[dict[str, Any]]
 
 
-def group_device(group: dict[str, Any]) -> torch.device:
-    """Where a group's hyperparameters live: its first parameter's (local tensor's) device."""
-    return local_of(group["params"][0]).device
-
-
 def place_on_device(param_groups: Groups) -> None:
     """Each capturable group's hyperparameters as 0-dim fp64 tensors on its device (those
     already so are left as they are: the usual case, a few host checks a group)."""
     for group in param_groups:
         if not group.get("capturable"):
             continue
-        device = group_device(group)
+        device = local_of(group["params"][0]).device  # its first parameter's (local tensor's)
         for key in DEVICE_HYPERPARAMETERS:
             value = group[key]
             if not (isinstance(value, torch.Tensor) and value.dtype == HYPERPARAMETER_DTYPE and value.ndim == 0

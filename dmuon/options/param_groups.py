@@ -14,6 +14,7 @@ import torch
 
 from dmuon.torch_compat import local_of
 from dmuon.numerics.device_scalars import DEVICE_HYPERPARAMETERS, device_scalar
+from dmuon.options.device_hyperparameters import SCHEDULER_VALUES as SCHEDULER_KEYS  # to every group made from one
 from dmuon.options.implementation_flags import NO_PATH_KEYS, check_no_fused_muon, check_no_path_flags, own_flags
 from dmuon.options.checks import check_muon_param
 from dmuon.options.table import (ADAMW_ALIASES, ADAMW_KEYS, DEFAULTS, FLAG_KEYS, MUON_KEYS,
@@ -26,8 +27,6 @@ from dmuon.options.table import (ADAMW_ALIASES, ADAMW_KEYS, DEFAULTS, FLAG_KEYS,
 # layers such as BERT's ``attention.output.dense.weight`` keep Muon.
 DEFAULT_ADAMW_NAME_PATTERN = r"(^|\.)(embed\w*|tok_embeddings|wte|wpe)\.|(^|\.)(output|lm_head|head)\.(weight|bias)$"
 
-# The LR schedulers' key: it goes to every group made from the user's group.
-SCHEDULER_KEYS = ("initial_lr",)
 # The options a user's group may set (besides ``params``, ``param_names`` and
 # ``use_muon``), by what it becomes: a Muon group (``use_muon=True``), an AdamW group
 # (``use_muon=False``), or both (no ``use_muon``: split by the default routing).
@@ -36,8 +35,6 @@ GROUP_OPTIONS = {
     False: frozenset(ADAMW_KEYS + tuple(ADAMW_ALIASES) + SCHEDULER_KEYS + FLAG_KEYS),
     None: frozenset(MUON_KEYS + ADAMW_KEYS + tuple(ADAMW_ALIASES) + SCHEDULER_KEYS + FLAG_KEYS),
 }
-# The Muon options whose key an AdamW group has for an option of its own (``eps``).
-MUON_ONLY_KEYS = frozenset(MUON_KEYS) - frozenset(SHARED_KEYS)
 GROUP_KIND = {True: "a Muon group", False: "an AdamW group", None: "a group without use_muon (split)"}
 
 
@@ -191,7 +188,7 @@ def part_values(options: Mapping[str, Any], use_muon: bool, defaults: Mapping[st
     if use_muon:
         return {key: options.get(key, defaults[key]) for key in MUON_KEYS}
     if split:
-        options = {key: value for key, value in options.items() if key not in MUON_ONLY_KEYS}
+        options = {key: value for key, value in options.items() if key not in MUON_KEYS or key in SHARED_KEYS}
     values = {key: options.get(key, defaults[key]) for key in ADAMW_KEYS}
     values.update({key: options[alias] for alias, key in ADAMW_ALIASES.items()
                    if alias in options and (options[alias] is not None or DEFAULTS[alias] is not None)})

@@ -1,18 +1,15 @@
 """Every option of DMuon, once: its default, its check, where it applies, what a resume does
-with a change, and its TorchTitan names. The constructor's signature and validation, the
-group keys, the resume contract, TorchTitan's fields and factory options and the docs'
-option tables are all read from :data:`OPTIONS` (tests check each against it).
-
-A new option is one :class:`Option` here, its keyword in ``DMuon.__init__`` (its default read
-from here), and its rule's implementation; a new group option needs nothing else to be
-accepted in a group, checked, saved and resumed.
+with a change, its TorchTitan names, and a bad and a changed value for the tests. The
+constructor's signature and validation, the group keys, the resume contract, what a pickle
+keeps, TorchTitan's fields, checks and factory options and the docs' option tables are all
+read from :data:`OPTIONS` (tests check each against it; docs/development.md, "A new option").
 """
 
 from __future__ import annotations
 
 import enum
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from dmuon.numerics.newton_schulz import (
@@ -62,7 +59,9 @@ class Option:
     """One option. ``key`` is its key in a group dict (``adamw_lr`` is the AdamW group's
     ``lr``); ``check(value, key, where)`` returns the value to keep or raises ``ValueError``
     naming ``where`` and the option. ``titan02``: its ``[optimizer]`` field (None: none, the
-    default is used); ``titan03``: where 0.3 takes it (None: nowhere)."""
+    default is used); ``titan03``: where 0.3 takes it (None: nowhere). ``bad``: a value
+    ``check`` refuses; ``changed``: a legal value other than the default (the tests' and
+    the option sweep's: tests/test_option_table.py, tests/option_sweep.py)."""
 
     name: str
     default: Any
@@ -73,6 +72,8 @@ class Option:
     titan03: str | None
     summary: str
     key: str = ""
+    bad: Any = field(kw_only=True)
+    changed: Any = field(kw_only=True)
 
     def __post_init__(self) -> None:
         if not self.key:
@@ -95,75 +96,86 @@ _UNIT = c.in_range(0.0, 1.0, high_open=True)
 # In the order a group is checked (the first bad value is the one reported).
 OPTIONS: tuple[Option, ...] = (
     Option("lr", 0.02, Scope.GROUPS, _NON_NEGATIVE, OnResume.APPLIED, "lr", GROUP_KWARGS,
-           "Muon's learning rate (AdamW's too unless adamw_lr); a float or a one-element Tensor"),
+           "Muon's learning rate (AdamW's too unless adamw_lr); a float or a one-element Tensor",
+           bad=-1.0, changed=0.01),
     Option("weight_decay", 0.0, Scope.GROUPS, _NON_NEGATIVE, OnResume.APPLIED, "weight_decay", GROUP_KWARGS,
-           "decoupled decay, p *= 1 - lr * weight_decay (AdamW's too unless adamw_weight_decay)"),
+           "decoupled decay, p *= 1 - lr * weight_decay (AdamW's too unless adamw_weight_decay)",
+           bad=-0.1, changed=0.05),
     Option("momentum", 0.95, Scope.MUON, _UNIT, OnResume.APPLIED, "momentum", GROUP_KWARGS,
-           "the momentum EMA's coefficient"),
+           "the momentum EMA's coefficient", bad=1.0, changed=0.9),
     Option("eps", DEFAULT_NS_EPS, Scope.MUON, c.in_range(0.0, low_open=True), OnResume.APPLIED, None, GROUP_KWARGS,
-           "the norm floor before Newton-Schulz"),
+           "the norm floor before Newton-Schulz", bad=0.0, changed=1e-6),
     Option("matched_adamw_rms", DEFAULT_MATCHED_ADAMW_RMS, Scope.MUON, c.in_range(0.0, low_open=True),
-           OnResume.APPLIED, "matched_adamw_rms", GROUP_KWARGS, "the update RMS adjust_lr='match_rms_adamw' aims at"),
+           OnResume.APPLIED, "matched_adamw_rms", GROUP_KWARGS, "the update RMS adjust_lr='match_rms_adamw' aims at",
+           bad=0.0, changed=0.3),
     Option("ns_steps", DEFAULT_NS_STEPS, Scope.MUON, c.check_ns_steps, OnResume.APPLIED, "ns_steps", GROUP_KWARGS,
-           "Newton-Schulz iterations"),
+           "Newton-Schulz iterations", bad=0, changed=3),
     Option("adjust_lr", "original", Scope.MUON, c.check_adjust_lr, OnResume.APPLIED, "adjust_lr", GROUP_KWARGS,
-           "the shape scale: 'original', 'match_rms_adamw', 'spectral' or None"),
+           "the shape scale: 'original', 'match_rms_adamw', 'spectral' or None", bad="sometimes", changed="spectral"),
     Option("split_rows", None, Scope.MUON, c.check_split_rows, OnResume.REFUSED, None, GROUP_KWARGS,
-           "orthogonalize each block of this many rows on its own (an attention head)"),
+           "orthogonalize each block of this many rows on its own (an attention head)", bad=0, changed=4),
     Option("nesterov", True, Scope.MUON, c.check_bool, OnResume.APPLIED, "nesterov", GROUP_KWARGS,
-           "Nesterov look-ahead: orthogonalize g.lerp(momentum, mu)"),
+           "Nesterov look-ahead: orthogonalize g.lerp(momentum, mu)", bad=1, changed=False),
     Option("normuon", False, Scope.MUON, c.check_bool, OnResume.REFUSED, "normuon", GROUP_KWARGS,
-           "NorMuon's row-normalized update (adds the state normuon_second_moment)"),
+           "NorMuon's row-normalized update (adds the state normuon_second_moment)", bad="yes", changed=True),
     Option("normuon_beta2", DEFAULT_NORMUON_BETA2, Scope.MUON, _UNIT, OnResume.APPLIED, "normuon_beta2",
-           GROUP_KWARGS, "the EMA coefficient of NorMuon's row second moment"),
+           GROUP_KWARGS, "the EMA coefficient of NorMuon's row second moment", bad=1.0, changed=0.9),
     Option("cautious_weight_decay", False, Scope.GROUPS, c.check_bool, OnResume.APPLIED, "cautious_weight_decay",
-           GROUP_KWARGS, "decay only where the update and the weight agree in sign"),
+           GROUP_KWARGS, "decay only where the update and the weight agree in sign", bad=1, changed=True),
     Option("qk_clip_threshold", None, Scope.MUON, c.check_qk_clip_threshold, OnResume.APPLIED,
-           "qk_clip_threshold", GROUP_KWARGS, "QK-clip's largest attention logit (None: off)"),
+           "qk_clip_threshold", GROUP_KWARGS, "QK-clip's largest attention logit (None: off)", bad=-1.0, changed=50.0),
     Option("ns_algorithm", DEFAULT_NS_ALGORITHM, Scope.MUON, c.check_ns_algorithm, OnResume.APPLIED,
-           "ns_algorithm", GROUP_KWARGS, "'standard', 'gram' or 'auto' (Gram Newton-Schulz where cheaper)"),
+           "ns_algorithm", GROUP_KWARGS, "'standard', 'gram' or 'auto' (Gram Newton-Schulz where cheaper)",
+           bad="fast", changed="gram"),
     Option("ns_gram_restarts", DEFAULT_GRAM_RESTARTS, Scope.MUON, c.check_gram_restarts, OnResume.APPLIED,
-           "ns_gram_restarts", GROUP_KWARGS, "the iterations after which Gram Newton-Schulz restarts"),
+           "ns_gram_restarts", GROUP_KWARGS, "the iterations after which Gram Newton-Schulz restarts",
+           bad=(0,), changed=()),
     Option("momentum_dtype", None, Scope.MUON, c.check_momentum_dtype, OnResume.CONVERTED, "momentum_dtype",
-           GROUP_KWARGS, "the momentum kept between steps: None (the parameter's dtype), bfloat16 or int8"),
+           GROUP_KWARGS, "the momentum kept between steps: None (the parameter's dtype), bfloat16 or int8",
+           bad="fp8", changed="bfloat16"),
     Option("ns_coefficients", KELLER_COEFFICIENTS, Scope.MUON, c.check_ns_coefficients, OnResume.APPLIED,
-           "ns_coefficients", GROUP_KWARGS, "a name, one (a, b, c), or one triple per iteration"),
+           "ns_coefficients", GROUP_KWARGS, "a name, one (a, b, c), or one triple per iteration",
+           bad="best", changed="polar_express"),
     Option("adamw_lr", None, Scope.ADAMW, c.optional(_NON_NEGATIVE), OnResume.APPLIED, "adamw_lr", GROUP_KWARGS,
-           "the AdamW part's learning rate (None: lr)", key="lr"),
+           "the AdamW part's learning rate (None: lr)", key="lr", bad=-1.0, changed=1e-3),
     Option("adamw_betas", (0.9, 0.95), Scope.ADAMW, c.check_betas, OnResume.APPLIED, "beta1, beta2", GROUP_KWARGS,
-           "the AdamW part's betas", key="betas"),
+           "the AdamW part's betas", key="betas", bad=(1.0, 0.9), changed=(0.8, 0.9)),
     Option("adamw_eps", 1e-8, Scope.ADAMW, _NON_NEGATIVE, OnResume.APPLIED, "eps", GROUP_KWARGS,
-           "the AdamW part's epsilon", key="eps"),
+           "the AdamW part's epsilon", key="eps", bad=-1.0, changed=1e-6),
     Option("adamw_weight_decay", None, Scope.ADAMW, c.optional(_NON_NEGATIVE), OnResume.APPLIED, None, GROUP_KWARGS,
-           "the AdamW part's decay (None: weight_decay)", key="weight_decay"),
+           "the AdamW part's decay (None: weight_decay)", key="weight_decay", bad=-1.0, changed=0.2),
     Option("comm", ALL_TO_ALL, Scope.OPTIMIZER, _keyed(c.check_comm), OnResume.NOT_SAVED, "comm", FACTORY_KWARGS,
-           "'all_to_all' (the owner-computed fast path) or 'redistribute' (every rank, every matrix)"),
+           "'all_to_all' (the owner-computed fast path) or 'redistribute' (every rank, every matrix)",
+           bad="nccl", changed="redistribute"),
     Option("max_batch_numel", DEFAULT_BATCH_NUMEL, Scope.OPTIMIZER, _keyed(c.check_max_batch_numel), OnResume.NOT_SAVED,
-           None, FACTORY_KWARGS, "matrix elements a rank owns per batch of the fast path (its scratch bound)"),
+           None, FACTORY_KWARGS, "matrix elements a rank owns per batch of the fast path (its scratch bound)",
+           bad=0, changed=1 << 20),
     Option("split_replicas", None, Scope.OPTIMIZER, _keyed(c.check_split_replicas), OnResume.NOT_SAVED, "split_replicas",
            FACTORY_KWARGS, "under HSDP: spread Newton-Schulz over every replica (True), not (False), or ask the "
-           "cost model (None)"),
+           "cost model (None)", bad="sometimes", changed=True),
     Option("ns_dtype", DEFAULT_NS_DTYPE, Scope.OPTIMIZER, _keyed(c.check_ns_dtype), OnResume.NOT_SAVED, "ns_dtype",
-           FACTORY_KWARGS, "what Newton-Schulz multiplies in: 'bfloat16', 'float32' or 'auto'"),
+           FACTORY_KWARGS, "what Newton-Schulz multiplies in: 'bfloat16', 'float32' or 'auto'",
+           bad="fp16", changed="float32"),
     Option("link_gbps", CostModel.link_gbps, Scope.OPTIMIZER, c.check_link_gbps, OnResume.NOT_SAVED, "link_gbps",
-           FACTORY_KWARGS, "the cost model's per-rank bandwidth inside a replica, Gbit/s"),
+           FACTORY_KWARGS, "the cost model's per-rank bandwidth inside a replica, Gbit/s", bad=0.0, changed=100.0),
     Option("replica_link_gbps", CostModel.replica_link_gbps, Scope.OPTIMIZER, c.check_link_gbps,
            OnResume.NOT_SAVED, "replica_link_gbps", FACTORY_KWARGS,
-           "the cost model's per-rank bandwidth to other replicas, Gbit/s"),
+           "the cost model's per-rank bandwidth to other replicas, Gbit/s", bad=-1.0, changed=50.0),
     Option("telemetry", False, Scope.OPTIMIZER, c.check_bool, OnResume.NOT_SAVED, "telemetry", FACTORY_KWARGS,
-           "record each step's figures (DMuon.telemetry())"),
+           "record each step's figures (DMuon.telemetry())", bad="yes", changed=True),
     Option("skip_nonfinite", False, Scope.OPTIMIZER, c.check_bool, OnResume.NOT_SAVED, "skip_nonfinite",
-           FACTORY_KWARGS, "a step with a NaN or inf grad on any rank changes nothing anywhere"),
+           FACTORY_KWARGS, "a step with a NaN or inf grad on any rank changes nothing anywhere", bad=1, changed=True),
     Option("foreach", None, Scope.FLAG, _keyed(check_foreach), OnResume.APPLIED, "implementation", "implementation",
-           "elementwise rules and AdamW as list ops (None: torch's default for the device)"),
+           "elementwise rules and AdamW as list ops (None: torch's default for the device)", bad="yes", changed=True),
     Option("fused", None, Scope.FLAG, _keyed(check_fused), OnResume.APPLIED, "implementation", "implementation",
-           "the AdamW part steps with torch's fused AdamW"),
+           "the AdamW part steps with torch's fused AdamW", bad="yes", changed=True),
     Option("maximize", False, Scope.FLAG, _no_path, OnResume.APPLIED, None, GROUP_KWARGS,
-           "no such path in DMuon: False or None only"),
+           "no such path in DMuon: False or None only", bad=True, changed=None),
     Option("capturable", False, Scope.FLAG, _keyed(check_capturable), OnResume.APPLIED, "capture_step", "capture_step",
-           "lr and weight_decay as 0-dim device tensors, read on the device (a step a CUDA graph can capture)"),
+           "lr and weight_decay as 0-dim device tensors, read on the device (a step a CUDA graph can capture)",
+           bad="yes", changed=True),
     Option("differentiable", False, Scope.FLAG, _no_path, OnResume.APPLIED, None, GROUP_KWARGS,
-           "no such path in DMuon: False or None only"),
+           "no such path in DMuon: False or None only", bad=True, changed=None),
 )
 BY_NAME: Mapping[str, Option] = {option.name: option for option in OPTIONS}
 # DMuon's keyword defaults, one per option (the constructor's signature reads them).
@@ -185,6 +197,10 @@ ADAMW_ALIASES: Mapping[str, str] = {o.name: o.key for o in OPTIONS if o.scope is
 FLAG_KEYS = tuple(option.name for option in OPTIONS if option.scope is Scope.FLAG)
 # The options of the whole optimizer (never a group's).
 OPTIMIZER_OPTIONS = tuple(option.name for option in OPTIONS if option.scope is Scope.OPTIMIZER)
+# What a DMuon keeps as its own attributes (and a pickle keeps): every whole-optimizer option
+# but ``telemetry`` (its telemetry's), and torch's flags that have a path in DMuon.
+OPTIMIZER_ATTRIBUTES = tuple(o.name for o in OPTIONS if o.name != "telemetry" and (
+    o.scope is Scope.OPTIMIZER or (o.scope is Scope.FLAG and o.check is not _no_path)))
 # What a resume does with each group key: applied (converted counts as applied) or refused.
 APPLIED_ON_RESUME = tuple(dict.fromkeys(
     o.key for o in OPTIONS if o.on_resume in (OnResume.APPLIED, OnResume.CONVERTED)))

@@ -4,22 +4,10 @@ it costs in bytes, flops and scratch memory. No process group, no collective: th
 any rank at any P can be made (and tested) in one process.
 
 May import: ``dmuon.numerics`` (the flop counts of Newton-Schulz) and
-``dmuon.torch_compat``. Imported by the exchange, QK-clip and the optimizer.
-
-- ``layout``: which box of a parameter each rank holds, from its mesh and placements;
-- ``mesh_facts``: a mesh's ranks, read on the host once;
-- ``units``: units (matrices) and each rank's block of them;
-- ``cutting``: parameters cut into units (``make_units``), and what the exchange cannot move;
-- ``owners``: one owner per unit, balanced by Newton-Schulz flops (LPT);
-- ``batches``: units grouped into batches under the memory cap;
-- ``schedule``: the exchange's events per batch, in order;
-- ``owner_plan``: ``OwnerPlan`` (units, owners, batches; a rank's splits, bytes, peak
-  scratch and the scratch events behind it), ``make_owner_plan`` and the LPT bound;
-- ``paths``: which path (``local``, ``all_to_all``, ``redistribute``) each parameter takes;
-- ``cost_model``: predicted times, and the HSDP split-replicas choice;
-- ``pack_layout``: where each block of a batch lies in a rank's buffers;
-- ``local_blocks``: a rank's blocks as views of its local tensors, kept with the plan;
-- ``momentum_blocks``: whether a layout keeps int8 momentum's blocks whole on every rank.
+``dmuon.torch_compat``. Imported by the exchange, QK-clip and the optimizer. Its modules
+(one line each: docs/architecture.md, "Layers and files"): ``layout``, ``mesh_facts``,
+``units``, ``cutting``, ``owners``, ``batches``, ``schedule``, ``owner_plan``, ``paths``,
+``cost_model``, ``pack_layout``, ``local_blocks``, ``momentum_blocks``.
 
 The names below are the plan's vocabulary, importable as ``dmuon.plan.<name>``.
 """
@@ -29,15 +17,8 @@ from dmuon.plan.cutting import layout_problem, make_units
 from dmuon.plan.owner_plan import WIRE_BYTES, OwnerPlan, lpt_bound_flops, make_owner_plan, scratch_events
 from dmuon.plan.owners import assign_owners
 from dmuon.plan.paths import ALL_TO_ALL, COMM_CHOICES, LOCAL, PATHS, REDISTRIBUTE, choose_paths, comm_path, layout_of
-from dmuon.plan.schedule import (
-    COLLECTIVE_EVENTS,
-    FINISH_GATHER,
-    FINISH_SCATTER,
-    NEWTON_SCHULZ,
-    START_GATHER,
-    START_SCATTER,
-    batch_schedule,
-)
+from dmuon.plan.schedule import (COLLECTIVE_EVENTS, FINISH_GATHER, FINISH_SCATTER, NEWTON_SCHULZ, START_GATHER,
+                                 START_SCATTER, batch_schedule)
 from dmuon.plan.units import Block, ParamSpec, Unit
 
 __all__ = [

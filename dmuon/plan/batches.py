@@ -10,10 +10,8 @@ from collections.abc import Sequence
 
 from dmuon.plan.units import Unit, owned_costs
 
-# Each rank owns at most this many elements of travelling matrices in one batch, or
-# as many as the batch's tallest matrix when that one is larger (its owner needs that
-# much anyway). It bounds the per-batch scratch buffers; see
-# ``OwnerPlan.peak_scratch_bytes``.
+# Each rank owns at most this many elements of travelling matrices in one batch, or as many
+# as the batch's tallest matrix (its owner needs that much anyway): it bounds the scratch.
 DEFAULT_BATCH_NUMEL = 1 << 27
 # Shelves are merged into about this many batches when memory allows: enough for the
 # next batch's gather and the previous batch's scatter to hide behind Newton-Schulz,
@@ -48,12 +46,10 @@ def make_batches(units: Sequence[Unit], world_size: int, max_batch_numel: int) -
 
 
 def _shelves(units: Sequence[Unit], world_size: int, max_batch_numel: int) -> list[list[int]]:
-    """First-fit decreasing shelves: each shelf's height is the tallest unit any rank
-    has left; every rank then packs its own remaining units (largest first) into the
-    shelf while they fit under that height and its travelling elements stay within
-    ``max(max_batch_numel, the tallest unit's elements)``: that unit's owner needs that
-    much scratch for the shelf anyway, and a rank with several smaller units then runs
-    them in the tallest unit's shadow instead of in extra batches."""
+    """First-fit decreasing shelves: each shelf's height is the tallest unit any rank has
+    left; every rank packs its own remaining units (largest first) into it while they fit
+    under that height and within ``max(max_batch_numel, the tallest unit's elements)``
+    travelling elements (that unit's owner needs that much scratch anyway)."""
     queues: list[list[int]] = [[] for _ in range(world_size)]
     for i in sorted(range(len(units)), key=lambda i: (-units[i].cost, i)):
         queues[units[i].owner].append(i)

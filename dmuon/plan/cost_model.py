@@ -11,8 +11,7 @@
 
 Left out: the elementwise momentum and update (memory-bound, a few ms at most),
 collective latency, and Newton-Schulz kernels running below ``ns_mfu`` on small
-matrices. ``plan_report`` prints these figures; the optimizer uses
-:func:`plan_with_best_split` to choose whether Newton-Schulz spans replicas.
+matrices.
 """
 
 from __future__ import annotations
@@ -24,14 +23,8 @@ import torch
 
 from dmuon.plan.batches import DEFAULT_BATCH_NUMEL
 from dmuon.plan.owner_plan import WIRE_BYTES, OwnerPlan, make_owner_plan
-from dmuon.plan.schedule import (
-    FINISH_GATHER,
-    FINISH_SCATTER,
-    NEWTON_SCHULZ,
-    START_GATHER,
-    START_SCATTER,
-    batch_schedule,
-)
+from dmuon.plan.schedule import (FINISH_GATHER, FINISH_SCATTER, NEWTON_SCHULZ, START_GATHER, START_SCATTER,
+                                 batch_schedule)
 from dmuon.plan.units import ParamSpec, Unit, owned_costs
 
 H100_BF16_DENSE_TFLOPS = 989.0
@@ -59,14 +52,13 @@ class CostModel:
     train_mfu: float = 0.4
     """Model FLOPs utilization of forward and backward."""
 
-    @property
-    def ns_peak_tflops(self) -> float:
-        return self.fp32_peak_tflops if self.ns_dtype == torch.float32 else self.peak_tflops
 
-
-def replica_of(plan: OwnerPlan) -> list[object]:
-    """Each plan rank's replica (from the first parameter replicated over some mesh
-    dims); ranks in different replicas talk over ``replica_link_gbps``."""
+def exchange_ms(plan: OwnerPlan, cost: CostModel) -> tuple[list[float], list[float]]:
+    """Per batch: the slowest rank's gather and scatter time, from every rank's bytes inside
+    and across replicas, without any rank's splits: summed per kind of unit (``Unit.kind``:
+    held alike), O(P) per kind and O(1) per unit, not O(P) per unit and rank."""
+    # Each plan rank's replica (from the first parameter replicated over some mesh dims): ranks in
+    # different replicas talk over ``replica_link_gbps``.
     keys: list[object] = [() for _ in range(plan.world_size)]
     for spec in plan.params:
         layout = spec.layout_on(plan.world_size)
@@ -74,17 +66,6 @@ def replica_of(plan: OwnerPlan) -> list[object]:
             for rank, key in layout.replica().items():
                 keys[rank] = key
             break
-    return keys
-
-
-def exchange_ms(plan: OwnerPlan, cost: CostModel) -> tuple[list[float], list[float]]:
-    """Per batch: the slowest rank's gather and scatter time.
-
-    Every rank's bytes, without any rank's splits: per batch, each rank's bytes inside
-    its replica and across replicas are summed in four flat arrays (O(P) memory), from
-    the units grouped by who holds which block (units of one layout, shape and rows hold
-    alike): O(P) per group and O(1) per unit, not O(P) per unit and rank."""
-    keys = replica_of(plan)
     near = cost.link_gbps * 1e9 / 8 / 1e3  # bytes per ms
     far = cost.replica_link_gbps * 1e9 / 8 / 1e3
 
@@ -94,70 +75,52 @@ def exchange_ms(plan: OwnerPlan, cost: CostModel) -> tuple[list[float], list[flo
     gather, scatter = [], []
     for batch in plan.batches:
         sent = [[0] * plan.world_size for _ in range(4)]  # gather inside, across; scatter inside, across
-        for units in _alike(plan, batch):
+        alike: dict[tuple, list[Unit]] = {}
+        for i in plan.travelling(batch):
+            alike.setdefault(plan.units[i].kind, []).append(plan.units[i])
+        for units in alike.values():
             holders = list(units[0].holder_numels())
-            _gather_bytes(units, holders, keys, sent[0], sent[1])
-            _scatter_bytes(units, holders, keys, sent[2], sent[3])
+            # Gather: source ``s`` sends its block to each owner in its own replica of the parameter
+            # (that owner's sources), but not to itself.
+            layout = units[0].boxes.layout
+            owners: dict[tuple, int] = {}  # (owner's replica of the parameter, owner's key) -> units
+            replicas: dict[object, int] = {}  # owner's replica of the parameter -> units
+            own: dict[int, int] = {}  # rank -> units it owns
+            for unit in units:
+                replica = layout.replica_of(unit.owner)
+                owners[(replica, keys[unit.owner])] = owners.get((replica, keys[unit.owner]), 0) + 1
+                replicas[replica] = replicas.get(replica, 0) + 1
+                own[unit.owner] = own.get(unit.owner, 0) + 1
+            for source, numel in holders:
+                replica = layout.replica_of(source)
+                same = owners.get((replica, keys[source]), 0)
+                sent[0][source] += numel * (same - own.get(source, 0))
+                sent[1][source] += numel * (replicas.get(replica, 0) - same)
+            # Scatter: the owners send every holder's block back, but their own.
+            by_key: dict[object, int] = {}
+            for holder, numel in holders:
+                by_key[keys[holder]] = by_key.get(keys[holder], 0) + numel
+            total = sum(by_key.values())
+            for unit in units:
+                near_numel = by_key.get(keys[unit.owner], 0)
+                sent[2][unit.owner] += near_numel - unit.block_numel(unit.owner)
+                sent[3][unit.owner] += total - near_numel
         gather.append(slowest(sent[0], sent[1]))
         scatter.append(slowest(sent[2], sent[3]))
     return gather, scatter
 
 
-def _alike(plan: OwnerPlan, batch: Sequence[int]) -> list[list[Unit]]:
-    """The travelling units of ``batch``, by kind (``Unit.kind``: held alike)."""
-    groups: dict[tuple, list[Unit]] = {}
-    for i in plan.travelling(batch):
-        unit = plan.units[i]
-        groups.setdefault(unit.kind, []).append(unit)
-    return list(groups.values())
-
-
-def _gather_bytes(units: list[Unit], holders: list[tuple[int, int]], keys: list[object],
-                  inside: list[int], across: list[int]) -> None:
-    """Add what every source sends to the owners of ``units`` (they hold alike): source
-    ``s`` sends its block to each owner in its own replica of the parameter (that
-    owner's sources), but not to itself."""
-    layout = units[0].boxes.layout
-    owners: dict[tuple, int] = {}  # (owner's replica of the parameter, owner's key) -> units
-    replicas: dict[object, int] = {}  # owner's replica of the parameter -> units
-    own: dict[int, int] = {}  # rank -> units it owns
-    for unit in units:
-        replica = layout.replica_of(unit.owner)
-        owners[(replica, keys[unit.owner])] = owners.get((replica, keys[unit.owner]), 0) + 1
-        replicas[replica] = replicas.get(replica, 0) + 1
-        own[unit.owner] = own.get(unit.owner, 0) + 1
-    for source, numel in holders:
-        replica = layout.replica_of(source)
-        same = owners.get((replica, keys[source]), 0)
-        inside[source] += numel * (same - own.get(source, 0))
-        across[source] += numel * (replicas.get(replica, 0) - same)
-
-
-def _scatter_bytes(units: list[Unit], holders: list[tuple[int, int]], keys: list[object],
-                   inside: list[int], across: list[int]) -> None:
-    """Add what the owners of ``units`` send back: every holder's block, but their own."""
-    by_key: dict[object, int] = {}
-    for holder, numel in holders:
-        by_key[keys[holder]] = by_key.get(keys[holder], 0) + numel
-    total = sum(by_key.values())
-    for unit in units:
-        near = by_key.get(keys[unit.owner], 0)
-        inside[unit.owner] += near - unit.block_numel(unit.owner)
-        across[unit.owner] += total - near
-
-
 def newton_schulz_ms(plan: OwnerPlan, cost: CostModel) -> list[float]:
     """Per batch: the slowest rank's Newton-Schulz time."""
-    flops_per_ms = cost.ns_peak_tflops * 1e9 * cost.ns_mfu
+    peak_tflops = cost.fp32_peak_tflops if cost.ns_dtype == torch.float32 else cost.peak_tflops
+    flops_per_ms = peak_tflops * 1e9 * cost.ns_mfu
     return [max(owned_costs(plan.units, b, plan.world_size)) / flops_per_ms for b in plan.batches]
 
 
 def overlapped_ms(ns: list[float], gather: list[float], scatter: list[float]) -> float:
-    """The step's time under :func:`dmuon.plan.batch_schedule`: Newton-Schulz runs one
-    batch at a time, the collectives one at a time beside it, so each Newton-Schulz
-    takes as long as it or the collectives in flight across it, whichever is longer,
-    and a collective in flight across none adds its own time. For that schedule this is
-    ``G_0 + sum_b max(NS_b, G_{b+1} + S_{b-1}) + S_last``."""
+    """The step's time under :func:`dmuon.plan.batch_schedule` (module docstring): each
+    Newton-Schulz takes as long as it or the collectives in flight across it, whichever is
+    longer, and a collective in flight across none adds its own time."""
     durations = {START_GATHER: gather, START_SCATTER: scatter}
     started: dict[tuple[str, int], int] = {}  # collective -> Newton-Schulz runs done when it started
     hidden = [0.0] * len(ns)
@@ -184,10 +147,8 @@ def optimizer_ms(plan: OwnerPlan, cost: CostModel) -> float:
     return overlapped_ms(newton_schulz_ms(plan, cost), *exchange_ms(plan, cost))
 
 
-def plan_with_best_split(
-    specs: Sequence[ParamSpec], world_size: int, max_batch_numel: int = DEFAULT_BATCH_NUMEL,
-    cost: CostModel = CostModel(),
-) -> tuple[OwnerPlan, bool]:
+def plan_with_best_split(specs: Sequence[ParamSpec], world_size: int, max_batch_numel: int = DEFAULT_BATCH_NUMEL,
+                         cost: CostModel = CostModel()) -> tuple[OwnerPlan, bool]:
     """The owner plan with Newton-Schulz spread over all replicas or kept inside each,
     whichever is predicted faster (ties keep the replicas apart: less traffic), and
     that choice. Without replicated parameters the choice changes nothing: one plan,

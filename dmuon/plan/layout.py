@@ -1,8 +1,7 @@
 """Which part of a parameter each rank holds, from its mesh and placements alone.
 
-Pure: a :class:`Layout` is plain data (mesh shape, placements, and which plan rank
-sits at each mesh position), so the planner and ``plan_report`` can ask it about
-any rank of any mesh without a process group.
+Pure: a :class:`Layout` is plain data, so the planner and ``plan_report`` can ask it
+about any rank of any mesh without a process group.
 
 DTensor's rules, applied left to right over the mesh dims (as
 ``torch.distributed.tensor._utils.compute_local_shape_and_global_offset`` does):
@@ -16,16 +15,13 @@ DTensor's rules, applied left to right over the mesh dims (as
   the rank keeps its chunk of every piece. Combined with the TP ``Shard`` that
   follows, each rank again holds one contiguous range ("TP first, then FSDP").
 
-A rank's part is a *box* when, along every dim, its indices form one contiguous
-range: then its local tensor is ``global[box]``. Every layout TorchTitan builds
-gives boxes; the owner exchange moves boxes, and anything else takes the reference
-path.
+A rank's part is a *box* when, along every dim, its indices form one contiguous range:
+then its local tensor is ``global[box]``. Every layout TorchTitan builds gives boxes; the
+owner exchange moves boxes, anything else takes the reference path.
 
 Memory: a plan rank's optimizer keeps its plan, so what is kept per rank of the mesh
-must stay small at P = 1024. Every rank's box of one shape is one :class:`BoxTable`
-(a few integer arrays, shared by every parameter of that layout and shape), and a
-rank's replica and mesh position are computed from its coordinates, not stored per
-rank and parameter.
+must stay small at P = 1024: boxes in a shared :class:`BoxTable`, and a rank's replica
+and mesh position computed from its coordinates, not stored per rank and parameter.
 """
 
 from __future__ import annotations
@@ -75,9 +71,8 @@ def _take(indices: list[Range], offset: int, size: int) -> list[Range]:
     return taken
 
 
-def local_indices(
-    shape: Sequence[int], mesh_shape: Sequence[int], placements: Sequence[Placement], coordinate: Sequence[int]
-) -> list[list[Range]]:
+def local_indices(shape: Sequence[int], mesh_shape: Sequence[int], placements: Sequence[Placement],
+                  coordinate: Sequence[int]) -> list[list[Range]]:
     """The global indices the rank at ``coordinate`` holds, per dim, as ordered ranges.
 
     (``_StridedShard`` is not a ``Shard`` subclass in torch 2.13: both are named.)
@@ -90,10 +85,7 @@ def local_indices(
             raise ValueError(f"no layout for placement {placement}")
         dim, chunks, mine = placement.dim, mesh_shape[mesh_dim], coordinate[mesh_dim]
         total = sum(length for _, length in held[dim])
-        if isinstance(placement, StridedShard):
-            pieces = chunk_ranges(total, placement.split_factor)
-        else:
-            pieces = [(0, total)]
+        pieces = chunk_ranges(total, placement.split_factor) if isinstance(placement, StridedShard) else [(0, total)]
         kept: list[Range] = []
         for piece_start, piece_length in pieces:
             offset, size = chunk_range(piece_length, chunks, mine)
@@ -115,11 +107,6 @@ def as_box(indices: list[list[Range]]) -> Box | None:
             return None
         box.append((start, sum(length for _, length in ranges)))
     return tuple(box)
-
-
-# Distinct (layout, shape) box tables kept for reuse: a model repeats a few shapes many
-# times. Each holds O(P) integers, so this bounds what the cache keeps.
-BOX_TABLES_KEPT = 64
 
 
 @dataclass(frozen=True)
@@ -158,10 +145,6 @@ class Layout:
         mesh order. Cached: a model repeats a few shapes many times."""
         return _boxes(self, tuple(shape))
 
-    def box(self, shape: Sequence[int], rank: int) -> Box | None:
-        """The box ``rank`` holds of a tensor of ``shape`` (None: not a box)."""
-        return self.boxes(shape)[rank]
-
     @cached_property
     def has_replicas(self) -> bool:
         """Whether some mesh dim replicates the parameter (HSDP's ``dp_replicate``)."""
@@ -186,8 +169,7 @@ class Layout:
         return position
 
     def replica_of(self, rank: int) -> tuple[int, ...] | None:
-        """``rank``'s replica (its coordinates on the ``Replicate`` mesh dims), None
-        when it is not in the mesh: :meth:`replica` for one rank, in O(mesh dims)."""
+        """:meth:`replica` for one rank, in O(mesh dims); None when it is not in the mesh."""
         try:
             return self.replica_at(self.position(rank))
         except KeyError:
@@ -287,6 +269,6 @@ class BoxTable(Mapping):
         return not self._not_boxes
 
 
-@functools.lru_cache(maxsize=BOX_TABLES_KEPT)
+@functools.lru_cache(maxsize=64)  # distinct (layout, shape) box tables kept: each holds O(P) integers
 def _boxes(layout: Layout, shape: tuple[int, ...]) -> BoxTable:
     return BoxTable(layout, shape)

@@ -1,11 +1,8 @@
 """This rank's block of every unit of an owner plan, as views of its parameters' local
-tensors: computed once per plan, the views of tensors that persist (parameters,
-momentum buffers) kept while those tensors stay the same objects.
-
-A rank's blocks of one parameter tile its local tensor's dim 0 in unit order (the
-units tile the parameter's dim 0 and the rank holds one box of it), so one ``split``
-of a tensor gives all of its blocks, and a parameter held as one block is its local
-tensor itself: no op at all.
+tensors: computed once per plan, the views of tensors that persist (parameters, momentum
+buffers) kept while those tensors stay the same objects. A rank's blocks of one parameter
+tile its local tensor's dim 0 in unit order, so one ``split`` gives all of them, and a
+parameter held as one block is its local tensor itself: no op at all.
 """
 
 from __future__ import annotations
@@ -21,8 +18,7 @@ class LocalBlocks:
     """The blocks ``rank`` holds of ``plan``'s units, by unit."""
 
     def __init__(self, plan: OwnerPlan, rank: int) -> None:
-        self.plan = plan
-        self.rank = rank
+        self.plan, self.rank = plan, rank
         # Per plan parameter: the units this rank holds a block of (in dim-0 order) and the blocks' rows.
         self._units: dict[int, list[int]] = {}
         self._rows: dict[int, list[int]] = {}
@@ -65,7 +61,7 @@ class LocalBlocks:
                 continue
             for i, view in zip(units, self.blocks_of(param, locals_[param])):
                 if flat:
-                    view = view.view(-1) if view.is_contiguous() else view.view(self.plan.units[i].block(self.rank).shape)
+                    view = view.view(-1 if view.is_contiguous() else self.plan.units[i].block(self.rank).shape)
                 views[i] = view
         if keep:
             self._kept[name] = (list(locals_), views)

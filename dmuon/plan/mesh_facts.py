@@ -1,10 +1,8 @@
 """Host-side facts of a ``DeviceMesh``: its ranks, read once and kept.
 
-``DeviceMesh.mesh`` is a CPU tensor, so reading its ranks is tensor work. Under a
-``FakeTensorMode`` (``python -m dmuon.tools.dry_run``, memory estimators) that work would
-turn into fake tensors whose values cannot be read; it runs on real CPU tensors here
-(``dmuon.torch_compat.host_tensor_ops``), and never touches an accelerator, so it is
-not a device-to-host sync on a GPU either.
+``DeviceMesh.mesh`` is a CPU tensor: under a ``FakeTensorMode`` (the dry run, memory
+estimators) reading it would give fake tensors whose values cannot be read, so it runs on
+real CPU tensors here (``dmuon.torch_compat.host_tensor_ops``); no device-to-host sync.
 """
 
 from __future__ import annotations

@@ -3,12 +3,11 @@
 on every rank, so every rank stores a parameter's momentum in one form.
 
 A block is ``INT8_BLOCK`` consecutive elements of one row (a 4-D+ weight's rows are its
-``[O, rest]`` matrix's). A layout that never cuts the last dim (FSDP's ``Shard(0)``, HSDP,
-EP, TP's ``Shard(0)``, ``_StridedShard(0)``) gives each rank whole rows, hence whole
-blocks. One that cuts it (TP's ``Shard(1)`` of a 2-D weight) keeps
-them whole only where every rank's part of a row starts on a block boundary and its scales,
-cut by the same placements, are the scales of its blocks; otherwise the parameter's
-momentum is held in bf16 instead (bf16 rounds each element alone: exact under any cut).
+``[O, rest]`` matrix's). A layout that never cuts the last dim (FSDP, HSDP, EP, TP's
+``Shard(0)``) gives each rank whole rows, hence whole blocks. One that cuts it (TP's
+``Shard(1)``) keeps them whole only where every rank's part of a row starts on a block
+boundary and its scales, cut by the same placements, are its blocks' scales; otherwise the
+momentum is held in bf16 (bf16 rounds each element alone: exact under any cut).
 """
 
 from __future__ import annotations

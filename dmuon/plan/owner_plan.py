@@ -7,18 +7,14 @@ the *sources* (the holders of one replica: the owner's) send their blocks to the
 (*gather*), the owner rebuilds exactly the bf16 matrix a single process would hold,
 orthogonalizes it, and sends every holder, every replica included, its block of the
 result (*scatter*). Each gather and scatter is one ``all_to_all_single`` per *batch*.
-
-Planning is two steps: owners (``dmuon.plan.owners``), then batches
-(``dmuon.plan.batches``). Pure functions of shapes, placements and world sizes: no process
-group is touched, so everything here is testable (and ``plan_report`` runs at P = 1024)
-without processes.
+Planning: owners (``dmuon.plan.owners``), then batches (``dmuon.plan.batches``). Pure.
 """
 
 from __future__ import annotations
 
 from array import array
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import TypeVar
 
@@ -27,13 +23,10 @@ from dmuon.plan.cutting import make_units
 from dmuon.plan.layout import Layout
 from dmuon.plan.owners import whole_step_owners
 from dmuon.plan.schedule import FINISH_GATHER, NEWTON_SCHULZ, START_GATHER, START_SCATTER, batch_schedule
-from dmuon.plan.units import ParamSpec, Unit, owned_cost, owned_costs
+from dmuon.plan.units import ParamSpec, Unit, owned_costs
 
 # Wire dtype size: blocks travel in bf16.
 WIRE_BYTES = 2
-# How the splits memo keeps element counts: signed 64-bit, 8 bytes each (a list of
-# Python ints costs about 36).
-SPLIT_TYPECODE = "q"
 
 T = TypeVar("T")
 
@@ -47,8 +40,6 @@ class OwnerPlan:
     units: tuple[Unit, ...]
     batches: tuple[tuple[int, ...], ...]
     """Unit indices of each batch, in execution order (each a gather and a scatter)."""
-
-    # ------------------------------------------------------------ per-batch queries
 
     def travelling(self, batch: Sequence[int]) -> list[int]:
         return [i for i in batch if self.units[i].travels]
@@ -64,22 +55,7 @@ class OwnerPlan:
         each travelling unit it is a source of. Receive layout: by source rank, then in
         ``batch`` order, the source's block of each travelling unit this rank owns.
         """
-        return self._memo(self._gather_splits, batch, rank)
-
-    def _gather_splits(self, batch: Sequence[int], rank: int) -> tuple[list[int], list[int]]:
-        send = [0] * self.world_size
-        recv = [0] * self.world_size
-        mine = _ByKind(lambda unit: unit.block_numel(rank))
-        # The units this rank owns are all in its replica: their sources depend on their kind alone.
-        sources = _ByKind(lambda unit: list(unit.source_numels()))
-        for index in self.travelling(batch):
-            unit = self.units[index]
-            if mine(unit) and unit.in_owner_replica(rank):
-                send[unit.owner] += mine(unit)
-            if unit.owner == rank:
-                for source, numel in sources(unit):
-                    recv[source] += numel
-        return send, recv
+        return self._memo(True, batch, rank)
 
     def scatter_splits(self, batch: Sequence[int], rank: int) -> tuple[list[int], list[int]]:
         """Element counts ``(send, recv)`` per peer rank for sending results back.
@@ -89,43 +65,48 @@ class OwnerPlan:
         rank's block of each travelling unit it holds. (Without replicas this is the
         gather reversed; with them, every replica's holders receive.)
         """
-        return self._memo(self._scatter_splits, batch, rank)
+        return self._memo(False, batch, rank)
 
-    def _scatter_splits(self, batch: Sequence[int], rank: int) -> tuple[list[int], list[int]]:
+    def _count(self, gather: bool, batch: Sequence[int], rank: int) -> tuple[list[int], list[int]]:
         send = [0] * self.world_size
         recv = [0] * self.world_size
-        mine = _ByKind(lambda unit: unit.block_numel(rank))
-        holders = _ByKind(lambda unit: list(unit.holder_numels()))
+        mine = _by_kind(lambda unit: unit.block_numel(rank))
+        # The units this rank owns are all in its replica: their sources depend on their kind alone.
+        peers = _by_kind(lambda unit: [(r, n) for r, n in unit.holder_numels()
+                                       if not gather or unit.in_owner_replica(r)])
         for index in self.travelling(batch):
             unit = self.units[index]
-            recv[unit.owner] += mine(unit)
+            if not gather:
+                recv[unit.owner] += mine(unit)
+            elif mine(unit) and unit.in_owner_replica(rank):
+                send[unit.owner] += mine(unit)
             if unit.owner == rank:
-                for holder, numel in holders(unit):
-                    send[holder] += numel
+                counts = recv if gather else send
+                for peer, numel in peers(unit):
+                    counts[peer] += numel
         return send, recv
 
-    def _memo(self, splits, batch: Sequence[int], rank: int) -> tuple[list[int], list[int]]:
-        """``splits(batch, rank)``, computed once per plan and rank: the step, the byte
-        count, the scratch prediction and the memory bound all ask for this rank's same
-        splits. Memory: only the last rank asked about is kept (a rank's plan asks about
-        itself; a tool asking about every rank recomputes), each split as an integer
-        array, so a plan keeps O(batches x P) integers, not O(batches x P^2). Copies, so a
-        caller may modify what it gets."""
-        memo = self._splits
-        if memo.rank != rank:
-            memo.rank, memo.splits = rank, {}
-        key = (splits.__name__, tuple(batch))
-        if key not in memo.splits:
-            send, recv = splits(batch, rank)
-            memo.splits[key] = (array(SPLIT_TYPECODE, send), array(SPLIT_TYPECODE, recv))
-        send, recv = memo.splits[key]
+    def _memo(self, gather: bool, batch: Sequence[int], rank: int) -> tuple[list[int], list[int]]:
+        """The splits, computed once per plan and rank: the step, the byte count, the scratch
+        prediction and the memory bound all ask for this rank's same splits. Memory: only
+        the last rank asked about is kept (a rank's plan asks about itself; a tool asking
+        about every rank recomputes), each split as an integer array, so a plan keeps
+        O(batches x P) integers, not O(batches x P^2). Copies, so a caller may modify them."""
+        memo = self._splits  # {rank: {(gather, batch): (send, recv)}}, for one rank
+        if rank not in memo:
+            memo.clear()
+        splits = memo.setdefault(rank, {})
+        key = (gather, tuple(batch))
+        if key not in splits:
+            send, recv = self._count(gather, batch, rank)
+            # Signed 64-bit, 8 bytes a count (a list of Python ints costs about 36).
+            splits[key] = (array("q", send), array("q", recv))
+        send, recv = splits[key]
         return list(send), list(recv)
 
     @cached_property
-    def _splits(self) -> _SplitsMemo:
-        return _SplitsMemo()
-
-    # ------------------------------------------------------------ what it costs
+    def _splits(self) -> dict[int, dict[tuple[bool, tuple[int, ...]], tuple[array, array]]]:
+        return {}
 
     def bytes_sent(self, rank: int, element_size: int = WIRE_BYTES) -> int:
         """Bytes ``rank`` sends to other ranks in one full step (gathers and scatters)."""
@@ -137,7 +118,8 @@ class OwnerPlan:
 
     def ns_flops(self, rank: int, batch: Sequence[int] | None = None) -> int:
         """Newton-Schulz flops ``rank`` runs in ``batch`` (default: the whole step)."""
-        return owned_cost(self.units, range(len(self.units)) if batch is None else batch, rank)
+        return sum(self.units[i].cost for i in (range(len(self.units)) if batch is None else batch)
+                   if self.units[i].owner == rank)
 
     @cached_property
     def ns_critical_path_flops(self) -> int:
@@ -145,10 +127,9 @@ class OwnerPlan:
         return sum(max(owned_costs(self.units, b, self.world_size)) for b in self.batches)
 
     def peak_scratch_bytes(self, rank: int) -> int:
-        """The most bytes of step scratch ``rank`` holds at once: bf16 send, receive,
-        full-matrix and result buffers and update copies, as the step allocates and
-        frees them (see :func:`scratch_events`). Newton-Schulz's own workspace (about
-        ``2 (m n + m^2)`` bf16 elements for the matrix in hand) comes on top."""
+        """The most bytes of step scratch ``rank`` holds at once (:func:`scratch_events`).
+        Newton-Schulz's own workspace (about ``2 (m n + m^2)`` bf16 elements for the matrix
+        in hand) comes on top."""
         live = peak = 0
         for numel in scratch_events(self, rank):
             live += numel
@@ -156,53 +137,35 @@ class OwnerPlan:
         return peak * WIRE_BYTES
 
 
-def make_owner_plan(
-    params: Sequence[ParamSpec | Sequence[int]],
-    world_size: int,
-    max_batch_numel: int = DEFAULT_BATCH_NUMEL,
-    split_replicas: bool = True,
-) -> OwnerPlan:
+def make_owner_plan(params: Sequence[ParamSpec | Sequence[int]], world_size: int,
+                    max_batch_numel: int = DEFAULT_BATCH_NUMEL, split_replicas: bool = True) -> OwnerPlan:
     """Plan owners and batches for ``params`` (specs, or plain shapes row-sharded with
     ``Shard(0)`` over all ranks) on ``world_size`` plan ranks (see :func:`make_units`
     for ``split_replicas``)."""
-    specs = shared_layouts(p if isinstance(p, ParamSpec) else ParamSpec(tuple(p)) for p in params)
+    # Equal layouts made one object: the optimizer makes one layout per parameter, each with its
+    # mesh's P plan ranks, and the plan keeps its specs, so without this it would keep parameters x P integers.
+    shared: dict[Layout, Layout] = {}
+    specs = tuple(spec if spec.layout is None else replace(spec, layout=shared.setdefault(spec.layout, spec.layout))
+                  for spec in (p if isinstance(p, ParamSpec) else ParamSpec(tuple(p)) for p in params))
     units = make_units(specs, world_size, split_replicas)
     owners = whole_step_owners(units, world_size)
     units = [replace(u, owner=o) for u, o in zip(units, owners)]
     return OwnerPlan(world_size, specs, tuple(units), make_batches(units, world_size, max_batch_numel))
 
 
-def shared_layouts(specs: Iterable[ParamSpec]) -> tuple[ParamSpec, ...]:
-    """``specs`` with equal layouts made one object: the optimizer makes one layout per
-    parameter, each with its mesh's P plan ranks, and the plan keeps its specs, so
-    without this it would keep parameters x P integers."""
-    shared: dict[Layout, Layout] = {}
-    return tuple(spec if spec.layout is None else replace(spec, layout=shared.setdefault(spec.layout, spec.layout))
-                 for spec in specs)
-
-
-@dataclass
-class _SplitsMemo:
-    """One rank's splits, by (direction, batch)."""
-
-    rank: int | None = None
-    splits: dict[tuple[str, tuple[int, ...]], tuple[array, array]] = field(default_factory=dict)
-
-
-class _ByKind:
+def _by_kind(answer: Callable[[Unit], T]) -> Callable[[Unit], T]:
     """``answer(unit)``, computed once per kind of unit (``Unit.kind``) for one split: a
     batch repeats a few kinds many times, so a rank's splits cost O(batch) lookups and
     O(P) per kind it owns, not O(P) per unit."""
+    answers: dict[tuple, T] = {}
 
-    def __init__(self, answer: Callable[[Unit], T]) -> None:
-        self._answer = answer
-        self._answers: dict[tuple, T] = {}
-
-    def __call__(self, unit: Unit) -> T:
+    def cached(unit: Unit) -> T:
         kind = unit.kind
-        if kind not in self._answers:
-            self._answers[kind] = self._answer(unit)
-        return self._answers[kind]
+        if kind not in answers:
+            answers[kind] = answer(unit)
+        return answers[kind]
+    return cached
+
 
 def lpt_bound_flops(plan: OwnerPlan) -> int:
     """The largest per-rank Newton-Schulz load of a whole-step LPT assignment with no

@@ -9,18 +9,12 @@ from collections.abc import Sequence
 from dmuon.plan.units import Unit
 
 
-def assign_owners(
-    costs: Sequence[int],
-    world_size: int,
-    loads: Sequence[int] | None = None,
-    candidates: Sequence[tuple[int, ...]] | None = None,
-) -> tuple[int, ...]:
+def assign_owners(costs: Sequence[int], world_size: int, loads: Sequence[int] | None = None,
+                  candidates: Sequence[tuple[int, ...]] | None = None) -> tuple[int, ...]:
     """Balance costs over ranks: longest job first, each to the least-loaded rank (of
-    ``candidates[i]``, the ranks job ``i`` may go to; default: every rank).
-
-    ``loads`` are costs the ranks already carry. Ties (equal cost, equal load) go to
-    the lower index and the lower rank, so every rank computes the same assignment.
-    For equal costs on idle ranks this is round-robin.
+    ``candidates[i]``, the ranks job ``i`` may go to; default: every rank), on top of the
+    ``loads`` they already carry. Ties (equal cost, equal load) go to the lower index and
+    the lower rank, so every rank computes the same assignment (round-robin on idle ranks).
     """
     loads = [0] * world_size if loads is None else list(loads)
     everyone = tuple(range(world_size))

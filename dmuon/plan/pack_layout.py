@@ -3,20 +3,13 @@ plan, computed once per plan and batch and kept (``dmuon.step.fast_path`` caches
 its plan), so packing is a few tensor ops per batch and direction instead of a slice
 and a copy per block.
 
-The buffers' orders are the plan's (``OwnerPlan.gather_splits``/``scatter_splits``):
+The buffers' orders are the plan's (``OwnerPlan.gather_splits``/``scatter_splits``); the
+owner's *whole* buffer holds its owned matrices one after another, each its sources'
+blocks by offset.
 
-- gather send: by owner, then batch order, this rank's block of each unit it sources;
-- gather receive: by source, then batch order, each owned unit's block from it;
-- the owner's *whole* buffer: its owned matrices one after another (batch order), each
-  its sources' blocks by offset;
-- scatter send: by holder, then batch order, the holder's block of each owned result;
-- scatter receive: by owner, then batch order, this rank's block of each unit it holds.
-
-When every owned unit is cut into runs of whole rows (FSDP's ``Shard(0)``, experts,
-heads), each block is a contiguous range of its matrix, so the whole buffer is the
-receive buffer's blocks permuted: one ``split`` of each and one ``_foreach_copy_``.
-Blocks of columns (TP's ``Shard(1)``) are not ranges; such a batch is packed block by
-block (``rows_only`` False).
+Where every owned unit is cut into runs of whole rows (FSDP's ``Shard(0)``, experts, heads),
+each block is a range of its matrix, so the whole buffer is the receive buffer's blocks
+permuted; blocks of columns (TP's ``Shard(1)``) are not, and are packed block by block.
 """
 
 from __future__ import annotations
@@ -117,10 +110,9 @@ def make_batch_layout(plan: OwnerPlan, batch: Sequence[int], rank: int,
 
 def _from_whole(units: Sequence[Unit], scatter_send: list[tuple[int, int]], position: dict[tuple[int, int], int]
                 ) -> tuple[int, ...]:
-    """For each ``(unit, holder)`` block of the scatter's send buffer, the whole-buffer
-    block it copies: the source whose block is the holder's (itself, or its twin in the
-    owner's replica; the lowest such source). One map of places per unit: looking the
-    source up holder by holder would be O(P^2) per unit."""
+    """For each ``(unit, holder)`` block of the scatter's send buffer, the whole-buffer block
+    it copies: the lowest source whose block is the holder's (itself, or its twin in the
+    owner's replica), from one map of places per unit (not O(P^2) lookups)."""
     sources: dict[int, dict[tuple[tuple[int, int], tuple[int, int]], int]] = {}
     for i in dict.fromkeys(i for i, _ in scatter_send):
         places: dict[tuple[tuple[int, int], tuple[int, int]], int] = {}

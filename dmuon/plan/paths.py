@@ -1,11 +1,7 @@
-"""Which path each Muon parameter takes, decided here and nowhere else.
-
-- ``local``: the rank holds the whole parameter (plain tensor, replicated DTensor,
-  one-rank mesh); it orthogonalizes its own update in place and nothing moves;
-- ``all_to_all``: the owner exchange (``dmuon.exchange.owner_exchange``) over one
-  owner plan (``dmuon.step.fast_path``);
-- ``redistribute``: every rank gathers and orthogonalizes the whole parameter
-  (``dmuon.exchange.reference``).
+"""Which path each Muon parameter takes, decided here and nowhere else: ``local`` (the
+rank holds the whole parameter and orthogonalizes it in place), ``all_to_all`` (the owner
+exchange, ``dmuon.exchange.owner_exchange``) or ``redistribute`` (every rank gathers the
+whole parameter, ``dmuon.exchange.reference``).
 
 Two rules decide it: the parameter's own placement (:func:`comm_path`: what the
 plan can describe), then the optimizer's one plan: it spans the ranks of the first
@@ -25,22 +21,16 @@ from dmuon.plan.cutting import layout_problem
 from dmuon.plan.layout import Layout
 from dmuon.plan.mesh_facts import mesh_ranks, mesh_ranks_in_order
 
-# How a Muon parameter reaches Newton-Schulz.
-LOCAL = "local"  # the rank already holds the whole matrix: plain tensor or Replicate
-ALL_TO_ALL = "all_to_all"  # fast path: owner-computed, blocks moved by all_to_all
-REDISTRIBUTE = "redistribute"  # reference path: all-gather to every rank, slice back
+LOCAL = "local"
+ALL_TO_ALL = "all_to_all"
+REDISTRIBUTE = "redistribute"
 COMM_CHOICES = (ALL_TO_ALL, REDISTRIBUTE)
-
-# The order the chosen paths are logged in.
-PATHS = (ALL_TO_ALL, REDISTRIBUTE, LOCAL)
+PATHS = (ALL_TO_ALL, REDISTRIBUTE, LOCAL)  # the order the chosen paths are logged in
 
 
 def comm_path(param: torch.Tensor, comm: str) -> str:
     """The path a Muon parameter's placement allows, given ``comm`` (``"all_to_all"`` or
-    ``"redistribute"``): the first rule of :func:`choose_paths`, which decides.
-
-    Raises ``ValueError`` for placements no optimizer step can use (``Partial``).
-    """
+    ``"redistribute"``): the first rule of :func:`choose_paths`. ``ValueError`` for ``Partial``."""
     if not isinstance(param, DTensor):
         return LOCAL
     placements = param.placements
@@ -64,9 +54,8 @@ def layout_of(param: DTensor, plan_rank: Mapping[int, int] | None = None) -> Lay
     return Layout(tuple(mesh.shape), tuple(param.placements), tuple(ranks))
 
 
-def choose_paths(
-    muon_params: Sequence[torch.Tensor], comm: str, name_of: Callable[[torch.Tensor], str]
-) -> dict[torch.Tensor, str]:
+def choose_paths(muon_params: Sequence[torch.Tensor], comm: str,
+                 name_of: Callable[[torch.Tensor], str]) -> dict[torch.Tensor, str]:
     """Each Muon parameter's path, in order; a ``ValueError`` names a parameter no path
     can step (a ``Partial`` placement)."""
     paths: dict[torch.Tensor, str] = {}

@@ -1,10 +1,9 @@
-"""The owner exchange's order of events per batch, and the scratch memory each event
-makes and frees: written once, as data, for the step (``dmuon.exchange.owner_exchange``
-executes it), the memory bound and the cost model to read. Pure."""
+"""The owner exchange's order of events per batch, written once, as data:
+``dmuon.exchange.owner_exchange`` executes it, ``dmuon.plan.owner_plan.scratch_events``
+(memory) and ``dmuon.plan.cost_model.overlapped_ms`` (time) read it. Pure."""
 
 from __future__ import annotations
 
-# The events of one step of the owner exchange, per batch (see :func:`batch_schedule`).
 START_GATHER = "start_gather"  # momentum, pack the blocks, start the gather all_to_all
 FINISH_GATHER = "finish_gather"  # wait for it; owners cut their whole matrices out
 NEWTON_SCHULZ = "newton_schulz"  # the batch's kept-local and owned units
@@ -16,12 +15,10 @@ COLLECTIVE_EVENTS = (START_GATHER, FINISH_GATHER, START_SCATTER, FINISH_SCATTER)
 def batch_schedule(n_batches: int) -> tuple[tuple[str, int], ...]:
     """The owner exchange's order of events, ``(event, batch)``, for ``n_batches`` batches.
 
-    Written once, as data: ``dmuon.exchange.owner_exchange`` executes it, and
-    ``dmuon.plan.owner_plan.scratch_events`` (memory) and ``dmuon.plan.cost_model.overlapped_ms`` (time) read
-    it. Batch ``b``'s gather finishes, then gather ``b + 1`` starts, so it travels while
-    this rank runs batch ``b``'s Newton-Schulz; scatter ``b`` starts once its results
-    exist, and scatter ``b - 1`` finishes only after that, so it too travels during
-    Newton-Schulz ``b``. At most three batches' buffers are alive at once.
+    Batch ``b``'s gather finishes, then gather ``b + 1`` starts, so it travels while this
+    rank runs batch ``b``'s Newton-Schulz; scatter ``b`` starts once its results exist,
+    and scatter ``b - 1`` finishes only after that, so it too travels during Newton-Schulz
+    ``b``. At most three batches' buffers are alive at once.
     """
     if n_batches <= 0:
         return ()

@@ -1,15 +1,11 @@
-"""Units and blocks: every Muon parameter cut into the matrices Newton-Schulz runs on,
-and the part of each that every rank holds.
+"""Units and blocks. Pure: shapes and placements in, dataclasses out.
 
 - a *unit* is one matrix Newton-Schulz runs on: a 2-D parameter (or one block of
   ``split_rows`` rows of it: an attention head), one expert of a 3-D ``[E, A, B]``
   stack, or a 4-D+ parameter seen as ``[shape[0], prod(rest)]``;
 - each rank holds one *block* of every unit it touches: the part of the unit inside
-  the rank's box of the parameter (``dmuon.plan.layout``: DTensor's placement rules on any
-  mesh, so FSDP's rows, TP's columns, FSDP over TP, an EP rank's experts); under
-  ``Replicate`` mesh dims (HSDP) every replica holds the same blocks.
-
-Pure: shapes and placements in, dataclasses out.
+  the rank's box of the parameter (``dmuon.plan.layout``); under ``Replicate`` mesh dims
+  (HSDP) every replica holds the same blocks.
 """
 
 from __future__ import annotations
@@ -19,11 +15,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 
-from dmuon.numerics.newton_schulz import (
-    DEFAULT_GRAM_RESTARTS,
-    DEFAULT_NS_ALGORITHM,
-    DEFAULT_NS_STEPS,
-)
+from dmuon.numerics.newton_schulz import DEFAULT_GRAM_RESTARTS, DEFAULT_NS_ALGORITHM, DEFAULT_NS_STEPS
 from dmuon.plan.layout import Box, BoxTable, Layout
 
 
@@ -166,10 +158,6 @@ class Unit:
         """``(rank, block)`` of every source, by rank."""
         return ((r, b) for r, b in self.holder_blocks() if self.in_owner_replica(r))
 
-    def source_numels(self) -> Iterator[tuple[int, int]]:
-        """``(rank, elements of its block)`` of every source, by rank."""
-        return ((r, n) for r, n in self.holder_numels() if self.in_owner_replica(r))
-
     def in_owner_replica(self, rank: int) -> bool:
         """Whether ``rank`` is in its owner's replica of the parameter (every rank is, without replicas)."""
         layout = self.boxes.layout
@@ -272,14 +260,8 @@ def block_of(shape: Sequence[int], box: Box | None, dim0: tuple[int, int]) -> Bl
     return Block(lo - start, hi - start, (hi - lo, cols), (lo - dim0[0], box[1][0] if len(shape) == 2 else 0))
 
 
-def owned_cost(units: Sequence[Unit], batch: Sequence[int], rank: int) -> int:
-    """Newton-Schulz flops of the units of ``batch`` that ``rank`` owns."""
-    return sum(units[i].cost for i in batch if units[i].owner == rank)
-
-
 def owned_costs(units: Sequence[Unit], batch: Iterable[int], world_size: int) -> list[int]:
-    """Newton-Schulz flops of the units of ``batch`` each rank owns, for every rank at
-    once: O(batch + P), where asking :func:`owned_cost` rank by rank is O(batch x P)."""
+    """Newton-Schulz flops of the units of ``batch`` each rank owns, for every rank at once."""
     loads = [0] * world_size
     for i in batch:
         loads[units[i].owner] += units[i].cost

@@ -5,12 +5,9 @@ changed options and pickling do.
 May import: the layers, ``dmuon.options`` and ``dmuon.torch_compat``; never the step or the
 optimizer.
 
-- ``momentum_state``: Muon's momentum in its group's ``momentum_dtype``, made at a
-  parameter's first grad, read and stored back by each step, converted on a resume;
-- ``rollback``: what a step changes on the host where the device mask cannot reach it,
-  taken back when the step is masked;
-- ``loading``: what ``DMuon.load_state_dict`` changes in torch's (saved dtypes, a
-  capturable group's tensors);
+- ``momentum_state``: Muon's momentum in its group's ``momentum_dtype``;
+- ``rollback``: a step's host changes, taken back when the step is masked;
+- ``loading``: what ``DMuon.load_state_dict`` changes in torch's;
 - ``resume_contract``: the group options a resume applies, and those it refuses;
 - ``optimizer_hooks``: the torch hooks a DMuon carries (attached again on a copy);
 - ``pickling``: how a DMuon pickles and deep-copies (its configuration, not its plan).

@@ -1,33 +1,25 @@
-"""Muon's momentum state in the form its group asks for (``momentum_dtype``): made at a
-parameter's first grad, read and stored back by each step, converted on a resume.
+"""Muon's momentum state in the form its group asks for (``momentum_dtype``): made at a parameter's first grad, read
+and stored back by each step, converted on a resume.
 
 The forms (``dmuon.numerics.momentum_storage``):
 
 - ``None``: ``momentum_buffer`` in the parameter's dtype, updated in place (as before);
 - ``"bfloat16"``: a bf16 ``momentum_buffer``;
-- ``"int8"``: int8 values ``momentum_int8`` and their fp32 ``momentum_scales`` (one per block
-  of 128 elements of a row). A DTensor parameter's are DTensors with its placements, so DCP
-  reshards them as it reshards the parameter. Where a layout cuts a row off the blocks
-  (``dmuon.plan.momentum_blocks``), that parameter's momentum is kept in bf16 instead, with
-  one log line.
+- ``"int8"``: int8 values ``momentum_int8`` and their fp32 ``momentum_scales`` (one per block of 128 elements of a
+  row). A DTensor parameter's are DTensors with its placements, so DCP reshards them as it reshards the parameter.
+  Where a layout cuts a row off the blocks (``dmuon.plan.momentum_blocks``), that parameter's momentum is kept in
+  bf16 instead, with one log line.
 
-Why int8 values have a key of their own: DCP loads a checkpoint into the state the
-optimizer has (its keys, dtypes and shapes). Between the float forms a load casts, which is
-the conversion itself (fp32 to bf16 rounds to nearest even; bf16 to fp32 is exact). Under
-one key int8 values would be cast into a float buffer without their scales, silently
-wrong; under their own key such a load fails, naming the missing key. A plain
-``load_state_dict`` gets the saved tensors themselves, and converts any form to any
-(:func:`convert_loaded`).
+Why int8 values have a key of their own: DCP loads a checkpoint into the state the optimizer has (its keys, dtypes
+and shapes). Between the float forms a load casts, which is the conversion itself (fp32 to bf16 rounds to nearest
+even; bf16 to fp32 is exact). Under one key int8 values would be cast into a float buffer without their scales,
+silently wrong; under their own key such a load fails, naming the missing key. A plain ``load_state_dict`` gets the
+saved tensors themselves, and converts any form to any (:func:`convert_loaded`).
 
-A step reads each momentum as a tensor of the parameter's dtype (:class:`MomentumReads`),
-runs the one momentum rule on it (``dmuon.numerics.update_lists.momentum_``), orthogonalizes
-the look-ahead of the unrounded result, and rounds the result into the store under the
-step's masks. The store is the state at rest (what sits beside activations between steps).
-The fast path reads, updates and stores a momentum kept in another dtype a few blocks at a
-time, as the owner exchange packs them (``dmuon.step.fast_path``), so its parameter-dtype copies
-never hold more than one pack chunk: a low-precision momentum does not raise the step's
-peak. Nothing of a read outlives its step.
-"""
+A step reads each momentum as a tensor of the parameter's dtype (:class:`MomentumReads`), runs the momentum rule
+on it, and rounds the result into the store under the step's masks. The fast path does so a few blocks at a time,
+as the owner exchange packs them (``dmuon.step.fast_path``), so a low-precision momentum does not raise the step's
+peak. Nothing of a read outlives its step."""
 
 from __future__ import annotations
 
@@ -48,24 +40,21 @@ from dmuon.numerics.momentum_storage import (
     scales_shape,
     store_momenta_,
 )
-from dmuon.numerics.update_lists import bounded_chunks
+from dmuon.numerics.update_rules import bounded_chunks
 from dmuon.plan.momentum_blocks import int8_blocks_whole
 from dmuon.plan.paths import layout_of
 from dmuon.torch_compat import dtensor_where_it_is, local_of
 
 logger = logging.getLogger("dmuon")
 
-BUFFER_KEY = "momentum_buffer"
-"""The momentum in a float dtype: the parameter's, or bf16."""
-INT8_KEY = "momentum_int8"
-"""int8 momentum's values (module docstring: why not ``momentum_buffer``)."""
-SCALES_KEY = "momentum_scales"
-"""int8 momentum's fp32 scales."""
+BUFFER_KEY = "momentum_buffer"  # the momentum in a float dtype: the parameter's, or bf16
+INT8_KEY = "momentum_int8"  # int8 momentum's values (module docstring: why not ``momentum_buffer``)
+SCALES_KEY = "momentum_scales"  # int8 momentum's fp32 scales
 
 
 def kept_momentum(state: Mapping[str, Any] | None) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-    """A parameter's kept momentum, values and int8 scales (None in the float forms), or None
-    before its first grad."""
+    """A parameter's kept momentum, values and int8 scales (None in the float forms), or None before its first
+    grad."""
     if not state:
         return None
     if INT8_KEY in state:
@@ -74,11 +63,8 @@ def kept_momentum(state: Mapping[str, Any] | None) -> tuple[torch.Tensor, torch.
 
 
 def storage_of(param: torch.Tensor, momentum_dtype: str | None) -> str | None:
-    """The form ``param``'s momentum is kept in: the group's ``momentum_dtype``, except int8
-    where it does not pay or cannot keep its blocks, kept in bf16 instead, decided from the
-    global shape and placements (the same on every rank): rows narrower than
-    ``INT8_MIN_ROW`` (a scale per row costs as much as bf16's second byte), or a layout that
-    cuts rows off the blocks."""
+    """The form ``param``'s momentum is kept in: the group's ``momentum_dtype``, but bf16 for int8 where
+    :func:`int8_falls_back` (decided from the global shape and placements: the same on every rank)."""
     return "bfloat16" if momentum_dtype == "int8" and int8_falls_back(param) is not None else momentum_dtype
 
 
@@ -119,30 +105,25 @@ def make_momentum(param: torch.Tensor, momentum_dtype: str | None, state: Mutabl
 
 
 READ_CHUNK_NUMEL = 1 << 24
-"""Elements of momenta kept in another dtype that a step reads at once off the fast path
-(:func:`read_chunks`): their parameter-dtype copies hold at most this many (64 MiB in fp32),
-the bound the fast path's pack chunk keeps (``dmuon.plan.pack_layout.PACK_CHUNK_NUMEL``)."""
+"""Elements of momenta kept in another dtype that a step reads at once off the fast path (:func:`read_chunks`):
+their parameter-dtype copies hold at most this many (64 MiB in fp32), the bound the fast path's pack chunk keeps
+(``dmuon.plan.pack_layout.PACK_CHUNK_NUMEL``)."""
 
 
 def read_chunks(states: Sequence[Mapping[str, Any] | None], likes: Sequence[torch.Tensor]) -> list[list[int]]:
-    """Indices of the parameters (their ``states``, local tensors ``likes``) whose momenta a
-    step reads, updates and stores together: all at once where every kept momentum is its own
-    working tensor (nothing is read: the rules run as one list op per group), else chunks of at
-    most :data:`READ_CHUNK_NUMEL` elements (a larger tensor alone), so a low-precision momentum
-    never has parameter-dtype copies of more than one chunk alive."""
-    if all(_is_own_working(kept_momentum(state), like) for state, like in zip(states, likes)):
+    """Indices of the parameters (their ``states``, local tensors ``likes``) whose momenta a step reads, updates
+    and stores together: all at once where every kept momentum is its own working tensor (nothing is read: the
+    rules run as one list op per group), else chunks of at most :data:`READ_CHUNK_NUMEL` elements (a larger
+    tensor alone), so a low-precision momentum never has parameter-dtype copies of more than one chunk alive."""
+    kept = [kept_momentum(state) for state in states]  # None, or read as itself: held in ``like``'s dtype
+    if all(m is None or (m[1] is None and m[0].dtype == like.dtype) for m, like in zip(kept, likes)):
         return [list(range(len(likes)))] if likes else []
     return bounded_chunks([like.numel() for like in likes], READ_CHUNK_NUMEL)
 
 
-def _is_own_working(momentum: tuple[torch.Tensor, torch.Tensor | None] | None, like: torch.Tensor) -> bool:
-    """Whether a kept momentum (or none yet) is read as itself: held in ``like``'s dtype."""
-    return momentum is None or (momentum[1] is None and momentum[0].dtype == like.dtype)
-
-
 class MomentumReads:
-    """One step's momenta of some parameters, read as tensors of the parameters' dtypes to
-    run the rule on (:meth:`read`), then rounded back into their stores (:meth:`store`)."""
+    """One step's momenta of some parameters, read as tensors of the parameters' dtypes to run the rule on
+    (:meth:`read`), then rounded back into their stores (:meth:`store`)."""
 
     def __init__(self) -> None:
         self._reads: list[tuple[list[torch.Tensor], list[torch.Tensor | None], MomentumCopies,
@@ -150,11 +131,10 @@ class MomentumReads:
 
     def read(self, states: Sequence[Mapping[str, Any] | None], likes: Sequence[torch.Tensor],
              oks: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
-        """The momentum of each parameter whose local tensor (or stand-in) is the ``likes``
-        entry, from its ``states`` entry: its store itself where that is in the local
-        tensor's dtype, else a new tensor that :meth:`store` rounds back where the 0-dim device
-        bool ``oks`` entry holds (None: always); zeros where there is no state yet (nothing is
-        made or stored)."""
+        """The momentum of each parameter whose local tensor (or stand-in) is the ``likes`` entry, from its
+        ``states`` entry: its store itself where that is in the local tensor's dtype, else a new tensor that
+        :meth:`store` rounds back where the 0-dim device bool ``oks`` entry holds (None: always); zeros where
+        there is no state yet (nothing is made or stored)."""
         working: list[torch.Tensor] = [None] * len(likes)  # type: ignore[list-item]
         kept, values, scales = [], [], []
         for i, (state, like) in enumerate(zip(states, likes)):
@@ -173,9 +153,8 @@ class MomentumReads:
 
     def read_kept(self, values: Sequence[torch.Tensor], scales: Sequence[torch.Tensor | None],
                   dtypes: Sequence[torch.dtype], oks: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
-        """:meth:`read` of kept momenta given as their local tensors (values, and int8 scales
-        or None), or views of them (the fast path reads a few blocks of rows at a time), each
-        as a tensor of its ``dtypes`` entry."""
+        """:meth:`read` of kept momenta given as their local tensors (values, and int8 scales or None), or views
+        of them (the fast path reads a few blocks of rows at a time), each as a tensor of its ``dtypes`` entry."""
         copies = read_momenta(values, scales, dtypes)
         self._reads.append((list(values), list(scales), copies, None if oks is None else list(oks)))
         return copies.working
@@ -188,10 +167,10 @@ class MomentumReads:
 
 
 class MomentumDtypes:
-    """Each group's ``momentum_dtype`` as the state was last made, loaded or converted for. A
-    group edited between steps (``opt.param_groups[i]["momentum_dtype"] = "int8"``) is checked
-    at the next step (:meth:`check`): refused by name if it is not a form, else its momenta
-    are converted as a resume converts them, with one log line (issue 60, item 6)."""
+    """Each group's ``momentum_dtype`` as the state was last made, loaded or converted for. A group edited
+    between steps (``opt.param_groups[i]["momentum_dtype"] = "int8"``) is checked at the next step
+    (:meth:`check`): refused by name if it is not a form, else its momenta are converted as a resume converts
+    them, with one log line (issue 60, item 6)."""
 
     def __init__(self) -> None:
         self._held: list[Any] | None = None  # None: not yet seen (a new optimizer, or a copy)
@@ -202,9 +181,9 @@ class MomentumDtypes:
 
     def check(self, param_groups: Sequence[dict[str, Any]], state: Mapping[torch.Tensor, dict[str, Any]],
               name_of: Callable[[torch.Tensor], str]) -> None:
-        """Before a step (nothing changed yet, no collective: every rank edits alike and raises
-        alike): a changed ``momentum_dtype`` parsed, ValueError naming the group otherwise, and
-        every momentum held in another form than its group's converted."""
+        """Before a step (nothing changed yet, no collective: every rank edits alike and raises alike): a changed
+        ``momentum_dtype`` parsed, ValueError naming the group otherwise, and every momentum held in another form
+        than its group's converted."""
         values = [g.get("momentum_dtype") for g in param_groups]
         if self._held is not None and len(values) == len(self._held) and all(
                 a is b or (type(a) is type(b) and a == b) for a, b in zip(values, self._held)):
@@ -223,9 +202,9 @@ class MomentumDtypes:
 
 def convert_loaded(param_groups: Sequence[dict[str, Any]], state: Mapping[torch.Tensor, dict[str, Any]],
                    name_of: Callable[[torch.Tensor], str], when: str = "on resume") -> None:
-    """After a load (or an edit of a group's ``momentum_dtype``, ``when``): each Muon momentum
-    kept in another form than its group's ``momentum_dtype`` asks for converted to it, read
-    as the parameter's dtype and rounded once into the new form; one log line per form."""
+    """After a load (or an edit of a group's ``momentum_dtype``, ``when``): each Muon momentum kept in another
+    form than its group's ``momentum_dtype`` asks for converted to it, read as the parameter's dtype and rounded
+    once into the new form; one log line per form."""
     converted: dict[tuple[str, str], list[str]] = {}
     for group in (g for g in param_groups if g["use_muon"]):
         for param in group["params"]:
@@ -234,7 +213,9 @@ def convert_loaded(param_groups: Sequence[dict[str, Any]], state: Mapping[torch.
                 continue
             values, scales = momentum
             target = storage_of(param, group["momentum_dtype"])
-            if _held_as(values, scales) == _held_as_for(target, param.dtype):
+            held = torch.int8 if scales is not None else values.dtype  # the dtype it is held in, int8 with scales
+            wanted = {None: param.dtype, "bfloat16": torch.bfloat16, "int8": torch.int8}[target]
+            if held == wanted:
                 continue
             (working,) = read_momenta([local_of(values)], [None if scales is None else local_of(scales)],
                                       [local_of(param).dtype]).working
@@ -245,18 +226,7 @@ def convert_loaded(param_groups: Sequence[dict[str, Any]], state: Mapping[torch.
             for key in (BUFFER_KEY, INT8_KEY, SCALES_KEY):
                 entry.pop(key, None)
             entry.update(made)
-            key = (str(_held_as(values, scales)).removeprefix("torch."),
-                   str(_held_as_for(target, param.dtype)).removeprefix("torch."))
+            key = (str(held).removeprefix("torch."), str(wanted).removeprefix("torch."))
             converted.setdefault(key, []).append(name_of(param))
     for (old, new), names in converted.items():
         logger.info("DMuon: momentum converted %s from %s to %s: %s", when, old, new, ", ".join(names))
-
-
-def _held_as(values: torch.Tensor, scales: torch.Tensor | None) -> torch.dtype:
-    """The dtype a momentum is held in (int8 with its scales)."""
-    return torch.int8 if scales is not None else values.dtype
-
-
-def _held_as_for(storage: str | None, param_dtype: torch.dtype) -> torch.dtype:
-    """The dtype a momentum of ``storage`` (:func:`storage_of`) is held in."""
-    return {None: param_dtype, "bfloat16": torch.bfloat16, "int8": torch.int8}[storage]

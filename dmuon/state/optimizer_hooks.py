@@ -11,13 +11,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from dmuon.state import resume_contract
+from dmuon.state.resume_contract import apply_resume_contract
 from dmuon.torch_compat import has_optimizer_hook
 
 
 def attach_hooks(optimizer: Any) -> None:
     """Attach both hooks to ``optimizer`` (a ``DMuon``), once."""
-    resume_contract.attach(optimizer)
+    if not has_optimizer_hook(optimizer, "load_state_dict", apply_resume_contract):
+        optimizer.register_load_state_dict_pre_hook(apply_resume_contract)
     if not has_optimizer_hook(optimizer, "state_dict", settle_last_step):
         optimizer.register_state_dict_pre_hook(settle_last_step)
 
@@ -27,4 +28,6 @@ def settle_last_step(optimizer: Any) -> None:
     outside ``step()``) and take back the host changes of a step it masked (torch's host
     AdamW counters, state made for a first grad), so the saved state is the one of a run
     that never took that step. An error it shows is still raised by the next ``step()``."""
-    optimizer.phases.settle_last_step()
+    phases = optimizer.phases
+    if phases.grad_status.settle():
+        phases.rollback.undo()

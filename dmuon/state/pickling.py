@@ -8,15 +8,11 @@ from __future__ import annotations
 from typing import Any
 
 from dmuon.state.optimizer_hooks import attach_hooks
-from dmuon.options.table import OPTIMIZER_OPTIONS
+from dmuon.options.table import OPTIMIZER_ATTRIBUTES
 
 # What a pickle keeps besides torch's defaults, state and param_groups: the optimizer's own
-# records and, from the option table, every whole-optimizer option and the optimizer's
-# ``foreach`` / ``fused`` / ``capturable`` (``telemetry`` is kept under its own key, below).
-PICKLED_ATTRIBUTES = (
-    "_muon_defaults", "_adamw_defaults", "_names", "_groups_added",
-    *(name for name in OPTIMIZER_OPTIONS if name != "telemetry"), "foreach", "fused", "capturable",
-)
+# records and, from the option table, the options a DMuon keeps as attributes.
+PICKLED_ATTRIBUTES = ("_muon_defaults", "_adamw_defaults", "_names", "_groups_added", *OPTIMIZER_ATTRIBUTES)
 # The key under which a pickle keeps ``telemetry``. It also tells __setstate__ that it
 # makes a copy: load_state_dict calls it too, with only state and param_groups.
 TELEMETRY_STATE_KEY = "telemetry_enabled"

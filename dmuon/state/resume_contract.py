@@ -3,7 +3,7 @@
 torch's ``Optimizer.load_state_dict`` replaces every group's options with the saved ones, so
 a run resumed with a changed ``ns_steps`` or ``momentum`` silently keeps the old values.
 DMuon's options carry algorithmic meaning (Newton-Schulz steps, QK-clip, NorMuon), so it
-states a contract instead, enforced by a load-state-dict pre-hook (:func:`attach`):
+states a contract instead, enforced by a load-state-dict pre-hook (``dmuon.state.optimizer_hooks``):
 
 * the options in :data:`APPLIED_ON_RESUME` can change between a save and a resume: the
   optimizer's own value (the current configuration) is kept, and each change is logged
@@ -32,7 +32,6 @@ import torch
 
 # Which options a resume applies and which it refuses: each option's row of the table says.
 from dmuon.options.table import ADAMW_KEYS, APPLIED_ON_RESUME, KNOWN_KEYS, LAYOUT_KEYS, MUON_KEYS
-from dmuon.torch_compat import has_optimizer_hook
 
 logger = logging.getLogger("dmuon")
 
@@ -42,12 +41,6 @@ LR, INITIAL_LR = "lr", "initial_lr"
 REFUSAL_FIX = ("Construct DMuon with the options the state was saved with, or do not load this optimizer state "
                "(start it afresh). In TorchTitan: --checkpoint.exclude_from_loading optimizer, plus lr_scheduler "
                "when the number of groups changed.")
-
-
-def attach(optimizer: torch.optim.Optimizer) -> None:
-    """Enforce the contract on ``optimizer.load_state_dict`` (idempotent)."""
-    if not has_optimizer_hook(optimizer, "load_state_dict", apply_resume_contract):
-        optimizer.register_load_state_dict_pre_hook(apply_resume_contract)
 
 
 def apply_resume_contract(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:

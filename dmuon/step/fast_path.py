@@ -1,15 +1,11 @@
 """One ``DMuon``'s fast path: its owner plan, its process group, its step (``dmuon.exchange.owner_exchange``).
 
-A NorMuon group's normalization runs with Newton-Schulz, where the matrix is whole:
-on its owner. Its per-row state is replicated (``dmuon.numerics.functional.normuon_state``):
-the owner reads the rows of the matrices it owns from its own copy, and after the
-exchange ``dmuon.exchange.reductions.share_second_moments`` gives every rank the rows the owners wrote.
-
-Made lazily: the paths (``dmuon.plan.paths``) on first query, the plan at the first
-``step()``. Adding a param group forgets both.
-
-Every step runs every unit of the plan, whatever the grads: a parameter without a usable
-grad on this rank sends its momentum (unchanged), and the device mask of
+NorMuon normalizes on the owner, where the matrix is whole, from its replica of the per-row
+state (``dmuon.numerics.update_rules.normuon_state``); after the exchange
+``dmuon.exchange.reductions.share_second_moments`` gives every rank the rows the owners wrote.
+Made lazily: the paths (``dmuon.plan.paths``) on first query, the plan at the first ``step()``;
+adding a param group forgets both. Every step runs every unit of the plan, whatever the grads (a
+parameter without a usable grad here sends its momentum); the device mask of
 ``dmuon.exchange.grad_status`` decides, on every rank alike, which results are applied.
 """
 
@@ -32,8 +28,7 @@ from dmuon.exchange.reductions import share_second_moments
 from dmuon.step.group_steps import GroupSteps, by_group
 from dmuon.step.converted_momenta import ConvertedMomenta
 from dmuon.state.momentum_state import kept_momentum
-from dmuon.numerics.functional import normuon_state
-from dmuon.numerics.masked_updates import UnitMasks
+from dmuon.numerics.masked_updates import mask_
 from dmuon.numerics.newton_schulz import resolve_ns_algorithm, resolve_ns_dtype
 from dmuon.numerics.standard_iteration import NewtonSchulzBuffers
 from dmuon.numerics.update_rules import compute_copy
@@ -53,26 +48,19 @@ class OwnerRun:
     """The fast-path Muon parameters, their owner plan, and the ranks that run it: what is
     made once per plan (a step's own tensors are :class:`FastStep`'s)."""
 
-    group: dist.ProcessGroup
-    """Every rank of the parameters' meshes (plan rank = rank in this group)."""
+    group: dist.ProcessGroup  # every rank of the parameters' meshes (plan rank = rank in this group)
     rank: int
     params: list[DTensor]
     plan: OwnerPlan
-    device: torch.device
-    """Where this rank's buffers live (the meshes' device)."""
-    blocks: LocalBlocks = field(init=False)
-    """This rank's blocks of the plan's units (views kept with the plan)."""
-    layouts: dict[tuple[int, ...], BatchLayout] = field(default_factory=dict)
-    """Each batch's buffer layout on this rank, made at its first use."""
-    dtypes: list[torch.dtype] = field(init=False)
-    """Each parameter's dtype (read once: a DTensor attribute costs microseconds)."""
-    shared_dtype: torch.dtype | None = field(init=False)
-    """The parameters' dtype when they all have one (None otherwise)."""
+    device: torch.device  # where this rank's buffers live (the meshes' device)
+    blocks: LocalBlocks = field(init=False)  # this rank's blocks of the plan's units (views kept with the plan)
+    layouts: dict[tuple[int, ...], BatchLayout] = field(default_factory=dict)  # each batch's, made at first use
+    dtypes: list[torch.dtype] = field(init=False)  # read once: a DTensor attribute costs microseconds
+    shared_dtype: torch.dtype | None = field(init=False)  # the parameters' one dtype, or None
     wrong_shards: list[int] = field(default_factory=list)
-    """Plan parameters whose local shard here is not the block the plan assumes."""
+    """Plan parameters whose local shard here is not the block the plan assumes; each has a
+    stand-in, zeros of the plan's shape (the step is then masked everywhere, same collectives)."""
     stand_ins: dict[int, torch.Tensor] = field(default_factory=dict)
-    """For each wrong shard: zeros of the plan's shape that take its place in the step
-    (which is then masked on every rank), so the collectives stay the plan's."""
     staging: HostStaging | None = None  # FSDP2's CPU offload: dmuon.exchange.host_staging
     _unpacked: list[int] | None = field(default=None, init=False, repr=False)
 
@@ -82,29 +70,21 @@ class OwnerRun:
         self.shared_dtype = self.dtypes[0] if len(set(self.dtypes)) == 1 else None
 
     def layout(self, batch: tuple[int, ...]) -> BatchLayout:
-        """The layout of ``batch`` (the plan's units of it with a grad), made once; blocks
-        of parameters of different dtypes are packed by separate ops."""
+        """The layout of ``batch``, made once (blocks of each dtype packed by their own ops)."""
         if batch not in self.layouts:
             self.layouts[batch] = make_batch_layout(self.plan, batch, self.rank, lambda j: self.dtypes[j])
         return self.layouts[batch]
 
     def widen(self, recv: torch.Tensor) -> torch.Tensor:
-        """Results in the parameters' dtype (one cast of the receive buffer) where a foreach op
-        needs one dtype for its multi-tensor kernel: an accelerator (a CPU foreach op loops
-        anyway). The same bits: a bf16 value widens exactly, ``add_`` computes in the parameter's."""
+        """Results in the parameters' dtype (one cast of the receive buffer) on an accelerator, whose
+        multi-tensor kernel wants one dtype; the same bits (a bf16 value widens exactly)."""
         if recv.device.type == "cpu" or self.shared_dtype in (None, recv.dtype):
             return recv
         return recv.to(self.shared_dtype)
 
-    def locals(self) -> list[torch.Tensor]:
-        """Each parameter's local tensor (the same objects step after step, unless the
-        parameters were reassigned); a wrong shard's stand-in."""
-        return [self.stand_ins.get(j, local_of(p)) for j, p in enumerate(self.params)]
-
     def unpacked_units(self) -> list[int]:
-        """Units this rank holds a block of but never packs: a replica's blocks outside its
-        owner's replica (they receive the result, they send nothing). Their momentum still
-        takes its EMA each step. Made once per plan."""
+        """Units this rank holds a block of but never packs (a replica's blocks outside its
+        owner's replica: they only receive), whose momentum still takes its EMA. Made once."""
         if self._unpacked is None:
             packed = set()
             for batch in self.plan.batches:
@@ -120,25 +100,19 @@ class OwnerRun:
 
 
 class FastPath:
-    """One optimizer's paths, and its owner plan with the group that runs it.
-
-    One plan serves every fast parameter: ``dmuon.plan.paths`` sends a parameter on a mesh
-    of other ranks to the reference path, so there is never more than one."""
+    """One optimizer's paths, and its one owner plan with the group that runs it (a parameter on
+    a mesh of other ranks takes the reference path, ``dmuon.plan.paths``)."""
 
     def __init__(self, comm: str, max_batch_numel: int, split_replicas: bool | None, ns_dtype: str,
                  link_gbps: float, replica_link_gbps: float) -> None:
-        self.comm = comm
-        self.max_batch_numel = max_batch_numel
-        self.split_replicas = split_replicas
-        self.ns_dtype = ns_dtype
-        self.link_gbps = link_gbps
-        self.replica_link_gbps = replica_link_gbps
+        self.comm, self.max_batch_numel, self.split_replicas = comm, max_batch_numel, split_replicas
+        self.ns_dtype, self.link_gbps, self.replica_link_gbps = ns_dtype, link_gbps, replica_link_gbps
         self.forget()
 
     def forget(self) -> None:
         """Drop the paths and the plan: the Muon parameters changed."""
         self._paths: dict[torch.Tensor, str] | None = None
-        self._run: OwnerRun | None = None
+        self.owner_run: OwnerRun | None = None  # the owner plan with its group and this rank's blocks, once made
         self._planned = False
 
     def paths(self, muon_params: Sequence[torch.Tensor], name_of: Callable[[torch.Tensor], str]
@@ -148,19 +122,8 @@ class FastPath:
             self._paths = choose_paths(muon_params, self.comm, name_of)
         return self._paths
 
-    @property
-    def owner_run(self) -> OwnerRun | None:
-        """The owner plan with its process group and this rank's blocks, once made (None
-        before the first step, or without fast parameters): what the dry run inspects."""
-        return self._run
-
-    def owner_plans(self) -> list[OwnerPlan]:
-        """The one owner plan once made and checked (none before, or without fast parameters)."""
-        return [self._run.plan] if self._run is not None else []
-
     def plan(self, groups_of: Mapping[torch.Tensor, dict[str, Any]], name_of: Callable[[torch.Tensor], str]) -> None:
-        """Plan the fast path, once, at the first step (``groups_of``: each Muon
-        parameter's param group, in order). Runs no collective."""
+        """Plan the fast path once, at the first step (``groups_of``: each Muon parameter's group). No collective."""
         if self._planned:
             return
         paths = self.paths(list(groups_of), name_of)
@@ -169,7 +132,7 @@ class FastPath:
         if fast:
             run = self._make_run(fast, [groups_of[p] for p in fast])
             self._check_shards_agree_with_plan(run)
-            self._run = run
+            self.owner_run = run
         self._planned = True
         for path in PATHS:
             names = [name_of(p) for p, chosen in paths.items() if chosen == path]
@@ -177,8 +140,7 @@ class FastPath:
                 logger.info("DMuon: %d Muon parameter(s) use the %s path: %s", len(names), path, ", ".join(names))
 
     def cost_model(self, device_type: str) -> CostModel:
-        """What the ``split_replicas=None`` choice assumes: this optimizer's network and
-        Newton-Schulz dtype, the model's defaults otherwise."""
+        """What the ``split_replicas=None`` choice assumes: this optimizer's network and Newton-Schulz dtype."""
         return CostModel(ns_dtype=resolve_ns_dtype(self.ns_dtype, device_type), link_gbps=self.link_gbps,
                          replica_link_gbps=self.replica_link_gbps)
 
@@ -204,15 +166,10 @@ class FastPath:
 
     @staticmethod
     def _check_shards_agree_with_plan(run: OwnerRun) -> None:
-        """Find the local shards that are not the block of the parameter the plan assumes.
-
-        The plan reads DTensor's placement rules (``dmuon.plan.layout``); here this rank
-        compares them with DTensor's own answer and with its local tensor's shape, so one
-        built by ``DTensor.from_local`` with custom uneven shards is caught. A host check
-        of this rank's own facts: a wrong shard gets a stand-in of the plan's shape, so
-        this rank still runs the plan's collectives, and :meth:`shard_problem` makes the
-        step masked on every rank and raised here (``dmuon.exchange.grad_status``).
-        """
+        """Find the local shards that are not the block the plan assumes (``dmuon.plan.layout``),
+        against DTensor's own answer and the local tensor's shape (e.g. uneven ``from_local``
+        shards): each gets a stand-in, so this rank runs the plan's collectives, and
+        :meth:`shard_problem` masks the step everywhere and raises here. Host facts only."""
         for j, (param, spec) in enumerate(zip(run.params, run.plan.params)):
             box = spec.layout.boxes(spec.shape)[run.rank]
             with host_tensor_ops():  # DTensor's answer does tensor work on the mesh
@@ -227,35 +184,34 @@ class FastPath:
 
     def shard_problem(self, name_of: Callable[[torch.Tensor], str]) -> str | None:
         """This rank's wrong shards, as the error it raises after each step (None: none)."""
-        if self._run is None or not self._run.wrong_shards:
+        if self.owner_run is None or not self.owner_run.wrong_shards:
             return None
-        names = [name_of(self._run.params[j]) for j in self._run.wrong_shards]
+        names = [name_of(self.owner_run.params[j]) for j in self.owner_run.wrong_shards]
         return (f"sharded parameter shard(s) {names} are not the blocks their placements describe. Shard them "
                 "with FSDP2 or distribute_tensor, or pass use_muon=False for them.")
 
     def step(self, grads: Mapping[torch.Tensor, torch.Tensor], oks: Mapping[torch.Tensor, torch.Tensor],
              groups: Mapping[torch.Tensor, dict[str, Any]], state: Mapping[torch.Tensor, dict[str, Any]],
              steps: GroupSteps, stats: CommStats, meter: ScratchMeter) -> None:
-        """The fast path's step for every parameter of the plan, whatever its grad
-        (:class:`FastStep`); everything masked by ``oks`` (each parameter's 0-dim bool on the
-        device, made by the step's wait)."""
-        if self._run is None:
+        """The fast path's step of every plan parameter, whatever its grad (:class:`FastStep`),
+        under ``oks`` (each parameter's 0-dim device bool, made by the step's wait)."""
+        if (run := self.owner_run) is None:
             return
-        run = self._run
         fast = FastStep(run, grads, oks, groups, state, steps)
         run_owner_plan(run.plan, group=run.group, rank=run.rank, device=run.device, callbacks=fast.callbacks(),
                        stats=stats, meter=meter, staging=run.staging)
-        fast.share_second_moments()
+        # After the exchange: every rank gets the NorMuon rows the owners wrote.
+        share_second_moments(run.plan, run.rank, fast.rows, run.group, run.device)
+        if run.staging is not None:
+            run.staging.moments_down(fast.rows, fast.moments)
 
 
 class FastStep:
-    """One step of the fast path, and what its batches share: the momentum EMA of every local
-    shard kept in its parameter's dtype first (one list op per group; the others' as their
-    blocks are packed: ``dmuon.step.converted_momenta``), then, batch by batch as the owner
-    exchange calls its methods (``dmuon.exchange.owner_exchange``), the Nesterov look-ahead
-    packed as blocks travel (:meth:`pack_blocks`), Newton-Schulz on the owner
-    (:meth:`orthogonalize`) and the update of the local rows as results come back
-    (:meth:`apply_blocks`), each a list op per batch."""
+    """One step of the fast path: the momentum EMA of every local shard kept in its parameter's
+    dtype first (one list op per group; the others' as their blocks are packed,
+    ``dmuon.step.converted_momenta``), then per batch, as the owner exchange calls its methods,
+    the look-ahead packed (:meth:`pack_blocks`), Newton-Schulz on the owner (:meth:`orthogonalize`)
+    and the apply to the local rows as results come back (:meth:`apply_blocks`)."""
 
     def __init__(self, run: OwnerRun, grads: Mapping[torch.Tensor, torch.Tensor],
                  oks: Mapping[torch.Tensor, torch.Tensor], groups: Mapping[torch.Tensor, dict[str, Any]],
@@ -267,10 +223,9 @@ class FastStep:
         self.local_grads, local_bufs, self.converted = self.momentum_step(grads, state)
         # Zeros made for a parameter with no state yet must not outlive the step: not kept.
         self.bufs = run.blocks.kept("momentum_buffer", local_bufs, keep=not self.made_zeros)
-        self.targets = run.blocks.kept("param", run.locals(), flat=True)
+        self.targets = run.blocks.kept("param", [run.local(j, p) for j, p in enumerate(run.params)], flat=True)
         self.moments, self.rows = self.second_moments(state)  # staged after the masks' wait (host_staging)
         self.lists = steps.lists_for_all(run.device, self.groups)  # for the ops spanning the plan's groups
-        self.masks = UnitMasks(self.ok, [u.param for u in run.plan.units], self.lists)
         self.grad_blocks: dict[int, list[torch.Tensor]] = {}  # this step's grads, split on first use
         self.converted.unpacked(run.unpacked_units(), self.grad_blocks)
         self.buffers = NewtonSchulzBuffers()  # kept through a batch's Newton-Schulz, released after it
@@ -278,10 +233,8 @@ class FastStep:
     def momentum_step(self, grads: Mapping[torch.Tensor, torch.Tensor], state: Mapping[torch.Tensor, dict[str, Any]]
                       ) -> tuple[list[torch.Tensor], list[torch.Tensor | None], ConvertedMomenta]:
         """Each parameter's local grad; its momentum after this step's EMA (one list op per group,
-        where its mask holds) where the momentum is its own working tensor (kept in the
-        parameter's dtype, updated in place; zeros before its state exists; a wrong shard's
-        stand-in), None where it is kept in another dtype; and those others, whose EMA runs a
-        few blocks at a time as they are packed (:meth:`ConvertedMomenta.blocks`)."""
+        under the masks) where it is kept in the parameter's dtype (zeros before its state exists;
+        a wrong shard's stand-in), else None; and the others, taking their EMA as packed."""
         run, oks, groups = self.run, self.here, self.groups
         local_bufs: list[torch.Tensor | None] = [None] * len(run.params)
         self.made_zeros = False
@@ -310,9 +263,9 @@ class FastStep:
 
     def second_moments(self, state: Mapping[torch.Tensor, dict[str, Any]]
                        ) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]:
-        """The NorMuon rows of this rank's state (zeros before it exists: the sum sharing them
-        has one size everywhere), and where Newton-Schulz reads and writes them (staged up)."""
-        moments = {j: m if (m := GroupSteps.second_moment(p, state)) is not None else local_of(normuon_state(p))
+        """The NorMuon rows of this rank's state (zeros before it exists), and where Newton-Schulz
+        reads and writes them (staged up)."""
+        moments = {j: GroupSteps.second_moment(p, state)
                    for j, (p, group) in enumerate(zip(self.params, self.groups)) if group["normuon"]}
         return moments, moments if self.run.staging is None else self.run.staging.moments_up(moments)
 
@@ -345,16 +298,13 @@ class FastStep:
         self.steps.apply_many([self.params[j] for j in param_of], [self.targets[i] for i in units], orthos,
                               [self.groups[j] for j in param_of], [self.here[j] for j in param_of])
 
+    def zero_masked(self, units: Sequence[int], results: Sequence[torch.Tensor]) -> None:
+        """The results of ``units`` set to ``+0.0`` where their parameter's mask is False, on the owner."""
+        mask_(results, [self.ok[self.run.plan.units[i].param] for i in units], self.lists)
+
     def callbacks(self) -> Callbacks:
         """These methods, as the owner exchange calls them."""
         run = self.run
         return Callbacks(self.pack_blocks, self.update_of, self.orthogonalize, self.apply_blocks, run.layout,
-                         run.widen if self.lists else Callbacks.widen, self.masks.zero_masked,
+                         run.widen if self.lists else Callbacks.widen, self.zero_masked,
                          self.buffers.release)
-
-    def share_second_moments(self) -> None:
-        """After the exchange: every rank gets the NorMuon rows the owners wrote."""
-        run = self.run
-        share_second_moments(run.plan, run.rank, self.rows, run.group, run.device)
-        if run.staging is not None:
-            run.staging.moments_down(self.rows, self.moments)

@@ -5,38 +5,30 @@
 - ``step_s``: wall time of the whole ``step()`` on this rank;
 - ``newton_schulz_s``: the part of it spent in Newton-Schulz on this rank;
 - ``bytes_sent``: bytes this rank's fast path sent during the step;
-- ``muon_update_rms`` / ``adamw_update_rms``: RMS of the weight change ``W_after - W_before``
-  (learning rate, shape scale and weight decay included) over every element of the Muon
-  (resp. AdamW) parameters, all ranks together;
+- ``muon_update_rms`` / ``adamw_update_rms``: RMS of the weight change ``W_after - W_before`` (learning rate, shape
+  scale and weight decay included) over every element of the Muon (resp. AdamW) parameters, all ranks together;
 - ``muon_weight_rms`` / ``adamw_weight_rms``: RMS of the weights after the step, likewise;
-- ``max_logit`` / ``qk_clipped_heads``: with QK-clip, the largest attention logit of
-  the step's forward passes over every rank (before clipping) and how many heads were
-  clipped (``dmuon.attention.clipping``; NaN and 0 without QK-clip). Already reduced by the
-  clip's own collective: they cost nothing more.
-
-``optimizer.telemetry()`` returns the last step's ``StepFigures`` (``None`` when telemetry
-is off or before the first step). It is a local call: any rank may read it, or none.
+- ``max_logit`` / ``qk_clipped_heads``: with QK-clip, the largest attention logit of the step's forward passes over
+  every rank (before clipping) and how many heads were clipped (``dmuon.attention.clipping``; NaN and 0 without
+  QK-clip). Already reduced by the clip's own collective: they cost nothing more.
 
 Cost, and why it stays small:
 
-- the sums of squares are kept on the parameters' device and reduced across ranks with
-  one ``all_reduce`` of 6 numbers at the end of ``step()``, issued asynchronously; it is
-  only waited for, and copied to the host, when ``telemetry()`` is read (TorchTitan reads
-  it where it already synchronizes to print the loss and grad norm);
-- the weight change is measured, not modelled, one block at a time: each Muon block
-  (and each AdamW group's local shards) is copied before its update and compared after,
-  in place in the copy, which is then freed: the extra memory is one block, or the AdamW
-  group's local shards; norms are taken in the weights' dtype and summed in float64;
-- times come from ``time.perf_counter`` on CPU and from CUDA events on GPU (so no
-  synchronization is added during the step; the events are read with the figures).
+- the sums of squares are kept on the parameters' device and reduced across ranks with one ``all_reduce`` of 6
+  numbers at the end of ``step()``, issued asynchronously; it is only waited for, and copied to the host, when
+  ``telemetry()`` is read (TorchTitan reads it where it already synchronizes to print the loss and grad norm);
+- the weight change is measured, not modelled, one block at a time: each Muon block (and each AdamW group's local
+  shards) is copied before its update and compared after, in place in the copy, which is then freed: the extra
+  memory is one block, or the AdamW group's local shards; norms are taken in the weights' dtype and summed in
+  float64;
+- times come from ``time.perf_counter`` on CPU and from CUDA events on GPU (so no synchronization is added during
+  the step; the events are read with the figures).
 
-Which ranks take part: the reduction runs on the default process group, so every rank
-must step its ``DMuon`` the same number of times (any data- or pipeline-parallel loop
-does). RMS figures count each element once per rank that holds it: exact for FSDP
-(each element on one rank) and single process; with replicas (HSDP, DDP) a replicated
-element counts once per copy, which leaves the RMS unchanged when every element has the
-same number of copies. Times and bytes are this rank's own.
-"""
+Which ranks take part: the reduction runs on the default process group, so every rank must step its ``DMuon`` the
+same number of times (any data- or pipeline-parallel loop does). RMS figures count each element once per rank that
+holds it: exact for FSDP (each element on one rank) and single process; with replicas (HSDP, DDP) a replicated
+element counts once per copy, which leaves the RMS unchanged when every element has the same number of copies. Times
+and bytes are this rank's own."""
 
 from __future__ import annotations
 
@@ -83,27 +75,16 @@ class StepFigures:
         def rms(square_sum: float, numel: float) -> float:
             return (square_sum / numel) ** 0.5 if numel else 0.0
 
-        return cls(
-            step_s=step_s,
-            newton_schulz_s=newton_schulz_s,
-            bytes_sent=bytes_sent,
-            muon_update_rms=rms(sums[_MUON_DELTA_SQ], sums[_MUON_NUMEL]),
-            muon_weight_rms=rms(sums[_MUON_WEIGHT_SQ], sums[_MUON_NUMEL]),
-            adamw_update_rms=rms(sums[_ADAMW_DELTA_SQ], sums[_ADAMW_NUMEL]),
-            adamw_weight_rms=rms(sums[_ADAMW_WEIGHT_SQ], sums[_ADAMW_NUMEL]),
-            square_sums=tuple(sums),
-            max_logit=max_logit,
-            qk_clipped_heads=qk_clipped_heads,
-        )
+        return cls(step_s, newton_schulz_s, bytes_sent, rms(sums[_MUON_DELTA_SQ], sums[_MUON_NUMEL]),
+                   rms(sums[_MUON_WEIGHT_SQ], sums[_MUON_NUMEL]), rms(sums[_ADAMW_DELTA_SQ], sums[_ADAMW_NUMEL]),
+                   rms(sums[_ADAMW_WEIGHT_SQ], sums[_ADAMW_NUMEL]), tuple(sums), max_logit, qk_clipped_heads)
 
     @classmethod
     def combine(cls, parts: Sequence[StepFigures]) -> StepFigures:
-        """Figures of several optimizers stepped one after the other on this rank (one per
-        pipeline stage it holds): times and bytes add up, RMS come from the added sums."""
+        """Figures of several optimizers stepped one after the other on this rank (one per pipeline stage it
+        holds): times and bytes add up, RMS come from the added sums."""
         return cls.from_sums(
-            sum(p.step_s for p in parts),
-            sum(p.newton_schulz_s for p in parts),
-            sum(p.bytes_sent for p in parts),
+            sum(p.step_s for p in parts), sum(p.newton_schulz_s for p in parts), sum(p.bytes_sent for p in parts),
             [sum(values) for values in zip(*(p.square_sums for p in parts))],
             max((p.max_logit for p in parts if not math.isnan(p.max_logit)), default=math.nan),
             sum(p.qk_clipped_heads for p in parts),
@@ -153,32 +134,20 @@ class _StepRecord:
         if self.pending is not None:
             self.pending.wait()
             self.pending = None
-        return StepFigures.from_sums(
-            self.clock.seconds(self.start, self.end),
-            sum(self.clock.seconds(s, e) for s, e in self.ns_marks),
-            self.bytes_sent,
-            self.sums.tolist(),
-            *(() if self.qk_clip is None else (float(self.qk_clip[0]), int(self.qk_clip[1]))),
-        )
+        return StepFigures.from_sums(self.clock.seconds(self.start, self.end),
+                                     sum(self.clock.seconds(s, e) for s, e in self.ns_marks), self.bytes_sent,
+                                     self.sums.tolist(),
+                                     *(() if self.qk_clip is None else (float(self.qk_clip[0]), int(self.qk_clip[1]))))
 
 
 class Telemetry:
-    """What one ``DMuon`` records during a step; disabled, every hook is a no-op.
-
-    The optimizer calls ``begin_step`` / ``end_step`` around ``step()``, wraps each
-    Newton-Schulz call in ``newton_schulz()``, and each weight update in
-    ``muon_update(block)`` / ``adamw_update(params)``. Only a step that reached
-    ``end_step`` is reported: one that raised (a rejected grad) leaves the last
-    complete step's figures in place.
-    """
+    """What one ``DMuon`` records during a step; disabled, every hook is a no-op."""
 
     def __init__(self, enabled: bool) -> None:
         self.enabled = enabled
         self._current: _StepRecord | None = None  # the step in progress
         self._finished: _StepRecord | None = None  # the last complete step
         self._figures: StepFigures | None = None  # its figures, once read
-
-    # -------------------------------------------------------------- hooks
 
     def begin_step(self, device: torch.device, bytes_sent_so_far: int) -> None:
         if not self.enabled:
@@ -192,9 +161,9 @@ class Telemetry:
                                     bytes_sent_so_far)
 
     def end_step(self, bytes_sent_so_far: int, complete: bool = True) -> None:
-        """Start the step's reduction; every ``step()`` calls it, one that raises too, so
-        every rank runs the same collectives. A step that raises (``complete=False``) is not
-        reported: the last complete step's figures stay."""
+        """Start the step's reduction; every ``step()`` calls it, one that raises too, so every rank runs the
+        same collectives. A step that raises (``complete=False``) is not reported: the last complete step's
+        figures stay."""
         record = self._current
         if record is None:
             return
@@ -225,32 +194,19 @@ class Telemetry:
         yield
         record.ns_marks.append((start, record.clock.mark()))
 
-    def muon_update(self, block: torch.Tensor) -> contextlib.AbstractContextManager[None]:
-        """Around the in-place update of one Muon block (a local shard or a part of it)."""
-        return self.muon_updates([block])
-
-    def muon_updates(self, blocks: Sequence[torch.Tensor]) -> contextlib.AbstractContextManager[None]:
-        """Around the in-place update of Muon blocks (local shards or parts of them)."""
-        return self._around(_MUON_DELTA_SQ, _MUON_WEIGHT_SQ, _MUON_NUMEL, blocks)
-
-    def adamw_update(self, params: Sequence[torch.Tensor]) -> contextlib.AbstractContextManager[None]:
-        """Around one AdamW group's in-place step (``params``: the rank's local tensors)."""
-        return self._around(_ADAMW_DELTA_SQ, _ADAMW_WEIGHT_SQ, _ADAMW_NUMEL, params)
-
     @contextlib.contextmanager
-    def _around(self, delta_at: int, weight_at: int, numel_at: int, tensors: Sequence[torch.Tensor]) -> Iterator[None]:
-        """Copies of ``tensors`` before the update, their change and size added after."""
+    def updates(self, muon: bool, tensors: Sequence[torch.Tensor]) -> Iterator[None]:
+        """Around the in-place update of Muon blocks (local shards or parts of them) or of one AdamW group's local
+        tensors: copies of ``tensors`` before it, their change and size added after."""
+        delta_at, weight_at, numel_at = (_MUON_DELTA_SQ, _MUON_WEIGHT_SQ, _MUON_NUMEL) if muon else \
+            (_ADAMW_DELTA_SQ, _ADAMW_WEIGHT_SQ, _ADAMW_NUMEL)
         if self._current is None:
             yield
             return
         befores = [t.clone() for t in tensors]
         yield
-        self._add(delta_at, weight_at, numel_at, list(zip(befores, tensors)))
-
-    def _add(self, delta_at: int, weight_at: int, numel_at: int,
-             pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         sums = self._current.sums
-        for before, after in pairs:
+        for before, after in list(zip(befores, tensors)):
             if after.is_complex():  # count real and imaginary parts as elements
                 before, after = torch.view_as_real(before), torch.view_as_real(after)
             delta = before.sub_(after)  # the copy is ours: reuse it (the sign does not matter)
@@ -258,8 +214,6 @@ class Telemetry:
             sums[delta_at] += torch.linalg.vector_norm(delta).double().square()
             sums[weight_at] += torch.linalg.vector_norm(after).double().square()
             sums[numel_at] += after.numel()
-
-    # -------------------------------------------------------------- reading
 
     def last_step(self) -> StepFigures | None:
         """The last complete step's figures (waits for the reduction that step started)."""

@@ -131,9 +131,9 @@ CORE = [
     Mutant(
         name="settle-forgets-the-undo",
         guarantee="a checkpoint written after a skipped step holds the state of a run that never took it",
-        path="dmuon/step/phases.py",
-        old="        if self.grad_status.settle():\n            self.rollback.undo()",
-        new="        if self.grad_status.settle():\n            pass",
+        path="dmuon/state/optimizer_hooks.py",
+        old="    if phases.grad_status.settle():\n        phases.rollback.undo()",
+        new="    if phases.grad_status.settle():\n        pass",
         tests=(SKIP_TESTS,),
     ),
     # ---- state loading and dtypes: dmuon/state/loading.py, dmuon/options/device_hyperparameters.py
@@ -161,27 +161,27 @@ CORE = [
         new="                    pass",
         tests=("tests/test_capturable.py", "-k", "load or checkpoint"),
     ),
-    # ---- capturable scalars and their dtypes: dmuon/numerics/device_scalars.py, update_lists.py
+    # ---- capturable scalars and their dtypes: dmuon/numerics/device_scalars.py, update_rules.py
     Mutant(
         name="keep-made-in-fp32-then-widened",  # survivor 2
         guarantee="capturable=True steps with the bits of capturable=False (the products are the host's numbers)",
         path="dmuon/numerics/device_scalars.py",
-        old="lambda: keep_of(lr, weight_decay))",
+        old="lambda: 1 - lr * weight_decay)",
         new="lambda: (1 - lr.float() * weight_decay.float()).double())",
         tests=("tests/test_device_scalars.py", "-k", "products"),
     ),
     Mutant(
         name="alpha-read-in-fp32-by-narrow-cpu-targets",
         guarantee="capturable=True steps with the bits of capturable=False (add_'s alpha read as add_ reads it)",
-        path="dmuon/numerics/device_scalars.py",
-        old='    if device_type == "cpu" and dtype in _NARROW:',
+        path="dmuon/numerics/update_rules.py",
+        old='    if device_type == "cpu" and dtype in (torch.bfloat16, torch.float16):',
         new="    if False:",
         tests=("tests/test_capturable.py", "-k", "alpha or scaled_add"),
     ),
     Mutant(
         name="capturable-masked-decay-unmasked",  # survivor 1
         guarantee="skip_nonfinite under capturable: a skipped step decays no parameter",
-        path="dmuon/numerics/update_lists.py",
+        path="dmuon/numerics/update_rules.py",
         old="    if ok is not None:\n        return scalars.masked(keep, opmath, ok), False",
         new="    if ok is not None and not capturable:\n        return scalars.masked(keep, opmath, ok), False",
         tests=(SKIP_TESTS, "-k", "capturable"),
@@ -189,7 +189,7 @@ CORE = [
     Mutant(
         name="capturable-step-reads-weight-decay-on-the-host",
         guarantee="a capturable step reads no hyperparameter on the host (a comparison's bool included)",
-        path="dmuon/numerics/update_lists.py",
+        path="dmuon/numerics/update_rules.py",
         old="    keep = keep_factor(lr, weight_decay, scalars, capturable)",
         new=("    if capturable and bool(weight_decay == 0):  # skip the decay at 0, as the float step does\n"
              "        weight_decay = torch.zeros_like(weight_decay)\n"
@@ -199,9 +199,9 @@ CORE = [
     Mutant(
         name="fp64-parameters-decay-in-fp32",
         guarantee="DMuon's update equals torch.optim.Muon's bit for bit (an fp64 parameter's decay in fp64)",
-        path="dmuon/numerics/device_scalars.py",
-        old="    return torch.float64 if dtype in (torch.float64, torch.complex128) else torch.float32",
-        new="    return torch.float32",
+        path="dmuon/numerics/update_rules.py",
+        old="    opmath = torch.float64 if dtype in (torch.float64, torch.complex128) else torch.float32",
+        new="    opmath = torch.float32",
         tests=("tests/test_device_scalars.py", "-k", "fp64"),
     ),
     Mutant(

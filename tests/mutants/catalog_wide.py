@@ -56,8 +56,8 @@ WIDE = [
         guarantee="QK-clip measures the training step's logits: forwards under no_grad (evaluation) are not "
                   "counted (docs/optimizer.md, QK-clip, Measuring).",
         path="dmuon/attention/max_logits.py",
-        old="if not self.enabled or not torch.is_grad_enabled():",
-        new="if not self.enabled:",
+        old="return self.enabled and torch.is_grad_enabled()",
+        new="return self.enabled",
         tests=("tests/test_qk_clip.py::test_evaluation_forwards_are_not_counted",),
     ),
     # ------------------------------------------------ the owner plan and exchange (dmuon/plan, dmuon/exchange)
@@ -119,6 +119,16 @@ WIDE = [
         path="dmuon/state/pickling.py",
         old="        self.defaults.pop(\"differentiable\", None)\n",
         new="",
+        tests=("tests/test_torch_optim_contract.py::"
+               "test_copied_optimizer_steps_bitwise_like_the_original_as_torch_optimizers_do",),
+    ),
+    Mutant(
+        name="pickle-leaves-out-the-flags-the-table-derives",
+        guarantee="What a copy or pickle keeps is derived from the option table: every whole-optimizer option and "
+                  "torch's flags that have a path (foreach, fused, capturable), so a copy steps as the original.",
+        path="dmuon/options/table.py",
+        old="    o.scope is Scope.OPTIMIZER or (o.scope is Scope.FLAG and o.check is not _no_path)))",
+        new="    o.scope is Scope.OPTIMIZER))",
         tests=("tests/test_torch_optim_contract.py::"
                "test_copied_optimizer_steps_bitwise_like_the_original_as_torch_optimizers_do",),
     ),
@@ -198,7 +208,7 @@ WIDE = [
         name="per-tensor-apply-skips-the-last-tensor",
         guarantee="The for-loop form of Muon's apply (foreach=False) gives every tensor the bits the list form "
                   "gives it.",
-        path="dmuon/numerics/update_lists.py",
+        path="dmuon/numerics/update_rules.py",
         old="                for param, ortho in zip(ps, us):\n                    param.add_(ortho, alpha=alpha)",
         new="                for param, ortho in zip(ps[:-1], us):\n                    param.add_(ortho, alpha=alpha)",
         tests=("tests/test_update_lists.py::test_the_update_as_list_ops_is_bitwise_the_per_tensor_rule",
@@ -208,7 +218,7 @@ WIDE = [
         name="foreach-false-lookahead-takes-a-list-op",
         guarantee="foreach=False runs every update rule per tensor: no torch._foreach_* rule on the Muon "
                   "parameters' path.",
-        path="dmuon/numerics/update_lists.py",
+        path="dmuon/numerics/update_rules.py",
         old="    if not (foreach and nesterov):",
         new="    if not nesterov:",
         tests=("tests/test_bad_input_regressions.py::test_foreach_false_runs_every_update_rule_per_tensor",),
@@ -248,8 +258,8 @@ WIDE = [
         name="nesterov-lookahead-operands-swapped",
         guarantee="With Nesterov Muon orthogonalizes lerp(G, buf, momentum), torch.optim.Muon's look-ahead.",
         path="dmuon/numerics/update_rules.py",
-        old="return grad.lerp(buf, momentum) if nesterov else buf",
-        new="return buf.lerp(grad, momentum) if nesterov else buf",
+        old="[grad.lerp(buf, momentum) if nesterov else buf for",
+        new="[buf.lerp(grad, momentum) if nesterov else buf for",
         tests=("tests/test_update_rules.py::test_muon_momentum_with_nesterov_matches_hand_formula",
                "tests/test_update_lists.py::test_lookahead_of_a_list_is_bitwise_the_per_tensor_rule"),
     ),
@@ -315,7 +325,7 @@ WIDE = [
         guarantee="A checkpoint saved with another momentum_dtype is converted on load: the run goes on in the "
                   "form its optimizer asks for, from the momentum the checkpoint held (issue 51).",
         path="dmuon/state/momentum_state.py",
-        old="            if _held_as(values, scales) == _held_as_for(target, param.dtype):",
+        old="            if held == wanted:",
         new="            if True:",
         tests=("tests/test_momentum_dtype.py::test_an_int8_checkpoint_resumed_without_it_reads_the_momentum_it_held",),
     ),
@@ -334,7 +344,7 @@ WIDE = [
         guarantee="Off the fast path a low-precision momentum is read, updated and stored a chunk at a time, "
                   "so its parameter-dtype copies never hold more than one chunk (issue 59, item 2).",
         path="dmuon/state/momentum_state.py",
-        old="    if all(_is_own_working(kept_momentum(state), like) for state, like in zip(states, likes)):",
+        old="    if all(m is None or (m[1] is None and m[0].dtype == like.dtype) for m, like in zip(kept, likes)):",
         new="    if True:",
         tests=("tests/test_momentum_working_copies.py::"
                "test_plain_tensors_momenta_are_read_a_chunk_at_a_time_and_none_is_kept",),
@@ -373,7 +383,7 @@ WIDE = [
         name="empty-first-shard-opens-no-chunk",
         guarantee="An empty local shard first in a list (a matrix with fewer rows than ranks) steps like any "
                   "other with foreach=True (issue 60, item 2).",
-        path="dmuon/numerics/update_lists.py",
+        path="dmuon/numerics/update_rules.py",
         old="        if not chunks or (chunks[-1] and size + numel > limit):",
         new="        if size + numel > limit or not chunks and numel:",
         tests=("tests/test_update_lists.py::test_a_masked_momentum_list_with_empty_tensors_first_in_each_dtype_steps",),
@@ -457,18 +467,18 @@ WIDE = [
         name="bf16-apply-rounds-by-position",
         guarantee="A bf16 parameter's row shards get the whole matrix's update bits: no element's rounding "
                   "depends on where it sits in the local tensor (issue 60, item 3: CPU add_'s scalar loop).",
-        path="dmuon/numerics/update_lists.py",
-        old="            if _add_rounds_by_position(ps[0], us[0]):",
-        new="            if False:",
+        path="dmuon/numerics/update_rules.py",
+        old="        if not (capturable or (ps[0].device.type == \"cpu\"",
+        new="        if not (capturable or (False",
         tests=("tests/test_update_lists.py", "-k", "row_shards_is_the_whole_matrix"),
     ),
     Mutant(
         name="mixed-dtype-apply-through-a-list-op",
         guarantee="A bf16 result applied to an fp32 weight goes per tensor, as torch's list op would fall back "
                   "to: no list op off the multi-tensor route (issue 59, item 3).",
-        path="dmuon/numerics/update_lists.py",
-        old="        if not foreach or _off_the_route(ts, us):",
-        new="        if not foreach:",
+        path="dmuon/numerics/update_rules.py",
+        old="        per_tensor = not foreach or (ps[0].device.type != \"cpu\" and us[0].dtype != ps[0].dtype)",
+        new="        per_tensor = not foreach",
         tests=("tests/test_device_scalars.py", "-k", "fp32_weights_calls_no_list_op"),
     ),
     # ------------------------------------------------ the captured step (issue 59, item 7's survivors)
@@ -505,8 +515,8 @@ WIDE = [
         name="masked-local-step-applies-unzeroed-results",
         guarantee="Off the owner exchange, a masked parameter's result is zeroed before the masked apply, so a "
                   "NaN result changes nothing where the mask does not hold (one Muon step, masks or none).",
-        path="dmuon/numerics/functional.py",
-        old="        if ok is not None:\n            mask_([ortho], ok, foreach)\n",
+        path="dmuon/step/group_steps.py",
+        old="            if ok is not None:\n                mask_([ortho], ok, foreach)\n",
         new="",
         tests=("tests/test_skip_nonfinite.py",),
     ),

@@ -28,8 +28,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch.nn as nn
-from dmuon import DMuon
-from dmuon.step.telemetry import StepFigures
+from dmuon import DMuon, StepFigures
 
 from torchtitan.components.optimizer import OptimizersContainer
 from torchtitan.tools.logging import logger

@@ -13,9 +13,8 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-from dmuon.numerics.newton_schulz import NS_COEFFICIENT_SETS
-from dmuon.numerics.update_rules import ADJUST_LR_CHOICES as DMUON_ADJUST_LR_CHOICES
-from dmuon.options.table import DEFAULTS, OPTIONS
+from dmuon import ADJUST_LR_CHOICES as DMUON_ADJUST_LR_CHOICES, NS_COEFFICIENT_SETS
+from dmuon.options import DEFAULTS, OPTIONS
 
 from ..implementation import dmuon_implementation, IMPLEMENTATIONS_0_2
 

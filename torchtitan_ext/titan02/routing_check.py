@@ -5,9 +5,10 @@ checkpoint's metadata (and the few group values that decide the layout), before
 TorchTitan's ``dcp.load``, on every rank alike:
 
 * an optimizer switch (AdamW <-> DMuon): the checkpoint has, or lacks, DMuon's group keys;
-* NorMuon turned on or off: the checkpoint lacks, or has, ``normuon_second_moment``;
-* head splitting toggled: the saved ``split_rows`` differ (the number of groups changes, so
-  the LR scheduler's state must be left out too);
+* a changed value of a key that decides the state's layout (the option table's
+  ``LAYOUT_KEYS``: ``normuon``, ``split_rows`` set by ``split_attention_heads``); where only
+  some matrices changed, the number of groups changes, so the LR scheduler's state must be
+  left out too;
 * a different Muon/AdamW routing (below).
 
 Options that may change on resume are applied by DMuon's own ``load_state_dict``
@@ -35,15 +36,18 @@ from torchtitan.components.lr_scheduler import LRSchedulersContainer
 from torchtitan.components.optimizer import OptimizersContainer
 from torchtitan.tools.logging import logger
 
+from dmuon.options import LAYOUT_KEYS
+
 from ..routing import unwrapped_name
 from ..versions import require_tested
 from .container import DMuonOptimizersContainer
 
 _GROUPS_PREFIX = "optimizer.param_groups."
 _STATE_PREFIX = "optimizer.state."
-# The state NorMuon adds to each Muon matrix, and the group key head splitting sets.
-_NORMUON_STATE = "normuon_second_moment"
-_SPLIT_ROWS = "split_rows"
+# The group keys a resume refuses to change (the routing, use_muon, is check_routing's), and
+# the [optimizer] field that sets one where its name is not the key's.
+_LAYOUT_KEYS = tuple(key for key in LAYOUT_KEYS if key != "use_muon")
+_FIELD_OF = {"split_rows": "split_attention_heads"}
 # The fixes, as TorchTitan's command line spells them.
 EXCLUDE_OPTIMIZER = "--checkpoint.exclude_from_loading optimizer"
 EXCLUDE_OPTIMIZER_AND_SCHEDULER = "--checkpoint.exclude_from_loading optimizer,lr_scheduler"
@@ -95,41 +99,44 @@ def check_switch(container: Any, checkpoint_id: str) -> None:
     )
 
 
-def _saved_split_rows(checkpoint_id: str, names: list[str], keys: set[str]) -> dict[str, Any]:
-    """The saved ``split_rows`` of the Muon parameters ``names`` (DCP keeps group values as
-    pickled bytes; one small load, on every rank alike)."""
-    wanted = {f"param_groups.{n}.{_SPLIT_ROWS}": None for n in names
-              if f"{_GROUPS_PREFIX}{n}.{_SPLIT_ROWS}" in keys}
+def _saved_layout(checkpoint_id: str, names: list[str], keys: set[str]) -> dict[tuple[str, str], Any]:
+    """``{(fqn, key): saved value}`` of the layout keys of the Muon parameters ``names`` (DCP
+    keeps group values as pickled bytes; one small load, on every rank alike)."""
+    wanted = {f"param_groups.{n}.{k}": (n, k) for n in names for k in _LAYOUT_KEYS
+              if f"{_GROUPS_PREFIX}{n}.{k}" in keys}
     if not wanted:
         return {}
-    holder = {"optimizer": wanted}
+    holder = {"optimizer": dict.fromkeys(wanted)}
     dcp.load(holder, checkpoint_id=checkpoint_id)
-    return {k[len("param_groups."):-len(_SPLIT_ROWS) - 1]: v for k, v in holder["optimizer"].items()}
+    return {wanted[k]: v for k, v in holder["optimizer"].items()}
+
+
+def _toml(value: Any) -> str:
+    return "unset" if value is None else str(value).lower() if isinstance(value, bool) else repr(value)
 
 
 def check_layout(container: DMuonOptimizersContainer, checkpoint_id: str) -> None:
-    """Refuse NorMuon toggled and head splitting toggled, naming the [optimizer] field."""
+    """Refuse a changed layout key (NorMuon or head splitting toggled), naming the [optimizer] field."""
     keys = _metadata_keys(checkpoint_id)
-    muon = {_dcp_name(o, p): (bool(g.get("normuon")), g.get(_SPLIT_ROWS)) for o in container.optimizers
-            for g in o.param_groups if g["use_muon"] for p in g["params"]}
-    muon = {n: v for n, v in muon.items() if f"{_GROUPS_PREFIX}{n}.use_muon" in keys}
-    problems = []
-    saved_normuon = {n for n in muon if f"{_STATE_PREFIX}{n}.{_NORMUON_STATE}" in keys}
-    now_normuon = {n for n, (on, _) in muon.items() if on}
-    if saved_normuon != now_normuon:
-        problems.append(f"normuon = {str(bool(now_normuon)).lower()} now, {str(bool(saved_normuon)).lower()} in "
-                        f"the checkpoint ({_NORMUON_STATE} is a state of its own)")
-    saved_rows = _saved_split_rows(checkpoint_id, sorted(muon), keys)
-    split = sorted(n for n, rows in saved_rows.items() if rows != muon[n][1])
-    if split:
-        problems.append(f"split_attention_heads changed ({len(split)} matrices, e.g. {split[0]}: split_rows "
-                        f"{saved_rows[split[0]]} saved, {muon[split[0]][1]} now): the number of param groups changes")
+    muon = {_dcp_name(o, p): g for o in container.optimizers for g in o.param_groups if g["use_muon"]
+            for p in g["params"]}
+    muon = {n: g for n, g in muon.items() if f"{_GROUPS_PREFIX}{n}.use_muon" in keys}
+    saved = _saved_layout(checkpoint_id, sorted(muon), keys)
+    problems, regroup = [], False
+    for key in _LAYOUT_KEYS:
+        changed = sorted(n for (n, k), value in saved.items() if k == key and value != muon[n].get(key))
+        if changed:
+            first = changed[0]
+            regroup |= len(changed) < len(muon)  # some matrices only: they change group
+            problems.append(f"{_FIELD_OF.get(key, key)} changed ({key} = {_toml(muon[first].get(key))} now, "
+                            f"{_toml(saved[first, key])} in the checkpoint; {len(changed)} matrices, e.g. {first})")
     if problems:
-        fix = EXCLUDE_OPTIMIZER_AND_SCHEDULER if split else EXCLUDE_OPTIMIZER
+        fix = EXCLUDE_OPTIMIZER_AND_SCHEDULER if regroup else EXCLUDE_OPTIMIZER
+        groups = ": the number of param groups changes" if regroup else ""
         raise ValueError(
             f"DMuon: the checkpoint {checkpoint_id} was saved with a different optimizer layout: "
-            f"{'; '.join(problems)}. These [optimizer] fields cannot change on resume: set them back to the "
-            f"checkpoint's values, or leave the optimizer state out ({fix}; the momentum restarts from zero)."
+            f"{'; '.join(problems)}{groups}. These [optimizer] fields cannot change on resume: set them back to "
+            f"the checkpoint's values, or leave the optimizer state out ({fix}; the momentum restarts from zero)."
         )
 
 

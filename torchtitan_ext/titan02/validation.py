@@ -14,8 +14,7 @@ import re
 from collections.abc import Iterator
 from typing import Any
 
-from dmuon.options.param_groups import split_options
-from dmuon.options.table import check_group, check_optimizer_options
+from dmuon.options import check_group, check_optimizer_options, split_options
 
 from ..field_checks import check_flag, check_number, Interval, NON_NEGATIVE, UNIT
 from ..versions import require_tested

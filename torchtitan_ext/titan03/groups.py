@@ -21,8 +21,7 @@ from typing import Any
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from dmuon.options.implementation_flags import IMPLEMENTATION_KEYS
-from dmuon.options.param_groups import GROUP_OPTIONS
+from dmuon.options import GROUP_OPTIONS, IMPLEMENTATION_KEYS
 
 from ..routing import ADAMW, DEFAULT_ADAMW_PARAM_REGEX, MUON, MUON_HEADS, attention_head_dims, route_parameters
 

@@ -46,8 +46,7 @@ from torchtitan.models.common.attention import (
     VarlenMetadata,
 )
 
-from dmuon import AttentionHeads, DMuon
-from dmuon.attention.qk_clip import FUSED_GROUPED, SEPARATE, MaskMod
+from dmuon import FUSED_GROUPED, SEPARATE, AttentionHeads, DMuon, MaskMod
 
 from ..logit_slots import logit_slot
 from .cpu_attention import document_ids_from_boundaries

@@ -27,10 +27,8 @@ from torch.optim import Optimizer
 from torchtitan.components.optimizer import OptimizersContainer, ParamGroupConfig
 from torchtitan.tools.logging import logger
 
-from dmuon import DMuon
-from dmuon.numerics.newton_schulz import DEFAULT_NS_COEFFICIENTS_NAME
-from dmuon.options.param_groups import MUON_KEYS
-from dmuon.step.telemetry import StepFigures
+from dmuon import DEFAULT_NS_COEFFICIENTS_NAME, DMuon, StepFigures
+from dmuon.options import MUON_KEYS
 
 from ..captured_steps import capture_refusal, CapturedSteps
 from ..implementation import dmuon_implementation

@@ -27,10 +27,9 @@ from typing import Any
 
 from torchtitan.components.optimizer import OptimizersContainer
 
-from dmuon.options.checks import check_bool
-from dmuon.options.implementation_flags import check_no_path_flags, NO_PATH_KEYS, own_flags
-from dmuon.options.param_groups import check_no_fused_muon, GROUP_OPTIONS, part_values, split_options
-from dmuon.options.table import check_group, check_optimizer_options, DEFAULTS, FACTORY_KWARGS, OPTIONS
+from dmuon.options import (DEFAULTS, FACTORY_KWARGS, GROUP_OPTIONS, NO_PATH_KEYS, OPTIONS, check_bool, check_group,
+                           check_no_fused_muon, check_no_path_flags, check_optimizer_options, own_flags,
+                           part_values, split_options)
 
 from ..field_checks import check_number, Interval, NON_NEGATIVE, UNIT
 from ..implementation import dmuon_implementation

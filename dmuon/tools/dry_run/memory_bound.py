@@ -47,7 +47,7 @@ from torch.distributed.tensor import DTensor
 from dmuon.exchange.packing import stages_casts
 from dmuon.state.momentum_state import READ_CHUNK_NUMEL, kept_momentum
 from dmuon.numerics.momentum_storage import ROUNDING_CHUNK_NUMEL, read_together
-from dmuon.numerics.update_lists import MASKED_CHUNK_NUMEL
+from dmuon.numerics.update_rules import MASKED_CHUNK_NUMEL
 from dmuon.numerics.newton_schulz import matrix_shape, resolve_ns_dtype
 from dmuon.optimizer import DMuon
 from dmuon.plan.owner_plan import WIRE_BYTES
