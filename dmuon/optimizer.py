@@ -165,7 +165,8 @@ class DMuon(PicklesConfiguration, Optimizer):
         self.phases.forget_plan()
 
     def clip_attention(self, name: str, q_weight: torch.Tensor, k_weight: torch.Tensor, heads: AttentionHeads) -> None:
-        """Watch one attention for QK-clip (``dmuon.attention.clipping``); every rank registers the same ones."""
+        """Watch one attention for QK-clip (``dmuon.attention.clipping``); every rank registers
+        the same ones."""
         self.phases.attention_clip.add(name, q_weight, k_weight, heads, self.param_name)
 
     @torch.no_grad()
@@ -209,11 +210,13 @@ class DMuon(PicklesConfiguration, Optimizer):
 
     @property
     def skipped_steps(self) -> int:
-        """Steps ``skip_nonfinite`` skipped, counted when the next ``step()`` or ``state_dict()`` reads them."""
+        """Steps ``skip_nonfinite`` skipped, counted when the next ``step()`` or
+        ``state_dict()`` reads them."""
         return self.phases.grad_status.skipped_steps
 
     def telemetry(self) -> StepFigures | None:
-        """The last step's figures (``dmuon.step.telemetry``), None if off or before a step; local to this rank."""
+        """The last step's figures (``dmuon.step.telemetry``), None if off or before a step;
+        local to this rank."""
         figures = self.phases.telemetry.last_step()
         return None if figures is None else figures.with_skipped(self.skipped_steps)
 
@@ -228,9 +231,9 @@ class DMuon(PicklesConfiguration, Optimizer):
         return [] if run is None else [run.plan]
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """torch's, but Muon's state keeps its saved dtype, a capturable group its state tensors
-        (``dmuon.state.loading``) and its device hyperparameters (``dmuon.options.device_hyperparameters``),
-        and the plan is made anew."""
+        """torch's, but Muon's state keeps its saved dtype, a capturable group its state
+        tensors (``dmuon.state.loading``) and its device hyperparameters
+        (``dmuon.options.device_hyperparameters``), and the plan is made anew."""
         held, tensors = held_values(self.param_groups), state_tensors(self)
         super().load_state_dict(state_dict)
         keep_saved_dtypes(self, state_dict, MUON_STATE_KEYS)

@@ -40,8 +40,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
-# Whether a tensor's elements fill its storage span once each, in any dim order (what torch's multi-tensor
-# kernels require of every operand, ``ForeachUtils.h``).
+# Whether a tensor's elements fill its storage span once each, in any dim order (what torch's
+# multi-tensor kernels require of every operand, ``ForeachUtils.h``).
 from torch._prims_common import is_non_overlapping_and_dense_or_false as non_overlapping_and_dense
 from torch._prims_common import make_contiguous_strides_for
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
@@ -68,8 +68,8 @@ __all__ = ["FakeTensor", "FakeTensorMode", "StridedShard", "TorchDispatchMode", 
 
 
 def mkldnn_bf16_supported() -> bool:
-    """Whether oneDNN has a bf16 GEMM for this CPU (AVX-512, AMX, Arm BF16): on AVX-512
-    without AVX512_BF16 that GEMM is emulated, slower than fp32 (see ``dmuon.numerics.cpu_bf16``)."""
+    """Whether oneDNN has a bf16 GEMM for this CPU (AVX-512, AMX, Arm BF16): on AVX-512 without
+    AVX512_BF16 that GEMM is emulated, slower than fp32 (see ``dmuon.numerics.cpu_bf16``)."""
     return torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
@@ -141,7 +141,8 @@ def flattened_group(mesh: "torch.distributed.device_mesh.DeviceMesh", name: str)
 
 
 def is_fake(tensor: torch.Tensor) -> bool:
-    """Whether ``tensor`` is a fake tensor (``python -m dmuon.tools.dry_run``): it has no values to read."""
+    """Whether ``tensor`` is a fake tensor (``python -m dmuon.tools.dry_run``): it has no
+    values to read."""
     return isinstance(tensor, FakeTensor)
 
 

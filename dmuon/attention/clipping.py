@@ -1,12 +1,13 @@
-"""QK-clip inside ``DMuon``. No weight travels: each rank learns every head's largest logit from one
-``all_reduce(MAX)`` of a small vector (one float per head of every registered attention) over the ranks of the
-weights' mesh, computes the same factors (``dmuon.attention.qk_clip``), and scales the rows it holds: FSDP's row
-shards, TP's column-wise (``Shard(0)``) shards, FSDP+TP's strided rows, replicas, all read from the placements
-(``dmuon.plan.layout.local_indices``). The factors are equal on every rank and the scaling is elementwise, so the
-clipped weights are bitwise those of a single process.
+"""QK-clip inside ``DMuon``. No weight travels: each rank learns every head's largest logit
+from one ``all_reduce(MAX)`` of a small vector (one float per head of every registered
+attention) over the ranks of the weights' mesh, computes the same factors
+(``dmuon.attention.qk_clip``), and scales the rows it holds: FSDP's row shards, TP's
+column-wise (``Shard(0)``) shards, FSDP+TP's strided rows, replicas, all read from the
+placements (``dmuon.plan.layout.local_indices``). The factors are equal on every rank and the
+scaling is elementwise, so the clipped weights are bitwise those of a single process.
 
-Every rank runs the reduction at every step, whatever its grads or logits, so ranks stay in step; a rank that saw no
-logits contributes ``-inf``."""
+Every rank runs the reduction at every step, whatever its grads or logits, so ranks stay in
+step; a rank that saw no logits contributes ``-inf``."""
 
 from __future__ import annotations
 
@@ -96,9 +97,9 @@ class AttentionClip:
         self.targets.append(ClipTarget(name, q_weight, k_weight, heads))
 
     def thresholds(self, threshold_of: Callable[[torch.Tensor, str], float | None]) -> list[float | None]:
-        """Each attention's threshold (``threshold_of(weight, role)``: the option of the weight's param group),
-        checked on the host before the step changes anything: a configuration error raises here, on every rank
-        alike, before any collective."""
+        """Each attention's threshold (``threshold_of(weight, role)``: the option of the
+        weight's param group), checked on the host before the step changes anything: a
+        configuration error raises here, on every rank alike, before any collective."""
         found = []
         for target in self.targets:
             q_threshold = threshold_of(target.q_weight, "q_weight")
@@ -110,9 +111,9 @@ class AttentionClip:
         return found
 
     def step(self, thresholds: list[float | None], step_ok: torch.Tensor | None = None) -> ClipResult | None:
-        """Reduce this step's logits and clip the heads over their threshold (from :meth:`thresholds`); where the
-        0-dim device bool ``step_ok`` is False, the step's mask, every factor is exactly 1 (the weights keep
-        their bits)."""
+        """Reduce this step's logits and clip the heads over their threshold (from
+        :meth:`thresholds`); where the 0-dim device bool ``step_ok`` is False, the step's mask,
+        every factor is exactly 1 (the weights keep their bits)."""
         if not self.targets:
             return None
         weight = self.targets[0].q_weight  # plain weights: replicated over every rank (DDP)
@@ -147,20 +148,21 @@ class AttentionClip:
         return self.last
 
     def last_max_logits(self) -> dict[str, torch.Tensor]:
-        """Each attention's per-head largest logit in the last step, over every rank, before clipping (empty
-        before the first step, or without attentions)."""
+        """Each attention's per-head largest logit in the last step, over every rank, before
+        clipping (empty before the first step, or without attentions)."""
         return {} if self.last is None else dict(self.last.max_logits)
 
     def take_pending(self) -> Exception | None:
-        """The error the last step's reports show (None if none): read at the start of a step, so a step that raises
-        it changes nothing (``DMuon.step`` masks it).
+        """The error the last step's reports show (None if none): read at the start of a step,
+        so a step that raises it changes nothing (``DMuon.step`` masks it).
 
-        Until the first step in which some attention reported logits: then every registered attention must have
-        reported on some rank, or the model does not call the tracker for it and its clip would silently do
-        nothing. A step in which none reported (TorchTitan 0.3's state-making step, run before any forward) is
-        let through with one warning. Whether an attention reported on some rank is read from the previous step's
-        reduced logits (a head no rank saw stays ``-inf``), copied to the host without waiting: every rank reads
-        the same values and decides alike, with no host collective, one step after the fact."""
+        Until the first step in which some attention reported logits: then every registered
+        attention must have reported on some rank, or the model does not call the tracker for it
+        and its clip would silently do nothing. A step in which none reported (TorchTitan 0.3's
+        state-making step, run before any forward) is let through with one warning. Whether an
+        attention reported on some rank is read from the previous step's reduced logits (a head
+        no rank saw stays ``-inf``), copied to the host without waiting: every rank reads the
+        same values and decides alike, with no host collective, one step after the fact."""
         if self._checked_reports or self._reports is None or self._reports.deferred():
             return None
         reported = self._reports.read()
@@ -184,8 +186,8 @@ class AttentionClip:
 
     def _where_weights_are(self, scalings: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device
                            ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """The factors where the weights' local rows are: under FSDP2's CPU offload, every factor down to the
-        host in one copy and one wait (``dmuon.exchange.host_staging``)."""
+        """The factors where the weights' local rows are: under FSDP2's CPU offload, every
+        factor down to the host in one copy and one wait (``dmuon.exchange.host_staging``)."""
         if not scalings:
             return scalings
         if self._staging is None:  # decided at the first clip: whether the weights' rows are off the device
@@ -212,8 +214,9 @@ def local_rows(weight: torch.Tensor) -> list[Range]:
 
 def muon_group_threshold(groups: Mapping[torch.Tensor, dict[str, Any]], name_of: Callable[[torch.Tensor], str]
                          ) -> Callable[[torch.Tensor, str], float | None]:
-    """``threshold_of`` for :meth:`AttentionClip.step`: a weight's Muon group's ``qk_clip_threshold``; a weight
-    outside the Muon groups is refused (QK-clip is the clip of MuonClip: it follows a Muon step)."""
+    """``threshold_of`` for :meth:`AttentionClip.step`: a weight's Muon group's
+    ``qk_clip_threshold``; a weight outside the Muon groups is refused (QK-clip is the clip of
+    MuonClip: it follows a Muon step)."""
 
     def threshold_of(weight: torch.Tensor, role: str) -> float | None:
         if weight not in groups:

@@ -1,25 +1,29 @@
-"""QK-clip (the "Clip" of MuonClip, Kimi K2, arXiv 2507.20534, section 2.1) as pure functions of tensors: no
-optimizer, no process groups.
+"""QK-clip (the "Clip" of MuonClip, Kimi K2, arXiv 2507.20534, section 2.1) as pure functions
+of tensors: no optimizer, no process groups.
 
-After an optimizer step, every attention head ``h`` whose largest pre-softmax logit in the step's forward passes,
-``S_h = max_ij (q_i . k_j) * scale``, exceeded a threshold ``tau`` gets its query and key projections shrunk by
-``gamma_h = tau / S_h``, so that the same inputs would now give a largest logit of ``tau``. Heads at or under
-``tau`` are not touched at all (their rows are not even multiplied by 1).
+After an optimizer step, every attention head ``h`` whose largest pre-softmax logit in the
+step's forward passes, ``S_h = max_ij (q_i . k_j) * scale``, exceeded a threshold ``tau`` gets
+its query and key projections shrunk by ``gamma_h = tau / S_h``, so that the same inputs would
+now give a largest logit of ``tau``. Heads at or under ``tau`` are not touched at all (their
+rows are not even multiplied by 1).
 
 How ``gamma_h`` is shared between ``W_q`` and ``W_k`` depends on who owns the keys:
 
-- multi-head attention (one key head per query head): ``sqrt(gamma_h)`` on the head's rows of ``W_q`` and of
-  ``W_k``, as the report does for a head's own components;
-- grouped-query / multi-query attention (a key head shared by several query heads): ``gamma_h`` on the query rows
-  only, ``W_k`` untouched. A shared key head cannot take a factor without changing the logits of the other heads of
-  its group, and the report leaves shared components alone for the same reason (MLA's shared rotary key ``k_R``).
-  The clipped head's logit still lands exactly on ``tau``.
-- MLA (DeepSeek-V3, Kimi K2 itself) splits each head into a head-specific part (``q_C``, ``k_C``: ``sqrt(gamma_h)``
-  each) and a rotary part whose key is shared (``q_R``: ``gamma_h``, ``k_R``: untouched). dmuon does not implement
-  MLA's row map; ``dmuon.attention.clipping`` refuses layouts it does not know.
+- multi-head attention (one key head per query head): ``sqrt(gamma_h)`` on the head's rows of
+  ``W_q`` and of ``W_k``, as the report does for a head's own components;
+- grouped-query / multi-query attention (a key head shared by several query heads): ``gamma_h``
+  on the query rows only, ``W_k`` untouched. A shared key head cannot take a factor without
+  changing the logits of the other heads of its group, and the report leaves shared components
+  alone for the same reason (MLA's shared rotary key ``k_R``). The clipped head's logit still
+  lands exactly on ``tau``.
+- MLA (DeepSeek-V3, Kimi K2 itself) splits each head into a head-specific part (``q_C``,
+  ``k_C``: ``sqrt(gamma_h)`` each) and a rotary part whose key is shared (``q_R``: ``gamma_h``,
+  ``k_R``: untouched). dmuon does not implement MLA's row map; ``dmuon.attention.clipping``
+  refuses layouts it does not know.
 
-Rows are scaled in float32 and rounded once to the weight's dtype, elementwise, so the result does not depend on
-which rank holds which rows: bitwise equal to a single process whatever the sharding."""
+Rows are scaled in float32 and rounded once to the weight's dtype, elementwise, so the result
+does not depend on which rank holds which rows: bitwise equal to a single process whatever
+the sharding."""
 
 from __future__ import annotations
 
@@ -29,12 +33,12 @@ from dataclasses import dataclass
 
 import torch
 
-# Bounds the logits of one chunk of queries, ``[batch, heads, chunk, keys]`` in the activations' dtype (64 MiB): a
-# chunk holds as many queries as fit, at least one.
+# Bounds the logits of one chunk of queries, ``[batch, heads, chunk, keys]`` in the
+# activations' dtype (64 MiB): a chunk holds as many queries as fit, at least one.
 DEFAULT_LOGIT_SCRATCH_BYTES = 64 * 2**20
 
-# ``mask_mod(b, h, q_idx, kv_idx) -> bool``, FlexAttention's convention: True where the query may attend to the key.
-# Called with broadcastable index tensors.
+# ``mask_mod(b, h, q_idx, kv_idx) -> bool``, FlexAttention's convention: True where the query
+# may attend to the key. Called with broadcastable index tensors.
 MaskMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 # How an attention's query and key rows sit in its weights.
@@ -45,8 +49,9 @@ ROW_LAYOUTS = (SEPARATE, FUSED_GROUPED)
 
 @dataclass(frozen=True)
 class AttentionHeads:
-    """The head structure of one attention's projections; ``row_layout``: :data:`SEPARATE` (``wq`` and ``wk``,
-    TorchTitan 0.2's and most models') or :data:`FUSED_GROUPED` (TorchTitan 0.3's ``wqkv``)."""
+    """The head structure of one attention's projections; ``row_layout``: :data:`SEPARATE`
+    (``wq`` and ``wk``, TorchTitan 0.2's and most models') or :data:`FUSED_GROUPED` (TorchTitan
+    0.3's ``wqkv``)."""
 
     n_heads: int
     n_kv_heads: int
@@ -80,16 +85,17 @@ class AttentionHeads:
 @torch.no_grad()
 def head_max_logits(q: torch.Tensor, k: torch.Tensor, *, scale: float | None = None, causal: bool = True,
                     mask_mod: MaskMod | None = None, scratch_bytes: int = DEFAULT_LOGIT_SCRATCH_BYTES) -> torch.Tensor:
-    """The largest attention logit of each query head, ``max (q_i . k_j) * scale`` over batch, queries and the keys
-    each query may see; float32, ``[n_query_heads]``.
+    """The largest attention logit of each query head, ``max (q_i . k_j) * scale`` over batch,
+    queries and the keys each query may see; float32, ``[n_query_heads]``.
 
-    ``q``: ``[batch, n_heads, seq_q, head_dim]``; ``k``: ``[batch, n_kv_heads, seq_k, head_dim]`` (SDPA's layout;
-    ``n_heads`` a multiple of ``n_kv_heads``: query head ``h`` reads key head ``h // (n_heads / n_kv_heads)``).
-    ``scale`` defaults to ``head_dim ** -0.5``. ``causal``: key ``j`` visible to query ``i`` only if ``j <= i``;
-    ``mask_mod`` (FlexAttention's, e.g. a document mask) narrows further. A head that sees no key gets ``-inf``.
+    ``q``: ``[batch, n_heads, seq_q, head_dim]``; ``k``: ``[batch, n_kv_heads, seq_k, head_dim]``
+    (SDPA's layout; ``n_heads`` a multiple of ``n_kv_heads``: query head ``h`` reads key head
+    ``h // (n_heads / n_kv_heads)``). ``scale`` defaults to ``head_dim ** -0.5``. ``causal``: key
+    ``j`` visible to query ``i`` only if ``j <= i``; ``mask_mod`` (FlexAttention's, e.g. a
+    document mask) narrows further. A head that sees no key gets ``-inf``.
 
-    Computed chunk by chunk of queries in the activations' dtype, without autograd, so the scratch stays under
-    ``scratch_bytes`` (the cost is one extra ``q @ k^T``)."""
+    Computed chunk by chunk of queries in the activations' dtype, without autograd, so the
+    scratch stays under ``scratch_bytes`` (the cost is one extra ``q @ k^T``)."""
     batch, n_heads, seq_q, head_dim = q.shape
     n_kv_heads, seq_k = k.shape[1], k.shape[2]
     if n_heads % n_kv_heads:
@@ -103,8 +109,8 @@ def head_max_logits(q: torch.Tensor, k: torch.Tensor, *, scale: float | None = N
     key_idx = torch.arange(seq_k, device=q.device)
     for start in range(0, seq_q, chunk):
         stop = min(seq_q, start + chunk)
-        # [b, kv, group * c, d] @ [b, kv, d, s_k]: each key head once, for its query heads. Causal: the chunk's
-        # queries see keys up to ``stop - 1`` only; skip the rest.
+        # [b, kv, group * c, d] @ [b, kv, d, s_k]: each key head once, for its query heads.
+        # Causal: the chunk's queries see keys up to ``stop - 1`` only; skip the rest.
         keys = stop if causal else seq_k
         queries = q[:, :, start:stop].reshape(batch, n_kv_heads, group * (stop - start), head_dim)
         logits = torch.matmul(queries, keys_t[..., :keys]).view(batch, n_heads, stop - start, keys)
@@ -130,17 +136,17 @@ def _visible(batch: int, n_heads: int, query_idx: torch.Tensor, key_idx: torch.T
 
 
 def clip_factors(max_logits: torch.Tensor, threshold: float) -> torch.Tensor:
-    """``gamma_h = threshold / S_h`` for heads over the threshold, 1 elsewhere (also for a head with no finite
-    logit: nothing to say about it), float32."""
+    """``gamma_h = threshold / S_h`` for heads over the threshold, 1 elsewhere (also for a head
+    with no finite logit: nothing to say about it), float32."""
     max_logits = max_logits.float()
     over = torch.isfinite(max_logits) & (max_logits > threshold)
     return torch.where(over, threshold / max_logits, torch.ones_like(max_logits))
 
 
 def row_scales(heads: AttentionHeads, gamma: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-row factors of ``(W_q, W_k)`` for the per-head ``gamma`` (float32, one per row of each weight,
-    ``heads.weight_rows()``): the module docstring's rule. In the fused layout both are factors of ``W_qkv``'s
-    rows, to be multiplied together."""
+    """Per-row factors of ``(W_q, W_k)`` for the per-head ``gamma`` (float32, one per row of
+    each weight, ``heads.weight_rows()``): the module docstring's rule. In the fused layout
+    both are factors of ``W_qkv``'s rows, to be multiplied together."""
     gamma = gamma.float()
     if heads.shares_keys:
         q_head, k_head = gamma, torch.ones(heads.n_kv_heads, dtype=torch.float32, device=gamma.device)
@@ -163,10 +169,10 @@ def row_scales(heads: AttentionHeads, gamma: torch.Tensor) -> tuple[torch.Tensor
 def scale_rows_(local: torch.Tensor, rows: Sequence[tuple[int, int]], factors: torch.Tensor) -> None:
     """Multiply each row of ``local`` by its factor, in float32, rounding once to ``local``'s dtype.
 
-    ``local`` holds the global rows ``rows`` (``(start, length)`` ranges, concatenated in order, as
-    ``dmuon.plan.layout.local_indices`` gives them); ``factors`` has one entry per global row. A row whose factor
-    is 1 keeps its bits (``x * 1.0`` is ``x`` in IEEE arithmetic, and the round trip through float32 is exact),
-    so no host sync is needed to find the clipped rows."""
+    ``local`` holds the global rows ``rows`` (``(start, length)`` ranges, concatenated in order,
+    as ``dmuon.plan.layout.local_indices`` gives them); ``factors`` has one entry per global row.
+    A row whose factor is 1 keeps its bits (``x * 1.0`` is ``x`` in IEEE arithmetic, and the
+    round trip through float32 is exact), so no host sync is needed to find the clipped rows."""
     if local.numel() == 0:
         return
     index = torch.cat([torch.arange(start, start + length, device=local.device) for start, length in rows])

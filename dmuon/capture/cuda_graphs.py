@@ -1,22 +1,25 @@
 """``DMuon.step`` captured once in a CUDA graph and replayed every training step.
 
-A captured step launches its hundreds (or, for a large MoE under EP, thousands) of kernels and its collectives as
-one graph: no launch overhead and no host work per step. What makes that correct under a learning-rate schedule is
-``DMuon(capturable=True)``: the groups' ``lr`` and ``weight_decay`` are device tensors that the scheduler fills in
-place and the step reads on the device (``dmuon.numerics.device_scalars``).
+A captured step launches its hundreds (or, for a large MoE under EP, thousands) of kernels and
+its collectives as one graph: no launch overhead and no host work per step. What makes that
+correct under a learning-rate schedule is ``DMuon(capturable=True)``: the groups' ``lr`` and
+``weight_decay`` are device tensors that the scheduler fills in place and the step reads on the
+device (``dmuon.numerics.device_scalars``).
 
 Use: docs/optimizer.md, "A captured step".
 
-What a replay does not do (the host code of ``step()`` does not run): it raises no error of the step's status (a bad
-grad still masks the step on the device, on every rank) and counts no skipped step as it goes. Each replay adds its
-status to counts kept on the device (``dmuon.exchange.status_masks.ReplayTally``); :meth:`CapturedStep.check` waits
-for the device, counts the skipped steps since its last call (``DMuon.skipped_steps``) and raises the error of the
-first replay that found one: call it where the job already waits, e.g. when it logs the loss (TorchTitan's captured
-container does, at each logging step).
+What a replay does not do (the host code of ``step()`` does not run): it raises no error of the
+step's status (a bad grad still masks the step on the device, on every rank) and counts no
+skipped step as it goes. Each replay adds its status to counts kept on the device
+(``dmuon.exchange.status_masks.ReplayTally``); :meth:`CapturedStep.check` waits for the device,
+counts the skipped steps since its last call (``DMuon.skipped_steps``) and raises the error of
+the first replay that found one: call it where the job already waits, e.g. when it logs the
+loss (TorchTitan's captured container does, at each logging step).
 
-Refused at construction, each with the reason (:func:`capture_problems`), and at capture a parameter without a
-grad. Before each replay, host checks only (``dmuon.capture.replay_guard``). ``load_state_dict`` copies the loaded
-state into the tensors the graph reads (``dmuon.state.loading``)."""
+Refused at construction, each with the reason (:func:`capture_problems`), and at capture a
+parameter without a grad. Before each replay, host checks only
+(``dmuon.capture.replay_guard``). ``load_state_dict`` copies the loaded state into the tensors
+the graph reads (``dmuon.state.loading``)."""
 
 from __future__ import annotations
 
@@ -56,10 +59,10 @@ def capture_problems(optimizer: DMuon) -> list[str]:
 
 
 def device_problem(device: torch.device, current: int) -> str | None:
-    """Why a step on parameters of ``device`` cannot be captured while ``current`` is the current CUDA device
-    (None: it can). The side and capture streams are made on the current device: a rank that never called
-    ``set_device`` would capture on cuda:0 while its kernels run on its own GPU, and every replay would do
-    nothing (torch only warns)."""
+    """Why a step on parameters of ``device`` cannot be captured while ``current`` is the
+    current CUDA device (None: it can). The side and capture streams are made on the current
+    device: a rank that never called ``set_device`` would capture on cuda:0 while its kernels
+    run on its own GPU, and every replay would do nothing (torch only warns)."""
     if device.type != "cuda" or device.index is None or device.index == current:
         return None
     return (f"the parameters are on cuda:{device.index} but the current CUDA device is cuda:{current}: a capture "
@@ -68,15 +71,16 @@ def device_problem(device: torch.device, current: int) -> str | None:
 
 
 class CapturedStep:
-    """``optimizer.step()`` eagerly for ``warmup_steps`` calls, then captured once and replayed at every call
-    (module docstring)."""
+    """``optimizer.step()`` eagerly for ``warmup_steps`` calls, then captured once and replayed
+    at every call (module docstring)."""
 
     def __init__(self, optimizer: DMuon, warmup_steps: int = DEFAULT_WARMUP_STEPS, pool: Any = None) -> None:
-        """``pool``: a memory pool to capture into, shared with other graphs (``torch.cuda.graph_pool_handle()``,
-        or another captured step's :attr:`pool`): a graph keeps its pool's peak reserved while it lives, so the
-        steps of several optimizers (one per pipeline stage) hold one step's peak, not one each. Graphs sharing a
-        pool must be replayed in the order they were captured, one after another, as a training loop steps its
-        optimizers (``torch.cuda.graph``'s ``pool``)."""
+        """``pool``: a memory pool to capture into, shared with other graphs
+        (``torch.cuda.graph_pool_handle()``, or another captured step's :attr:`pool`): a graph
+        keeps its pool's peak reserved while it lives, so the steps of several optimizers (one
+        per pipeline stage) hold one step's peak, not one each. Graphs sharing a pool must be
+        replayed in the order they were captured, one after another, as a training loop steps
+        its optimizers (``torch.cuda.graph``'s ``pool``)."""
         problems = capture_problems(optimizer)
         if problems:
             raise ValueError("dmuon.capture.cuda_graphs: this DMuon's step cannot be captured: " + "; ".join(problems))
@@ -101,14 +105,14 @@ class CapturedStep:
 
     @property
     def pool(self) -> Any:
-        """The memory pool this step's graph was captured into (after the capture; before, the pool it was
-        given): pass it as ``pool=`` to another CapturedStep to share it."""
+        """The memory pool this step's graph was captured into (after the capture; before, the
+        pool it was given): pass it as ``pool=`` to another CapturedStep to share it."""
         return self.graph.pool() if self.graph is not None else self._pool
 
     def check(self) -> None:
-        """Wait for the replays so far and raise the error the first one with an error found (as the next eager
-        ``step()`` would); count their skipped steps (``DMuon.skipped_steps``). Each replay is counted once,
-        however often this is called."""
+        """Wait for the replays so far and raise the error the first one with an error found (as
+        the next eager ``step()`` would); count their skipped steps (``DMuon.skipped_steps``).
+        Each replay is counted once, however often this is called."""
         torch.cuda.current_stream().synchronize()
         status = self.optimizer.phases.grad_status
         settle_last_step(self.optimizer)  # the eager steps' last status
@@ -119,16 +123,16 @@ class CapturedStep:
             raise error
 
     def _last_status_failed(self) -> bool:
-        """Read the last eager step's status now (a capture may not wait for it): whether it holds an error (then
-        the step is not captured: it would be captured masked)."""
+        """Read the last eager step's status now (a capture may not wait for it): whether it
+        holds an error (then the step is not captured: it would be captured masked)."""
         torch.cuda.current_stream().synchronize()
         settle_last_step(self.optimizer)
         return self.optimizer.phases.grad_status.holds_error()
 
     def release(self) -> None:
-        """Free the graph (its memory pool and the collectives it holds): call it before the process group is
-        destroyed. A later ``step()`` captures again. The skipped steps of its replays not yet counted by
-        :meth:`check` are counted now; an error is dropped."""
+        """Free the graph (its memory pool and the collectives it holds): call it before the
+        process group is destroyed. A later ``step()`` captures again. The skipped steps of its
+        replays not yet counted by :meth:`check` are counted now; an error is dropped."""
         if self.graph is not None:
             torch.cuda.synchronize()
             self.optimizer.phases.grad_status.count_replays(self._tally)
@@ -154,16 +158,17 @@ class CapturedStep:
         self.eager_steps += 1
 
     def _capture(self) -> None:
-        # A number written to lr or weight_decay becomes a device tensor now: inside the capture its host-to-device
-        # copy would fail it.
+        # A number written to lr or weight_decay becomes a device tensor now: inside the
+        # capture its host-to-device copy would fail it.
         place_on_device(self.optimizer.param_groups)
         self._check_device()  # before the tally starts: a refusal leaves nothing begun
         status = self.optimizer.phases.grad_status
         status.start_tally(local_of(self.optimizer.param_groups[0]["params"][0]).device)
         graph = torch.cuda.CUDAGraph()
         try:
-            # thread_local: only this thread's unsafe CUDA calls fail the capture; in the global mode another
-            # thread's (a pin-memory thread, a profiler, NCCL's watchdog: pytorch #104487) would invalidate it.
+            # thread_local: only this thread's unsafe CUDA calls fail the capture; in the
+            # global mode another thread's (a pin-memory thread, a profiler, NCCL's watchdog:
+            # pytorch #104487) would invalidate it.
             with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
                 self.optimizer.step()  # recorded, not run: the replay that follows runs it
         finally:

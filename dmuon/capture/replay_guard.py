@@ -1,21 +1,25 @@
-"""What a captured step's graph reads, held and checked before each replay (``dmuon.capture.cuda_graphs``).
+"""What a captured step's graph reads, held and checked before each replay
+(``dmuon.capture.cuda_graphs``).
 
-A CUDA graph replays its kernels on the memory addresses it was captured with; no host code of ``step()`` runs.
-Every tensor it reads must therefore still be the one captured, at the same place, and must not have been freed: the
-caching allocator hands a freed block to the next request (activations, say), and a replay would then read and write
-that memory silently. Python's ``id()`` is no such check: a grad made after ``zero_grad(set_to_none=True)`` often
+A CUDA graph replays its kernels on the memory addresses it was captured with; no host code of
+``step()`` runs. Every tensor it reads must therefore still be the one captured, at the same
+place, and must not have been freed: the caching allocator hands a freed block to the next
+request (activations, say), and a replay would then read and write that memory silently.
+Python's ``id()`` is no such check: a grad made after ``zero_grad(set_to_none=True)`` often
 gets the freed grad's ``id``.
 
-:class:`ReplayGuard` therefore holds a reference to every tensor the graph reads (the groups' ``lr`` and
-``weight_decay`` tensors, each parameter, its grad and its state tensors) and the step's long-lived buffers
-(``StepPhases.replay_buffers``), so none of them is freed while the graph may replay, and compares each one's
-identity and storage address (``data_ptr``) before each replay: a replaced or moved tensor raises, naming the
-parameter and the fix. The groups' other options are compared by value, and so are the whole optimizer's
-(``dmuon.options.table``'s whole-optimizer options and the optimizer's values of the flags that choose a path,
-``foreach``, ``fused`` and ``capturable``), fixed in the graph too: a change raises, naming the option(s).
+:class:`ReplayGuard` therefore holds a reference to every tensor the graph reads (the groups'
+``lr`` and ``weight_decay`` tensors, each parameter, its grad and its state tensors) and the
+step's long-lived buffers (``StepPhases.replay_buffers``), so none of them is freed while the
+graph may replay, and compares each one's identity and storage address (``data_ptr``) before
+each replay: a replaced or moved tensor raises, naming the parameter and the fix. The groups'
+other options are compared by value, and so are the whole optimizer's (``dmuon.options.table``'s
+whole-optimizer options and the optimizer's values of the flags that choose a path, ``foreach``,
+``fused`` and ``capturable``), fixed in the graph too: a change raises, naming the option(s).
 
-A number written to ``lr`` or ``weight_decay`` between replays (a scheduler that assigns ``group["lr"] = value``) is
-copied into the tensor the graph reads, on the device; the group keeps that tensor."""
+A number written to ``lr`` or ``weight_decay`` between replays (a scheduler that assigns
+``group["lr"] = value``) is copied into the tensor the graph reads, on the device; the group
+keeps that tensor."""
 
 from __future__ import annotations
 
@@ -34,8 +38,8 @@ from dmuon.torch_compat import local_of
 if TYPE_CHECKING:
     from dmuon.optimizer import DMuon
 
-# Group keys a replay may see change: the device hyperparameters (read on the device) and what schedulers keep
-# beside them.
+# Group keys a replay may see change: the device hyperparameters (read on the device) and what
+# schedulers keep beside them.
 _MAY_CHANGE = {"params", *DEVICE_HYPERPARAMETERS, *SCHEDULER_VALUES}
 # The whole optimizer's options, each an attribute of the DMuon (telemetry: its phases').
 _WHOLE = (*OPTIMIZER_OPTIONS, *(name for name in FLAG_KEYS if name not in NO_PATH_KEYS))
@@ -56,9 +60,10 @@ def _storage(tensor: torch.Tensor | None) -> int | None:
 
 
 def _read_tensors(optimizer: DMuon) -> Iterator[tuple[tuple, torch.Tensor | None]]:
-    """(where, tensor) for each tensor the step reads, in a fixed order; ``where`` is a cheap key, ``(kind, group
-    index, position in the group, state key)``, put into words (:func:`_what`) only for an error: a check walks
-    about 1,200 tensors at llama3 8B, and making a label for each took two thirds of its time."""
+    """(where, tensor) for each tensor the step reads, in a fixed order; ``where`` is a cheap
+    key, ``(kind, group index, position in the group, state key)``, put into words
+    (:func:`_what`) only for an error: a check walks about 1,200 tensors at llama3 8B, and
+    making a label for each took two thirds of its time."""
     state = optimizer.state
     for index, group in enumerate(optimizer.param_groups):
         for key in DEVICE_HYPERPARAMETERS:
@@ -102,8 +107,8 @@ class ReplayGuard:
         self._whole = _whole_options(optimizer)
 
     def check(self) -> None:
-        """Raise, naming what and the fix, if a replay would not read what was captured; first copy numbers
-        written to ``lr`` or ``weight_decay`` into the captured tensors."""
+        """Raise, naming what and the fix, if a replay would not read what was captured; first
+        copy numbers written to ``lr`` or ``weight_decay`` into the captured tensors."""
         self._copy_numbers_in()
         options = _options(self._optimizer)
         if len(options) != len(self._options):

@@ -103,8 +103,8 @@ class GradStatus:
         return None if self._channel is None else self._channel.device
 
     def start_tally(self, device: torch.device) -> None:
-        """Count the status of every step recorded from now on in a :class:`ReplayTally` (a
-        CUDA graph's capture: ``dmuon.capture.cuda_graphs``); made and zeroed now, before the capture."""
+        """Count the status of every step recorded from now on in a :class:`ReplayTally` (a CUDA
+        graph's capture: ``dmuon.capture.cuda_graphs``); made and zeroed now, before the capture."""
         names = [] if self._channel is None else self._channel.names
         self._tally = ReplayTally(names, self.device or device)
 

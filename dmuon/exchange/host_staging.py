@@ -88,7 +88,8 @@ class HostStaging:
         return host
 
     def up(self, host: torch.Tensor, meter: ScratchMeter | None = None) -> torch.Tensor:
-        """A device copy of ``host`` (one of :meth:`buffer`'s), non-blocking, tracked by ``meter``."""
+        """A device copy of ``host`` (one of :meth:`buffer`'s), non-blocking, tracked by
+        ``meter``."""
         device = track(meter, torch.empty(host.shape, dtype=host.dtype, device=self.device))
         return device.copy_(host, non_blocking=True)
 

@@ -47,7 +47,8 @@ class Callbacks:
     """``(units, orthos)``: the decayed, scaled update of this rank's block of each unit with
     its result (a flat view, or the matrix)."""
     layout_of: Callable[[tuple[int, ...]], BatchLayout]
-    """``(batch)``: its :class:`~dmuon.plan.pack_layout.BatchLayout` on this rank, made once per plan."""
+    """``(batch)``: its :class:`~dmuon.plan.pack_layout.BatchLayout` on this rank, made
+    once per plan."""
     widen: Callable[[torch.Tensor], torch.Tensor] = lambda recv: recv
     """The scatter's receive buffer in the dtype the update adds it in (itself, or one cast
     of the whole buffer where a list op needs one dtype)."""
@@ -55,7 +56,8 @@ class Callbacks:
     """``(units, results)``: zero, in place, the results no rank may apply
     (``dmuon.exchange.grad_status``), on their owner before they travel: one list op."""
     newton_schulz_done: Callable[[], None] = lambda: None
-    """A batch's Newton-Schulz is done (its buffers may go: ``dmuon.numerics.standard_iteration``)."""
+    """A batch's Newton-Schulz is done (its buffers may go:
+    ``dmuon.numerics.standard_iteration``)."""
 
 
 def run_owner_plan(plan: OwnerPlan, *, group: dist.ProcessGroup, rank: int, device: torch.device,

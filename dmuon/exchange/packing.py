@@ -80,7 +80,8 @@ def gather_whole(plan: OwnerPlan, layout: BatchLayout, recv: torch.Tensor, meter
 
 
 def _matrices(whole: torch.Tensor, layout: BatchLayout) -> list[torch.Tensor]:
-    """The owned matrices, views of ``whole``: per run of one column count, one view and one split."""
+    """The owned matrices, views of ``whole``: per run of one column count, one view and one
+    split."""
     groups = layout.column_groups
     parts = whole.split([numel for numel, _, _ in groups]) if len(groups) > 1 else [whole]
     return [matrix for part, (_, cols, heights) in zip(parts, groups)

@@ -29,8 +29,8 @@ def distributed(param: torch.Tensor) -> bool:
 
 @dataclass
 class RankSet:
-    """DTensor parameters on meshes of one strict subset of the union's ranks: the same index
-    may be another parameter on another subset, so their grads are counted over their own ranks first."""
+    """DTensor parameters on meshes of one strict subset of the union's ranks: the same index may be
+    another parameter on another subset, so their grads are counted over their own ranks first."""
 
     positions: list[int]
     """Where they stand among the channel's parameters."""
@@ -46,7 +46,8 @@ class RankSet:
 
 @dataclass
 class StatusChannel:
-    """The DTensor parameters of one ``DMuon`` and where their status is summed (module docstring)."""
+    """The DTensor parameters of one ``DMuon`` and where their status is summed (module
+    docstring)."""
 
     params: list[DTensor]
     names: list[str]

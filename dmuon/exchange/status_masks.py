@@ -32,11 +32,13 @@ class StepMask(enum.Enum):
     """What the host knows of the step's mask without waiting for the device."""
 
     STANDS = "stands"
-    """The step applies: no other rank takes part, nothing is wrong here, nothing to check on the device."""
+    """The step applies: no other rank takes part, nothing is wrong here, nothing to check
+    on the device."""
     MASKED = "masked"
     """Nothing changes: this rank's own problem, or an error pending from the last step."""
     ON_DEVICE = "on_device"
-    """Only the device knows (the ranks' sums, or ``skip_nonfinite``'s check): the rules read the masks."""
+    """Only the device knows (the ranks' sums, or ``skip_nonfinite``'s check): the rules
+    read the masks."""
 
 
 def _disagreement(status: torch.Tensor, n: int) -> torch.Tensor:
@@ -139,7 +141,8 @@ class StatusMasks(Mapping[torch.Tensor, torch.Tensor]):
 
 
 class ReplayTally:
-    """What the replays of a captured step found, counted on the device (``dmuon.capture.cuda_graphs``).
+    """What the replays of a captured step found, counted on the device
+    (``dmuon.capture.cuda_graphs``).
 
     A replayed graph runs no host code and copies into the same pinned memory each time, so
     a host reader would see the last replay only. Each replay adds to a tally instead

@@ -17,11 +17,11 @@ from dmuon.torch_compat import capturable_devices, default_foreach_for, local_of
 
 
 def _local_lists(*lists: list[torch.Tensor]) -> list[list[torch.Tensor]]:
-    """The lists as their local tensors when every DTensor among a parameter's tensors has the parameter's mesh
-    and placements (FSDP2's case): AdamW is elementwise, so each shard's update is the bits DTensor would
-    compute, without DTensor's dispatch per op (a few microseconds a tensor). Otherwise (a ``Partial`` grad, say,
-    which DTensor redistributes inside the op) the lists as given: a foreach op cannot mix DTensors and local
-    tensors."""
+    """The lists as their local tensors when every DTensor among a parameter's tensors has the
+    parameter's mesh and placements (FSDP2's case): AdamW is elementwise, so each shard's
+    update is the bits DTensor would compute, without DTensor's dispatch per op (a few
+    microseconds a tensor). Otherwise (a ``Partial`` grad, say, which DTensor redistributes
+    inside the op) the lists as given: a foreach op cannot mix DTensors and local tensors."""
     for tensors in zip(*lists):
         param = tensors[0]
         if any(isinstance(t, DTensor) for t in tensors) and not (
@@ -32,8 +32,8 @@ def _local_lists(*lists: list[torch.Tensor]) -> list[list[torch.Tensor]]:
 
 
 def adamw_direction_sign(exp_avg: torch.Tensor, grad: torch.Tensor, beta1: float) -> torch.Tensor:
-    """The sign of the AdamW step's direction ``m_hat / (sqrt(v_hat) + eps)`` about to be taken: that of the
-    first moment after this grad (the other factors are positive)."""
+    """The sign of the AdamW step's direction ``m_hat / (sqrt(v_hat) + eps)`` about to be
+    taken: that of the first moment after this grad (the other factors are positive)."""
     return torch.sign(exp_avg.lerp(grad, 1 - beta1))
 
 
@@ -42,20 +42,20 @@ def adamw_step_(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs:
                 betas: tuple[float, float], eps: float, weight_decay: float, cautious_weight_decay: bool = False,
                 foreach: bool | None = None, fused: bool | None = None, found_inf: torch.Tensor | None = None,
                 capturable: bool = False) -> None:
-    """One AdamW step, delegated to torch's functional AdamW so the bits match ``torch.optim.AdamW`` with the same
-    hyperparameters, a one-element Tensor ``lr`` included (it also handles complex tensors; DTensors step as their
-    local tensors where :func:`_local_lists` allows). ``foreach`` and ``fused``: torch's options (None: torch's
-    default for the device; ``fused`` wins over ``foreach``, and needs each ``steps`` entry an fp32 tensor on its
-    parameter's device).
+    """One AdamW step, delegated to torch's functional AdamW so the bits match ``torch.optim.AdamW``
+    with the same hyperparameters, a one-element Tensor ``lr`` included (it also handles complex
+    tensors; DTensors step as their local tensors where :func:`_local_lists` allows). ``foreach``
+    and ``fused``: torch's options (None: torch's default for the device; ``fused`` wins over
+    ``foreach``, and needs each ``steps`` entry an fp32 tensor on its parameter's device).
 
-    With ``cautious_weight_decay`` the decay is :func:`cautious_decay_` with AdamW's direction ``u = m_hat /
-    (sqrt(v_hat) + eps)`` (its sign: :func:`adamw_direction_sign`), applied first, as torch applies its decay, and
-    torch's step then runs without decay. (Where ``u`` would underflow to 0 while the moment is not 0, the sign of
-    the moment decides; torch computes ``u`` inside its step.) A complex parameter, whose entries have no sign,
-    keeps the plain decay.
+    With ``cautious_weight_decay`` the decay is :func:`cautious_decay_` with AdamW's direction
+    ``u = m_hat / (sqrt(v_hat) + eps)`` (its sign: :func:`adamw_direction_sign`), applied first,
+    as torch applies its decay, and torch's step then runs without decay. (Where ``u`` would
+    underflow to 0 while the moment is not 0, the sign of the moment decides; torch computes ``u``
+    inside its step.) A complex parameter, whose entries have no sign, keeps the plain decay.
 
-    ``found_inf`` (fused only, as in torch): a 0-dim float on the parameters' device; 1.0 skips the step on the
-    device (parameters, moments and step counts keep their bits).
+    ``found_inf`` (fused only, as in torch): a 0-dim float on the parameters' device; 1.0 skips
+    the step on the device (parameters, moments and step counts keep their bits).
 
     ``capturable``: ``lr`` and ``weight_decay`` are 0-dim fp64 device tensors
     (``dmuon.numerics.device_scalars``); :func:`adamw_capturable_` runs the step."""
@@ -89,14 +89,15 @@ def adamw_capturable_(params: list[torch.Tensor], grads: list[torch.Tensor], exp
                       exp_avg_sqs: list[torch.Tensor], steps: list[torch.Tensor], *, lr: torch.Tensor,
                       betas: tuple[float, float], eps: float, weight_decay: torch.Tensor, cautious_weight_decay: bool,
                       foreach: bool | None, fused: bool | None, found_inf: torch.Tensor | None) -> None:
-    """:func:`adamw_step_` with ``lr`` and ``weight_decay`` as 0-dim fp64 device tensors, no host read. The decay
-    ``p *= 1 - lr * wd`` runs first, on the device (torch's own first op on its for-loop and foreach paths;
-    cautious: :func:`cautious_decay_`), then torch's AdamW without decay:
+    """:func:`adamw_step_` with ``lr`` and ``weight_decay`` as 0-dim fp64 device tensors, no
+    host read. The decay ``p *= 1 - lr * wd`` runs first, on the device (torch's own first
+    op on its for-loop and foreach paths; cautious: :func:`cautious_decay_`), then torch's
+    AdamW without decay:
 
-    - on a device torch's ``capturable`` path takes (CUDA): that path (step counts and bias corrections on the
-      device; fused: the kernel reads a Tensor lr in fp32);
-    - elsewhere (the CPU, where torch refuses ``capturable``): the paths torch allows a Tensor lr without it, the
-      for-loop or fused; bits equal to a float ``lr``."""
+    - on a device torch's ``capturable`` path takes (CUDA): that path (step counts and bias
+      corrections on the device; fused: the kernel reads a Tensor lr in fp32);
+    - elsewhere (the CPU, where torch refuses ``capturable``): the paths torch allows a Tensor
+      lr without it, the for-loop or fused; bits equal to a float ``lr``."""
     _decay_on_device_(params, grads, exp_avgs, lr, weight_decay, betas[0], cautious_weight_decay, foreach, found_inf)
     on_device = params[0].device.type in capturable_devices()
     if fused and on_device:
@@ -115,10 +116,10 @@ def _decay_on_device_(params: list[torch.Tensor], grads: list[torch.Tensor], exp
                       lr: torch.Tensor, weight_decay: torch.Tensor, beta1: float, cautious_weight_decay: bool,
                       foreach: bool | None, found_inf: torch.Tensor | None = None) -> None:
     """``p *= 1 - lr * weight_decay`` with the factor made on the device (the one decay,
-    ``dmuon.numerics.update_rules.decay_``: list ops unless ``foreach`` is False); cautious: per tensor, where
-    update and weight agree in sign (a complex parameter: plain). ``found_inf`` (torch's skip, 1.0: skip) masks
-    it: the factor is exactly 1 where it is set, since the fused kernel that reads it skips only its own update,
-    not this decay."""
+    ``dmuon.numerics.update_rules.decay_``: list ops unless ``foreach`` is False); cautious:
+    per tensor, where update and weight agree in sign (a complex parameter: plain).
+    ``found_inf`` (torch's skip, 1.0: skip) masks it: the factor is exactly 1 where it is set,
+    since the fused kernel that reads it skips only its own update, not this decay."""
     scalars = StepScalars()
     keep = keep_factor(lr, weight_decay, scalars, capturable=True)
     ok = None if found_inf is None else found_inf == 0
@@ -149,8 +150,8 @@ def adamw_state(param: torch.Tensor, device_step: bool | None = None) -> dict[st
 def adamw_steps(states: Sequence[dict[str, torch.Tensor]], params: Sequence[torch.Tensor],
                 device_step: bool | None) -> list[torch.Tensor]:
     """Each parameter's AdamW ``step`` counter; with ``device_step`` (fused or capturable kernels)
-    in fp32 on the parameter's device, where torch.optim.AdamW(fused=True) keeps it: a counter
-    made otherwise (another implementation's checkpoint, a switch to fused) is moved once, exactly."""
+    in fp32 on the parameter's device, where torch.optim.AdamW(fused=True) keeps it: a counter made
+    otherwise (another implementation's checkpoint, a switch to fused) is moved once, exactly."""
     if device_step:
         for state, param in zip(states, params):
             if state["step"].device != param.device or state["step"].dtype != torch.float32:

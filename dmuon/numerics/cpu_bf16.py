@@ -1,5 +1,5 @@
-"""Whether this CPU multiplies bf16 matrices in hardware, and why: what ``ns_dtype="auto"`` decides from on a CPU
-(``dmuon.numerics.newton_schulz.native_bf16_matmul``).
+"""Whether this CPU multiplies bf16 matrices in hardware, and why: what ``ns_dtype="auto"``
+decides from on a CPU (``dmuon.numerics.newton_schulz.native_bf16_matmul``).
 
 Three x86 classes, and the bf16 GEMM each has (``docs/development.md``, "CPU classes"):
 
@@ -9,11 +9,11 @@ Three x86 classes, and the bf16 GEMM each has (``docs/development.md``, "CPU cla
 | AVX-512 without AVX512_BF16 or AMX | Skylake-SP, Cascade Lake | oneDNN emulates it: ~3-4x slower than fp32 |
 | AVX-512 with AVX512_BF16, or AMX | Cooper Lake, Sapphire Rapids, AMD Zen 4 | native, faster than fp32 |
 
-oneDNN's own query (``torch.ops.mkldnn._is_mkldnn_bf16_supported()``) is True on the second class too (it can run
-bf16 there, slowly), and ``get_cpu_capability()`` says ``AVX512`` for both the second and the third: so on x86 the
-features AVX512_BF16 and AMX decide. On Arm, oneDNN reports bf16 only where the CPU has the BF16 extension (native),
-so its query is the answer. The facts come from torch (cpuinfo), never from timing: the decision is the same on a
-busy machine and a quiet one."""
+oneDNN's own query (``torch.ops.mkldnn._is_mkldnn_bf16_supported()``) is True on the second class
+too (it can run bf16 there, slowly), and ``get_cpu_capability()`` says ``AVX512`` for both the
+second and the third: so on x86 the features AVX512_BF16 and AMX decide. On Arm, oneDNN reports bf16
+only where the CPU has the BF16 extension (native), so its query is the answer. The facts come from
+torch (cpuinfo), never from timing: the decision is the same on a busy machine and a quiet one."""
 
 from __future__ import annotations
 
@@ -48,8 +48,8 @@ def cpu_facts() -> CpuFacts:
 
 
 def bf16_gemm_verdict(facts: CpuFacts) -> tuple[bool, str]:
-    """``(native, reason)``: whether bf16 GEMM runs at hardware speed on a CPU with ``facts``, and a short reason
-    that names the facts it was decided from."""
+    """``(native, reason)``: whether bf16 GEMM runs at hardware speed on a CPU with ``facts``,
+    and a short reason that names the facts it was decided from."""
     if not facts.onednn_bf16:
         return False, f"capability {facts.capability}, no oneDNN bf16 GEMM: bf16 matmul is a scalar fallback"
     if facts.machine in ARM_MACHINES:

@@ -1,4 +1,5 @@
-"""Hyperparameters as 0-dim device tensors, for a step captured in a CUDA graph (``capturable=True``).
+"""Hyperparameters as 0-dim device tensors, for a step captured in a CUDA graph
+(``capturable=True``).
 
 A captured graph replays the numbers it was captured with, so under ``capturable`` a group's
 :data:`DEVICE_HYPERPARAMETERS` are 0-dim tensors on the parameters' device that LR schedulers
@@ -15,20 +16,23 @@ import torch
 
 # What a device hyperparameter is held in: a Python float's own format (see the module docstring).
 HYPERPARAMETER_DTYPE = torch.float64
-# The group keys held on the device under ``capturable`` (what schedulers change); the rest stay numbers.
+# The group keys held on the device under ``capturable`` (what schedulers change); the
+# rest stay numbers.
 DEVICE_HYPERPARAMETERS = ("lr", "weight_decay")
 
 
 def device_scalar(value: float | torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``value`` (a number or a one-element Tensor) as a 0-dim fp64 tensor on ``device`` (never in a step)."""
+    """``value`` (a number or a one-element Tensor) as a 0-dim fp64 tensor on ``device``
+    (never in a step)."""
     if isinstance(value, torch.Tensor):
         return value.detach().reshape(()).to(device=device, dtype=HYPERPARAMETER_DTYPE, copy=True)
     return torch.tensor(float(value), dtype=HYPERPARAMETER_DTYPE, device=device)
 
 
 class StepScalars:
-    """One step's scalars, each made once for every tensor that needs it: the device products of
-    ``capturable`` hyperparameters and their casts, masked decay factors, numbers as 0-dim tensors."""
+    """One step's scalars, each made once for every tensor that needs it: the device
+    products of ``capturable`` hyperparameters and their casts, masked decay factors,
+    numbers as 0-dim tensors."""
 
     def __init__(self) -> None:
         self._made: dict[tuple, torch.Tensor] = {}
@@ -53,16 +57,19 @@ class StepScalars:
         return self._once(("cast", id(value), dtype), (value,), lambda: value.to(dtype))
 
     def on_host(self, value: float, dtype: torch.dtype) -> torch.Tensor:
-        """The number ``value`` as a 0-dim ``dtype`` tensor on the CPU (a scalar every device reads)."""
+        """The number ``value`` as a 0-dim ``dtype`` tensor on the CPU (a scalar every
+        device reads)."""
         return self._once(("host", value, dtype), (), lambda: torch.tensor(value, dtype=dtype))
 
     def filled(self, value: float, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """The number ``value`` as a 0-dim ``dtype`` tensor filled on ``device`` (no copy from the host)."""
+        """The number ``value`` as a 0-dim ``dtype`` tensor filled on ``device`` (no copy
+        from the host)."""
         return self._once(("filled", value, dtype, device), (),
                           lambda: torch.full((), value, dtype=dtype, device=device))
 
     def masked(self, value: float | torch.Tensor, dtype: torch.dtype, ok: torch.Tensor) -> torch.Tensor:
-        """``value`` where the 0-dim bool ``ok`` holds, exactly 1 elsewhere, in ``dtype`` on ``ok``'s device."""
+        """``value`` where the 0-dim bool ``ok`` holds, exactly 1 elsewhere, in ``dtype`` on
+        ``ok``'s device."""
         tensor = isinstance(value, torch.Tensor)
 
         def make() -> torch.Tensor:

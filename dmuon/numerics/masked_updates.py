@@ -20,12 +20,14 @@ _BITS_AS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def select_by_lists(device: torch.device) -> bool:
-    """Whether selects on ``device`` run as integer list ops where ``foreach`` allows: not on the CPU."""
+    """Whether selects on ``device`` run as integer list ops where ``foreach`` allows:
+    not on the CPU."""
     return device.type != "cpu"
 
 
 def by_mask(oks: Tensors) -> list[tuple[torch.Tensor, list[int]]]:
-    """The indices of ``oks`` grouped by mask (by identity: a step's few shared masks), in first-seen order."""
+    """The indices of ``oks`` grouped by mask (by identity: a step's few shared masks), in
+    first-seen order."""
     groups: dict[int, tuple[torch.Tensor, list[int]]] = {}
     for i, ok in enumerate(oks):
         groups.setdefault(id(ok), (ok, []))[1].append(i)

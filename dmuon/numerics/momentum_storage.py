@@ -1,17 +1,18 @@
-"""Muon's momentum held in less than the parameter's dtype (issue 51): bf16, or int8 with one fp32 scale per block
-of :data:`INT8_BLOCK` consecutive elements of a row.
+"""Muon's momentum held in less than the parameter's dtype (issue 51): bf16, or int8 with one
+fp32 scale per block of :data:`INT8_BLOCK` consecutive elements of a row.
 
-The momentum rule stays the one in ``dmuon.numerics.update_rules``; what changes is where its result is kept between
-steps. Each step reads the stored momentum back as the parameter's dtype (:func:`read_momenta`,
-:func:`dequantize_int8`), runs the EMA there, and rounds the result into the store (:func:`store_momenta_`,
-:func:`quantize_int8`), so the update of the step sees the EMA before it is rounded and only what the next step
-reads has been rounded once.
+The momentum rule stays the one in ``dmuon.numerics.update_rules``; what changes is where its
+result is kept between steps. Each step reads the stored momentum back as the parameter's dtype
+(:func:`read_momenta`, :func:`dequantize_int8`), runs the EMA there, and rounds the result into
+the store (:func:`store_momenta_`, :func:`quantize_int8`), so the update of the step sees the
+EMA before it is rounded and only what the next step reads has been rounded once.
 
-Why blocks along a row, and why that keeps DMuon exact across world sizes: every scale is read from, and applies to,
-the elements of one block of one row of the matrix (for ``[E, A, B]`` experts, of one expert; for a 4-D+ weight, of
-the ``[O, rest]`` matrix's rows). A rank holding whole rows (FSDP's ``Shard(0)``, HSDP, EP, uneven or empty shards)
-holds whole blocks, and quantizing its rows gives the bits quantizing the whole matrix gives for them. A layout that
-splits a row (TP's ``Shard(1)``) keeps that property only where each shard starts on a block boundary.
+Why blocks along a row, and why that keeps DMuon exact across world sizes: every scale is read
+from, and applies to, the elements of one block of one row of the matrix (for ``[E, A, B]``
+experts, of one expert; for a 4-D+ weight, of the ``[O, rest]`` matrix's rows). A rank holding
+whole rows (FSDP's ``Shard(0)``, HSDP, EP, uneven or empty shards) holds whole blocks, and
+quantizing its rows gives the bits quantizing the whole matrix gives for them. A layout that splits
+a row (TP's ``Shard(1)``) keeps that property only where each shard starts on a block boundary.
 
 int8, per block ``x`` of at most :data:`INT8_BLOCK` elements (the last block of a row may be
 shorter)::
@@ -21,14 +22,16 @@ shorter)::
                                      # [-127, 127]; 0 where scale is 0
     x'    = q * scale                # what the next step reads
 
-These are the bits on the CPU and on CUDA alike: both divisions are by device tensors (CUDA takes a Python-number
-divisor as a multiplication by its reciprocal, an ulp off the quotient for some ``max(|x|)``), and on a GPU the
-quantization takes four passes over the momentum (:func:`_quantize_blocks_`).
+These are the bits on the CPU and on CUDA alike: both divisions are by device tensors (CUDA
+takes a Python-number divisor as a multiplication by its reciprocal, an ulp off the quotient
+for some ``max(|x|)``), and on a GPU the quantization takes four passes over the momentum
+(:func:`_quantize_blocks_`).
 
-Block size 128: the scale adds 4 / 128 = 0.03 bytes per element (1.03 bytes in all, a quarter of fp32's 4 and within
-the 1.05 the issue allows), and one outlier in a block costs the resolution of 127 other elements at most; 256 would
-save 0.016 bytes an element for twice the reach of an outlier. The common hidden sizes (multiples of 128) split into
-whole blocks, so a TP degree that splits them in equal parts of a multiple of 128 columns keeps every block whole."""
+Block size 128: the scale adds 4 / 128 = 0.03 bytes per element (1.03 bytes in all, a quarter of
+fp32's 4 and within the 1.05 the issue allows), and one outlier in a block costs the resolution
+of 127 other elements at most; 256 would save 0.016 bytes an element for twice the reach of an
+outlier. The common hidden sizes (multiples of 128) split into whole blocks, so a TP degree that
+splits them in equal parts of a multiple of 128 columns keeps every block whole."""
 
 from __future__ import annotations
 
@@ -44,16 +47,16 @@ from dmuon.numerics.masked_updates import select_
 MOMENTUM_DTYPES = (None, "bfloat16", "int8")
 # Elements per fp32 scale along the last dim of a row (module docstring: why 128).
 INT8_BLOCK = 128
-# The narrowest row int8 pays for: a row of w elements costs 1 + 4 / w bytes an element with its scale, bf16's 2 or
-# more below 5 (such a momentum is kept in bf16: dmuon.state.momentum_state).
+# The narrowest row int8 pays for: a row of w elements costs 1 + 4 / w bytes an element with its
+# scale, bf16's 2 or more below 5 (such a momentum is kept in bf16: dmuon.state.momentum_state).
 INT8_MIN_ROW = 5
 # The largest magnitude an int8 value takes: symmetric, so -x quantizes to -q.
 INT8_MAX = 127
 
 
 def parse_momentum_dtype(value: object) -> str | None:
-    """``value`` as one of :data:`MOMENTUM_DTYPES` (``torch.bfloat16`` reads as ``"bfloat16"``); ValueError
-    naming the allowed values otherwise."""
+    """``value`` as one of :data:`MOMENTUM_DTYPES` (``torch.bfloat16`` reads as
+    ``"bfloat16"``); ValueError naming the allowed values otherwise."""
     if value is torch.bfloat16:
         return "bfloat16"
     if value in MOMENTUM_DTYPES:
@@ -68,24 +71,26 @@ def blocks_per_row(columns: int) -> int:
 
 
 def row_length(shape: Sequence[int]) -> int:
-    """The elements of one row of a tensor of ``shape``, the rows its blocks run along (:func:`_rows`)."""
+    """The elements of one row of a tensor of ``shape``, the rows its blocks run along
+    (:func:`_rows`)."""
     if len(shape) > 3:
         return math.prod(shape[1:])
     return shape[-1] if len(shape) else 1
 
 
 def scales_shape(shape: Sequence[int]) -> tuple[int, ...]:
-    """The shape of the fp32 scales of an int8 momentum of ``shape``: one per block of each row (:func:`_rows`: a
-    1-D tensor is one row, a 4-D+ weight ``[O, rest]``)."""
+    """The shape of the fp32 scales of an int8 momentum of ``shape``: one per block of each row
+    (:func:`_rows`: a 1-D tensor is one row, a 4-D+ weight ``[O, rest]``)."""
     if len(shape) > 3:
         return (shape[0], blocks_per_row(row_length(shape)))
     return (*shape[:-1], blocks_per_row(shape[-1])) if len(shape) else (1,)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
-    """``x`` as the rows its blocks run along: a 0-D or 1-D tensor is one row, a matrix or a 3-D expert stack
-    ``[E, A, B]`` its own rows, a 4-D+ weight the rows of its ``[O, rest]`` matrix (the matrix Muon
-    orthogonalizes; blocking its last dim, a 3x3 kernel's 3 elements, would cost a scale every 3 elements)."""
+    """``x`` as the rows its blocks run along: a 0-D or 1-D tensor is one row, a matrix or a
+    3-D expert stack ``[E, A, B]`` its own rows, a 4-D+ weight the rows of its ``[O, rest]``
+    matrix (the matrix Muon orthogonalizes; blocking its last dim, a 3x3 kernel's 3 elements,
+    would cost a scale every 3 elements)."""
     if x.ndim < 2:
         return x.reshape(1, -1)
     return x.reshape(x.shape[0], row_length(x.shape)) if x.ndim > 3 else x  # -1 is ambiguous for an empty shard
@@ -93,8 +98,8 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 def bytes_per_element(shape: Sequence[int], momentum_dtype: str | None,
                       param_dtype: torch.dtype = torch.float32) -> float:
-    """The momentum's bytes per element of a tensor of ``shape`` kept in ``momentum_dtype`` (scales included): 1
-    + 4 * ceil(w / 128) / w for int8 rows of w elements."""
+    """The momentum's bytes per element of a tensor of ``shape`` kept in ``momentum_dtype``
+    (scales included): 1 + 4 * ceil(w / 128) / w for int8 rows of w elements."""
     if momentum_dtype is None:
         return float(param_dtype.itemsize)
     if momentum_dtype == "bfloat16":
@@ -104,10 +109,11 @@ def bytes_per_element(shape: Sequence[int], momentum_dtype: str | None,
 
 
 def _block_views(rows: torch.Tensor, scales: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """``rows`` (``[..., columns]``) as views of its blocks, each with the view of ``scales`` (``[...,
-    blocks_per_row(columns)]``) it has: the whole blocks ``[..., n, INT8_BLOCK]`` and the shorter last block of
-    each row ``[..., 1, columns % INT8_BLOCK]`` (a row narrower than a block is that one block). Views, not a
-    padded copy: a row of 1 element padded to a block took 128 times its size in each fp32 temporary (issue 67)."""
+    """``rows`` (``[..., columns]``) as views of its blocks, each with the view of ``scales``
+    (``[..., blocks_per_row(columns)]``) it has: the whole blocks ``[..., n, INT8_BLOCK]`` and
+    the shorter last block of each row ``[..., 1, columns % INT8_BLOCK]`` (a row narrower than
+    a block is that one block). Views, not a padded copy: a row of 1 element padded to a block
+    took 128 times its size in each fp32 temporary (issue 67)."""
     columns = rows.shape[-1]
     whole = columns // INT8_BLOCK
     views = []
@@ -118,33 +124,35 @@ def _block_views(rows: torch.Tensor, scales: torch.Tensor) -> list[tuple[torch.T
     return [(blocks, block_scales.unsqueeze(-1)) for blocks, block_scales in views]
 
 
-# Rounding by addition (:func:`_quantize_blocks_`): fp32 holds every integer of [2**23, 2**24) and nothing between
-# them, so adding 1.5 * 2**23 (an even integer) to a quotient of magnitude under 2**22 rounds it to an integer, half
-# to even, exactly as ``round`` does. The sum's fp32 bits, read as an int32, are then 0x4B400000 + the rounded
-# quotient, whose low byte (0x4B400000's is 0) is the quotient's int8 for a quotient in [-127, 127].
+# Rounding by addition (:func:`_quantize_blocks_`): fp32 holds every integer of [2**23, 2**24)
+# and nothing between them, so adding 1.5 * 2**23 (an even integer) to a quotient of magnitude
+# under 2**22 rounds it to an integer, half to even, exactly as ``round`` does. The sum's fp32
+# bits, read as an int32, are then 0x4B400000 + the rounded quotient, whose low byte
+# (0x4B400000's is 0) is the quotient's int8 for a quotient in [-127, 127].
 _ROUNDING_MAGIC = 1.5 * 2**23
-# The dtypes whose every value fp32 holds: their blocks are divided as they are, without an fp32 copy.
+# The dtypes whose every value fp32 holds: their blocks are divided as they are, without an
+# fp32 copy.
 _WIDENED_EXACTLY = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _int8_constants(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """127 and :data:`_ROUNDING_MAGIC` as 0-dim fp32 tensors on ``device``.
 
-    On the device, not Python numbers: CUDA's true division takes a Python number, or any 0-dim CPU tensor, as a
-    CPU scalar and multiplies by its reciprocal (``BinaryDivTrueKernel.cu``), which moves about 4.5% of the
-    scales one ulp off ``max|x| / 127``; a divisor on the device is divided by, as on the CPU. Made by fill
-    kernels: no host-to-device copy, so no sync and nothing a CUDA-graph capture refuses; made per call, not
-    cached, so a captured graph fills its own (a cached tensor made during a capture would hold its value only
-    after a replay)."""
+    On the device, not Python numbers: CUDA's true division takes a Python number, or any 0-dim
+    CPU tensor, as a CPU scalar and multiplies by its reciprocal (``BinaryDivTrueKernel.cu``),
+    which moves about 4.5% of the scales one ulp off ``max|x| / 127``; a divisor on the device
+    is divided by, as on the CPU. Made by fill kernels: no host-to-device copy, so no sync and
+    nothing a CUDA-graph capture refuses; made per call, not cached, so a captured graph fills
+    its own (a cached tensor made during a capture would hold its value only after a replay)."""
     return (torch.full((), float(INT8_MAX), dtype=torch.float32, device=device),
             torch.full((), _ROUNDING_MAGIC, dtype=torch.float32, device=device))
 
 
 def _quantize_blocks_(blocks: torch.Tensor, values: torch.Tensor, scales: torch.Tensor,
                       constants: tuple[torch.Tensor, torch.Tensor]) -> None:
-    """Quantize ``blocks`` (``[..., INT8_BLOCK]``, fp32, bf16 or fp16) into ``values`` (int8, of their shape) and
-    ``scales`` (fp32, ``[..., 1]``), in place: the module docstring's formula, bit for bit, in four passes over the
-    blocks on a GPU and three small ops on their scales.
+    """Quantize ``blocks`` (``[..., INT8_BLOCK]``, fp32, bf16 or fp16) into ``values`` (int8, of
+    their shape) and ``scales`` (fp32, ``[..., 1]``), in place: the module docstring's formula,
+    bit for bit, in four passes over the blocks on a GPU and three small ops on their scales.
 
     1. ``max|x|`` per block, one read (``vector_norm(ord=inf)``: the exact maximum of ``|x|``,
        +0.0 for zeros, NaN if the block holds one, as ``abs().amax()``, which writes ``|x|``
@@ -166,14 +174,14 @@ def _quantize_blocks_(blocks: torch.Tensor, values: torch.Tensor, scales: torch.
        AVX-512's ``_mm512_cvtepi32_epi8`` truncates alike; a saturating one would store 127
        for every value, which the tests would see).
 
-    (``abs``, ``amax``, a division, ``where``, ``round_``, ``clamp_`` and a cast took seven.) The scales' small ops:
-    the fp32 widening of bf16 or fp16 maxima, the division by a device 127 (:func:`_int8_constants`) written into
-    ``scales``, and the divisor's ``gt`` and ``where``.
+    (``abs``, ``amax``, a division, ``where``, ``round_``, ``clamp_`` and a cast took seven.) The
+    scales' small ops: the fp32 widening of bf16 or fp16 maxima, the division by a device 127
+    (:func:`_int8_constants`) written into ``scales``, and the divisor's ``gt`` and ``where``.
 
-    On the CPU the same bits come from the forms its kernels run fast: bf16 and fp16 widened first (a mixed-dtype
-    ``addcdiv`` takes about 8 times as long as the widening and an fp32 one together) and the maxima as
-    ``abs().amax()`` (torch's CPU inf-norm does not vectorize along a row: about 8 times slower), measured on a
-    2-core AVX-512 VM with torch 2.13."""
+    On the CPU the same bits come from the forms its kernels run fast: bf16 and fp16 widened
+    first (a mixed-dtype ``addcdiv`` takes about 8 times as long as the widening and an fp32
+    one together) and the maxima as ``abs().amax()`` (torch's CPU inf-norm does not vectorize
+    along a row: about 8 times slower), measured on a 2-core AVX-512 VM with torch 2.13."""
     int8_max, magic = constants
     if blocks.device.type == "cpu":
         blocks = blocks.float()
@@ -187,8 +195,9 @@ def _quantize_blocks_(blocks: torch.Tensor, values: torch.Tensor, scales: torch.
 
 
 def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x`` (any float dtype; its rows :func:`_rows`) as int8 values of its shape and fp32 scales of
-    :func:`scales_shape`, block by block of each row (module docstring; :func:`_quantize_blocks_`). New tensors."""
+    """``x`` (any float dtype; its rows :func:`_rows`) as int8 values of its shape and fp32
+    scales of :func:`scales_shape`, block by block of each row (module docstring;
+    :func:`_quantize_blocks_`). New tensors."""
     rows = _rows(x if x.dtype in _WIDENED_EXACTLY else x.to(torch.float32))
     values = torch.empty(rows.shape, dtype=torch.int8, device=x.device)
     scales = torch.empty((*rows.shape[:-1], blocks_per_row(rows.shape[-1])), dtype=torch.float32, device=x.device)
@@ -199,8 +208,8 @@ def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def dequantize_int8(values: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``values * scale`` block by block, as a new tensor of ``dtype`` and ``values``' shape (computed in fp32,
-    then cast: exact for fp32, one rounding for bf16)."""
+    """``values * scale`` block by block, as a new tensor of ``dtype`` and ``values``' shape
+    (computed in fp32, then cast: exact for fp32, one rounding for bf16)."""
     rows = _rows(values)
     out = torch.empty(rows.shape, dtype=torch.float32, device=values.device)
     scales = scales.reshape(*rows.shape[:-1], blocks_per_row(rows.shape[-1]))
@@ -209,12 +218,13 @@ def dequantize_int8(values: torch.Tensor, scales: torch.Tensor, dtype: torch.dty
     return out.view(values.shape).to(dtype)
 
 
-# The step's reads and writes: momenta held alike on one device (bf16; int8 whose rows are whole blocks) are read
-# into one flat buffer, so a list costs a few ops, not a dozen per tensor; the others one by one. Either way each
-# element gets the bits of :func:`quantize_int8` and :func:`dequantize_int8`: the arithmetic is per element and block.
+# The step's reads and writes: momenta held alike on one device (bf16; int8 whose rows are
+# whole blocks) are read into one flat buffer, so a list costs a few ops, not a dozen per
+# tensor; the others one by one. Either way each element gets the bits of :func:`quantize_int8`
+# and :func:`dequantize_int8`: the arithmetic is per element and block.
 
-# Elements a batched store quantizes at once (a multiple of INT8_BLOCK): its fp32 temporaries stay a few times this,
-# whatever the momenta's size.
+# Elements a batched store quantizes at once (a multiple of INT8_BLOCK): its fp32 temporaries
+# stay a few times this, whatever the momenta's size.
 ROUNDING_CHUNK_NUMEL = 1 << 24
 
 
@@ -232,17 +242,18 @@ class MomentumCopies:
 
 
 def read_together(values: torch.Tensor, scales: torch.Tensor | None) -> bool:
-    """Whether a kept momentum can join a batch: contiguous, and for int8, rows of whole blocks (its flat values,
-    cut every ``INT8_BLOCK``, are its blocks, in the order of its scales)."""
+    """Whether a kept momentum can join a batch: contiguous, and for int8, rows of whole blocks
+    (its flat values, cut every ``INT8_BLOCK``, are its blocks, in the order of its scales)."""
     return values.is_contiguous() and (scales is None or (row_length(values.shape) % INT8_BLOCK == 0
                                                           and scales.is_contiguous()))
 
 
 def read_momenta(values: Sequence[torch.Tensor], scales: Sequence[torch.Tensor | None],
                  dtypes: Sequence[torch.dtype]) -> MomentumCopies:
-    """Each kept momentum (``values``, with its int8 ``scales`` or None) as a tensor of its ``dtypes`` entry (the
-    parameter's) to run the momentum rule on: the store itself where it is held in that dtype (no copy: the rule
-    updates it in place), else a new tensor (int8 dequantized, exactly in fp32 then cast; bf16 widened exactly)."""
+    """Each kept momentum (``values``, with its int8 ``scales`` or None) as a tensor of its
+    ``dtypes`` entry (the parameter's) to run the momentum rule on: the store itself where it
+    is held in that dtype (no copy: the rule updates it in place), else a new tensor (int8
+    dequantized, exactly in fp32 then cast; bf16 widened exactly)."""
     copies = MomentumCopies(list(values))
     kinds: dict[tuple, list[int]] = {}
     for k, (store, scale, dtype) in enumerate(zip(values, scales, dtypes)):
@@ -255,8 +266,8 @@ def read_momenta(values: Sequence[torch.Tensor], scales: Sequence[torch.Tensor |
             copies.working[k] = (dequantize_int8(store, scale, dtype) if scale is not None else store.to(dtype))
     for (int8, _, dtype, _), members in kinds.items():
         numels = [values[k].numel() for k in members]
-        # One concatenation in the kept dtype, then one exact widening (a list copy across dtypes would take one
-        # kernel a tensor on CUDA).
+        # One concatenation in the kept dtype, then one exact widening (a list copy across
+        # dtypes would take one kernel a tensor on CUDA).
         flat = torch.cat([values[k].view(-1) for k in members]).to(torch.float32 if int8 else dtype)
         if int8:
             flat.view(-1, INT8_BLOCK).mul_(torch.cat([scales[k].view(-1) for k in members]).unsqueeze(1))
@@ -269,9 +280,10 @@ def read_momenta(values: Sequence[torch.Tensor], scales: Sequence[torch.Tensor |
 
 def store_momenta_(values: Sequence[torch.Tensor], scales: Sequence[torch.Tensor | None], copies: MomentumCopies,
                    oks: Sequence[torch.Tensor] | None = None, foreach: bool = False) -> None:
-    """Round each momentum :func:`read_momenta` copied (after the rule) into its store, in place; with ``oks``
-    only where each 0-dim device bool holds (values and scales keep their bits elsewhere: selected, not quantized
-    again). A store that is its working tensor was updated in place already."""
+    """Round each momentum :func:`read_momenta` copied (after the rule) into its store, in
+    place; with ``oks`` only where each 0-dim device bool holds (values and scales keep their
+    bits elsewhere: selected, not quantized again). A store that is its working tensor was
+    updated in place already."""
     targets: list[torch.Tensor] = []
     news: list[torch.Tensor] = []
     masks: list[torch.Tensor] = []
@@ -308,8 +320,9 @@ def store_momenta_(values: Sequence[torch.Tensor], scales: Sequence[torch.Tensor
 
 
 def _quantize_flat(flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`quantize_int8` of a flat run of whole blocks, chunk by chunk (:data:`ROUNDING_CHUNK_NUMEL`): int8
-    values and fp32 scales, flat, each chunk written in place by :func:`_quantize_blocks_` (four passes over it)."""
+    """:func:`quantize_int8` of a flat run of whole blocks, chunk by chunk
+    (:data:`ROUNDING_CHUNK_NUMEL`): int8 values and fp32 scales, flat, each chunk written in
+    place by :func:`_quantize_blocks_` (four passes over it)."""
     values = torch.empty(flat.numel(), dtype=torch.int8, device=flat.device)
     scales = torch.empty(flat.numel() // INT8_BLOCK, dtype=torch.float32, device=flat.device)
     constants = _int8_constants(flat.device)

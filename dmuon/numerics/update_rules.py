@@ -1,4 +1,5 @@
-"""Muon's update, each line one function over lists of tensors (AdamW's: ``dmuon.numerics.adamw_rules``).
+"""Muon's update, each line one function over lists of tensors (AdamW's:
+``dmuon.numerics.adamw_rules``).
 
 Muon, for a matrix W (A x B) with gradient G (torch.optim.Muon semantics)::
 
@@ -12,16 +13,18 @@ Every line but ``orthogonalize`` is elementwise, so a row shard gets the whole m
 the distributed step keeps momentum and the apply on the local shards and moves only U and O.
 
 Each rule has one dispatch, as torch.optim's: ``foreach`` picks the list form (one
-``torch._foreach_*`` op per device and dtype signature) or one op per tensor, the same bits
-(``tests/test_update_lists.py``); callers pass plain tensors (a DTensor's local tensor). Inside each:
+``torch._foreach_*`` op per device and dtype signature) or one op per tensor, the same
+bits (``tests/test_update_lists.py``); callers pass plain tensors (a DTensor's local
+tensor). Inside each:
 
 - the mask ``oks`` (each tensor's 0-dim device bool, ``dmuon.exchange.status_masks``): the rule's
   bits where it holds, the tensor's own elsewhere, with no host read. Momentum: the EMA made out
   of place and selected (``0 * NaN`` is NaN), :data:`MASKED_CHUNK_NUMEL` at a time; decay: a
   factor of exactly 1; the step: ``O`` is ``+0.0`` where masked, and ``p + (-a) * (+0.0)`` is ``p``;
 - the hyperparameters: numbers; a one-element Tensor ``lr`` (torch.optim.Muon's arithmetic, per
-  tensor); or under ``capturable`` 0-dim fp64 device tensors (``dmuon.numerics.device_scalars``)
-  whose products, made on the device once a step (``device_scalars.StepScalars``), are the host's numbers.
+  tensor); or under ``capturable`` 0-dim fp64 device tensors
+  (``dmuon.numerics.device_scalars``) whose products, made on the device once a step
+  (``device_scalars.StepScalars``), are the host's numbers.
 
 NorMuon (arXiv 2510.05491, :func:`normuon_normalize_`) reads whole rows, so it runs where ``O`` is
 whole (the owner); cautious weight decay (arXiv 2510.12402, :func:`cautious_decay_`) is elementwise.
@@ -49,7 +52,8 @@ Number = float | torch.Tensor
 ADJUST_LR_CHOICES = ("original", "match_rms_adamw", "spectral", None)
 # Moonlight's choice: Muon's update RMS matched to a typical AdamW update RMS of 0.2.
 DEFAULT_MATCHED_ADAMW_RMS = 0.2
-# NorMuon's per-row EMA coefficient and the guard on its root and norm (official normuon.py: 0.95, 1e-10).
+# NorMuon's per-row EMA coefficient and the guard on its root and norm (official
+# normuon.py: 0.95, 1e-10).
 DEFAULT_NORMUON_BETA2 = 0.95
 NORMUON_EPS = 1e-10
 # Elements of the out-of-place EMAs a masked momentum_ holds at once (64 MiB in fp32).
@@ -57,7 +61,8 @@ MASKED_CHUNK_NUMEL = 1 << 24
 
 
 def resolve_foreach(foreach: bool | None, device: torch.device) -> bool:
-    """``foreach`` as given, or for ``None`` torch.optim's default for ``device`` (CUDA: yes, CPU: no)."""
+    """``foreach`` as given, or for ``None`` torch.optim's default for ``device`` (CUDA:
+    yes, CPU: no)."""
     return default_foreach(device) if foreach is None else foreach
 
 
@@ -161,14 +166,16 @@ def orthogonalize_update(update: torch.Tensor, group: dict[str, Any], ns_dtype: 
 
 def normuon_normalize_(ortho: torch.Tensor, second_moment: torch.Tensor, beta2: float, split_rows: int | None = None,
                        ok: torch.Tensor | None = None) -> torch.Tensor:
-    """NorMuon's normalization of ``ortho``, a new bf16 tensor; ``second_moment`` (``[..., rows, 1]``)
-    updated in place. Per matrix ``O`` (expert, block of ``split_rows`` rows), in fp32, as normuon.py::
+    """NorMuon's normalization of ``ortho``, a new bf16 tensor; ``second_moment``
+    (``[..., rows, 1]``) updated in place. Per matrix ``O`` (expert, block of ``split_rows``
+    rows), in fp32, as normuon.py::
 
         v = lerp(v, mean(O * O, dim=-1), 1 - beta2)    # per-row EMA, no bias correction
         N = O * (1 / (sqrt(v) + 1e-10))
         N = N * (||O||_F / (||N||_F + 1e-10))          # keep O's Frobenius norm
 
-    ``ok`` (0-dim device bool): where False, ``v`` keeps its bits (the EMA selected by ``torch.where``)."""
+    ``ok`` (0-dim device bool): where False, ``v`` keeps its bits (the EMA selected by
+    ``torch.where``)."""
     shape = matrix_shape(ortho.shape)
     rows = split_rows if split_rows and len(shape) == 2 else shape[-2]
     matrices = ortho.reshape(-1, rows, shape[-1])
@@ -223,8 +230,9 @@ def shape_scale(shape: Sequence[int], adjust_lr: str | None, matched_adamw_rms: 
 
 
 def keep_factor(lr: Number, weight_decay: Number, scalars: StepScalars, capturable: bool = False) -> Number:
-    """The decay's keep factor ``1 - lr * weight_decay``: of numbers, of a Tensor ``lr``'s 0-dim
-    tensor (torch.optim's one-element lr), or under ``capturable`` of the device values, made once."""
+    """The decay's keep factor ``1 - lr * weight_decay``: of numbers, of a Tensor ``lr``'s
+    0-dim tensor (torch.optim's one-element lr), or under ``capturable`` of the device
+    values, made once."""
     if capturable:
         return scalars.keep(lr, weight_decay)
     return 1 - (lr.squeeze() if isinstance(lr, torch.Tensor) else lr) * weight_decay
@@ -249,8 +257,9 @@ def decay_factor(keep: Number, dtype: torch.dtype, scalars: StepScalars, ok: tor
 
 def decay_(params: Tensors, keep: Number, foreach: bool, scalars: StepScalars, oks: Tensors | None = None,
            capturable: bool = False) -> None:
-    """``p *= keep`` for every parameter where its ``ok`` holds (``p *= 1`` elsewhere): one factor
-    per mask and dtype (:func:`decay_factor`); with ``foreach``, one list op per mask, dtype and device."""
+    """``p *= keep`` for every parameter where its ``ok`` holds (``p *= 1`` elsewhere): one
+    factor per mask and dtype (:func:`decay_factor`); with ``foreach``, one list op per mask,
+    dtype and device."""
     for ok, idx in by_mask(oks) if oks is not None else [(None, range(len(params)))]:
         lists: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
         for i in idx:

@@ -118,11 +118,11 @@ def check_no_fused_muon(options: dict[str, Any], use_muon: bool | None, where: s
 
 def own_flags(members: list[tuple[str, torch.Tensor]], use_muon: bool, options: dict[str, Any], lr: Any,
                implementation: Mapping[str, Any], where: str) -> dict[str, Any]:
-    """The group's own ``foreach`` / ``fused`` / ``capturable``, checked. An AdamW group is checked with the
-    flags it will step with, as torch.optim.AdamW checks them (a Tensor lr with foreach;
-    fused for a device or dtype torch has no fused kernel for), but here, at construction.
-    A Muon group keeps no ``fused``: a split group's Muon part leaves it to the AdamW part
-    (``check_no_fused_muon`` refuses it in a Muon group)."""
+    """The group's own ``foreach`` / ``fused`` / ``capturable``, checked. An AdamW group is
+    checked with the flags it will step with, as torch.optim.AdamW checks them (a Tensor lr
+    with foreach; fused for a device or dtype torch has no fused kernel for), but here, at
+    construction. A Muon group keeps no ``fused``: a split group's Muon part leaves it to the
+    AdamW part (``check_no_fused_muon`` refuses it in a Muon group)."""
     own = {key: options[key] for key in IMPLEMENTATION_KEYS if key in options}
     check_foreach(own.get("foreach"), where)
     check_fused(own.get("fused"), where)

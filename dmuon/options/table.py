@@ -206,7 +206,8 @@ APPLIED_ON_RESUME = tuple(dict.fromkeys(
     o.key for o in OPTIONS if o.on_resume in (OnResume.APPLIED, OnResume.CONVERTED)))
 # Every key the table gives a meaning to, in a group or as a whole-optimizer option's name.
 KNOWN_KEYS = tuple(dict.fromkeys(key for o in OPTIONS for key in (o.key, o.name)))
-# ``use_muon`` is no option (it picks the algorithm), but a group's value of it decides the layout too.
+# ``use_muon`` is no option (it picks the algorithm), but a group's value of it decides
+# the layout too.
 LAYOUT_KEYS = ("use_muon", *(o.key for o in OPTIONS if o.on_resume is OnResume.REFUSED))
 
 

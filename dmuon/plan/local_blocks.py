@@ -19,7 +19,8 @@ class LocalBlocks:
 
     def __init__(self, plan: OwnerPlan, rank: int) -> None:
         self.plan, self.rank = plan, rank
-        # Per plan parameter: the units this rank holds a block of (in dim-0 order) and the blocks' rows.
+        # Per plan parameter: the units this rank holds a block of (in dim-0 order) and
+        # the blocks' rows.
         self._units: dict[int, list[int]] = {}
         self._rows: dict[int, list[int]] = {}
         for i, unit in enumerate(plan.units):

@@ -142,8 +142,9 @@ def make_owner_plan(params: Sequence[ParamSpec | Sequence[int]], world_size: int
     """Plan owners and batches for ``params`` (specs, or plain shapes row-sharded with
     ``Shard(0)`` over all ranks) on ``world_size`` plan ranks (see :func:`make_units`
     for ``split_replicas``)."""
-    # Equal layouts made one object: the optimizer makes one layout per parameter, each with its
-    # mesh's P plan ranks, and the plan keeps its specs, so without this it would keep parameters x P integers.
+    # Equal layouts made one object: the optimizer makes one layout per parameter, each with
+    # its mesh's P plan ranks, and the plan keeps its specs, so without this it would keep
+    # parameters x P integers.
     shared: dict[Layout, Layout] = {}
     specs = tuple(spec if spec.layout is None else replace(spec, layout=shared.setdefault(spec.layout, spec.layout))
                   for spec in (p if isinstance(p, ParamSpec) else ParamSpec(tuple(p)) for p in params))
@@ -177,8 +178,8 @@ def scratch_events(plan: OwnerPlan, rank: int) -> list[int]:
     """The step's scratch allocations (+numel) and frees (-numel) on ``rank``, in order:
     ``dmuon.plan.schedule.batch_schedule``, each event as the buffers it makes and frees.
 
-    - start gather(b): send buffer (each chunk's blocks packed straight into it: their
-      look-ahead is the elementwise scratch of ``dmuon.tools.dry_run.memory_bound``); receive buffer;
+    - start gather(b): send buffer (each chunk's blocks packed straight into it: their look-ahead
+      is the elementwise scratch of ``dmuon.tools.dry_run.memory_bound``); receive buffer;
     - finish gather(b): send freed; the owned whole matrices, one buffer, are cut from
       the receive buffer (receive freed);
     - Newton-Schulz(b): units kept local: update copy, result, both freed; owned

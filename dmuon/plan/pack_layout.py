@@ -40,7 +40,8 @@ class BatchLayout:
     split."""
     owned_numels: tuple[int, ...]
     owned_in_batch_order: tuple[int, ...]
-    """The same units in batch order (the order of their blocks within a peer's part of a buffer)."""
+    """The same units in batch order (the order of their blocks within a peer's part of a
+    buffer)."""
     column_groups: tuple[tuple[int, int, tuple[int, ...]], ...]
     """``(numel, columns, rows of each matrix)`` of each run of ``owned`` of one column count."""
     rows_only: bool

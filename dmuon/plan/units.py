@@ -159,7 +159,8 @@ class Unit:
         return ((r, b) for r, b in self.holder_blocks() if self.in_owner_replica(r))
 
     def in_owner_replica(self, rank: int) -> bool:
-        """Whether ``rank`` is in its owner's replica of the parameter (every rank is, without replicas)."""
+        """Whether ``rank`` is in its owner's replica of the parameter (every rank is,
+        without replicas)."""
         layout = self.boxes.layout
         return not layout.has_replicas or layout.replica_of(rank) == layout.replica_of(self.owner)
 

@@ -54,9 +54,9 @@ def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
 def keep_state_tensors(optimizer: torch.optim.Optimizer, before: dict[torch.Tensor, dict[str, torch.Tensor]]) -> None:
     """After a load: each loaded state value copied into the tensor ``before`` held for its key
     (:func:`state_tensors`), which goes back into the state, where both have one layout (shape,
-    dtype, device, placements). A CUDA graph captured before the load (``dmuon.capture.cuda_graphs``)
-    then reads the loaded values; a value of another layout stays as loaded, and the graph's
-    replay guard refuses to replay over it."""
+    dtype, device, placements). A CUDA graph captured before the load
+    (``dmuon.capture.cuda_graphs``) then reads the loaded values; a value of another layout
+    stays as loaded, and the graph's replay guard refuses to replay over it."""
     for param, held in before.items():
         loaded = optimizer.state.get(param, {})
         for key, old in held.items():

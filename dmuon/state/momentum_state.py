@@ -1,25 +1,27 @@
-"""Muon's momentum state in the form its group asks for (``momentum_dtype``): made at a parameter's first grad, read
-and stored back by each step, converted on a resume.
+"""Muon's momentum state in the form its group asks for (``momentum_dtype``): made at a
+parameter's first grad, read and stored back by each step, converted on a resume.
 
 The forms (``dmuon.numerics.momentum_storage``):
 
 - ``None``: ``momentum_buffer`` in the parameter's dtype, updated in place (as before);
 - ``"bfloat16"``: a bf16 ``momentum_buffer``;
-- ``"int8"``: int8 values ``momentum_int8`` and their fp32 ``momentum_scales`` (one per block of 128 elements of a
-  row). A DTensor parameter's are DTensors with its placements, so DCP reshards them as it reshards the parameter.
-  Where a layout cuts a row off the blocks (``dmuon.plan.momentum_blocks``), that parameter's momentum is kept in
-  bf16 instead, with one log line.
+- ``"int8"``: int8 values ``momentum_int8`` and their fp32 ``momentum_scales`` (one per
+  block of 128 elements of a row). A DTensor parameter's are DTensors with its placements,
+  so DCP reshards them as it reshards the parameter. Where a layout cuts a row off the
+  blocks (``dmuon.plan.momentum_blocks``), that parameter's momentum is kept in bf16
+  instead, with one log line.
 
-Why int8 values have a key of their own: DCP loads a checkpoint into the state the optimizer has (its keys, dtypes
-and shapes). Between the float forms a load casts, which is the conversion itself (fp32 to bf16 rounds to nearest
-even; bf16 to fp32 is exact). Under one key int8 values would be cast into a float buffer without their scales,
-silently wrong; under their own key such a load fails, naming the missing key. A plain ``load_state_dict`` gets the
-saved tensors themselves, and converts any form to any (:func:`convert_loaded`).
+Why int8 values have a key of their own: DCP loads a checkpoint into the state the optimizer
+has (its keys, dtypes and shapes). Between the float forms a load casts, which is the
+conversion itself (fp32 to bf16 rounds to nearest even; bf16 to fp32 is exact). Under one key
+int8 values would be cast into a float buffer without their scales, silently wrong; under their
+own key such a load fails, naming the missing key. A plain ``load_state_dict`` gets the saved
+tensors themselves, and converts any form to any (:func:`convert_loaded`).
 
-A step reads each momentum as a tensor of the parameter's dtype (:class:`MomentumReads`), runs the momentum rule
-on it, and rounds the result into the store under the step's masks. The fast path does so a few blocks at a time,
-as the owner exchange packs them (``dmuon.step.fast_path``), so a low-precision momentum does not raise the step's
-peak. Nothing of a read outlives its step."""
+A step reads each momentum as a tensor of the parameter's dtype (:class:`MomentumReads`), runs the
+momentum rule on it, and rounds the result into the store under the step's masks. The fast path
+does so a few blocks at a time, as the owner exchange packs them (``dmuon.step.fast_path``), so a
+low-precision momentum does not raise the step's peak. Nothing of a read outlives its step."""
 
 from __future__ import annotations
 
@@ -53,8 +55,8 @@ SCALES_KEY = "momentum_scales"  # int8 momentum's fp32 scales
 
 
 def kept_momentum(state: Mapping[str, Any] | None) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-    """A parameter's kept momentum, values and int8 scales (None in the float forms), or None before its first
-    grad."""
+    """A parameter's kept momentum, values and int8 scales (None in the float forms), or None
+    before its first grad."""
     if not state:
         return None
     if INT8_KEY in state:
@@ -63,13 +65,15 @@ def kept_momentum(state: Mapping[str, Any] | None) -> tuple[torch.Tensor, torch.
 
 
 def storage_of(param: torch.Tensor, momentum_dtype: str | None) -> str | None:
-    """The form ``param``'s momentum is kept in: the group's ``momentum_dtype``, but bf16 for int8 where
-    :func:`int8_falls_back` (decided from the global shape and placements: the same on every rank)."""
+    """The form ``param``'s momentum is kept in: the group's ``momentum_dtype``, but bf16 for
+    int8 where :func:`int8_falls_back` (decided from the global shape and placements: the same
+    on every rank)."""
     return "bfloat16" if momentum_dtype == "int8" and int8_falls_back(param) is not None else momentum_dtype
 
 
 def int8_falls_back(param: torch.Tensor) -> str | None:
-    """Why ``param``'s int8 momentum is kept in bf16 (:func:`storage_of`), in words; None where it is not."""
+    """Why ``param``'s int8 momentum is kept in bf16 (:func:`storage_of`), in words; None
+    where it is not."""
     if row_length(param.shape) < INT8_MIN_ROW:
         return (f"its rows of {row_length(param.shape)} element(s) would cost {bytes_per_element(param.shape, 'int8')}"
                 " bytes an element in int8 with their scales")
@@ -105,16 +109,17 @@ def make_momentum(param: torch.Tensor, momentum_dtype: str | None, state: Mutabl
 
 
 READ_CHUNK_NUMEL = 1 << 24
-"""Elements of momenta kept in another dtype that a step reads at once off the fast path (:func:`read_chunks`):
-their parameter-dtype copies hold at most this many (64 MiB in fp32), the bound the fast path's pack chunk keeps
-(``dmuon.plan.pack_layout.PACK_CHUNK_NUMEL``)."""
+"""Elements of momenta kept in another dtype that a step reads at once off the fast path
+(:func:`read_chunks`): their parameter-dtype copies hold at most this many (64 MiB in fp32),
+the bound the fast path's pack chunk keeps (``dmuon.plan.pack_layout.PACK_CHUNK_NUMEL``)."""
 
 
 def read_chunks(states: Sequence[Mapping[str, Any] | None], likes: Sequence[torch.Tensor]) -> list[list[int]]:
-    """Indices of the parameters (their ``states``, local tensors ``likes``) whose momenta a step reads, updates
-    and stores together: all at once where every kept momentum is its own working tensor (nothing is read: the
-    rules run as one list op per group), else chunks of at most :data:`READ_CHUNK_NUMEL` elements (a larger
-    tensor alone), so a low-precision momentum never has parameter-dtype copies of more than one chunk alive."""
+    """Indices of the parameters (their ``states``, local tensors ``likes``) whose momenta a
+    step reads, updates and stores together: all at once where every kept momentum is its own
+    working tensor (nothing is read: the rules run as one list op per group), else chunks of at
+    most :data:`READ_CHUNK_NUMEL` elements (a larger tensor alone), so a low-precision momentum
+    never has parameter-dtype copies of more than one chunk alive."""
     kept = [kept_momentum(state) for state in states]  # None, or read as itself: held in ``like``'s dtype
     if all(m is None or (m[1] is None and m[0].dtype == like.dtype) for m, like in zip(kept, likes)):
         return [list(range(len(likes)))] if likes else []
@@ -122,8 +127,8 @@ def read_chunks(states: Sequence[Mapping[str, Any] | None], likes: Sequence[torc
 
 
 class MomentumReads:
-    """One step's momenta of some parameters, read as tensors of the parameters' dtypes to run the rule on
-    (:meth:`read`), then rounded back into their stores (:meth:`store`)."""
+    """One step's momenta of some parameters, read as tensors of the parameters' dtypes to run
+    the rule on (:meth:`read`), then rounded back into their stores (:meth:`store`)."""
 
     def __init__(self) -> None:
         self._reads: list[tuple[list[torch.Tensor], list[torch.Tensor | None], MomentumCopies,
@@ -131,10 +136,10 @@ class MomentumReads:
 
     def read(self, states: Sequence[Mapping[str, Any] | None], likes: Sequence[torch.Tensor],
              oks: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
-        """The momentum of each parameter whose local tensor (or stand-in) is the ``likes`` entry, from its
-        ``states`` entry: its store itself where that is in the local tensor's dtype, else a new tensor that
-        :meth:`store` rounds back where the 0-dim device bool ``oks`` entry holds (None: always); zeros where
-        there is no state yet (nothing is made or stored)."""
+        """The momentum of each parameter whose local tensor (or stand-in) is the ``likes`` entry,
+        from its ``states`` entry: its store itself where that is in the local tensor's dtype,
+        else a new tensor that :meth:`store` rounds back where the 0-dim device bool ``oks`` entry
+        holds (None: always); zeros where there is no state yet (nothing is made or stored)."""
         working: list[torch.Tensor] = [None] * len(likes)  # type: ignore[list-item]
         kept, values, scales = [], [], []
         for i, (state, like) in enumerate(zip(states, likes)):
@@ -153,8 +158,9 @@ class MomentumReads:
 
     def read_kept(self, values: Sequence[torch.Tensor], scales: Sequence[torch.Tensor | None],
                   dtypes: Sequence[torch.dtype], oks: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
-        """:meth:`read` of kept momenta given as their local tensors (values, and int8 scales or None), or views
-        of them (the fast path reads a few blocks of rows at a time), each as a tensor of its ``dtypes`` entry."""
+        """:meth:`read` of kept momenta given as their local tensors (values, and int8 scales
+        or None), or views of them (the fast path reads a few blocks of rows at a time), each
+        as a tensor of its ``dtypes`` entry."""
         copies = read_momenta(values, scales, dtypes)
         self._reads.append((list(values), list(scales), copies, None if oks is None else list(oks)))
         return copies.working
@@ -167,10 +173,10 @@ class MomentumReads:
 
 
 class MomentumDtypes:
-    """Each group's ``momentum_dtype`` as the state was last made, loaded or converted for. A group edited
-    between steps (``opt.param_groups[i]["momentum_dtype"] = "int8"``) is checked at the next step
-    (:meth:`check`): refused by name if it is not a form, else its momenta are converted as a resume converts
-    them, with one log line (issue 60, item 6)."""
+    """Each group's ``momentum_dtype`` as the state was last made, loaded or converted for. A
+    group edited between steps (``opt.param_groups[i]["momentum_dtype"] = "int8"``) is checked
+    at the next step (:meth:`check`): refused by name if it is not a form, else its momenta are
+    converted as a resume converts them, with one log line (issue 60, item 6)."""
 
     def __init__(self) -> None:
         self._held: list[Any] | None = None  # None: not yet seen (a new optimizer, or a copy)
@@ -181,9 +187,9 @@ class MomentumDtypes:
 
     def check(self, param_groups: Sequence[dict[str, Any]], state: Mapping[torch.Tensor, dict[str, Any]],
               name_of: Callable[[torch.Tensor], str]) -> None:
-        """Before a step (nothing changed yet, no collective: every rank edits alike and raises alike): a changed
-        ``momentum_dtype`` parsed, ValueError naming the group otherwise, and every momentum held in another form
-        than its group's converted."""
+        """Before a step (nothing changed yet, no collective: every rank edits alike and raises
+        alike): a changed ``momentum_dtype`` parsed, ValueError naming the group otherwise, and
+        every momentum held in another form than its group's converted."""
         values = [g.get("momentum_dtype") for g in param_groups]
         if self._held is not None and len(values) == len(self._held) and all(
                 a is b or (type(a) is type(b) and a == b) for a, b in zip(values, self._held)):
@@ -202,9 +208,9 @@ class MomentumDtypes:
 
 def convert_loaded(param_groups: Sequence[dict[str, Any]], state: Mapping[torch.Tensor, dict[str, Any]],
                    name_of: Callable[[torch.Tensor], str], when: str = "on resume") -> None:
-    """After a load (or an edit of a group's ``momentum_dtype``, ``when``): each Muon momentum kept in another
-    form than its group's ``momentum_dtype`` asks for converted to it, read as the parameter's dtype and rounded
-    once into the new form; one log line per form."""
+    """After a load (or an edit of a group's ``momentum_dtype``, ``when``): each Muon momentum
+    kept in another form than its group's ``momentum_dtype`` asks for converted to it, read as
+    the parameter's dtype and rounded once into the new form; one log line per form."""
     converted: dict[tuple[str, str], list[str]] = {}
     for group in (g for g in param_groups if g["use_muon"]):
         for param in group["params"]:

@@ -1,12 +1,12 @@
-"""What a step changes on the host, where the device mask cannot reach it: the state it makes for a parameter's
-first grad and the AdamW step counters torch keeps on the host.
+"""What a step changes on the host, where the device mask cannot reach it: the state it makes
+for a parameter's first grad and the AdamW step counters torch keeps on the host.
 
-A step whose mask turns out False on the device (another rank's problem, grads that disagree across ranks) must
-change nothing, yet this rank learns that only at the next ``step()``, when the status sums reach the host
-(``dmuon.exchange.grad_status``). So the step records these host changes here, and the next step undoes them, before
-anything else, when it learns the step was masked: state made by a masked step was never written by it (zeros,
-counters at 0), so removing it restores the state's keys exactly, and a counter incremented by a masked step goes
-back by exactly 1."""
+A step whose mask turns out False on the device (another rank's problem, grads that disagree across
+ranks) must change nothing, yet this rank learns that only at the next ``step()``, when the status
+sums reach the host (``dmuon.exchange.grad_status``). So the step records these host changes here,
+and the next step undoes them, before anything else, when it learns the step was masked: state made
+by a masked step was never written by it (zeros, counters at 0), so removing it restores the
+state's keys exactly, and a counter incremented by a masked step goes back by exactly 1."""
 
 from __future__ import annotations
 

@@ -1,16 +1,17 @@
 """The AdamW part of a step, under the step's mask (``dmuon.exchange.grad_status``).
 
-The AdamW part runs no collective, so where this rank knows the step is masked it does nothing, and where it knows
-the step stands it is torch's AdamW as is. In between, where only the device knows (the status sums of a multi-rank
-``DMuon``), it must leave every bit as it was when the mask is False, without reading the mask on the host:
+The AdamW part runs no collective, so where this rank knows the step is masked it does nothing,
+and where it knows the step stands it is torch's AdamW as is. In between, where only the device
+knows (the status sums of a multi-rank ``DMuon``), it must leave every bit as it was when the
+mask is False, without reading the mask on the host:
 
-- fused AdamW without cautious decay: torch's own device skip, ``found_inf`` (the GradScaler path: the kernel writes
-  nothing, the device step counters go back by 1);
-- otherwise: this rank's AdamW tensors (parameters and moments) are copied before the step and selected back after
-  it (``dmuon.numerics.masked_updates.select_``: a few list ops on CUDA), one group at a time (the copy's memory:
-  one group's local shards, three times); torch's host step counters are incremented as usual and recorded, so the
-  next step takes them back if the mask was False (``dmuon.state.rollback``). Prefer ``fused=True`` where torch has
-  it: it costs nothing."""
+- fused AdamW without cautious decay: torch's own device skip, ``found_inf`` (the GradScaler
+  path: the kernel writes nothing, the device step counters go back by 1);
+- otherwise: this rank's AdamW tensors (parameters and moments) are copied before the step and
+  selected back after it (``dmuon.numerics.masked_updates.select_``: a few list ops on CUDA), one
+  group at a time (the copy's memory: one group's local shards, three times); torch's host step
+  counters are incremented as usual and recorded, so the next step takes them back if the mask was
+  False (``dmuon.state.rollback``). Prefer ``fused=True`` where torch has it: it costs nothing."""
 
 from __future__ import annotations
 
@@ -35,8 +36,8 @@ def adamw_part(param_groups: Sequence[dict[str, Any]], state: State, status: Sta
                foreach: bool | None, fused: bool | None, rollback: StateRollback,
                summed: Mapping[torch.Tensor, torch.Tensor]) -> Exception | None:
     """Every AdamW group's step under ``status`` (``summed``: the replicated parameters' grads,
-    :func:`dmuon.exchange.grad_status.usable_grad`); what torch raises is returned (``DMuon.step`` raises it at
-    its end, after the collectives every rank runs)."""
+    :func:`dmuon.exchange.grad_status.usable_grad`); what torch raises is returned
+    (``DMuon.step`` raises it at its end, after the collectives every rank runs)."""
     if status.mask is StepMask.MASKED:
         return None
     mask_on = _MaskOn(status)
@@ -49,9 +50,9 @@ def adamw_part(param_groups: Sequence[dict[str, Any]], state: State, status: Sta
 
 
 class _MaskOn:
-    """The step's mask where the AdamW tensors are: as it is on its own device; on the host beside an
-    accelerator's mask (FSDP2's CPU offload), brought down once a step, one documented wait
-    (``dmuon.exchange.host_staging.ADAMW_MASK``)."""
+    """The step's mask where the AdamW tensors are: as it is on its own device; on the host
+    beside an accelerator's mask (FSDP2's CPU offload), brought down once a step, one
+    documented wait (``dmuon.exchange.host_staging.ADAMW_MASK``)."""
 
     def __init__(self, status: StatusMasks) -> None:
         self.status = status
@@ -94,8 +95,8 @@ def _group_step(group: dict[str, Any], state: State, status: StatusMasks, mask_o
         elif fused and not group["cautious_weight_decay"]:
             adamw_step_(*lists, found_inf=(~mask_on(local_of(params[0]).device)).to(torch.float32), **settings)
         else:
-            # Counters on an accelerator are selected like the tensors; torch's host counters are taken back by the
-            # next step if it was masked (exact: they count by 1).
+            # Counters on an accelerator are selected like the tensors; torch's host counters
+            # are taken back by the next step if it was masked (exact: they count by 1).
             host = [c for c in counters if c.device.type == "cpu"]
             selected = [local_of(t) for t in (*params, *moments)] + [c for c in counters if c.device.type != "cpu"]
             # Copies in one list op (a product by exactly 1 keeps every bit), not one per tensor.

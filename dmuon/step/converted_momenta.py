@@ -42,9 +42,10 @@ class ConvertedMomenta:
 
     def blocks(self, units: Sequence[int], grad_blocks: dict[int, list[torch.Tensor]],
                bufs: Mapping[int, torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """The grad and the momentum after this step's EMA of this rank's block of each of ``units``:
-        the kept views ``bufs`` where the momentum is its own working tensor (its EMA ran), else
-        one read, updated and stored back now. ``grad_blocks``: the step's cache of split grads."""
+        """The grad and the momentum after this step's EMA of this rank's block of each of
+        ``units``: the kept views ``bufs`` where the momentum is its own working tensor (its
+        EMA ran), else one read, updated and stored back now. ``grad_blocks``: the step's cache
+        of split grads."""
         params = [self.plan.units[i].param for i in units]
         todo = [k for k, j in enumerate(params) if j in self.values]
         grads = [None if self.grads[j] is None else self.blocks_here.block(i, grad_blocks, self.grads)
@@ -68,7 +69,8 @@ class ConvertedMomenta:
         return grads, momenta  # type: ignore[return-value]
 
     def unpacked(self, units: Sequence[int], grad_blocks: dict[int, list[torch.Tensor]]) -> None:
-        """The EMA and store of the converted blocks of ``units`` this rank never packs, a pack chunk at a time."""
+        """The EMA and store of the converted blocks of ``units`` this rank never packs, a pack
+        chunk at a time."""
         mine = [i for i in units if self.plan.units[i].param in self.values]
         for chunk in bounded_chunks([self.plan.units[i].block_numel(self.rank) for i in mine], PACK_CHUNK_NUMEL):
             self.blocks([mine[k] for k in chunk], grad_blocks, {})

@@ -1,4 +1,5 @@
-"""One ``DMuon``'s fast path: its owner plan, its process group, its step (``dmuon.exchange.owner_exchange``).
+"""One ``DMuon``'s fast path: its owner plan, its process group, its step
+(``dmuon.exchange.owner_exchange``).
 
 NorMuon normalizes on the owner, where the matrix is whole, from its replica of the per-row
 state (``dmuon.numerics.update_rules.normuon_state``); after the exchange
@@ -76,8 +77,8 @@ class OwnerRun:
         return self.layouts[batch]
 
     def widen(self, recv: torch.Tensor) -> torch.Tensor:
-        """Results in the parameters' dtype (one cast of the receive buffer) on an accelerator, whose
-        multi-tensor kernel wants one dtype; the same bits (a bf16 value widens exactly)."""
+        """Results in the parameters' dtype (one cast of the receive buffer) on an accelerator,
+        whose multi-tensor kernel wants one dtype; the same bits (a bf16 value widens exactly)."""
         if recv.device.type == "cpu" or self.shared_dtype in (None, recv.dtype):
             return recv
         return recv.to(self.shared_dtype)
@@ -95,7 +96,8 @@ class OwnerRun:
         return self._unpacked
 
     def local(self, j: int, tensor: torch.Tensor) -> torch.Tensor:
-        """The local tensor of ``tensor`` (a grad or state of plan parameter ``j``), or the stand-in."""
+        """The local tensor of ``tensor`` (a grad or state of plan parameter ``j``), or
+        the stand-in."""
         return self.stand_ins.get(j, local_of(tensor))
 
 
@@ -123,7 +125,8 @@ class FastPath:
         return self._paths
 
     def plan(self, groups_of: Mapping[torch.Tensor, dict[str, Any]], name_of: Callable[[torch.Tensor], str]) -> None:
-        """Plan the fast path once, at the first step (``groups_of``: each Muon parameter's group). No collective."""
+        """Plan the fast path once, at the first step (``groups_of``: each Muon parameter's
+        group). No collective."""
         if self._planned:
             return
         paths = self.paths(list(groups_of), name_of)
@@ -140,7 +143,8 @@ class FastPath:
                 logger.info("DMuon: %d Muon parameter(s) use the %s path: %s", len(names), path, ", ".join(names))
 
     def cost_model(self, device_type: str) -> CostModel:
-        """What the ``split_replicas=None`` choice assumes: this optimizer's network and Newton-Schulz dtype."""
+        """What the ``split_replicas=None`` choice assumes: this optimizer's network and
+        Newton-Schulz dtype."""
         return CostModel(ns_dtype=resolve_ns_dtype(self.ns_dtype, device_type), link_gbps=self.link_gbps,
                          replica_link_gbps=self.replica_link_gbps)
 
@@ -299,7 +303,8 @@ class FastStep:
                               [self.groups[j] for j in param_of], [self.here[j] for j in param_of])
 
     def zero_masked(self, units: Sequence[int], results: Sequence[torch.Tensor]) -> None:
-        """The results of ``units`` set to ``+0.0`` where their parameter's mask is False, on the owner."""
+        """The results of ``units`` set to ``+0.0`` where their parameter's mask is False,
+        on the owner."""
         mask_(results, [self.ok[self.run.plan.units[i].param] for i in units], self.lists)
 
     def callbacks(self) -> Callbacks:

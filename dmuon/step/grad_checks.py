@@ -1,13 +1,13 @@
-"""The first phase of a step: this rank's own problems with its grads, found on the host before the step's first
-collective, and only *recorded*, never raised there (the step raises them at its end, after every collective, so no
-rank waits for one that raised).
+"""The first phase of a step: this rank's own problems with its grads, found on the host before
+the step's first collective, and only *recorded*, never raised there (the step raises them at
+its end, after every collective, so no rank waits for one that raised).
 
-A grad is usable when it is laid out exactly like its parameter: same type (DTensor or plain), dtype, device,
-global shape and, for a DTensor, the same mesh, placements and local shape; or replicated where the parameter is
-sharded (TorchTitan's tensor-parallel embedding: cut locally, no collective); or, for a parameter replicated on
-every dim of its mesh (TorchTitan's sequence-parallel norms), a ``Partial`` sum (summed by every rank alike:
-``dmuon.exchange.replicated_grads``). A grad on another mesh, or placed any other way, is a problem to fix before
-``step()``."""
+A grad is usable when it is laid out exactly like its parameter: same type (DTensor or plain),
+dtype, device, global shape and, for a DTensor, the same mesh, placements and local shape; or
+replicated where the parameter is sharded (TorchTitan's tensor-parallel embedding: cut locally, no
+collective); or, for a parameter replicated on every dim of its mesh (TorchTitan's sequence-parallel
+norms), a ``Partial`` sum (summed by every rank alike: ``dmuon.exchange.replicated_grads``). A grad
+on another mesh, or placed any other way, is a problem to fix before ``step()``."""
 
 from __future__ import annotations
 
@@ -60,8 +60,8 @@ def grad_problem(param: torch.Tensor, use_muon: bool) -> str | None:
 def step_problems(param_groups: Sequence[dict[str, Any]], name_of: Callable[[torch.Tensor], str],
                   shard_problem: Callable[[Callable[[torch.Tensor], str]], str | None]
                   ) -> tuple[dict[torch.Tensor, str], list[str]]:
-    """This rank's own problems with a step: its invalid grads (by parameter) and every problem as the message it
-    raises (``shard_problem``: a wrong shard's, or None)."""
+    """This rank's own problems with a step: its invalid grads (by parameter) and every problem
+    as the message it raises (``shard_problem``: a wrong shard's, or None)."""
     invalid = {p: problem for g in param_groups for p in g["params"]
                if p.grad is not None and (problem := grad_problem(p, g["use_muon"]))}
     problems = [f"parameter {name_of(p)!r}: {why}" for p, why in invalid.items()]

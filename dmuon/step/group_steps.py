@@ -1,7 +1,8 @@
 """Muon's update rules (``dmuon.numerics.update_rules``) and AdamW's run with one param group's
-settings, counted and timed as ``DMuon`` reports them: each Newton-Schulz call adds its flops to
-``CommStats.ns_flops`` and its time to the telemetry, each in-place update is seen by the
-telemetry's update/weight RMS. :meth:`GroupSteps.muon_local`: the ``local`` and ``redistribute`` paths.
+settings, counted and timed as ``DMuon`` reports them: each Newton-Schulz call adds its flops
+to ``CommStats.ns_flops`` and its time to the telemetry, each in-place update is seen by the
+telemetry's update/weight RMS. :meth:`GroupSteps.muon_local`: the ``local`` and
+``redistribute`` paths.
 """
 
 from __future__ import annotations
@@ -60,8 +61,9 @@ class GroupSteps:
             return orthogonalize_update(matrix, group, dtype, algorithm, second_moment, ok, buffers)
 
     def lists_for(self, device: torch.device, group: dict[str, Any]) -> bool:
-        """Whether ``group``'s rules run as list ops on ``device``: the group's ``foreach`` where it
-        sets one, else the optimizer's; decided once per group and device a step, as torch's ``adamw()``."""
+        """Whether ``group``'s rules run as list ops on ``device``: the group's ``foreach``
+        where it sets one, else the optimizer's; decided once per group and device a step, as
+        torch's ``adamw()``."""
         key = (id(group), device)
         if key not in self.forms:
             self.forms[key] = resolve_foreach(group.get("foreach", self.foreach), device)
@@ -80,7 +82,8 @@ class GroupSteps:
 
     def lookahead(self, grads: Sequence[torch.Tensor], bufs: Sequence[torch.Tensor], group: dict[str, Any]
                   ) -> list[torch.Tensor]:
-        """``update_rules.lookahead`` of one group's blocks, in their dtype (after :meth:`momentum`)."""
+        """``update_rules.lookahead`` of one group's blocks, in their dtype (after
+        :meth:`momentum`)."""
         if not grads:
             return []
         return lookahead(grads, bufs, group["momentum"], group["nesterov"], self.lists_for(grads[0].device, group))
@@ -126,8 +129,8 @@ class GroupSteps:
 
     @staticmethod
     def second_moment(param: torch.Tensor, state: Mapping[torch.Tensor, dict[str, Any]]) -> torch.Tensor:
-        """The whole NorMuon state of ``param`` on this rank (a NorMuon group's); zeros before it exists
-        (no grad here yet: its rows start at zero)."""
+        """The whole NorMuon state of ``param`` on this rank (a NorMuon group's); zeros before
+        it exists (no grad here yet: its rows start at zero)."""
         moment = state.get(param, {}).get(NORMUON_STATE_KEY)
         return local_of(normuon_state(param) if moment is None else moment)
 
@@ -170,8 +173,8 @@ class GroupSteps:
                     states: Sequence[Mapping[str, Any] | None], oks: Sequence[torch.Tensor] | None,
                     paths: Mapping[torch.Tensor, str], grads: Mapping[torch.Tensor, torch.Tensor],
                     state: Mapping[torch.Tensor, dict[str, Any]], foreach: bool) -> None:
-        """:meth:`muon_local` of some of the group's parameters, whose momenta are read together: the
-        EMA of all, then one update in hand at a time (torch's single-tensor Muon loop)."""
+        """:meth:`muon_local` of some of the group's parameters, whose momenta are read together:
+        the EMA of all, then one update in hand at a time (torch's single-tensor Muon loop)."""
         local_params = [local_of(p) for p in params]
         momenta = MomentumReads()
         bufs = momenta.read(states, local_params, oks)
@@ -212,7 +215,8 @@ def _ns_setup(shape: tuple[int, ...], device_type: str, ns_dtype: str, ns_algori
 
 
 def _same_shape(target: torch.Tensor, ortho: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``target`` and ``ortho`` as views of one shape: a flat target as the (maybe transposed) matrix, or back."""
+    """``target`` and ``ortho`` as views of one shape: a flat target as the (maybe transposed)
+    matrix, or back."""
     if target.shape == ortho.shape:
         return target, ortho
     if target.is_contiguous():

@@ -1,7 +1,8 @@
-"""One ``DMuon``'s step as the phases of one object, :class:`Step`, made for each step by :meth:`StepPhases.prepare`
-and holding what its phases share; :class:`StepPhases` holds what lasts between steps (the paths and the owner plan,
-the status channel, the host changes a masked step takes back, QK-clip, the telemetry, the communication counters).
-``DMuon.step`` calls them in order::
+"""One ``DMuon``'s step as the phases of one object, :class:`Step`, made for each step by
+:meth:`StepPhases.prepare` and holding what its phases share; :class:`StepPhases` holds what
+lasts between steps (the paths and the owner plan, the status channel, the host changes a
+masked step takes back, QK-clip, the telemetry, the communication counters). ``DMuon.step``
+calls them in order::
 
     step = phases.prepare(...)   # the plan (once); the last step's status read
     step.check_locally()         # 1. host facts only: nothing changes
@@ -10,10 +11,10 @@ the status channel, the host changes a masked step takes back, QK-clip, the tele
     step.compute_and_apply()     # 4. every update, under the masks
     step.report()                # 5. telemetry; the step's first error raised
 
-The order is what the step's guarantees rest on (docs/architecture.md, "What a step guarantees"): nothing collective
-or state-changing before the status is agreed, every collective on every rank whatever its grads, every error raised
-after the last collective. The wait in phase 3 is a stream wait on an accelerator (no host read); on the CPU (gloo)
-the host waits there for the sums."""
+The order is what the step's guarantees rest on (docs/architecture.md, "What a step guarantees"):
+nothing collective or state-changing before the status is agreed, every collective on every rank
+whatever its grads, every error raised after the last collective. The wait in phase 3 is a stream
+wait on an accelerator (no host read); on the CPU (gloo) the host waits there for the sums."""
 
 from __future__ import annotations
 
@@ -47,8 +48,8 @@ class LocalChecks:
     """What this rank knows before the step's first collective (host facts only)."""
 
     pending: Exception | None
-    """The error every rank raises alike at the end of this step (the last step's status or QK-clip's reports
-    showed a problem), or None; this step is then masked everywhere."""
+    """The error every rank raises alike at the end of this step (the last step's status or
+    QK-clip's reports showed a problem), or None; this step is then masked everywhere."""
     invalid: dict[torch.Tensor, str]
     """This rank's unusable grads, with the reason."""
     problems: list[str]
@@ -95,9 +96,9 @@ class StepPhases:
         self.grad_status.forget()
 
     def replay_buffers(self) -> tuple[Any, ...]:
-        """What holds device memory a step made once and every later step reads (the owner plan's run, the status
-        channel): a CUDA graph of the step holds these while it may replay, so that a :meth:`forget_plan` (a
-        load) frees nothing a replay reads."""
+        """What holds device memory a step made once and every later step reads (the owner
+        plan's run, the status channel): a CUDA graph of the step holds these while it may
+        replay, so that a :meth:`forget_plan` (a load) frees nothing a replay reads."""
         return self.fast_path.owner_run, self.grad_status.channel
 
     def paths(self, param_groups: ParamGroups, name_of: NameOf) -> dict[torch.Tensor, str]:
@@ -108,10 +109,11 @@ class StepPhases:
 
     def prepare(self, param_groups: ParamGroups, state: dict[torch.Tensor, dict[str, Any]], name_of: NameOf,
                 device: torch.device, options: StepOptions) -> Step:
-        """This step, after making the paths, the owner plan and the status channel (at the first step, and again
-        when the parameters or a Muon group's Newton-Schulz settings changed: a direct edit of ``param_groups``,
-        ``load_state_dict``; no collective but the groups a plan may make), reading the last step's error from
-        its status (its host changes taken back if it was masked) and converting the momenta of a group whose
+        """This step, after making the paths, the owner plan and the status channel (at the
+        first step, and again when the parameters or a Muon group's Newton-Schulz settings
+        changed: a direct edit of ``param_groups``, ``load_state_dict``; no collective but the
+        groups a plan may make), reading the last step's error from its status (its host
+        changes taken back if it was masked) and converting the momenta of a group whose
         ``momentum_dtype`` was edited since."""
         signature = plan_signature(param_groups)
         if signature != self.plan_signature:
@@ -130,8 +132,8 @@ class StepPhases:
 
 
 class Step:
-    """One step in flight, its phases as methods: what :meth:`StepPhases.prepare` found, and what each phase
-    leaves the next (this rank's checks, the status masks, AdamW's failure)."""
+    """One step in flight, its phases as methods: what :meth:`StepPhases.prepare` found, and
+    what each phase leaves the next (this rank's checks, the status masks, AdamW's failure)."""
 
     def __init__(self, phases: StepPhases, param_groups: ParamGroups, state: dict[torch.Tensor, dict[str, Any]],
                  name_of: NameOf, device: torch.device, options: StepOptions,
@@ -145,9 +147,9 @@ class Step:
         self.failure: Exception | None = None  # what torch's AdamW raised in phase 4 (phase 5 raises it)
 
     def check_locally(self) -> None:
-        """Phase 1, host facts only, nothing changed: the error every rank raises alike (the last step's, or
-        QK-clip's reports), this rank's own problems, and QK-clip's thresholds (a configuration error raises
-        here, on every rank alike, before any collective)."""
+        """Phase 1, host facts only, nothing changed: the error every rank raises alike (the
+        last step's, or QK-clip's reports), this rank's own problems, and QK-clip's thresholds
+        (a configuration error raises here, on every rank alike, before any collective)."""
         clip = self.phases.attention_clip
         thresholds = clip.thresholds(muon_group_threshold(self.muon_groups, self.name_of))
         pending = self.last_error or clip.take_pending()
@@ -155,9 +157,9 @@ class Step:
         self.checked = LocalChecks(pending, invalid, problems, thresholds)
 
     def agree(self) -> None:
-        """Phase 2: start summing every rank's status (one asynchronous device ``all_reduce``): which DTensor
-        parameters have a usable grad, whether a rank found a problem, and with ``skip_nonfinite`` whether a grad
-        holds a NaN or inf (checked on the device)."""
+        """Phase 2: start summing every rank's status (one asynchronous device ``all_reduce``):
+        which DTensor parameters have a usable grad, whether a rank found a problem, and with
+        ``skip_nonfinite`` whether a grad holds a NaN or inf (checked on the device)."""
         checked, grad_status = self.checked, self.phases.grad_status
         finite = None
         if self.options.skip_nonfinite:
@@ -167,14 +169,14 @@ class Step:
                                         self.device, finite)
 
     def wait(self) -> None:
-        """Phase 3, the one wait of the step: the status sums are in and the masks made (on an accelerator a
-        stream wait, no host read); the sums go to the host for the next step."""
+        """Phase 3, the one wait of the step: the status sums are in and the masks made (on an
+        accelerator a stream wait, no host read); the sums go to the host for the next step."""
         self.status.wait()
 
     def compute_and_apply(self) -> None:
-        """Phase 4: every update of the step under the masks, the same collectives on every rank whatever they
-        say: the replicated grads summed, the AdamW part, Muon on each path, QK-clip. What torch's AdamW raised
-        is kept for phase 5."""
+        """Phase 4: every update of the step under the masks, the same collectives on every
+        rank whatever they say: the replicated grads summed, the AdamW part, Muon on each path,
+        QK-clip. What torch's AdamW raised is kept for phase 5."""
         phases, status, checked, options = self.phases, self.status, self.checked, self.options
         telemetry, state = phases.telemetry, self.state
         telemetry.begin_step(self.device, phases.comm_stats.bytes_sent)
@@ -196,8 +198,8 @@ class Step:
             telemetry.qk_clip(clip.largest, clip.clipped_heads)
 
     def report(self) -> None:
-        """Phase 5: the telemetry's figures of the step, then its first error, raised here after every collective
-        of the step (the same on every rank where it is shared)."""
+        """Phase 5: the telemetry's figures of the step, then its first error, raised here
+        after every collective of the step (the same on every rank where it is shared)."""
         errors = self.checked.errors(self.failure)
         self.phases.telemetry.end_step(self.phases.comm_stats.bytes_sent, complete=not errors)
         if errors:
@@ -205,8 +207,9 @@ class Step:
 
 
 def plan_signature(param_groups: ParamGroups) -> tuple:
-    """What the plan is made from besides the parameters' shapes and placements: which parameters each group
-    holds and a Muon group's Newton-Schulz settings (the units it cuts and the work it balances)."""
+    """What the plan is made from besides the parameters' shapes and placements: which
+    parameters each group holds and a Muon group's Newton-Schulz settings (the units it cuts
+    and the work it balances)."""
     return tuple((g["use_muon"], tuple(map(id, g["params"])), *(
         (g["ns_steps"], g["split_rows"], g["ns_algorithm"], tuple(g["ns_gram_restarts"])) if g["use_muon"] else ()))
         for g in param_groups)

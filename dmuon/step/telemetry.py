@@ -5,30 +5,33 @@
 - ``step_s``: wall time of the whole ``step()`` on this rank;
 - ``newton_schulz_s``: the part of it spent in Newton-Schulz on this rank;
 - ``bytes_sent``: bytes this rank's fast path sent during the step;
-- ``muon_update_rms`` / ``adamw_update_rms``: RMS of the weight change ``W_after - W_before`` (learning rate, shape
-  scale and weight decay included) over every element of the Muon (resp. AdamW) parameters, all ranks together;
+- ``muon_update_rms`` / ``adamw_update_rms``: RMS of the weight change ``W_after - W_before``
+  (learning rate, shape scale and weight decay included) over every element of the Muon (resp.
+  AdamW) parameters, all ranks together;
 - ``muon_weight_rms`` / ``adamw_weight_rms``: RMS of the weights after the step, likewise;
-- ``max_logit`` / ``qk_clipped_heads``: with QK-clip, the largest attention logit of the step's forward passes over
-  every rank (before clipping) and how many heads were clipped (``dmuon.attention.clipping``; NaN and 0 without
-  QK-clip). Already reduced by the clip's own collective: they cost nothing more.
+- ``max_logit`` / ``qk_clipped_heads``: with QK-clip, the largest attention logit of the step's
+  forward passes over every rank (before clipping) and how many heads were clipped
+  (``dmuon.attention.clipping``; NaN and 0 without QK-clip). Already reduced by the clip's own
+  collective: they cost nothing more.
 
 Cost, and why it stays small:
 
-- the sums of squares are kept on the parameters' device and reduced across ranks with one ``all_reduce`` of 6
-  numbers at the end of ``step()``, issued asynchronously; it is only waited for, and copied to the host, when
-  ``telemetry()`` is read (TorchTitan reads it where it already synchronizes to print the loss and grad norm);
-- the weight change is measured, not modelled, one block at a time: each Muon block (and each AdamW group's local
-  shards) is copied before its update and compared after, in place in the copy, which is then freed: the extra
-  memory is one block, or the AdamW group's local shards; norms are taken in the weights' dtype and summed in
-  float64;
-- times come from ``time.perf_counter`` on CPU and from CUDA events on GPU (so no synchronization is added during
-  the step; the events are read with the figures).
+- the sums of squares are kept on the parameters' device and reduced across ranks with one
+  ``all_reduce`` of 6 numbers at the end of ``step()``, issued asynchronously; it is only
+  waited for, and copied to the host, when ``telemetry()`` is read (TorchTitan reads it where
+  it already synchronizes to print the loss and grad norm);
+- the weight change is measured, not modelled, one block at a time: each Muon block (and each
+  AdamW group's local shards) is copied before its update and compared after, in place in the
+  copy, which is then freed: the extra memory is one block, or the AdamW group's local shards;
+  norms are taken in the weights' dtype and summed in float64;
+- times come from ``time.perf_counter`` on CPU and from CUDA events on GPU (so no
+  synchronization is added during the step; the events are read with the figures).
 
-Which ranks take part: the reduction runs on the default process group, so every rank must step its ``DMuon`` the
-same number of times (any data- or pipeline-parallel loop does). RMS figures count each element once per rank that
-holds it: exact for FSDP (each element on one rank) and single process; with replicas (HSDP, DDP) a replicated
-element counts once per copy, which leaves the RMS unchanged when every element has the same number of copies. Times
-and bytes are this rank's own."""
+Which ranks take part: the reduction runs on the default process group, so every rank must step its
+``DMuon`` the same number of times (any data- or pipeline-parallel loop does). RMS figures count
+each element once per rank that holds it: exact for FSDP (each element on one rank) and single
+process; with replicas (HSDP, DDP) a replicated element counts once per copy, which leaves the RMS
+unchanged when every element has the same number of copies. Times and bytes are this rank's own."""
 
 from __future__ import annotations
 
@@ -47,7 +50,8 @@ from dmuon.torch_compat import local_of
 
 # Positions in the vector of sums reduced across ranks.
 _MUON_DELTA_SQ, _MUON_WEIGHT_SQ, _MUON_NUMEL, _ADAMW_DELTA_SQ, _ADAMW_WEIGHT_SQ, _ADAMW_NUMEL = range(6)
-# What an untimed Newton-Schulz call runs in: a shared no-op context (a generator-based one costs microseconds).
+# What an untimed Newton-Schulz call runs in: a shared no-op context (a generator-based one
+# costs microseconds).
 _UNTIMED = contextlib.nullcontext()
 
 
@@ -81,8 +85,8 @@ class StepFigures:
 
     @classmethod
     def combine(cls, parts: Sequence[StepFigures]) -> StepFigures:
-        """Figures of several optimizers stepped one after the other on this rank (one per pipeline stage it
-        holds): times and bytes add up, RMS come from the added sums."""
+        """Figures of several optimizers stepped one after the other on this rank (one per
+        pipeline stage it holds): times and bytes add up, RMS come from the added sums."""
         return cls.from_sums(
             sum(p.step_s for p in parts), sum(p.newton_schulz_s for p in parts), sum(p.bytes_sent for p in parts),
             [sum(values) for values in zip(*(p.square_sums for p in parts))],
@@ -161,9 +165,9 @@ class Telemetry:
                                     bytes_sent_so_far)
 
     def end_step(self, bytes_sent_so_far: int, complete: bool = True) -> None:
-        """Start the step's reduction; every ``step()`` calls it, one that raises too, so every rank runs the
-        same collectives. A step that raises (``complete=False``) is not reported: the last complete step's
-        figures stay."""
+        """Start the step's reduction; every ``step()`` calls it, one that raises too, so every
+        rank runs the same collectives. A step that raises (``complete=False``) is not
+        reported: the last complete step's figures stay."""
         record = self._current
         if record is None:
             return
@@ -196,8 +200,9 @@ class Telemetry:
 
     @contextlib.contextmanager
     def updates(self, muon: bool, tensors: Sequence[torch.Tensor]) -> Iterator[None]:
-        """Around the in-place update of Muon blocks (local shards or parts of them) or of one AdamW group's local
-        tensors: copies of ``tensors`` before it, their change and size added after."""
+        """Around the in-place update of Muon blocks (local shards or parts of them) or of
+        one AdamW group's local tensors: copies of ``tensors`` before it, their change and
+        size added after."""
         delta_at, weight_at, numel_at = (_MUON_DELTA_SQ, _MUON_WEIGHT_SQ, _MUON_NUMEL) if muon else \
             (_ADAMW_DELTA_SQ, _ADAMW_WEIGHT_SQ, _ADAMW_NUMEL)
         if self._current is None:
@@ -226,7 +231,8 @@ class Telemetry:
 
 @dataclass(frozen=True)
 class StateBytes:
-    """This rank's optimizer state by part (``DMuon.state_bytes()``; local tensors, no collective)."""
+    """This rank's optimizer state by part (``DMuon.state_bytes()``; local tensors, no
+    collective)."""
 
     muon_bytes: int
     """Muon's state: momentum (with int8's scales) and NorMuon's rows."""
