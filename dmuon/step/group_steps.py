@@ -183,24 +183,17 @@ class GroupSteps:
         for k, (param, target) in enumerate(zip(params, local_params)):
             ok = None if oks is None else [oks[k]]
             look = lookahead([local_grads[k]], [bufs[k]], group["momentum"], group["nesterov"], False)
-            ortho = self._orthogonalize_whole(group, param, compute_copy(look.pop()), paths, state,  # no copy held
-                                              None if ok is None else ok[0])
+            update = compute_copy(look.pop())  # no copy of the look-ahead held
+            moment = self.second_moment(param, state) if group["normuon"] else None
+            orthogonalize = functools.partial(self.orthogonalize, group=group, second_moment=moment,
+                                              ok=None if ok is None else ok[0])
+            # Newton-Schulz here, or on the whole matrix gathered on every rank (the reference path).
+            ortho = (orthogonalize_gathered(update, param, orthogonalize) if paths[param] == REDISTRIBUTE
+                     else orthogonalize(update))
             if ok is not None:
                 mask_([ortho], ok, foreach)
             self.apply_many([param], [target], [ortho], [group], ok)
         momenta.store(foreach)
-
-    def _orthogonalize_whole(self, group: dict[str, Any], param: torch.Tensor, update: torch.Tensor,
-                             paths: Mapping[torch.Tensor, str], state: Mapping[torch.Tensor, dict[str, Any]],
-                             ok: torch.Tensor | None) -> torch.Tensor:
-        """Newton-Schulz of one parameter's update: here, or gathered on every rank."""
-        moment = self.second_moment(param, state) if group["normuon"] else None
-
-        def orthogonalize(full: torch.Tensor) -> torch.Tensor:
-            return self.orthogonalize(full, group, moment, ok)
-
-        return orthogonalize_gathered(update, param, orthogonalize) if paths[param] == REDISTRIBUTE \
-            else orthogonalize(update)
 
 
 @functools.lru_cache(maxsize=1024)
