@@ -43,6 +43,8 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     "build": ("dmuon.tools.dry_run.models", "build"),
     "lay_out": ("dmuon.tools.dry_run.layouts", "lay_out"),
     "parse_layout": ("dmuon.tools.dry_run.layouts", "parse_layout"),
+    "docs_table_main": ("dmuon.tools.option_table", "docs_table_main"),
+    "marked_table": ("dmuon.tools.option_table", "marked_table"),
 }
 __all__ = sorted(_EXPORTS)
 

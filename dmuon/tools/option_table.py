@@ -36,34 +36,45 @@ def _field(name: str | None) -> str:
     return "none (the default)" if name is None else ", ".join(f"`{part.strip()}`" for part in name.split(","))
 
 
-def in_docs(text: str) -> str | None:
-    """The table between the markers of ``text``, or None when they are missing."""
-    if BEGIN not in text or END not in text:
+def marked_table(text: str, begin: str, end: str) -> str | None:
+    """The table between the markers ``begin`` and ``end`` of ``text``, or None when they are missing."""
+    if begin not in text or end not in text:
         return None
-    return text.split(BEGIN, 1)[1].split(END, 1)[0].strip()
+    return text.split(begin, 1)[1].split(end, 1)[0].strip()
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m dmuon.tools.option_table", description=__doc__)
-    parser.add_argument("--check", action="store_true", help=f"exit 1 unless {DOCS.name} holds this table")
-    parser.add_argument("--write", action="store_true", help=f"write it into {DOCS.name} between its markers")
+def in_docs(text: str) -> str | None:
+    """The option table between docs/optimizer.md's markers in ``text``, or None when they are missing."""
+    return marked_table(text, BEGIN, END)
+
+
+def docs_table_main(argv: list[str] | None, *, prog: str, description: str | None, docs: Path, begin: str,
+                    end: str, table: str, what: str) -> int:
+    """The command line of a generated docs table: print it, ``--check`` that ``docs`` holds it
+    between its markers (exit 1 if not), or ``--write`` it there."""
+    parser = argparse.ArgumentParser(prog=f"python -m {prog}", description=description)
+    parser.add_argument("--check", action="store_true", help=f"exit 1 unless {docs.name} holds this table")
+    parser.add_argument("--write", action="store_true", help=f"write it into {docs.name} between its markers")
     args = parser.parse_args(argv)
-    table = markdown()
-    text = DOCS.read_text()
+    text = docs.read_text()
     if args.check:
-        same = in_docs(text) == table
-        print("the option table in docs/optimizer.md is up to date" if same else
-              "docs/optimizer.md's option table differs: python -m dmuon.tools.option_table --write")
+        same = marked_table(text, begin, end) == table
+        print(f"the {what} in {docs.name} is " + ("up to date" if same else f"stale: python -m {prog} --write"))
         return 0 if same else 1
     if args.write:
-        if in_docs(text) is None:
-            print(f"docs/optimizer.md has no markers {BEGIN!r} ... {END!r}", file=sys.stderr)
+        if marked_table(text, begin, end) is None:
+            print(f"{docs.name} has no markers {begin!r} ... {end!r}", file=sys.stderr)
             return 1
-        head, rest = text.split(BEGIN, 1)
-        DOCS.write_text(f"{head}{BEGIN}\n{table}\n{END}{rest.split(END, 1)[1]}")
+        head, rest = text.split(begin, 1)
+        docs.write_text(f"{head}{begin}\n{table}\n{end}{rest.split(end, 1)[1]}")
         return 0
     print(table)
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return docs_table_main(argv, prog="dmuon.tools.option_table", description=__doc__, docs=DOCS, begin=BEGIN,
+                           end=END, table=markdown(), what="option table")
 
 
 if __name__ == "__main__":

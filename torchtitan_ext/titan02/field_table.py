@@ -6,12 +6,13 @@ writes it (tests/test_option_table.py runs the check), so a new field needs no h
 
 from __future__ import annotations
 
-import argparse
 import ast
 import dataclasses
 import re
 import sys
 from pathlib import Path
+
+from dmuon.tools import docs_table_main, marked_table
 
 from .config import Optimizer
 
@@ -55,32 +56,13 @@ def markdown() -> str:
 
 
 def in_docs(text: str) -> str | None:
-    """The table between the markers of ``text``, or None when they are missing."""
-    if BEGIN not in text or END not in text:
-        return None
-    return text.split(BEGIN, 1)[1].split(END, 1)[0].strip()
+    """The field table between docs/torchtitan.md's markers in ``text``, or None when they are missing."""
+    return marked_table(text, BEGIN, END)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m torchtitan_ext.titan02.field_table", description=__doc__)
-    parser.add_argument("--check", action="store_true", help=f"exit 1 unless {DOCS.name} holds this table")
-    parser.add_argument("--write", action="store_true", help=f"write it into {DOCS.name} between its markers")
-    args = parser.parse_args(argv)
-    table, text = markdown(), DOCS.read_text()
-    if args.check:
-        same = in_docs(text) == table
-        print(f"the [optimizer] field table in {DOCS.name} is " + ("up to date" if same else
-              "stale: python -m torchtitan_ext.titan02.field_table --write"))
-        return 0 if same else 1
-    if args.write:
-        if in_docs(text) is None:
-            print(f"{DOCS.name} has no markers {BEGIN!r} ... {END!r}", file=sys.stderr)
-            return 1
-        head, rest = text.split(BEGIN, 1)
-        DOCS.write_text(f"{head}{BEGIN}\n{table}\n{END}{rest.split(END, 1)[1]}")
-        return 0
-    print(table)
-    return 0
+    return docs_table_main(argv, prog="torchtitan_ext.titan02.field_table", description=__doc__, docs=DOCS,
+                           begin=BEGIN, end=END, table=markdown(), what="[optimizer] field table")
 
 
 if __name__ == "__main__":
