@@ -24,7 +24,7 @@ from dmuon.options.device_hyperparameters import held_values, keep_after_load, p
 from dmuon.exchange.comm import CommStats, ScratchMeter
 from dmuon.step.fast_path import FastPath
 from dmuon.step.group_steps import MUON_STATE_KEYS
-from dmuon.state.momentum_state import convert_loaded
+from dmuon.state.kept_state import convert_loaded
 from dmuon.options.implementation_flags import check_optimizer_flags
 from dmuon.options.param_groups import build_param_groups, split_options
 from dmuon.options.table import (ADAMW_ALIASES, DEFAULTS as D, OPTIMIZER_ATTRIBUTES, check_group,
@@ -61,8 +61,11 @@ class DMuon(PicklesConfiguration, Optimizer):
         qk_clip_threshold: QK-clip (``dmuon.attention.qk_clip``); None: off. Needs the attentions
             registered with :meth:`clip_attention` and reporting to :attr:`max_logits`.
         momentum_dtype: how the momentum is kept between steps: None (the parameter's dtype),
-            ``torch.bfloat16`` / ``"bfloat16"``, or ``"int8"`` (``dmuon.state.momentum_state``).
+            ``torch.bfloat16`` / ``"bfloat16"``, or ``"int8"`` (``dmuon.state.kept_state``).
         adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay: the AdamW part.
+        adamw_state_dtype: how the AdamW part keeps its moments of a parameter of 2 or more dims
+            between steps: None (the parameter's dtype), ``"bfloat16"`` or ``"int8"`` (its
+            second moment as the int8 of its square root; ``dmuon.state.kept_state``).
         comm, max_batch_numel: the owner-computed fast path or the reference path, and the
             fast path's matrix elements a rank owns per batch (its scratch bound).
         split_replicas, link_gbps, replica_link_gbps: under HSDP, spread Newton-Schulz over
@@ -94,6 +97,7 @@ class DMuon(PicklesConfiguration, Optimizer):
         adamw_betas: tuple[float, float] = D["adamw_betas"],
         adamw_eps: float = D["adamw_eps"],
         adamw_weight_decay: float | None = D["adamw_weight_decay"],
+        adamw_state_dtype: str | torch.dtype | None = D["adamw_state_dtype"],
         split_rows: int | None = D["split_rows"],
         normuon: bool = D["normuon"],
         normuon_beta2: float = D["normuon_beta2"],

@@ -15,6 +15,10 @@
 #                    attention logit the demo reaches without it, ~17 near step 140)
 #   momentum_bf16    the demo config with momentum_dtype = "bfloat16"
 #   momentum_int8    the demo config with momentum_dtype = "int8"
+#   adamw_state_param, adamw_state_bf16, adamw_state_int8
+#                    momentum_dtype = "int8" with adamw_state_dtype = "param", "bfloat16", "int8"
+#
+#   bash scripts/study.sh --seed N [RUN ...]  # the runs with --debug.seed N, logged as NAME_seedN
 #
 #   bash scripts/study.sh --check [RUN ...]  # only write the runs' TOMLs and parse them
 #
@@ -31,13 +35,15 @@ mkdir -p "$out"
 [[ -f outputs/.gitignore ]] || echo '*' > outputs/.gitignore
 
 steps=()
+seed=""
 runs=()
 check=0
 while [[ $# -gt 0 ]]; do
     case "$1" in
         --steps) steps=(--training.steps "$2"); shift ;;
         --check) check=1 ;;
-        -h|--help) sed -n '2,23p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        --seed) seed=$2; shift ;;
+        -h|--help) sed -n '2,27p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
         *) runs+=("$1") ;;
     esac
     shift
@@ -64,6 +70,10 @@ variant normuon "$dmuon" 's|^normuon = [a-z]*|normuon = true|'
 variant qk_clip "$dmuon" 's|^qk_clip_threshold = [0-9.]*|qk_clip_threshold = 8.0|'
 variant momentum_bf16 "$dmuon" 's|^momentum_dtype = .*|momentum_dtype = "bfloat16"|'
 variant momentum_int8 "$dmuon" 's|^momentum_dtype = .*|momentum_dtype = "int8"|'
+for form in param:param bf16:bfloat16 int8:int8; do
+    variant "adamw_state_${form%%:*}" "$dmuon" 's|^momentum_dtype = .*|momentum_dtype = "int8"|' \
+        "s|^adamw_state_dtype = .*|adamw_state_dtype = \"${form#*:}\"|"
+done
 
 if [[ $check == 1 ]]; then  # TorchTitan's own parser, with dmuon's [optimizer] checks
     for name in "${runs[@]}"; do
@@ -76,10 +86,13 @@ print(sys.argv[1], 'parses:', o.name, 'lr', o.lr, 'qk_clip_threshold', o.qk_clip
     exit 0
 fi
 
-for name in "${runs[@]}"; do
-    [[ -f "$out/$name.toml" ]] || { echo "unknown run: $name" >&2; exit 2; }
+for run in "${runs[@]}"; do
+    [[ -f "$out/$run.toml" ]] || { echo "unknown run: $run" >&2; exit 2; }
+    name=$run${seed:+_seed$seed}
+    [[ -z "${seed:-}" ]] || cp "$out/$run.toml" "$out/$name.toml"
+    sed -i "s|^dump_folder = .*|dump_folder = \"./$out/$name\"|" "$out/$name.toml"
     echo "== $name ($(date -u +%H:%M:%S) UTC)"
-    grep -E '^(name|lr|adamw_lr|weight_decay|adjust_lr|ns_coefficients|normuon|qk_clip_threshold|momentum_dtype) =' \
+    grep -E '^(name|lr|adamw_lr|weight_decay|adjust_lr|ns_coefficients|normuon|qk_clip_threshold|momentum_dtype|adamw_state_dtype) =' \
         "$out/$name.toml" | sed 's/ *#.*//'
     rm -rf "$out/${name}_ranks"
     # Every DMuon run records its largest attention logit per step (measured only: no
@@ -89,6 +102,7 @@ for name in "${runs[@]}"; do
     "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node 2 --local-ranks-filter 0 \
         --log-dir "$out/${name}_ranks" --redirects 3 --tee 3 \
         -m torchtitan.train --job.config_file "$out/$name.toml" --metrics.log_freq 1 "${logits[@]}" "${steps[@]}" \
+        ${seed:+--debug.seed "$seed"} \
         > "$out/$name.log" 2>&1 || { echo "$name failed; see $out/$name.log" >&2; exit 1; }
     grep -E "step: *[0-9]+ " "$out/$name.log" | tail -2
 done

@@ -39,7 +39,7 @@ for check c. The driver judges, per check:
 **The read chunk's allowance.** A momentum kept in another dtype than its parameter's is
 read into the parameter's dtype, updated and rounded back a chunk at a time: on the fast
 path a pack chunk (``dmuon.plan.pack_layout.PACK_CHUNK_NUMEL`` elements), off it
-``dmuon.state.momentum_state.READ_CHUNK_NUMEL``, a larger tensor alone. So the elements
+``dmuon.state.kept_state.READ_CHUNK_NUMEL``, a larger tensor alone. So the elements
 read at once are at most ``chunk = min(total, max(limit, largest))`` over the rank's
 momenta held in another dtype, ``limit`` the larger of the two constants (the chunk the
 dry run's bound counts, ``dmuon.tools.dry_run.memory_bound``): with the library's 2^24 that
@@ -134,7 +134,7 @@ def read_allowance(case: Case, local_numels: dict[str, int]) -> int:
     docstring)."""
     from dmuon.numerics.momentum_storage import blocks_per_row
     from dmuon.plan.pack_layout import PACK_CHUNK_NUMEL
-    from dmuon.state.momentum_state import READ_CHUNK_NUMEL
+    from dmuon.state.kept_state import READ_CHUNK_NUMEL
 
     read = [p for p in params_of(case) if not p.frozen and documented_form(case, p) not in ("param", case.pdtype)]
     if not read:

@@ -193,11 +193,11 @@ def test_an_int8_store_captured_in_a_cuda_graph_replays_with_the_cpus_bits():
 @pytest.mark.parametrize("momentum_dtype", ["bfloat16", "int8"])
 def test_a_low_precision_momentum_holds_at_most_one_chunk_of_copies_above_the_fp32_peak(momentum_dtype):
     # Issue 59, item 2: off the owner exchange (plain tensors here) a momentum kept narrow is
-    # read into fp32 a chunk at a time (dmuon.state.momentum_state.read_chunks): 8 matrices of
+    # read into fp32 a chunk at a time (dmuon.state.kept_state.read_chunks): 8 matrices of
     # 2048 x 2048 (32 Mi elements) are two chunks, so the step's peak is at most one chunk's
     # fp32 copies (64 MiB) above fp32 momentum's; read at once they would add 128 MiB.
     from dmuon import DMuon
-    from dmuon.state.momentum_state import READ_CHUNK_NUMEL
+    from dmuon.state.kept_state import READ_CHUNK_NUMEL
 
     def step_peak(dtype: str | None) -> int:
         generator = torch.Generator().manual_seed(5)

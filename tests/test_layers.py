@@ -126,8 +126,8 @@ def test_an_import_of_a_higher_layer_is_named():
         "dmuon.optimizer imports dmuon.tools.dry_run.run: the tools are not below dmuon"]
     assert upward_imports({"dmuon.step.phases": {"dmuon.optimizer"}}) == [
         "dmuon.step.phases imports dmuon.optimizer: dmuon is not below dmuon.step"]
-    assert upward_imports({"dmuon.options.checks": {"dmuon.state.momentum_state"}}) == [
-        "dmuon.options.checks imports dmuon.state.momentum_state: dmuon.state is not below dmuon.options"]
+    assert upward_imports({"dmuon.options.checks": {"dmuon.state.kept_state"}}) == [
+        "dmuon.options.checks imports dmuon.state.kept_state: dmuon.state is not below dmuon.options"]
     assert upward_imports({"dmuon.optimizer": {"dmuon.capture.cuda_graphs"}}) == [
         "dmuon.optimizer imports dmuon.capture.cuda_graphs: dmuon.capture is not below dmuon"]
     assert upward_imports({"dmuon.torch_compat": {"dmuon.numerics.newton_schulz"}}) == [

@@ -1,7 +1,7 @@
 """Which layouts keep int8 momentum's blocks whole on every rank (``dmuon.plan.momentum_blocks``,
 issue 51; issue 60 items 4 and 5): decided from the placements and the global shape alone, so
 every rank keeps a parameter's momentum in one form. Where the answer is no, that parameter's
-momentum is kept in bf16 (``dmuon.state.momentum_state.storage_of``)."""
+momentum is kept in bf16 (``dmuon.state.kept_state.storage_of``)."""
 
 from __future__ import annotations
 

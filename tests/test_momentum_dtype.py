@@ -1,5 +1,5 @@
 """``DMuon(momentum_dtype=...)`` in one process: the option's rules, the state each form
-keeps, and a resume that keeps, or converts, the saved form (``dmuon.state.momentum_state``)."""
+keeps, and a resume that keeps, or converts, the saved form (``dmuon.state.kept_state``)."""
 
 from __future__ import annotations
 
@@ -139,7 +139,7 @@ def test_an_illegal_momentum_dtype_edited_into_a_group_is_refused_at_the_next_st
 def test_a_masked_read_keeps_each_mask_with_its_momentum_when_some_have_no_state_yet():
     # The masks of the kept momenta only, in their order: a parameter without state (its
     # first grad) shifts nothing.
-    from dmuon.state.momentum_state import MomentumReads, new_momentum
+    from dmuon.state.kept_state import MomentumReads, new_momentum
 
     likes = [torch.zeros(2, 128), torch.zeros(3, 128), torch.zeros(4, 128)]
     states = [None, new_momentum(likes[1], "int8"), new_momentum(likes[2], "int8")]

@@ -14,7 +14,7 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
-import dmuon.state.momentum_state as momentum_state
+import dmuon.state.kept_state as kept_state
 from benchmarks import momentum_memory
 from dmuon import DMuon
 from tests.multiprocess import run_on_ranks
@@ -31,7 +31,7 @@ class WorkingCopies:
         self.refs: list[weakref.ref] = []
         self.alive_at_read: list[int] = []
         self.largest = 0  # elements of the largest read
-        original = momentum_state.read_momenta
+        original = kept_state.read_momenta
 
         def spied(values, scales, dtypes):
             self.alive_at_read.append(self.alive())
@@ -41,7 +41,7 @@ class WorkingCopies:
             self.largest = max(self.largest, sum(t.numel() for t in made))
             return copies
 
-        monkeypatch.setattr(momentum_state, "read_momenta", spied)
+        monkeypatch.setattr(kept_state, "read_momenta", spied)
 
     def alive(self) -> int:
         return sum(t.numel() for ref in self.refs if (t := ref()) is not None)
@@ -97,7 +97,7 @@ def test_the_fast_path_reads_a_pack_chunk_at_a_time_and_keeps_no_working_copy(mo
 def test_plain_tensors_momenta_are_read_a_chunk_at_a_time_and_none_is_kept(one_thread, momentum_dtype,
                                                                            monkeypatch):
     # Chunks of the first two matrices (8,192 elements each), then of the last two (6,144 each).
-    monkeypatch.setattr(momentum_state, "READ_CHUNK_NUMEL", 2 * 8192)
+    monkeypatch.setattr(kept_state, "READ_CHUNK_NUMEL", 2 * 8192)
     params = [torch.nn.Parameter(t) for t in _grads(0)]
     optimizer = DMuon([{"params": params, "use_muon": True}], lr=0.02, momentum_dtype=momentum_dtype)
     copies = WorkingCopies(monkeypatch)
@@ -109,7 +109,7 @@ def test_plain_tensors_momenta_are_read_a_chunk_at_a_time_and_none_is_kept(one_t
 
 @pytest.mark.unit
 def test_momenta_held_in_the_parameters_dtype_are_updated_in_one_read(one_thread, monkeypatch):
-    monkeypatch.setattr(momentum_state, "READ_CHUNK_NUMEL", 1)  # would split any chunked read
+    monkeypatch.setattr(kept_state, "READ_CHUNK_NUMEL", 1)  # would split any chunked read
     params = [torch.nn.Parameter(t) for t in _grads(0)]
     optimizer = DMuon([{"params": params, "use_muon": True}], lr=0.02)
     copies = WorkingCopies(monkeypatch)
@@ -120,10 +120,10 @@ def test_momenta_held_in_the_parameters_dtype_are_updated_in_one_read(one_thread
 
 @pytest.mark.unit
 def test_read_chunks_take_an_empty_shard_first_and_a_shard_larger_than_a_chunk_alone(monkeypatch):
-    monkeypatch.setattr(momentum_state, "READ_CHUNK_NUMEL", 100)
+    monkeypatch.setattr(kept_state, "READ_CHUNK_NUMEL", 100)
     kept = {"momentum_buffer": torch.zeros(1, dtype=torch.bfloat16)}  # held in another dtype than fp32
     likes = [torch.zeros(0, 128), torch.zeros(10, 6), torch.zeros(30, 5), torch.zeros(4, 6)]
-    assert momentum_state.read_chunks([kept] * 4, likes) == [[0, 1], [2], [3]]
+    assert kept_state.read_chunks([kept] * 4, likes) == [[0, 1], [2], [3]]
 
 
 # The issue's matrices (issue 60, item 1): under FSDP at P = 2 the int8 momentum kept a full
@@ -133,7 +133,7 @@ AT_REST_SHAPES = [(512, 1024), (256, 1024), (64, 1000)]
 
 @pytest.mark.multirank
 @pytest.mark.parametrize("momentum_dtype, most", [("int8", 1.05), ("bfloat16", 2.01), (None, 4.01)])
-def test_the_bytes_alive_at_rest_are_the_momentum_states_measured_from_live_tensors(momentum_dtype, most):
+def test_the_bytes_alive_at_rest_are_the_kept_states_measured_from_live_tensors(momentum_dtype, most):
     # At rest (between steps, grads dropped) nothing but the state and the step's pending
     # status sums (a few bytes a parameter) outlives a step (benchmarks.momentum_memory counts
     # the storages of every live tensor).

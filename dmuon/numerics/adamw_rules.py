@@ -1,4 +1,4 @@
-"""AdamW for the AdamW part: its state as torch.optim.AdamW makes it, and its update,
+"""AdamW for the AdamW part: its step counter as torch.optim.AdamW makes it, and its update,
 delegated to torch's functional AdamW so its bits are ``torch.optim.AdamW``'s: the
 local-shard lists DMuon hands it, cautious weight decay with AdamW's direction, and the
 ``capturable`` form with device hyperparameters (``dmuon.numerics.device_scalars``)."""
@@ -13,22 +13,23 @@ from torch.optim.adamw import adamw as _torch_adamw
 
 from dmuon.numerics.device_scalars import StepScalars
 from dmuon.numerics.update_rules import cautious_decay_, decay_, decay_factor, keep_factor
-from dmuon.torch_compat import capturable_devices, default_foreach_for, local_of, scalar_dtype
+from dmuon.torch_compat import capturable_devices, default_foreach_for, dtensor_where_it_is, local_of, scalar_dtype
 
 
-def _local_lists(*lists: list[torch.Tensor]) -> list[list[torch.Tensor]]:
-    """The lists as their local tensors when every DTensor among a parameter's tensors has the
-    parameter's mesh and placements (FSDP2's case): AdamW is elementwise, so each shard's
-    update is the bits DTensor would compute, without DTensor's dispatch per op (a few
-    microseconds a tensor). Otherwise (a ``Partial`` grad, say, which DTensor redistributes
-    inside the op) the lists as given: a foreach op cannot mix DTensors and local tensors."""
-    for tensors in zip(*lists):
-        param = tensors[0]
-        if any(isinstance(t, DTensor) for t in tensors) and not (
-                isinstance(param, DTensor) and all(isinstance(t, DTensor) and t.device_mesh == param.device_mesh
-                                                   and t.placements == param.placements for t in tensors)):
-            return list(lists)
-    return [[local_of(t) for t in tensors] for tensors in lists]
+def _local_lists(params: list[torch.Tensor], grads: list[torch.Tensor],
+                 *moments: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """The lists as their local tensors when each DTensor grad has its parameter's mesh and
+    placements (FSDP2's case): AdamW is elementwise, so each shard's update is the bits DTensor
+    would compute, without DTensor's dispatch per op (a few microseconds a tensor). The moments
+    may be DTensors like their parameters or their local tensors (a working copy of a kept
+    state: ``dmuon.state.kept_state``). Otherwise (a ``Partial`` grad, say, which DTensor
+    redistributes inside the op) DTensors throughout: a foreach op cannot mix the two kinds."""
+    if all(not isinstance(p, DTensor) or (isinstance(g, DTensor) and g.device_mesh == p.device_mesh
+                                          and g.placements == p.placements) for p, g in zip(params, grads)):
+        return [[local_of(t) for t in tensors] for tensors in (params, grads, *moments)]
+    return [params, grads, *([m if isinstance(m, DTensor) or not isinstance(p, DTensor) else
+                              dtensor_where_it_is(m, p.device_mesh, p.placements, p.shape)
+                              for m, p in zip(ms, params)] for ms in moments)]
 
 
 def adamw_direction_sign(exp_avg: torch.Tensor, grad: torch.Tensor, beta1: float) -> torch.Tensor:
@@ -134,17 +135,13 @@ def _decay_on_device_(params: list[torch.Tensor], grads: list[torch.Tensor], exp
     decay_(plain, keep, foreach is not False, scalars, None if ok is None else [ok] * len(plain), capturable=True)
 
 
-def adamw_state(param: torch.Tensor, device_step: bool | None = None) -> dict[str, torch.Tensor]:
-    """A parameter's AdamW state before its first step, as torch.optim.AdamW makes it
-    (``device_step``, for fused or capturable AdamW: the step counter in fp32 on the
-    parameter's device, where those kernels read it; else on the host)."""
-    on_device = torch.zeros((), dtype=torch.float32, device=param.device) if device_step else None
-    step = torch.tensor(0.0, dtype=scalar_dtype()) if on_device is None else on_device
-    return {
-        "step": step,
-        "exp_avg": torch.zeros_like(param, memory_format=torch.preserve_format),
-        "exp_avg_sq": torch.zeros_like(param, memory_format=torch.preserve_format),
-    }
+def adamw_step_counter(param: torch.Tensor, device_step: bool | None = None) -> torch.Tensor:
+    """A parameter's AdamW ``step`` before its first step, as torch.optim.AdamW makes it
+    (``device_step``, for fused or capturable AdamW: in fp32 on the parameter's device, where
+    those kernels read it; else on the host). Its moments: ``dmuon.state.kept_state``."""
+    if device_step:
+        return torch.zeros((), dtype=torch.float32, device=param.device)
+    return torch.tensor(0.0, dtype=scalar_dtype())
 
 
 def adamw_steps(states: Sequence[dict[str, torch.Tensor]], params: Sequence[torch.Tensor],

@@ -48,20 +48,21 @@ MOMENTUM_DTYPES = (None, "bfloat16", "int8")
 # Elements per fp32 scale along the last dim of a row (module docstring: why 128).
 INT8_BLOCK = 128
 # The narrowest row int8 pays for: a row of w elements costs 1 + 4 / w bytes an element with its
-# scale, bf16's 2 or more below 5 (such a momentum is kept in bf16: dmuon.state.momentum_state).
+# scale, bf16's 2 or more below 5 (such a momentum is kept in bf16: dmuon.state.kept_state).
 INT8_MIN_ROW = 5
 # The largest magnitude an int8 value takes: symmetric, so -x quantizes to -q.
 INT8_MAX = 127
 
 
-def parse_momentum_dtype(value: object) -> str | None:
-    """``value`` as one of :data:`MOMENTUM_DTYPES` (``torch.bfloat16`` reads as
-    ``"bfloat16"``); ValueError naming the allowed values otherwise."""
+def parse_momentum_dtype(value: object, name: str = "momentum_dtype") -> str | None:
+    """``value`` of the option ``name`` (``momentum_dtype``, or the AdamW part's state dtype) as
+    one of :data:`MOMENTUM_DTYPES` (``torch.bfloat16`` reads as ``"bfloat16"``); ValueError
+    naming the allowed values otherwise."""
     if value is torch.bfloat16:
         return "bfloat16"
     if value in MOMENTUM_DTYPES:
         return value  # type: ignore[return-value]
-    raise ValueError(f"momentum_dtype must be one of None (the parameter's dtype), torch.bfloat16 or 'bfloat16', "
+    raise ValueError(f"{name} must be one of None (the parameter's dtype), torch.bfloat16 or 'bfloat16', "
                      f"or 'int8' (block-wise, {INT8_BLOCK} elements a scale); got {value!r}")
 
 

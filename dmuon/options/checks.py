@@ -149,8 +149,10 @@ def _where_first(resolve: Callable[[Any], Any]) -> Callable[[Any, str, str], Any
     return check
 
 
-# The name of the momentum's storage (a ``torch.dtype`` is taken too), or None.
-check_momentum_dtype = _where_first(parse_momentum_dtype)
+def check_momentum_dtype(value: Any, key: str, where: str) -> str | None:
+    """The name of a kept state's form (``momentum_dtype``, an AdamW group's ``state_dtype``;
+    a ``torch.dtype`` is taken too), or None."""
+    return _where_first(lambda v: parse_momentum_dtype(v, key))(value, key, where)
 check_ns_coefficients = _where_first(resolve_ns_coefficients)
 
 

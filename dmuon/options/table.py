@@ -43,7 +43,7 @@ class OnResume(enum.Enum):
     (``dmuon.state.resume_contract``)."""
 
     APPLIED = "applied: the optimizer's value is kept, the change logged"
-    CONVERTED = "applied: the saved momentum converted to the new form, the change logged"
+    CONVERTED = "applied: the saved state converted to the new form, the change logged"
     REFUSED = "refused (it changes the state's layout): resume with the saved value"
     NOT_SAVED = "not in the state dict: the optimizer's value"
 
@@ -144,6 +144,9 @@ OPTIONS: tuple[Option, ...] = (
            "the AdamW part's epsilon", key="eps", bad=-1.0, changed=1e-6),
     Option("adamw_weight_decay", None, Scope.ADAMW, c.optional(_NON_NEGATIVE), OnResume.APPLIED, None, GROUP_KWARGS,
            "the AdamW part's decay (None: weight_decay)", key="weight_decay", bad=-1.0, changed=0.2),
+    Option("adamw_state_dtype", None, Scope.ADAMW, c.check_momentum_dtype, OnResume.CONVERTED, "adamw_state_dtype",
+           GROUP_KWARGS, "the AdamW moments kept between steps: None (the parameter's dtype), bfloat16 or int8 "
+           "(parameters of 2+ dims)", key="state_dtype", bad="fp8", changed="int8"),
     Option("comm", ALL_TO_ALL, Scope.OPTIMIZER, _keyed(c.check_comm), OnResume.NOT_SAVED, "comm", FACTORY_KWARGS,
            "'all_to_all' (the owner-computed fast path) or 'redistribute' (every rank, every matrix)",
            bad="nccl", changed="redistribute"),

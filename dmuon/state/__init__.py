@@ -5,7 +5,7 @@ changed options and pickling do.
 May import: the layers, ``dmuon.options`` and ``dmuon.torch_compat``; never the step or the
 optimizer.
 
-- ``momentum_state``: Muon's momentum in its group's ``momentum_dtype``;
+- ``kept_state``: Muon's momentum in its group's ``momentum_dtype``;
 - ``rollback``: a step's host changes, taken back when the step is masked;
 - ``loading``: what ``DMuon.load_state_dict`` changes in torch's;
 - ``resume_contract``: the group options a resume applies, and those it refuses;

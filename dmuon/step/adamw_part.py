@@ -15,7 +15,7 @@ mask is False, without reading the mask on the host:
 
 from __future__ import annotations
 
-from collections.abc import Mapping, MutableMapping, Sequence
+from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from typing import Any
 
 import torch
@@ -23,8 +23,10 @@ import torch
 from dmuon.exchange.grad_status import usable_grad
 from dmuon.exchange.status_masks import StatusMasks, StepMask
 from dmuon.exchange.host_staging import ADAMW_MASK, HostStaging
-from dmuon.numerics.adamw_rules import adamw_state, adamw_step_, adamw_steps
+from dmuon.numerics.adamw_rules import adamw_step_, adamw_step_counter, adamw_steps
 from dmuon.numerics.masked_updates import select_
+from dmuon.state.kept_state import (ADAMW_MOMENTS, MomentumReads, adamw_storage_of, kept_momentum, make_momentum,
+                                    read_chunks)
 from dmuon.state.rollback import StateRollback
 from dmuon.step.telemetry import Telemetry
 from dmuon.torch_compat import capturable_devices, local_of
@@ -34,7 +36,7 @@ State = MutableMapping[torch.Tensor, dict[str, Any]]
 
 def adamw_part(param_groups: Sequence[dict[str, Any]], state: State, status: StatusMasks, telemetry: Telemetry,
                foreach: bool | None, fused: bool | None, rollback: StateRollback,
-               summed: Mapping[torch.Tensor, torch.Tensor]) -> Exception | None:
+               summed: Mapping[torch.Tensor, torch.Tensor], name_of: Callable[[torch.Tensor], str]) -> Exception | None:
     """Every AdamW group's step under ``status`` (``summed``: the replicated parameters' grads,
     :func:`dmuon.exchange.grad_status.usable_grad`); what torch raises is returned
     (``DMuon.step`` raises it at its end, after the collectives every rank runs)."""
@@ -43,7 +45,7 @@ def adamw_part(param_groups: Sequence[dict[str, Any]], state: State, status: Sta
     mask_on = _MaskOn(status)
     try:
         for group in (g for g in param_groups if not g["use_muon"]):
-            _group_step(group, state, status, mask_on, telemetry, foreach, fused, rollback, summed)
+            _group_step(group, state, status, mask_on, telemetry, foreach, fused, rollback, summed, name_of)
     except Exception as error:  # noqa: BLE001 - re-raised by DMuon.step() after the collectives
         return error
     return None
@@ -68,8 +70,10 @@ class _MaskOn:
 
 def _group_step(group: dict[str, Any], state: State, status: StatusMasks, mask_on: _MaskOn, telemetry: Telemetry,
                 foreach: bool | None, fused: bool | None, rollback: StateRollback,
-                summed: Mapping[torch.Tensor, torch.Tensor]) -> None:
-    """One group's parameters with a grad (state made at their first step, recorded)."""
+                summed: Mapping[torch.Tensor, torch.Tensor], name_of: Callable[[torch.Tensor], str]) -> None:
+    """One group's parameters with a grad (state made at their first step, recorded), their
+    moments read a chunk at a time where the group keeps them in another dtype
+    (``dmuon.state.kept_state``)."""
     params = [p for p in group["params"] if p.grad is not None]
     if not params:
         return
@@ -79,30 +83,52 @@ def _group_step(group: dict[str, Any], state: State, status: StatusMasks, mask_o
     device_step = fused or (group.get("capturable") and local_of(params[0]).device.type in capturable_devices())
     for param in params:
         if not state.get(param):
-            made = adamw_state(param, device_step)
-            state[param].update(made)
-            rollback.made(state, param, made)
+            made = make_momentum(param, adamw_storage_of(param, group.get("state_dtype")), state[param],
+                                 name_of(param), ADAMW_MOMENTS)
+            state[param]["step"] = adamw_step_counter(param, device_step)
+            rollback.made(state, param, [*made, "step"])
     states = [state[p] for p in params]
-    moments = [s["exp_avg"] for s in states] + [s["exp_avg_sq"] for s in states]
     counters = adamw_steps(states, params, device_step)
+    grads = [usable_grad(p, summed) for p in params]
     settings = dict(lr=group["lr"], betas=group["betas"], eps=group["eps"], weight_decay=group["weight_decay"],
                     cautious_weight_decay=group["cautious_weight_decay"], foreach=foreach, fused=fused,
                     capturable=bool(group.get("capturable")))
-    lists = (params, [usable_grad(p, summed) for p in params], moments[: len(params)], moments[len(params):], counters)
-    with telemetry.updates(False, [local_of(p) for p in params]):
+    local_params = [local_of(p) for p in params]
+
+    def step_chunks(oks: list[torch.Tensor] | None = None, **skip: Any) -> None:
+        for chunk in read_chunks(states, local_params, ADAMW_MOMENTS):
+            reads = MomentumReads()
+            moments = [reads.read([states[i] for i in chunk], [local_params[i] for i in chunk],
+                                  None if oks is None else [oks[i] for i in chunk], keys) for keys in ADAMW_MOMENTS]
+            adamw_step_([params[i] for i in chunk], [grads[i] for i in chunk], *moments,
+                        [counters[i] for i in chunk], **settings, **skip)
+            reads.store(foreach is not False)
+
+    with telemetry.updates(False, local_params):
         if status.mask is StepMask.STANDS:
-            adamw_step_(*lists, **settings)
+            step_chunks()
         elif fused and not group["cautious_weight_decay"]:
-            adamw_step_(*lists, found_inf=(~mask_on(local_of(params[0]).device)).to(torch.float32), **settings)
+            ok = mask_on(local_params[0].device)
+            # torch's skip leaves the working moments as read; their stores are selected too
+            step_chunks([ok] * len(params), found_inf=(~ok).to(torch.float32))
         else:
             # Counters on an accelerator are selected like the tensors; torch's host counters
             # are taken back by the next step if it was masked (exact: they count by 1).
             host = [c for c in counters if c.device.type == "cpu"]
-            selected = [local_of(t) for t in (*params, *moments)] + [c for c in counters if c.device.type != "cpu"]
+            kept = [local_of(t) for s in states for keys in ADAMW_MOMENTS for t in kept_momentum(s, keys) if t is not None]
+            selected = local_params + kept + [c for c in counters if c.device.type != "cpu"]
             # Copies in one list op (a product by exactly 1 keeps every bit), not one per tensor.
-            befores = [t.clone() for t in selected] if foreach is False else torch._foreach_mul(selected, 1.0)
-            adamw_step_(*lists, **settings)
+            befores = [t.clone() for t in selected] if foreach is False else _copies(selected)
+            step_chunks()
             masked = {device: ~mask_on(device) for device in {t.device for t in selected}}
             # masked: the bits from before
             select_(selected, [masked[t.device] for t in selected], befores, foreach is not False)
             rollback.counted(host)
+
+
+def _copies(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Copies of ``tensors`` in one list op per dtype (a product by exactly 1 keeps every bit;
+    int8 values are copied: a product would not keep their dtype)."""
+    floats = [t for t in tensors if t.is_floating_point() or t.is_complex()]
+    by_one = iter(torch._foreach_mul(floats, 1.0) if floats else [])
+    return [next(by_one) if t.is_floating_point() or t.is_complex() else t.clone() for t in tensors]

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from dmuon.step.group_steps import GroupSteps, by_group
-from dmuon.state.momentum_state import MomentumReads
+from dmuon.state.kept_state import MomentumReads
 from dmuon.numerics.update_rules import bounded_chunks
 from dmuon.plan.local_blocks import LocalBlocks
 from dmuon.plan.owner_plan import OwnerPlan

@@ -28,7 +28,7 @@ from dmuon.exchange.owner_exchange import Callbacks, run_owner_plan
 from dmuon.exchange.reductions import share_second_moments
 from dmuon.step.group_steps import GroupSteps, by_group
 from dmuon.step.converted_momenta import ConvertedMomenta
-from dmuon.state.momentum_state import kept_momentum
+from dmuon.state.kept_state import kept_momentum
 from dmuon.numerics.masked_updates import mask_
 from dmuon.numerics.newton_schulz import resolve_ns_algorithm, resolve_ns_dtype
 from dmuon.numerics.standard_iteration import NewtonSchulzBuffers

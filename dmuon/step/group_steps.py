@@ -23,8 +23,7 @@ from dmuon.numerics.standard_iteration import NewtonSchulzBuffers
 from dmuon.numerics.update_rules import (StepScalars, apply_muon_, compute_copy, lookahead, momentum_, normuon_state,
                                          orthogonalize_update, resolve_foreach, shape_scale)
 from dmuon.plan.paths import ALL_TO_ALL, REDISTRIBUTE
-from dmuon.state.momentum_state import (BUFFER_KEY, INT8_KEY, SCALES_KEY, MomentumReads, kept_momentum, make_momentum,
-                                        read_chunks)
+from dmuon.state.kept_state import MOMENTUM, MomentumReads, kept_momentum, make_momentum, read_chunks
 from dmuon.state.rollback import StateRollback
 from dmuon.step.telemetry import Telemetry
 from dmuon.torch_compat import local_of
@@ -32,7 +31,7 @@ from dmuon.torch_compat import local_of
 # The state key of NorMuon's per-row second moment (``dmuon.numerics.update_rules.normuon_state``).
 NORMUON_STATE_KEY = "normuon_second_moment"
 # Muon's state keys: kept in the dtype they were made (or saved) in.
-MUON_STATE_KEYS = (BUFFER_KEY, INT8_KEY, SCALES_KEY, NORMUON_STATE_KEY)
+MUON_STATE_KEYS = (*MOMENTUM.keys, NORMUON_STATE_KEY)
 
 
 class GroupSteps:
@@ -115,7 +114,7 @@ class GroupSteps:
                         state: MutableMapping[torch.Tensor, dict[str, Any]], rollback: StateRollback,
                         name_of: Callable[[torch.Tensor], str]) -> None:
         """At a Muon parameter's first grad: a zero momentum in the group's ``momentum_dtype``
-        (``dmuon.state.momentum_state``), and in a NorMuon group a zero second moment; recorded
+        (``dmuon.state.kept_state``), and in a NorMuon group a zero second moment; recorded
         in ``rollback`` (a masked step's is taken back by the next)."""
         for param in grads:
             made = []
@@ -165,7 +164,7 @@ class GroupSteps:
             return
         states, local_params = [state.get(p) for p in params], [local_of(p) for p in params]
         foreach = self.lists_for(local_params[0].device, group)
-        for chunk in read_chunks(states, local_params):  # (module dmuon.state.momentum_state)
+        for chunk in read_chunks(states, local_params):  # (module dmuon.state.kept_state)
             self._muon_chunk(group, [params[i] for i in chunk], [states[i] for i in chunk],
                              None if oks is None else [oks[i] for i in chunk], paths, grads, state, foreach)
 

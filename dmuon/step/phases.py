@@ -32,7 +32,7 @@ from dmuon.exchange.status_masks import StatusMasks, StepMask
 from dmuon.step.fast_path import FastPath
 from dmuon.step.grad_checks import step_problems
 from dmuon.step.group_steps import GroupSteps
-from dmuon.state.momentum_state import MomentumDtypes
+from dmuon.state.kept_state import MomentumDtypes
 from dmuon.numerics.finite import all_finite
 from dmuon.options.param_groups import muon_groups as param_muon_groups
 from dmuon.state.rollback import StateRollback
@@ -184,7 +184,7 @@ class Step:
         summed = phases.grad_status.sum_replicated(checked.has_usable_grad)  # on every rank, whatever its grads
         grads = {p: usable_grad(p, summed) for p in self.muon_groups if checked.has_usable_grad(p)}
         self.failure = adamw_part(self.param_groups, state, status, telemetry, options.foreach, options.fused,
-                                  phases.rollback, summed)
+                                  phases.rollback, summed, self.name_of)
         if self.failure is not None and status.mask is not StepMask.MASKED and status.alone:
             status.mask_here()  # the Muon part stays as it is too
         if status.mask is not StepMask.MASKED:

@@ -31,6 +31,7 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     **{name: ("dmuon.plan", name) for name in ("DEFAULT_BATCH_NUMEL", "OwnerPlan", "ParamSpec", "WIRE_BYTES",
                                                 "make_owner_plan")},
     "chunk_ranges": ("dmuon.plan.layout", "chunk_ranges"),
+    **{name: ("dmuon.numerics.momentum_storage", name) for name in ("dequantize_int8", "quantize_int8")},
     "DEFAULT_LOGIT_SCRATCH_BYTES": ("dmuon.attention.qk_clip", "DEFAULT_LOGIT_SCRATCH_BYTES"),
     "head_max_logits": ("dmuon.attention.qk_clip", "head_max_logits"),
     **{name: ("dmuon.torch_compat", name) for name in ("TorchDispatchMode", "compute_local_shape_and_global_offset",

@@ -14,7 +14,7 @@ DOCS = Path(__file__).resolve().parents[2] / "docs" / "optimizer.md"
 BEGIN = "<!-- option table: python -m dmuon.tools.option_table writes it -->"
 END = "<!-- end of the option table -->"
 # How a resume's rule reads in a table cell.
-ON_RESUME = {OnResume.APPLIED: "applied", OnResume.CONVERTED: "applied, the momentum converted",
+ON_RESUME = {OnResume.APPLIED: "applied", OnResume.CONVERTED: "applied, the state converted",
              OnResume.REFUSED: "**refused**", OnResume.NOT_SAVED: "not saved"}
 # How TorchTitan 0.3's two places read in a cell.
 PLACES_0_3 = {GROUP_KWARGS: "group", FACTORY_KWARGS: "factory"}

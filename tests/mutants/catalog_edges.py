@@ -55,7 +55,7 @@ EDGES = [
         guarantee="A masked step stores each bf16 / int8 momentum under its own parameter's mask, taken by the "
                   "parameter's place in the list the chunk updates, also where a parameter before it has no state "
                   "yet: bitwise as single process.",
-        path="dmuon/state/momentum_state.py",
+        path="dmuon/state/kept_state.py",
         old="None if oks is None else [oks[i] for i in kept])",
         new="None if oks is None else [oks[k] for k in range(len(kept))])",
         tests=("tests/test_momentum_dtype.py::"
@@ -67,7 +67,7 @@ EDGES = [
         name="resume-conversion-made-in-the-groups-dtype",
         guarantee="A load converts a momentum into the form its layout keeps: a matrix whose layout cuts rows off "
                   "the int8 blocks is made in bf16, not in its group's int8.",
-        path="dmuon/state/momentum_state.py",
+        path="dmuon/state/kept_state.py",
         old="made = new_momentum(param, target)",
         new="made = new_momentum(param, group[\"momentum_dtype\"])",
         tests=("tests/test_momentum_dtype_ranks.py::"
@@ -156,7 +156,7 @@ EDGES = [
         name="int8-momentum-kept-on-rows-narrower-than-five",
         guarantee="int8 momentum of a parameter whose rows are narrower than 5 elements (a scale per row costs "
                   "1 + 4 / w bytes an element) is kept in bf16, at 2 bytes an element (issue 67, defect 1).",
-        path="dmuon/state/momentum_state.py",
+        path="dmuon/state/kept_state.py",
         old="if row_length(param.shape) < INT8_MIN_ROW:",
         new="if False:",
         tests=("tests/test_memory_sweep.py", "-k", "test_the_memory_sample_holds_every_case_to_its_memory"),

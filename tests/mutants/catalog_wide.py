@@ -314,7 +314,7 @@ WIDE = [
         name="int8-momentum-kept-off-the-blocks",
         guarantee="Where a layout cuts rows off int8's 128-element blocks (TP's Shard(1) at an odd width), the "
                   "parameter's momentum is kept in bf16, so the run stays bitwise a single process's (issue 51).",
-        path="dmuon/state/momentum_state.py",
+        path="dmuon/state/kept_state.py",
         old="    if isinstance(param, DTensor) and not int8_blocks_whole(layout_of(param), param.shape):",
         new="    if False and isinstance(param, DTensor) and not int8_blocks_whole(layout_of(param), param.shape):",
         tests=("tests/test_momentum_dtype_ranks.py::"
@@ -324,7 +324,7 @@ WIDE = [
         name="momentum-not-converted-on-resume",
         guarantee="A checkpoint saved with another momentum_dtype is converted on load: the run goes on in the "
                   "form its optimizer asks for, from the momentum the checkpoint held (issue 51).",
-        path="dmuon/state/momentum_state.py",
+        path="dmuon/state/kept_state.py",
         old="            if held == wanted:",
         new="            if True:",
         tests=("tests/test_momentum_dtype.py::test_an_int8_checkpoint_resumed_without_it_reads_the_momentum_it_held",),
@@ -343,7 +343,7 @@ WIDE = [
         name="momentum-read-whole-off-the-fast-path",
         guarantee="Off the fast path a low-precision momentum is read, updated and stored a chunk at a time, "
                   "so its parameter-dtype copies never hold more than one chunk (issue 59, item 2).",
-        path="dmuon/state/momentum_state.py",
+        path="dmuon/state/kept_state.py",
         old="    if all(m is None or (m[1] is None and m[0].dtype == like.dtype) for m, like in zip(kept, likes)):",
         new="    if True:",
         tests=("tests/test_momentum_working_copies.py::"
@@ -429,7 +429,7 @@ WIDE = [
         name="resume-conversion-aims-at-the-groups-dtype",
         guarantee="A load converts each momentum to the form its layout keeps (the bf16 fallback where a layout "
                   "cuts rows off the blocks), not to the group's momentum_dtype (issue 60: a survivor).",
-        path="dmuon/state/momentum_state.py",
+        path="dmuon/state/kept_state.py",
         old="            target = storage_of(param, group[\"momentum_dtype\"])",
         new="            target = group[\"momentum_dtype\"]",
         tests=("tests/test_momentum_dtype_ranks.py::"
@@ -439,7 +439,7 @@ WIDE = [
         name="masked-read-misaligns-its-masks",
         guarantee="A masked read keeps each mask with its momentum when some parameters have no state yet "
                   "(issue 60: a survivor).",
-        path="dmuon/state/momentum_state.py",
+        path="dmuon/state/kept_state.py",
         old="None if oks is None else [oks[i] for i in kept])",
         new="None if oks is None else list(oks)[: len(kept)])",
         tests=("tests/test_momentum_dtype.py::"

@@ -144,6 +144,17 @@ class Optimizer:
     fails naming the missing key: resume with the saved value.
     """
 
+    adamw_state_dtype: str = default_of("adamw_state_dtype")
+    """
+    How the AdamW part (embeddings, output head) keeps its two moments between steps:
+    "param" (the parameter's dtype, 8 bytes a parameter in fp32), "bfloat16" (4 bytes) or
+    "int8" (the first moment, and the square root of the second, with one fp32 scale per 128
+    elements of a row: 2.06 bytes). Norms and biases keep the parameter's dtype. Exact
+    across world sizes; a layout that cuts rows off the blocks keeps bfloat16, as with
+    momentum_dtype. A checkpoint of another value is converted on resume by DMuon's own
+    load_state_dict; TorchTitan's checkpoint loads it only between "param" and "bfloat16".
+    """
+
     qk_clip_threshold: float = default_of("qk_clip_threshold")
     """
     QK-clip (MuonClip, Kimi K2): after each step, every attention head whose largest

@@ -1,8 +1,8 @@
 """What ``[optimizer]``'s fields make: the keyword arguments of ``dmuon.DMuon``.
 
 Each DMuon option's field is its row of ``dmuon.options.table`` (``titan02``). TOML has no
-null, so four of DMuon's values have TOML spellings (``adjust_lr = "none"``,
-``momentum_dtype = "param"``, ``split_replicas = "auto"``, ``qk_clip_threshold = 0``); they
+null, so five of DMuon's values have TOML spellings (``adjust_lr = "none"``,
+``momentum_dtype = "param"``, ``adamw_state_dtype = "param"``, ``split_replicas = "auto"``, ``qk_clip_threshold = 0``); they
 are defined here, next to ``dmuon_kwargs``, which turns them back into DMuon's. The fields
 themselves are in ``config``, their checks in ``validation``.
 """
@@ -30,10 +30,12 @@ SPLIT_REPLICAS = {"auto": None, "always": True, "never": False}
 TOML_SPELLINGS: dict[str, dict[str, Any]] = {
     "adjust_lr": {ADJUST_LR_NONE: None},
     "momentum_dtype": {MOMENTUM_DTYPE_PARAM: None},
+    "adamw_state_dtype": {MOMENTUM_DTYPE_PARAM: None},
     "split_replicas": SPLIT_REPLICAS,
 }
 # The whole list of values each spelled field takes, for messages.
 TOML_CHOICES = {"adjust_lr": ADJUST_LR_CHOICES, "momentum_dtype": MOMENTUM_DTYPE_CHOICES,
+                "adamw_state_dtype": MOMENTUM_DTYPE_CHOICES,
                 "split_replicas": tuple(SPLIT_REPLICAS)}
 # The field TorchTitan spells as two (its own AdamW betas), and the field ``implementation``
 # makes two of DMuon's options of (``foreach`` and ``fused``).

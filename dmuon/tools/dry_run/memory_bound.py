@@ -28,7 +28,7 @@ next, so the bound is the largest of three terms (``e``: the parameter's element
 - *masked momentum*: the EMAs computed out of place before they are selected
   (``dmuon.numerics.masked_updates``): a chunk of ``MASKED_CHUNK_NUMEL`` elements, or the
   largest Muon shard where that is larger;
-- *momentum kept in bf16 or int8* (``dmuon.state.momentum_state``): through every Muon phase, the
+- *momentum kept in bf16 or int8* (``dmuon.state.kept_state``): through every Muon phase, the
   momenta of one chunk read into the parameters' dtype (a pack chunk on the fast path,
   ``READ_CHUNK_NUMEL`` elements off it, or the largest such shard where larger: each chunk is
   let go before the next is read); while they are rounded back, the new values in their kept
@@ -45,7 +45,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from dmuon.exchange.packing import stages_casts
-from dmuon.state.momentum_state import READ_CHUNK_NUMEL, kept_momentum
+from dmuon.state.kept_state import READ_CHUNK_NUMEL, kept_momentum
 from dmuon.numerics.momentum_storage import ROUNDING_CHUNK_NUMEL, read_together
 from dmuon.numerics.update_rules import MASKED_CHUNK_NUMEL
 from dmuon.numerics.newton_schulz import matrix_shape, resolve_ns_dtype
