@@ -24,7 +24,7 @@ from dmuon.options.device_hyperparameters import held_values, keep_after_load, p
 from dmuon.exchange.comm import CommStats, ScratchMeter
 from dmuon.step.fast_path import FastPath
 from dmuon.step.group_steps import MUON_STATE_KEYS
-from dmuon.state.kept_state import convert_loaded
+from dmuon.state.kept_state import ADAMW_MOMENTS, convert_loaded
 from dmuon.options.implementation_flags import check_optimizer_flags
 from dmuon.options.param_groups import build_param_groups, split_options
 from dmuon.options.table import (ADAMW_ALIASES, DEFAULTS as D, OPTIMIZER_ATTRIBUTES, check_group,
@@ -235,12 +235,12 @@ class DMuon(PicklesConfiguration, Optimizer):
         return [] if run is None else [run.plan]
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """torch's, but Muon's state keeps its saved dtype, a capturable group its state
-        tensors (``dmuon.state.loading``) and its device hyperparameters
-        (``dmuon.options.device_hyperparameters``), and the plan is made anew."""
+        """torch's, but Muon's state and the AdamW part's kept moments keep their saved dtypes, a
+        capturable group its state tensors (``dmuon.state.loading``) and its device
+        hyperparameters (``dmuon.options.device_hyperparameters``), and the plan is made anew."""
         held, tensors = held_values(self.param_groups), state_tensors(self)
         super().load_state_dict(state_dict)
-        keep_saved_dtypes(self, state_dict, MUON_STATE_KEYS)
+        keep_saved_dtypes(self, state_dict, (*MUON_STATE_KEYS, *(k for keys in ADAMW_MOMENTS for k in keys.keys)))
         convert_loaded(self.param_groups, self.state, self.param_name)  # a checkpoint of another momentum_dtype
         self.phases.momentum_dtypes.settle(self.param_groups)
         keep_after_load(self.param_groups, held)  # capturable: the loaded values in the groups' own device tensors

@@ -14,7 +14,7 @@ The forms (``dmuon.numerics.momentum_storage``):
   optimizer.md, "AdamW state dtype", has the measurement that chose it).
 
 The AdamW part keeps the moments of a parameter with fewer than 2 dims (norms, biases) in its
-dtype whatever its group asks (:func:`adamw_storage_of`): they hold a few thousand elements.
+dtype whatever its group asks (:func:`adamw_wanted`): they hold a few thousand elements.
 
 Why int8 values have keys of their own: DCP loads a checkpoint into the state the optimizer
 has (its keys, dtypes and shapes). Between the float forms a load casts, which is the
@@ -95,10 +95,11 @@ def storage_of(param: torch.Tensor, momentum_dtype: str | None) -> str | None:
     return "bfloat16" if momentum_dtype == "int8" and int8_falls_back(param) is not None else momentum_dtype
 
 
-def adamw_storage_of(param: torch.Tensor, state_dtype: str | None) -> str | None:
-    """The form ``param``'s AdamW moments are kept in: :func:`storage_of` for a parameter of 2 or
-    more dims, its own dtype for a smaller one (a norm, a bias: too few elements to pay)."""
-    return storage_of(param, state_dtype) if param.ndim >= 2 else None
+def adamw_wanted(param: torch.Tensor, state_dtype: str | None) -> str | None:
+    """The form an AdamW group's ``state_dtype`` asks for ``param``'s moments: itself for a
+    parameter of 2 or more dims, the parameter's dtype for a smaller one (a norm, a bias: too
+    few elements to pay); int8's fallback then applies (:func:`storage_of`)."""
+    return state_dtype if param.ndim >= 2 else None
 
 
 def int8_falls_back(param: torch.Tensor) -> str | None:
@@ -260,7 +261,7 @@ def kept_forms(group: Mapping[str, Any], param: torch.Tensor) -> list[tuple[Stat
     momentum, an AdamW group's two moments."""
     if group["use_muon"]:
         return [(MOMENTUM, storage_of(param, group["momentum_dtype"]))]
-    return [(keys, adamw_storage_of(param, group.get("state_dtype"))) for keys in ADAMW_MOMENTS]
+    return [(keys, storage_of(param, adamw_wanted(param, group.get("state_dtype")))) for keys in ADAMW_MOMENTS]
 
 
 def convert_loaded(param_groups: Sequence[dict[str, Any]], state: Mapping[torch.Tensor, dict[str, Any]],

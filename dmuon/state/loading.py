@@ -1,8 +1,9 @@
-"""What ``DMuon.load_state_dict`` changes in torch's: Muon's state keeps its saved dtype,
-and a capturable group's state its tensors.
+"""What ``DMuon.load_state_dict`` changes in torch's: Muon's state and the AdamW part's kept
+moments keep their saved dtypes, and a capturable group's state its tensors.
 
-torch casts every floating state value to its parameter's dtype on load (right for
-AdamW's moments, which torch makes in that dtype). Muon's state may be made in another:
+torch casts every state value but ``step`` to its parameter's dtype on load (right for
+AdamW's moments as torch makes them; int8 values included, which would keep the int8 key
+with float values). DMuon's state may be made in another:
 NorMuon's second moment is fp32 beside bf16 parameters, and a checkpoint's momentum may
 be kept wider than the parameter. Cast to the parameter's dtype, a bf16 resume would no
 longer match the uninterrupted run. So after torch's load, those values are taken again

@@ -6,8 +6,9 @@ knows (the status sums of a multi-rank ``DMuon``), it must leave every bit as it
 mask is False, without reading the mask on the host:
 
 - fused AdamW without cautious decay: torch's own device skip, ``found_inf`` (the GradScaler
-  path: the kernel writes nothing, the device step counters go back by 1);
-- otherwise: this rank's AdamW tensors (parameters and moments) are copied before the step and
+  path: the kernel writes nothing, the device step counters go back by 1; moments kept in bf16
+  or int8 are stored back only where the step stands);
+- otherwise: this rank's AdamW tensors (parameters and kept moments) are copied before the step and
   selected back after it (``dmuon.numerics.masked_updates.select_``: a few list ops on CUDA), one
   group at a time (the copy's memory: one group's local shards, three times); torch's host step
   counters are incremented as usual and recorded, so the next step takes them back if the mask was
@@ -25,7 +26,7 @@ from dmuon.exchange.status_masks import StatusMasks, StepMask
 from dmuon.exchange.host_staging import ADAMW_MASK, HostStaging
 from dmuon.numerics.adamw_rules import adamw_step_, adamw_step_counter, adamw_steps
 from dmuon.numerics.masked_updates import select_
-from dmuon.state.kept_state import (ADAMW_MOMENTS, MomentumReads, adamw_storage_of, kept_momentum, make_momentum,
+from dmuon.state.kept_state import (ADAMW_MOMENTS, MomentumReads, adamw_wanted, kept_momentum, make_momentum,
                                     read_chunks)
 from dmuon.state.rollback import StateRollback
 from dmuon.step.telemetry import Telemetry
@@ -83,7 +84,7 @@ def _group_step(group: dict[str, Any], state: State, status: StatusMasks, mask_o
     device_step = fused or (group.get("capturable") and local_of(params[0]).device.type in capturable_devices())
     for param in params:
         if not state.get(param):
-            made = make_momentum(param, adamw_storage_of(param, group.get("state_dtype")), state[param],
+            made = make_momentum(param, adamw_wanted(param, group.get("state_dtype")), state[param],
                                  name_of(param), ADAMW_MOMENTS)
             state[param]["step"] = adamw_step_counter(param, device_step)
             rollback.made(state, param, [*made, "step"])
