@@ -56,8 +56,8 @@ EDGES = [
                   "parameter's place in the list the chunk updates, also where a parameter before it has no state "
                   "yet: bitwise as single process.",
         path="dmuon/state/kept_state.py",
-        old="None if oks is None else [oks[i] for i in kept])",
-        new="None if oks is None else [oks[k] for k in range(len(kept))])",
+        old="None if oks is None else [oks[i] for i in kept], keys.root)",
+        new="None if oks is None else [oks[k] for k in range(len(kept))], keys.root)",
         tests=("tests/test_momentum_dtype.py::"
                "test_a_masked_step_stores_each_momentum_beside_a_parameter_without_state_as_a_single_process",
                "tests/test_momentum_dtype.py::"
@@ -68,8 +68,8 @@ EDGES = [
         guarantee="A load converts a momentum into the form its layout keeps: a matrix whose layout cuts rows off "
                   "the int8 blocks is made in bf16, not in its group's int8.",
         path="dmuon/state/kept_state.py",
-        old="made = new_momentum(param, target)",
-        new="made = new_momentum(param, group[\"momentum_dtype\"])",
+        old="entry.update(new_momentum(param, target, keys))",
+        new="entry.update(new_momentum(param, group[\"momentum_dtype\"] if group[\"use_muon\"] else target, keys))",
         tests=("tests/test_momentum_dtype_ranks.py::"
                "test_a_plain_resume_from_float_momentum_makes_the_fallbacks_bf16_not_the_groups_int8",),
     ),
@@ -169,5 +169,42 @@ EDGES = [
         old="keep=not self.made_zeros",
         new="keep=True",
         tests=("tests/test_memory_sweep.py::test_the_memory_sample_holds_every_case_to_its_memory[P2]",),
+    ),
+    # ------------------------------------------------ the AdamW part's kept moments (issue 69)
+    Mutant(
+        name="adamw-load-casts-int8-moments-to-float",
+        guarantee="A load keeps the AdamW part's int8 moments int8 (torch's load casts every state value to the "
+                  "parameter's dtype: int8 values under their own key, but float32).",
+        path="dmuon/optimizer.py",
+        old="keep_saved_dtypes(self, state_dict, (*MUON_STATE_KEYS, *(k for keys in ADAMW_MOMENTS for k in keys.keys)))",
+        new="keep_saved_dtypes(self, state_dict, MUON_STATE_KEYS)",
+        tests=("tests/test_adamw_state_dtype.py", "-k", "resume_through_state_dict"),
+    ),
+    Mutant(
+        name="adamw-state-dtype-quantizes-norms",
+        guarantee="A parameter of fewer than 2 dims (a norm, a bias) keeps its AdamW moments in its own dtype "
+                  "whatever adamw_state_dtype asks.",
+        path="dmuon/state/kept_state.py",
+        old="return state_dtype if param.ndim >= 2 else None",
+        new="return state_dtype",
+        tests=("tests/test_adamw_state_dtype.py", "-k", "matrices_keep_the_asked_form"),
+    ),
+    Mutant(
+        name="adamw-int8-second-moment-kept-linear",
+        guarantee="int8 keeps the square root of exp_avg_sq (a linear map of v reads back 0 under max / 254 of "
+                  "its block: AdamW's step is then m / eps).",
+        path="dmuon/state/kept_state.py",
+        old='"exp_avg_sq_root_scales", "AdamW moments", root=True)',
+        new='"exp_avg_sq_root_scales", "AdamW moments", root=False)',
+        tests=("tests/test_adamw_state_dtype.py", "-k", "torchs_adamw_on_the_moments_as_read"),
+    ),
+    Mutant(
+        name="adamw-masked-step-leaves-kept-moments-out",
+        guarantee="A step masked on the device keeps every bit of the AdamW part's kept moments (values and "
+                  "scales), not only the weights.",
+        path="dmuon/step/adamw_part.py",
+        old="selected = local_params + kept + [c",
+        new="selected = local_params + [c",
+        tests=("tests/test_adamw_state_dtype.py", "-k", "skipped_for_a_nonfinite_grad"),
     ),
 ]

@@ -344,8 +344,8 @@ WIDE = [
         guarantee="Off the fast path a low-precision momentum is read, updated and stored a chunk at a time, "
                   "so its parameter-dtype copies never hold more than one chunk (issue 59, item 2).",
         path="dmuon/state/kept_state.py",
-        old="    if all(m is None or (m[1] is None and m[0].dtype == like.dtype) for m, like in zip(kept, likes)):",
-        new="    if True:",
+        old="    if all(m is None or (m[1] is None and m[0].dtype == like.dtype)",
+        new="    if True or all(m is None or (m[1] is None and m[0].dtype == like.dtype)",
         tests=("tests/test_momentum_working_copies.py::"
                "test_plain_tensors_momenta_are_read_a_chunk_at_a_time_and_none_is_kept",),
     ),
@@ -430,8 +430,8 @@ WIDE = [
         guarantee="A load converts each momentum to the form its layout keeps (the bf16 fallback where a layout "
                   "cuts rows off the blocks), not to the group's momentum_dtype (issue 60: a survivor).",
         path="dmuon/state/kept_state.py",
-        old="            target = storage_of(param, group[\"momentum_dtype\"])",
-        new="            target = group[\"momentum_dtype\"]",
+        old="        return [(MOMENTUM, storage_of(param, group[\"momentum_dtype\"]))]",
+        new="        return [(MOMENTUM, group[\"momentum_dtype\"])]",
         tests=("tests/test_momentum_dtype_ranks.py::"
                "test_a_plain_resume_on_the_same_layout_keeps_the_fallbacks_bf16_momentum",),
     ),
@@ -440,8 +440,8 @@ WIDE = [
         guarantee="A masked read keeps each mask with its momentum when some parameters have no state yet "
                   "(issue 60: a survivor).",
         path="dmuon/state/kept_state.py",
-        old="None if oks is None else [oks[i] for i in kept])",
-        new="None if oks is None else list(oks)[: len(kept)])",
+        old="None if oks is None else [oks[i] for i in kept], keys.root)",
+        new="None if oks is None else list(oks)[: len(kept)], keys.root)",
         tests=("tests/test_momentum_dtype.py::"
                "test_a_masked_read_keeps_each_mask_with_its_momentum_when_some_have_no_state_yet",),
     ),
