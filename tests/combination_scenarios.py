@@ -27,6 +27,7 @@ VARIANTS = {"plain": {}, "normuon": {"normuon": True}, "cautious": {"cautious_we
             "qk_clip": {"qk_clip_threshold": THRESHOLD}}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 MOMENTUM_DTYPES = {"param": None, "bf16": "bfloat16", "int8": "int8"}  # how the momentum is kept
+ADAMW_STATE_DTYPES = MOMENTUM_DTYPES  # how the AdamW part keeps its moments (of embed.weight: 2-D)
 FAULTS = ("none", "nan", "inf", "invalid")
 HEADS = AttentionHeads(2, 2, 4)  # multi-head: a clip scales rows of W_q and of W_k
 MUON = {"attn.wq": (8, 6), "attn.wk": (8, 6), "experts": (2, 4, 6)}
@@ -48,17 +49,20 @@ class Combination:
     fault: str
     world: int
     momentum: str = "param"
+    adamw_state: str = "param"
 
     @property
     def name(self) -> str:
         kept = "" if self.momentum == "param" else f"-momentum_{self.momentum}"
+        kept += "" if self.adamw_state == "param" else f"-adamw_state_{self.adamw_state}"
         return (f"P{self.world}-{'capturable' if self.capturable else 'host_lr'}-{self.implementation}-"
                 f"{self.variant}-{self.dtype}-{self.fault}{kept}")
 
 def every_combination() -> list[Combination]:
     """The full matrix, less capturable + foreach: refused at construction on the CPU
     (docs/optimizer.md, "Capturable": "foreach=True there is refused at construction")."""
-    values = itertools.product((False, True), IMPLEMENTATIONS, VARIANTS, DTYPES, FAULTS, (1, 2), MOMENTUM_DTYPES)
+    values = itertools.product((False, True), IMPLEMENTATIONS, VARIANTS, DTYPES, FAULTS, (1, 2), MOMENTUM_DTYPES,
+                               ADAMW_STATE_DTYPES)
     return [c for c in itertools.starmap(Combination, values) if not (c.capturable and c.implementation == "foreach")]
 
 
@@ -158,6 +162,7 @@ def run(c: Combination, skip_nonfinite: bool) -> Run:
                        {"params": [(n, params[n]) for n in ADAMW], "use_muon": False}],
                       lr=0.02, weight_decay=0.1, adamw_lr=0.01, adamw_weight_decay=0.1, ns_dtype="float32",
                       capturable=c.capturable, skip_nonfinite=skip_nonfinite, momentum_dtype=MOMENTUM_DTYPES[c.momentum],
+                      adamw_state_dtype=ADAMW_STATE_DTYPES[c.adamw_state],
                       **IMPLEMENTATIONS[c.implementation], **VARIANTS[c.variant])
     if c.variant == "qk_clip":
         optimizer.clip_attention("attn", params["attn.wq"], params["attn.wk"], HEADS)

@@ -5,11 +5,15 @@ A case is one fault at one step ``k`` of a small model, on P gloo ranks:
 - ``kind``: what is wrong with the grad (:data:`KINDS`);
 - ``where``: which parameter gets it (:data:`WHERES`);
 - ``ranks``: which ranks see it (a concrete set, drawn as "one", "some" or "all");
-- ``layout`` and ``setting``: how the model is laid out and which options DMuon runs with.
+- ``layout`` and ``setting``: how the model is laid out and which options DMuon runs with;
+- ``adtype``: DMuon's ``adamw_state_dtype`` (``param``: None, ``bf16``, ``int8``), the form of
+  the AdamW part's moments of its matrix (``tests.fault_model``'s ``emb``), so a step that
+  raises or is skipped must leave int8 values and scales, or bf16 moments, as they were.
 
-Its id spells every field (``P4-hsdp-telemetry-nan-muon-r1.3-k1``), so any failure can be
-rerun alone from the id (``python -m tests.fault_sweep --case ID``) without the seed that
-drew it. Pure Python: no torch, no process group, so every rank (and the driver) builds the
+Its id spells every field (``P4-hsdp-telemetry-nan-muon-r1.3-k1``, and ``-a<adtype>`` at its
+end where that is not ``param``: ``P4-hsdp-telemetry-nan-muon-r1.3-k1-aint8``), so any failure
+can be rerun alone from the id (``python -m tests.fault_sweep --case ID``) without the seed
+that drew it. Pure Python: no torch, no process group, so every rank (and the driver) builds the
 same list from the same seed.
 
 What each case must do is the contract of issue 40 (the fixed behaviour), written down
@@ -19,6 +23,7 @@ its own); ``tests.fault_checks`` holds the observations against it.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import random
 import zlib
@@ -26,20 +31,23 @@ from dataclasses import dataclass
 
 KINDS = ("none", "sparse", "complex", "nan", "inf", "global_shape", "local_shape", "partial", "replicate",
          "other_mesh", "dtype", "qk_no_report")
-# muon/adamw/experts/qk_head/normuon/replicated: DTensor parameters (replicated: on every dim of
-# its mesh, so its grad may be Partial); plain_*: plain tensors (per process).
-WHERES = ("muon", "adamw", "plain_muon", "plain_adamw", "experts", "qk_head", "normuon", "replicated")
+# muon/adamw/adamw_matrix/experts/qk_head/normuon/replicated: DTensor parameters (adamw_matrix:
+# an embedding-like matrix of the AdamW part; replicated: on every dim of its mesh, so its grad
+# may be Partial); plain_*: plain tensors (per process).
+WHERES = ("muon", "adamw", "adamw_matrix", "plain_muon", "plain_adamw", "experts", "qk_head", "normuon",
+          "replicated")
 RANK_CLASSES = ("one", "some", "all")
 LAYOUTS = ("fsdp", "hsdp", "two_meshes", "pp")
 SETTINGS = ("base", "telemetry", "qk_clip", "normuon", "cautious", "foreach_on", "foreach_off", "fused",
             "skip_nonfinite")
 WORLDS = (2, 4)
+ADTYPES = ("param", "bf16", "int8")  # adamw_state_dtype: None, bf16, int8
 STEPS_BEFORE = (0, 1)  # clean steps before the faulty one (0: the fault meets the state-making step)
 
 # The parameter each ``where`` names (tests.fault_runner builds them).
-TARGET = {"muon": "w", "adamw": "norm", "plain_muon": "pw", "plain_adamw": "pb", "experts": "experts",
-          "qk_head": "attn_a.wq", "normuon": "nm", "replicated": "rn"}
-DTENSOR_WHERES = frozenset({"muon", "adamw", "experts", "qk_head", "normuon", "replicated"})
+TARGET = {"muon": "w", "adamw": "norm", "adamw_matrix": "emb", "plain_muon": "pw", "plain_adamw": "pb",
+          "experts": "experts", "qk_head": "attn_a.wq", "normuon": "nm", "replicated": "rn"}
+DTENSOR_WHERES = frozenset({"muon", "adamw", "adamw_matrix", "experts", "qk_head", "normuon", "replicated"})
 # Faults that are no error: the step runs on every rank (None everywhere: skipped; NaN/inf: applied).
 VALUE_KINDS = frozenset({"nan", "inf"})
 # A grad laid out otherwise than its parameter: a replicated grad of a sharded parameter is cut
@@ -63,11 +71,13 @@ class Case:
     where: str
     ranks: tuple[int, ...]
     k: int  # the faulty step's index (clean steps 0..k-1 before it)
+    adtype: str = "param"  # adamw_state_dtype
 
     @property
     def id(self) -> str:
         ranks = "all" if self.ranks == tuple(range(self.world)) else "r" + ".".join(map(str, self.ranks))
-        return f"P{self.world}-{self.layout}-{self.setting}-{self.kind}-{self.where}-{ranks}-k{self.k}"
+        adamw = "" if self.adtype == "param" else f"-a{self.adtype}"
+        return f"P{self.world}-{self.layout}-{self.setting}-{self.kind}-{self.where}-{ranks}-k{self.k}{adamw}"
 
     @property
     def target(self) -> str:
@@ -81,11 +91,13 @@ class Case:
 
 def parse(case_id: str) -> Case:
     """The case an id names (the inverse of :attr:`Case.id`)."""
-    world, layout, setting, kind, where, ranks, k = case_id.split("-")
+    fields = case_id.split("-")
+    adtype = fields.pop().removeprefix("a") if len(fields) == 8 else "param"
+    world, layout, setting, kind, where, ranks, k = fields
     world_size = int(world.removeprefix("P"))
     rank_set = tuple(range(world_size)) if ranks == "all" else tuple(int(r) for r in ranks[1:].split("."))
-    case = Case(world_size, layout, setting, kind, where, rank_set, int(k.removeprefix("k")))
-    if case.id != case_id:
+    case = Case(world_size, layout, setting, kind, where, rank_set, int(k.removeprefix("k")), adtype)
+    if case.id != case_id or adtype not in ADTYPES:
         raise ValueError(f"not a fault-sweep case id: {case_id!r}")
     return case
 
@@ -126,17 +138,26 @@ def _ranks_for(world: int, rank_class: str, key: str) -> tuple[int, ...]:
 
 def all_cases(worlds: tuple[int, ...] = WORLDS) -> tuple[list[Case], list[tuple[str, str]]]:
     """Every case the generator knows, and every skipped combination with its reason
-    (``(description, reason)``), in a fixed order."""
+    (``(description, reason)``), in a fixed order. A case's ranks are drawn from its fields but
+    ``adtype`` (the same ranks under each AdamW state dtype)."""
+    cases, skipped = _every_case(tuple(worlds))
+    return list(cases), list(skipped)
+
+
+@functools.lru_cache(maxsize=8)
+def _every_case(worlds: tuple[int, ...]) -> tuple[tuple[Case, ...], tuple[tuple[str, str], ...]]:
+    """:func:`all_cases`, made once per ``worlds`` (the sample and the tests ask often)."""
     cases, skipped = [], []
     for world, layout, setting, kind, where, rank_class, k in itertools.product(
             worlds, LAYOUTS, SETTINGS, KINDS, WHERES, RANK_CLASSES, STEPS_BEFORE):
         reason = skip_reason(world, layout, setting, kind, where, rank_class, k)
         key = f"P{world}-{layout}-{setting}-{kind}-{where}-{rank_class}-k{k}"
         if reason:
-            skipped.append((key, reason))
+            skipped += [(key + ("" if adtype == "param" else f"-a{adtype}"), reason) for adtype in ADTYPES]
             continue
-        cases.append(Case(world, layout, setting, kind, where, _ranks_for(world, rank_class, key), k))
-    return cases, skipped
+        ranks = _ranks_for(world, rank_class, key)
+        cases += [Case(world, layout, setting, kind, where, ranks, k, adtype) for adtype in ADTYPES]
+    return tuple(cases), tuple(skipped)
 
 
 def sample(n: int, seed: int, worlds: tuple[int, ...] = WORLDS) -> list[Case]:

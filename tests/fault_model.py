@@ -35,6 +35,9 @@ PARAMS: dict[str, tuple[tuple[int, ...], str]] = {
     "pw": ((6, 4), "muon"),  # a plain tensor
     "nm": ((8, 6), "normuon"),
     "norm": ((12,), "adamw"),
+    # An embedding-like AdamW matrix: its moments kept in the case's adamw_state_dtype (int8: a
+    # whole block and a short one a row, whole rows on every rank of the Shard(0) layouts).
+    "emb": ((6, 130), "adamw"),
     "rn": ((9,), "adamw"),  # replicated on every dim of its mesh: its grad may be Partial
     "pb": ((5,), "adamw"),  # a plain tensor
 }
@@ -112,7 +115,8 @@ class Model:
 
 def options(case: Case) -> dict[str, Any]:
     """DMuon's keyword options for the case's setting."""
-    kwargs: dict[str, Any] = {"lr": 0.05, "weight_decay": 0.1}
+    kwargs: dict[str, Any] = {"lr": 0.05, "weight_decay": 0.1,
+                              "adamw_state_dtype": {"param": None, "bf16": "bfloat16", "int8": "int8"}[case.adtype]}
     if case.setting == "telemetry":
         kwargs["telemetry"] = True
     if case.qk:

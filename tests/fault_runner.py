@@ -194,6 +194,8 @@ def _bits_equal(mine: torch.Tensor, want: torch.Tensor) -> bool:
     process and P ranks may produce NaNs of either sign)."""
     if mine.shape != want.shape or mine.dtype != want.dtype:
         return False
+    if not mine.is_floating_point():  # int8 values, counters: no NaN, every bit compared
+        return torch.equal(mine, want)
     nan = mine.isnan()
     if not torch.equal(nan, want.isnan()):
         return False
@@ -205,8 +207,18 @@ def _is_muon(model: Model, param: torch.Tensor) -> bool:
     return any(param is q for g in model.optimizer.param_groups if g["use_muon"] for q in g["params"])
 
 
+def _local_of_reference(mine: Any, want: Any) -> Any:
+    """The reference's value (a full tensor) as this rank holds it: cut as ``mine`` is cut
+    (a DTensor: DTensor's own block of it, as the parameters are cut)."""
+    if isinstance(mine, DTensor) and isinstance(want, torch.Tensor):
+        return distribute_tensor(want.detach(), mine.device_mesh, list(mine.placements), src_data_rank=None).to_local()
+    return want.detach() if isinstance(want, torch.Tensor) else want
+
+
 def compare_with(case: Case, model: Model, reference: Model) -> list[str]:
-    """Parameters (and state key sets) of this rank that differ from the reference's."""
+    """Parameters, state key sets and state values (Muon's momentum, NorMuon's moments, the
+    AdamW part's moments in their form: int8 values and scales included, step counts) of this
+    rank that differ from the reference's."""
     differ = []
     for name, param in model.params.items():
         want = reference.params[name].detach()
@@ -214,16 +226,28 @@ def compare_with(case: Case, model: Model, reference: Model) -> list[str]:
         if where is not None:
             want = distribute_tensor(want, where[0], list(where[1]), src_data_rank=None).to_local()
         mine = param.detach().to_local() if isinstance(param, DTensor) else param.detach()
-        if case.setting == "fused" and isinstance(param, DTensor) and not _is_muon(model, param):
-            # torch's fused CPU AdamW rounds its vector body and its tail differently (exp_avg_sq):
-            # a shard's bits follow its length, so one process on the full tensor is no bitwise
-            # reference for it (docs/optimizer.md, "foreach and fused").
-            pass
-        elif not _bits_equal(mine, want):
+        # torch's fused CPU AdamW rounds its vector body and its tail differently (exp_avg_sq):
+        # a shard's bits follow its length, so one process on the full tensor is no bitwise
+        # reference for it, nor for its moments (docs/optimizer.md, "foreach and fused").
+        fused_shard = case.setting == "fused" and isinstance(param, DTensor) and not _is_muon(model, param)
+        if not fused_shard and not _bits_equal(mine, want):
             differ.append(name)
-        keys = sorted(model.optimizer.state.get(param, {}))
-        if keys != sorted(reference.optimizer.state.get(reference.params[name], {})):
+        held, theirs = model.optimizer.state.get(param, {}), reference.optimizer.state.get(reference.params[name], {})
+        keys = sorted(held)
+        if keys != sorted(theirs):
             differ.append(f"{name}: state keys {keys}")
+            continue
+        for key in keys:
+            value, wanted = held[key], _local_of_reference(held[key], theirs[key])
+            if not isinstance(value, torch.Tensor) or not isinstance(wanted, torch.Tensor):
+                same = value == wanted
+            elif fused_shard and key != "step":
+                same = True
+            else:
+                local = value.detach().to_local() if isinstance(value, DTensor) else value.detach()
+                same = _bits_equal(local.reshape(-1), wanted.reshape(-1)) and local.shape == wanted.shape
+            if not same:
+                differ.append(f"{name}/{key}")
     return differ
 
 
@@ -270,9 +294,9 @@ def run_case(case: Case, rank: int, twins: dict) -> dict[str, Any]:
 def clean_twin(case: Case, rank: int, twins: dict) -> list:
     """The collectives of the same model's first steps with no fault (per configuration,
     cached for the launch): what a clean step ``k`` runs on this rank."""
-    key = (case.world, case.layout, case.setting, case.qk)
-    if key not in twins:
-        clean = Case(case.world, case.layout, case.setting, "nan", "qk_head" if case.qk else "muon", (), 0)  # a fault on no rank
+    key = (case.world, case.layout, case.setting, case.qk, case.adtype)
+    if key not in twins:  # a fault on no rank
+        clean = Case(case.world, case.layout, case.setting, "nan", "qk_head" if case.qk else "muon", (), 0, case.adtype)
         twins[key] = run_steps(clean, build(clean), rank, record=True)["seq"][:2]
     return twins[key]
 

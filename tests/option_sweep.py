@@ -27,6 +27,15 @@ seed. Each case holds the front end to the reference, ``DMuon(..., option=value)
   option's row says happens: refused naming the key (nothing loaded), or applied: the
   optimizer keeps its configuration, the change is logged, and the next step has the bits of
   the configured run loaded with the unedited state;
+- ``resume_converted`` (an option whose row converts the state on resume: ``momentum_dtype``,
+  ``adamw_state_dtype``): state dicts saved by runs that kept their state in each form (the
+  parameter's dtype, bf16, int8: the value's own form too), each loaded into an optimizer
+  given the value: every state it configures is held in the value's form (a
+  vector's AdamW moments in its dtype) with the bits a fresh conversion of the saved state
+  gives (read as the parameter's dtype, rounded once into the new form, by the documented
+  formulas written out here: :func:`fresh_state`), the saved bits where the forms agree, the
+  change and the conversion are logged, and the next step has the bits of the configured run
+  loaded with that freshly converted state;
 - ``capture``: the value set on the optimizer after a captured step's replay guard was made:
   the guard refuses it naming the option, but for ``lr`` and ``weight_decay``, whose numbers
   it copies into the tensors the graph reads.
@@ -70,12 +79,14 @@ BAD = {o.name: o.bad for o in OPTIONS}
 CHANGED = {o.name: o.changed for o in OPTIONS}
 
 FRONTS = ("kwargs", "split", "muon_group", "adamw_group", "titan02", "titan03", "resume_changed", "resume_missing",
-          "resume_bad", "resume_elsewhere", "capture")
+          "resume_bad", "resume_elsewhere", "resume_converted", "capture")
 # Values every option is also tried with: wrong types, bounds, other options' values.
 EDGES = (None, True, False, 0, 1, -1.0, 0.5, 2, 1e-3, "yes", "int8", (0.5, 0.5), float("nan"))
 MODEL_SEEDS = 100
 SWITCHED_FLAGS = ("foreach", "fused", "capturable")  # set against the optimizer's opposite in a group
 DEVICE_NUMBERS = ("lr", "weight_decay")  # a number written between replays is copied in
+# The forms a state is kept in, by an option whose row converts it on resume (OnResume.CONVERTED).
+STATE_FORMS = (None, "bfloat16", "int8")
 
 
 @dataclass(frozen=True)
@@ -120,6 +131,8 @@ def fronts_of(name: str) -> tuple[str, ...]:
         fronts += [f"{part}_group" for part in parts]
     if option.scope in (Scope.MUON, Scope.ADAMW, Scope.OPTIMIZER):
         fronts.append("resume_elsewhere")
+    if option.on_resume is OnResume.CONVERTED:
+        fronts.append("resume_converted")
     if option.titan02 == name:
         fronts.append("titan02")
     if option.titan03 is not None and option.titan03 != "implementation":
@@ -174,7 +187,9 @@ def parse(case_id: str) -> Case:
 
 
 class Net(nn.Module):
-    """Two Muon matrices and an AdamW bias (plain tensors), drawn from ``seed``."""
+    """Two Muon matrices, an AdamW bias and an AdamW embedding matrix (``embed.weight``: the
+    default routing's AdamW; the one AdamW parameter whose moments ``adamw_state_dtype`` keeps
+    in its form), plain tensors, drawn from ``seed``."""
 
     def __init__(self, seed: int) -> None:
         super().__init__()
@@ -182,9 +197,13 @@ class Net(nn.Module):
         self.w1 = nn.Parameter(torch.randn(16, 8, generator=gen))
         self.w2 = nn.Parameter(torch.randn(8, 16, generator=gen))
         self.bias = nn.Parameter(torch.randn(8, generator=gen))
+        self.embed = nn.ParameterDict({"weight": nn.Parameter(torch.randn(6, 12, generator=gen))})
 
     def muon(self) -> list[nn.Parameter]:
         return [self.w1, self.w2]
+
+
+ADAMW_NAMES = ("bias", "embed.weight")  # Net's AdamW part
 
 
 def grads(net: Net, step: int, seed: int) -> None:
@@ -259,8 +278,8 @@ def build(case: Case, front: str, net: Net, value: Any) -> DMuon:
         base["foreach"] = None
     key = case.option if option.scope is not Scope.ADAMW else case.option  # the alias adamw_<x> in any group
     named = dict(net.named_parameters())
-    muon = [(n, p) for n, p in named.items() if n != "bias"]
-    adamw = [("bias", named["bias"])]
+    muon = [(n, p) for n, p in named.items() if n not in ADAMW_NAMES]
+    adamw = [(n, named[n]) for n in ADAMW_NAMES]
     if front == "split":
         return DMuon([{"params": list(named.items()), key: value}], **base)
     if front == "muon_group":
@@ -283,6 +302,8 @@ def check(case: Case) -> list[str]:
     """The case's failures (empty: it passed); ``["skip: ..."]`` where its front end is absent."""
     value = values_of(case.option)[case.value]
     front = case.front
+    if front == "resume_converted":
+        return check_converted(case, value)
     if front.startswith("resume"):
         return check_resume(case, value)
     if front == "capture":
@@ -513,6 +534,154 @@ def check_resume(case: Case, value: Any) -> list[str]:
     run(configured, configured_net, range(2, 3), case.seed)
     if not same_bits(loaded_net, configured_net):
         failures.append("the next step's bits are not the configured run's")
+    return failures
+
+
+# ------------------------------------------------------------------------- resume, converted
+
+# The keys of each kept state in each form (docs/optimizer.md, "Momentum dtype", "AdamW state
+# dtype"): (float buffer, int8 values, their fp32 scales, whether int8 keeps the square root).
+KEPT_KEYS = {"momentum_dtype": [("momentum_buffer", "momentum_int8", "momentum_scales", False)],
+             "adamw_state_dtype": [("exp_avg", "exp_avg_int8", "exp_avg_scales", False),
+                                   ("exp_avg_sq", "exp_avg_sq_root_int8", "exp_avg_sq_root_scales", True)]}
+INT8_BLOCK, INT8_MIN_ROW = 128, 5  # elements a scale; the narrowest row kept in int8 (else bf16)
+
+
+def form_of(option: str, param: torch.Tensor, wanted: str | None) -> str | None:
+    """The form a parameter's state is kept in under ``wanted`` (documented): the AdamW part
+    keeps a vector's moments in its dtype; int8 rows narrower than 5 elements keep bf16."""
+    if option == "adamw_state_dtype" and param.ndim < 2:
+        return None
+    width = param.shape[-1] if param.ndim <= 3 else param[0].numel()
+    return "bfloat16" if wanted == "int8" and width < INT8_MIN_ROW else wanted
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    return x.reshape(x.shape[0], -1) if x.ndim > 3 else x.reshape(-1, x.shape[-1]) if x.ndim > 1 else x.reshape(1, -1)
+
+
+def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The documented int8 form, written out: per block of 128 elements of a row, scale =
+    max|x| / 127 in fp32, q = round(x / scale) half to even in [-127, 127], 0 where scale is 0."""
+    rows = _rows(x.float())
+    values, scales = torch.empty(rows.shape, dtype=torch.int8), []
+    for start in range(0, rows.shape[-1], INT8_BLOCK):
+        block = rows[:, start:start + INT8_BLOCK]
+        scale = block.abs().amax(dim=-1, keepdim=True) / torch.tensor(127.0)
+        q = torch.where(scale > 0, torch.round(block / torch.where(scale > 0, scale, 1.0)), 0.0)
+        values[:, start:start + INT8_BLOCK] = q.clamp(-127, 127).to(torch.int8)
+        scales.append(scale)
+    scales_shape = (*x.shape[:-1], -1) if 1 < x.ndim <= 3 else (rows.shape[0], -1) if x.ndim > 3 else (-1,)
+    return values.reshape(x.shape), torch.cat(scales, dim=-1).reshape(scales_shape)
+
+
+def dequantize(values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """q * scale, each value by its block's scale, in fp32."""
+    rows, blocks = _rows(values).float(), _rows(scales) if values.ndim > 1 else scales.reshape(1, -1)
+    out = torch.cat([rows[:, start:start + INT8_BLOCK] * blocks[:, j:j + 1]
+                     for j, start in enumerate(range(0, rows.shape[-1], INT8_BLOCK))], dim=-1)
+    return out.reshape(values.shape)
+
+
+def fresh_state(entry: dict[str, Any], keys: tuple[str, str, str, bool], held: str | None, target: str | None,
+                dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """One kept state of a saved ``entry`` (held in the form ``held``) in the form ``target``:
+    the saved tensors where the forms agree, else read as ``dtype`` (int8: q * scale, squared
+    where it keeps the root) and rounded once into ``target`` (int8: of the square root)."""
+    buffer, int8, scales, root = keys
+    if held == target:
+        return {k: entry[k] for k in keys[:3] if k in entry}
+    if held == "int8":
+        working = dequantize(entry[int8], entry[scales]).to(dtype)
+        working = working * working if root else working
+    else:
+        working = entry[buffer].to(dtype)
+    if target is None:
+        return {buffer: working}
+    if target == "bfloat16":
+        return {buffer: working.to(torch.bfloat16)}
+    values, block_scales = quantize(working.sqrt() if root else working)
+    return {int8: values, scales: block_scales}
+
+
+def _tensor_differ(a: Any, b: Any) -> bool:
+    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+        return not (a == b)
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return True
+    return not torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+
+
+def check_converted(case: Case, value: Any) -> list[str]:
+    """The ``resume_converted`` front (module docstring)."""
+    option = BY_NAME[case.option]
+    try:
+        target = option.check(copy.deepcopy(value), option.key, "sweep")
+    except (ValueError, TypeError):
+        return ["skip: the value is not a form (its refusal: the kwargs front)"]
+    return [f"saved in {held}: {failure}" for held in STATE_FORMS
+            for failure in _converted_from(case, value, target, held)]
+
+
+def _converted_from(case: Case, value: Any, target: str | None, held_form: str | None) -> list[str]:
+    """:func:`check_converted` from a state saved in ``held_form``."""
+    option = BY_NAME[case.option]
+    saved_net = Net(case.seed)
+    saved_run = DMuon(list(saved_net.named_parameters()), **{case.option: held_form})
+    run(saved_run, saved_net, range(2), case.seed)
+    saved = saved_run.state_dict()
+    names = [n for n, _ in saved_net.named_parameters()]
+    index = {n: i for g in saved["param_groups"] for n, i in zip(g["param_names"], g["params"])}
+    part = "muon" if option.scope is Scope.MUON else "adamw"
+    mine = [n for n in names if (n in ADAMW_NAMES) == (part == "adamw")]
+    params = dict(saved_net.named_parameters())
+    fresh = copy.deepcopy(saved)
+    converted = False
+    for name in mine:
+        entry, param = fresh["state"][index[name]], params[name]
+        held, wanted = form_of(case.option, param, held_form), form_of(case.option, param, target)
+        converted |= held != wanted
+        for keys in KEPT_KEYS[case.option]:
+            new = fresh_state(entry, keys, held, wanted, param.dtype)
+            for key in keys[:3]:
+                entry.pop(key, None)
+            entry.update(new)
+    for group in fresh["param_groups"]:
+        if ("muon" if group["use_muon"] else "adamw") == part:
+            group[option.key] = target
+    loaded_net, configured_net = copy.deepcopy(saved_net), copy.deepcopy(saved_net)
+    loaded = DMuon(list(loaded_net.named_parameters()), **{case.option: value})
+    configured = DMuon(list(configured_net.named_parameters()), **{case.option: value})
+    logs = io.StringIO()
+    handler = logging.StreamHandler(logs)
+    logging.getLogger("dmuon").addHandler(handler)
+    logging.getLogger("dmuon").setLevel(logging.INFO)
+    try:
+        loaded.load_state_dict(copy.deepcopy(saved))
+    except (ValueError, KeyError, TypeError) as error:
+        return [f"the row says a resume converts the state, it was refused: {error}"]
+    finally:
+        logging.getLogger("dmuon").removeHandler(handler)
+    configured.load_state_dict(copy.deepcopy(fresh))
+    failures = []
+    by_name = {n: p for n, p in loaded_net.named_parameters()}
+    for name in names:
+        got, want = loaded.state.get(by_name[name], {}), fresh["state"][index[name]]
+        wrong = sorted(k for k in set(got) | set(want) if k not in got or k not in want
+                       or _tensor_differ(got[k], want[k]))
+        if wrong:
+            forms = {k: f"{str(got[k].dtype)[6:]}{list(got[k].shape)}" for k in got if isinstance(got[k], torch.Tensor)}
+            failures.append(f"{name}: state {wrong} not the fresh conversion's from {held_form} to {target} "
+                            f"(held {forms})")
+    text = logs.getvalue()
+    if held_form != target and f"changed on resume: {option.key} " not in text:
+        failures.append(f"the change of {option.key} was not logged: {text!r}")
+    if converted and "converted on resume from" not in text:
+        failures.append(f"the conversion was not logged: {text!r}")
+    run(loaded, loaded_net, range(2, 3), case.seed)
+    run(configured, configured_net, range(2, 3), case.seed)
+    if not same_bits(loaded_net, configured_net):
+        failures.append("the next step's bits are not those of the run loaded with the freshly converted state")
     return failures
 
 

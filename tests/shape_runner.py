@@ -9,17 +9,20 @@ same full grad on every rank, cut like the parameter) and records, as one JSON l
 
 - ``errors``: per phase, what raised on this rank (check a);
 - ``differ``: weights and optimizer state (every key, momentum values and int8 scales
-  included, gathered whole) that are not bitwise those of single-process DMuon stepped on
-  the full plain tensors with the same options (check b). A parameter whose layout cuts its
-  int8 rows off the 128-element blocks keeps its momentum in bf16 on the ranks (docs/
-  optimizer.md, "Momentum dtype"); its oracle puts it in a bf16 group of its own, as
+  included, the AdamW part's moments in the case's ``adamw_state_dtype`` too, gathered whole)
+  that are not bitwise those of single-process DMuon stepped on the full plain tensors with
+  the same options (check b). A parameter whose layout cuts its int8 rows off the 128-element
+  blocks keeps its momentum (or its AdamW moments) in bf16 on the ranks (docs/optimizer.md,
+  "Momentum dtype"); its oracle puts it in a bf16 group of its own, as
   tests/momentum_scenarios.py does, decided here from the placements with torch's own shard
   arithmetic (:func:`falls_back`), not dmuon's, and the state's form is checked too;
 - ``memory``: the storages of live tensors that appeared over the steps (every tensor
   ``gc`` sees, a DTensor's local tensor for it, deduplicated by storage), less those the
   optimizer's state holds, after ``zero_grad(set_to_none=True)``: bytes, and what holds
-  the largest (check c); and the momentum state's whole bytes against the documented size
-  (``param``: the parameter's bytes, bf16: 2, int8: 1 + 4 per 128-element block of a row);
+  the largest (check c); and each parameter's kept state's whole bytes against the documented
+  size (a Muon momentum, or each of AdamW's two moments of a matrix: ``param``: the
+  parameter's bytes, bf16: 2, int8: 1 + 4 per 128-element block of a row; a vector's AdamW
+  moments: the parameter's bytes whatever ``adamw_state_dtype`` is);
 - ``resume``: a DCP checkpoint written after the steps, loaded into a fresh model and
   optimizer under another layout at the same P (``tests.shape_cases.RESUME_LAYOUT``), one
   more step: what differs from the oracle's uninterrupted run (check d).
@@ -63,8 +66,10 @@ from tests.shape_cases import BLOCK, Case, Param, cuts_rows, params_of, parse, p
 
 STEPS = 2  # before the checkpoint; one more after it
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-MOMENTUM = {"param": None, "bf16": "bfloat16", "int8": "int8"}
+MOMENTUM = {"param": None, "bf16": "bfloat16", "int8": "int8"}  # momentum_dtype and adamw_state_dtype
 MOMENTUM_KEYS = ("momentum_buffer", "momentum_int8", "momentum_scales")
+ADAMW_KEYS = ("exp_avg", "exp_avg_int8", "exp_avg_scales", "exp_avg_sq", "exp_avg_sq_root_int8",
+              "exp_avg_sq_root_scales")
 SCALAR_BYTES = 8  # a storage this small is a 0-dim scalar (reported apart: check c's allowance)
 # Tensors that may outlive a step by design, by their holder's type (check c allows them up to
 # tests.shape_sweep.STATUS_ALLOWANCE): the step's status sums (int32, one per DTensor parameter
@@ -123,10 +128,12 @@ def layout_of(case: Case, param: Param, layout: str | None = None) -> tuple[Any,
 
 
 def falls_back(case: Case, param: Param, layout: str | None = None) -> bool:
-    """Whether int8 momentum must be kept in bf16 for ``param`` under ``layout`` (docs/optimizer.md,
-    "Momentum dtype"): its rows are narrower than 5 elements, or its placements cut the rows of a 4-D weight, or cut a row of a 2-D/3-D
-    one so that some rank's part does not start on a block or its scales, cut by the same
-    placements, are not its blocks' (every rank's box from torch's shard arithmetic)."""
+    """Whether int8 momentum (or int8 AdamW moments) must be kept in bf16 for ``param`` under
+    ``layout`` (docs/optimizer.md, "Momentum dtype"): its rows are narrower than 5 elements, or
+    its placements cut the rows of a 4-D weight, or cut a row of a 2-D/3-D one so that some
+    rank's part does not start on a block or its scales, cut by the same placements, are not
+    its blocks' (every rank's box from torch's shard arithmetic). A vector keeps AdamW moments
+    in its own dtype: never."""
     if param.kind == "vector":
         return False
     if row_length(param.shape) < 5:  # rows too narrow for int8 to pay (docs/optimizer.md): bf16 on any layout
@@ -153,12 +160,22 @@ def falls_back(case: Case, param: Param, layout: str | None = None) -> bool:
     return False
 
 
+def fallbacks(case: Case, layout: str | None = None) -> tuple[set[str], set[str]]:
+    """The names whose int8 state is kept in bf16 under ``layout``: Muon parameters under int8
+    ``momentum_dtype``, AdamW matrices under int8 ``adamw_state_dtype``."""
+    params = params_of(case)
+    return ({p.name for p in params if not p.adamw and case.mdtype == "int8" and falls_back(case, p, layout)},
+            {p.name for p in params if p.adamw and case.adtype == "int8" and falls_back(case, p, layout)})
+
+
 def _groups(named: list[tuple[str, nn.Parameter]], case: Case, bf16: set[str]) -> list[dict[str, Any]]:
-    """One group, split by DMuon (ndim >= 2: Muon; vectors: AdamW) in the case's order; the
-    ``bf16`` ones (int8 momentum falling back) in a second group with bf16 momentum."""
+    """One group, split by DMuon (ndim >= 2: Muon, but ``embed.*``; vectors: AdamW) in the
+    case's order; the ``bf16`` ones (int8 state falling back) in a second group with bf16
+    momentum and bf16 AdamW moments."""
     groups = [{"params": [(n, p) for n, p in named if n not in bf16]}]
     if bf16:
-        groups.append({"params": [(n, p) for n, p in named if n in bf16], "momentum_dtype": "bfloat16"})
+        groups.append({"params": [(n, p) for n, p in named if n in bf16], "momentum_dtype": "bfloat16",
+                       "adamw_state_dtype": "bfloat16"})
     return groups
 
 
@@ -180,7 +197,8 @@ class Model:
                 mesh, placements = layout_of(case, param, layout)
                 self.params[param.name] = nn.Parameter(as_dtensor(full, mesh, placements))
         named = list(self.params.items())
-        kwargs = dict(options(case), momentum_dtype=MOMENTUM[case.mdtype])
+        kwargs = dict(options(case), momentum_dtype=MOMENTUM[case.mdtype],
+                      adamw_state_dtype=MOMENTUM[case.adtype])
         self.optimizer = DMuon(_groups(named, case, set(oracle_bf16)) if layout is None else named, **kwargs)
 
     def set_grads(self, step: int) -> None:
@@ -210,6 +228,8 @@ def _same(mine: Any, want: Any, approx: bool) -> bool:
     if approx and mine.shape == want.shape and mine.dtype == want.dtype and mine.is_floating_point():
         return torch.allclose(mine.float(), want.float(), rtol=1e-2 if mine.dtype == torch.bfloat16 else 1e-5,
                               atol=1e-6, equal_nan=True)
+    if approx and mine.shape == want.shape and mine.dtype == want.dtype == torch.int8:
+        return bool(((mine.int() - want.int()).abs() <= 1).all())  # a moment an ulp apart may round to a neighbour
     if mine.dtype == torch.int8 or mine.dtype == torch.bool:
         return mine.shape == want.shape and mine.dtype == want.dtype and torch.equal(mine, want)
     if mine.ndim == 0 and want.ndim == 0 and mine.dtype != want.dtype:
@@ -222,7 +242,7 @@ def _approx(case: Case, param: Param, layouts: tuple[str, ...]) -> bool:
     parameter sharded under any of ``layouts`` (the run's, and before a resume the saved one's)
     under ``fused`` matches one process closely, not bitwise (docs/optimizer.md, "foreach and
     fused"; tests/fault_runner.py excuses it the same way)."""
-    return case.form == "fused" and param.kind == "vector" and case.world > 1 and any(
+    return case.form == "fused" and param.adamw and case.world > 1 and any(
         s != "R" for layout in layouts for s in placements_of(case, param, layout)[1])
 
 
@@ -338,29 +358,40 @@ def _census(model: Model, before: dict[int, tuple[int, torch.Tensor]]) -> dict[s
         "allowed_kinds": sorted({describe(p, 1) for p in allowed})[:3],
         "state_local_bytes": sum(after[p][0] for p in after if p in held),
         "muon_local": sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel()
-                          for s, p in zip(model.specs, model.params.values()) if s.kind != "vector"),
+                          for s, p in zip(model.specs, model.params.values()) if not _adamw(s)),
     }
 
 
-def expected_momentum_bytes(case: Case, param: Param, bf16: bool) -> int:
-    """The documented whole size of a Muon parameter's momentum state (docs/optimizer.md's table)."""
+def _adamw(spec: Any) -> bool:
+    """Whether a parameter spec (this sweep's, or the memory sweep's: Muon parameters only) is
+    of the AdamW part."""
+    return spec.kind in ("vector", "embed")
+
+
+def expected_state_bytes(case: Case, param: Param, bf16: bool) -> int:
+    """The documented whole size of a parameter's kept state (docs/optimizer.md's table): a Muon
+    parameter's momentum in ``momentum_dtype``, an AdamW matrix's two moments each in
+    ``adamw_state_dtype``, a vector's two in its own dtype; ``bf16``: int8 falling back."""
     numel = math.prod(param.shape)
-    if case.mdtype == "int8" and not bf16:
-        return numel + 4 * rows_of(param.shape) * math.ceil(row_length(param.shape) / BLOCK)
-    if case.mdtype == "param":
-        return numel * DTYPES[case.pdtype].itemsize
-    return numel * 2
+    form = ("param" if param.kind == "vector" else case.adtype) if param.adamw else case.mdtype
+    if form == "int8" and not bf16:
+        one = numel + 4 * rows_of(param.shape) * math.ceil(row_length(param.shape) / BLOCK)
+    elif form == "param":
+        one = numel * DTYPES[case.pdtype].itemsize
+    else:
+        one = numel * 2
+    return 2 * one if param.adamw else one
 
 
-def momentum_bytes(model: Model) -> dict[str, int]:
-    """Per Muon parameter, the whole bytes of its momentum state (global shapes of DTensors)."""
+def state_bytes(model: Model) -> dict[str, int]:
+    """Per parameter, the whole bytes of its kept state (global shapes of DTensors): a Muon
+    parameter's momentum, an AdamW parameter's two moments (not its step count)."""
     out = {}
     for param in model.specs:
-        if param.kind == "vector":
-            continue
         state = model.optimizer.state.get(model.params[param.name], {})
+        keys = ADAMW_KEYS if param.adamw else MOMENTUM_KEYS
         out[param.name] = sum(math.prod(v.shape) * v.dtype.itemsize for k, v in state.items()
-                              if k in MOMENTUM_KEYS and isinstance(v, torch.Tensor))
+                              if k in keys and isinstance(v, torch.Tensor))
     return out
 
 
@@ -382,9 +413,11 @@ def run_case(case: Case, out_dir: str, meet) -> dict[str, Any]:
     """Everything this rank observed in one case (JSON-ready)."""
     start = time.perf_counter()
     obs: dict[str, Any] = {"errors": {}}
-    bf16_here = {p.name for p in params_of(case) if case.mdtype == "int8" and falls_back(case, p)}
-    bf16_there = {p.name for p in params_of(case) if case.mdtype == "int8" and falls_back(case, p, case.resume_layout)}
-    obs["bf16_fallback"] = sorted(bf16_here)
+    muon_here, adamw_here = fallbacks(case)
+    muon_there, adamw_there = fallbacks(case, case.resume_layout)
+    bf16_here, bf16_there = muon_here | adamw_here, muon_there | adamw_there
+    obs["bf16_fallback"] = sorted(muon_here)
+    obs["adamw_bf16_fallback"] = sorted(adamw_here)
 
     def phase(name: str, fn):  # noqa: ANN001, ANN202
         try:
@@ -413,11 +446,13 @@ def run_case(case: Case, out_dir: str, meet) -> dict[str, Any]:
         for step in range(STEPS):
             oracle.step(step)
         obs["differ"] = phase("compare", lambda: compare(model, oracle, meet))
-        obs["momentum_bytes"] = {
-            name: [got, expected_momentum_bytes(case, p, name in bf16_here)]
-            for p in model.specs for name, got in momentum_bytes(model).items() if name == p.name}
+        got = state_bytes(model)
+        obs["state_bytes"] = {p.name: [got[p.name], expected_state_bytes(case, p, p.name in bf16_here)]
+                              for p in model.specs}
         obs["held_as"] = {p.name: _held_as(model.optimizer.state.get(model.params[p.name], {}))
-                          for p in model.specs if p.kind != "vector"}
+                          for p in model.specs if not p.adamw}
+        obs["adamw_held_as"] = {p.name: _held_as(model.optimizer.state.get(model.params[p.name], {}), "exp_avg")
+                                for p in model.specs if p.kind == "embed"}
 
         folder = os.path.join(out_dir, "ckpt", case.id)
         phase("save", lambda: _save(folder, model.params, model.optimizer))
@@ -442,8 +477,9 @@ def run_case(case: Case, out_dir: str, meet) -> dict[str, Any]:
     return obs
 
 
-def _held_as(state: dict[str, Any]) -> str | None:
-    value = state.get("momentum_int8", state.get("momentum_buffer"))
+def _held_as(state: dict[str, Any], key: str = "momentum") -> str | None:
+    """The dtype a kept state is held in: ``key``'s int8 values, or its float buffer."""
+    value = state.get(f"{key}_int8", state.get("momentum_buffer" if key == "momentum" else key))
     return None if value is None else str(value.dtype).removeprefix("torch.")
 
 

@@ -3,7 +3,7 @@ against one process (issue 60, item 1).
 
     python -m tests.shape_sweep --cases 500 --seed 0            # P = 1, 2 and 4
     python -m tests.shape_sweep --cases 100 --seed 3 --world 2
-    python -m tests.shape_sweep --case P2-fsdp-fp32-int8-foreach-normuon.cwd-s17   # one case again
+    python -m tests.shape_sweep --case P2-fsdp-fp32-int8-aint8-foreach-normuon.cwd-s17   # one case again
     python -m tests.shape_sweep --count                         # how many cases exist
 
 The cases come from ``tests.shape_cases`` (every rank builds the same model from the id
@@ -11,14 +11,16 @@ the driver hands it), run many to a launch (``tests.shape_runner.run_cases``, ev
 under a timeout) and are judged here, per check:
 
 - a: no exception on any rank (each phase's error, named);
-- b: weights and optimizer state bitwise single-process DMuon's on the full tensors;
+- b: weights and optimizer state (Muon's momentum and the AdamW part's moments, in their
+  forms) bitwise single-process DMuon's on the full tensors; int8 state held in bf16
+  exactly where the layout cuts its rows off the blocks;
 - c: nothing alive after the steps but parameters and state (bytes of new storages beyond
-  the state, 0-dim scalars apart: :data:`SCALAR_ALLOWANCE`), and the momentum state the
-  documented size;
+  the state, 0-dim scalars apart: :data:`SCALAR_ALLOWANCE`), and the momentum and AdamW
+  moments the documented size;
 - d: a DCP checkpoint loaded under another layout steps on as the uninterrupted oracle;
-  where that layout changes which parameters keep int8 momentum in bf16, the load fails on
-  every rank naming one of them (DCP cannot convert between the forms: docs/optimizer.md,
-  "Resume on another layout with int8").
+  where that layout changes which parameters keep int8 momentum (or int8 AdamW moments) in
+  bf16, the load fails on every rank naming one of them (DCP cannot convert between the
+  forms: docs/optimizer.md, "Resume on another layout with int8").
 
 A launch that a case broke (a hang, a crash, ranks out of step) ends there; that case fails
 check a and the cases after it run in a fresh launch. Prints a summary (cases, passed,
@@ -68,12 +70,15 @@ def check_case(case: Case, ranks: list[dict]) -> list[tuple[str, str]]:
     differ = sorted({d for obs in ranks for d in obs.get("differ") or []})
     if differ:
         failures.append(("b", f"differ from one process: {_tail(', '.join(differ), 500)}"))
-    held = obs0.get("held_as") or {}
-    want_bf16 = set(obs0.get("bf16_fallback", []))
-    if case.mdtype == "int8" and held:
-        wrong = {n: h for n, h in held.items() if h is not None and (h == "bfloat16") != (n in want_bf16)}
+    for what, dtype, held_key, fallback_key in (("momentum", case.mdtype, "held_as", "bf16_fallback"),
+                                                ("AdamW moments", case.adtype, "adamw_held_as", "adamw_bf16_fallback")):
+        held = obs0.get(held_key) or {}
+        want_bf16 = set(obs0.get(fallback_key, []))
+        want = {"param": {"fp32": "float32", "bf16": "bfloat16"}[case.pdtype], "bf16": "bfloat16"}.get(dtype)
+        wrong = {n: h for n, h in held.items() if h is not None and h != (
+            want or ("bfloat16" if n in want_bf16 else "int8"))}
         if wrong:
-            failures.append(("b", f"int8 momentum held as {wrong}; bf16 expected for {sorted(want_bf16)}"))
+            failures.append(("b", f"{dtype} {what} held as {wrong}; bf16 expected for {sorted(want_bf16)}"))
     memory = [obs.get("memory") for obs in ranks if obs.get("memory")]
     for rank, mem in enumerate(memory):
         per = mem["extra_bytes"] / max(1, mem["muon_local"])
@@ -85,25 +90,27 @@ def check_case(case: Case, ranks: list[dict]) -> list[tuple[str, str]]:
                                   + _tail("; ".join(mem["extra_top"] + mem["scalar_kinds"][:2]
                                                     + mem.get("allowed_kinds", [])[:1]), 500)))
             break
-    sizes = obs0.get("momentum_bytes") or {}
+    sizes = obs0.get("state_bytes") or {}
     off = {n: v for n, v in sizes.items() if v[0] != v[1]}
     if off:
-        failures.append(("c", "momentum state bytes [got, documented]: " + _tail(str(off), 400)))
+        failures.append(("c", "kept state bytes [got, documented]: " + _tail(str(off), 400)))
     resume = obs0.get("resume") or {}
     rdiffer = sorted({d for obs in ranks for d in (obs.get("resume") or {}).get("differ") or []})
     if rdiffer:
         failures.append(("d", f"after resuming under {resume.get('layout')}: {_tail(', '.join(rdiffer), 400)}"))
     if resume.get("form_changes") and any(c == "d" for c, _ in failures):
-        failures.append(("d", f"(int8 momentum's form changes with the layout for {resume['form_changes']})"))
+        failures.append(("d", f"(int8 state's form changes with the layout for {resume['form_changes']})"))
     return failures
 
 
 def _refused_across_the_fallback(text: str, obs: dict) -> bool:
     """Whether a DCP load failed as docs/optimizer.md says it must ("Resume on another layout
-    with int8"): the new layout changes which parameters keep int8 momentum in bf16, and DCP
-    misses, naming it, a key of one of them (the other form's)."""
+    with int8"): the new layout changes which parameters keep int8 momentum (or int8 AdamW
+    moments) in bf16, and DCP misses, naming it, a key of one of them (the other form's; a
+    name's dots are underscores in the checkpoint: ``tests.momentum_scenarios._as_module``)."""
     changed = (obs.get("resume") or {}).get("form_changes") or []
-    return "Missing key" in text and any(f".{name}.momentum_" in text for name in changed)
+    return "Missing key" in text and any(f".{name.replace('.', '_')}.{key}" in text for name in changed
+                                         for key in ("momentum_", "exp_avg"))
 
 
 def run_launch(cases: list[Case], world: int, check_timeout_s: float) -> tuple[list[Result], list[Case]]:

@@ -6,7 +6,7 @@ to one process afterwards, plain tensors per process). Any number more:
 ``python -m tests.fault_sweep --cases N --seed S``; a failure's id reruns it alone.
 
 The generator's own rules are unit tests here too: ids that name their case, a sample
-that covers every fault kind, and skips that say why."""
+that covers every fault kind and AdamW state dtype, and skips that say why."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from tests.fault_cases import KINDS, Case, all_cases, expected, parse, sample
+from tests.fault_cases import ADTYPES, KINDS, Case, all_cases, expected, parse, sample
 from tests.fault_sweep import Result, summary, sweep
 
 # The CI sample: drawn so that every fault kind comes up at each world size (the sample is
@@ -24,12 +24,15 @@ SAMPLE = {2: (48, 40), 4: (24, 41)}  # P -> (cases, seed)
 MAX_FAILED = 5
 # skip_nonfinite (issue 42, item 4): a NaN or inf on one rank only (or some, or all), on
 # every layout, skips the step on every rank of its DMuon; the steps after it equal one
-# process that never had it.
+# process that never had it. With int8 or bf16 AdamW moments too (``-aint8``, ``-abf16``): the
+# skipped step leaves their values and scales as they were.
 SKIPPED_CASES = {
     2: ["P2-fsdp-skip_nonfinite-nan-muon-r1-k1", "P2-pp-skip_nonfinite-nan-plain_adamw-r0-k1",
-        "P2-two_meshes-skip_nonfinite-inf-normuon-r0-k0", "P2-fsdp-skip_nonfinite-nan-replicated-all-k1"],
-    4: ["P4-hsdp-skip_nonfinite-inf-adamw-r2-k0", "P4-two_meshes-skip_nonfinite-nan-experts-r3-k1",
-        "P4-pp-skip_nonfinite-nan-muon-r1.2-k1", "P4-fsdp-skip_nonfinite-nan-qk_head-r0-k1"],
+        "P2-two_meshes-skip_nonfinite-inf-normuon-r0-k0", "P2-fsdp-skip_nonfinite-nan-replicated-all-k1",
+        "P2-fsdp-skip_nonfinite-nan-adamw_matrix-r1-k1-aint8"],
+    4: ["P4-hsdp-skip_nonfinite-inf-adamw-r2-k0", "P4-two_meshes-skip_nonfinite-nan-experts-r3-k1-aint8",
+        "P4-pp-skip_nonfinite-nan-muon-r1.2-k1", "P4-fsdp-skip_nonfinite-nan-qk_head-r0-k1",
+        "P4-hsdp-skip_nonfinite-inf-adamw_matrix-r2-k0-abf16"],
 }
 # A grad missing on one rank of a parameter on the grid's row under two_meshes (P = 4): the
 # ranks disagree within a strict subset of the DMuon's ranks (a row parameter's grads are
@@ -102,16 +105,23 @@ def test_a_case_id_names_its_case():
     cases, _ = all_cases()
     for case in cases[:: max(1, len(cases) // 500)]:
         assert parse(case.id) == case
-    with pytest.raises(ValueError):
-        parse("P2-fsdp-base-nan-muon-all-k01")
+    assert parse("P2-fsdp-base-nan-muon-all-k1-aint8").adtype == "int8"
+    assert parse("P2-fsdp-base-nan-muon-all-k1").adtype == "param"
+    for bad in ("P2-fsdp-base-nan-muon-all-k01", "P2-fsdp-base-nan-muon-all-k1-aparam",
+                "P2-fsdp-base-nan-muon-all-k1-afp8"):
+        with pytest.raises(ValueError):
+            parse(bad)
 
 
 @pytest.mark.unit
-def test_the_sample_is_seeded_and_covers_every_fault_kind():
+def test_the_sample_is_seeded_and_covers_every_fault_kind_and_adamw_state_dtype():
     assert sample(40, 7) == sample(40, 7)
     assert sample(40, 7) != sample(40, 8)
     assert {c.kind for c in sample(len(KINDS), 0)} == set(KINDS)
     assert {c.kind for c in sample(*SAMPLE[2], (2,))} == set(KINDS)
+    for world, (n, seed) in SAMPLE.items():
+        assert {c.adtype for c in sample(n, seed, (world,))} == set(ADTYPES)
+        assert any(c.where == "adamw_matrix" for c in sample(n, seed, (world,)))
 
 
 @pytest.mark.unit

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from dmuon.options.table import OPTIONS, Scope
+from dmuon.options.table import OPTIONS, OnResume, Scope
 from tests import launch
 from tests.option_sweep import BAD, CHANGED
 from tests.option_sweep import FRONTS, all_cases, count, fronts_of, parse, sample, values_of
@@ -56,6 +56,7 @@ def test_each_options_front_ends_follow_its_row():
         assert set(fronts) <= set(FRONTS)
         assert ("split" in fronts) == (option.scope is not Scope.OPTIMIZER)
         assert ("titan02" in fronts) == (option.titan02 == option.name)
+        assert ("resume_converted" in fronts) == (option.on_resume is OnResume.CONVERTED)
         assert {"kwargs", "capture"} <= set(fronts)
         assert values_of(option.name)[0] == option.default or option.default is None
 

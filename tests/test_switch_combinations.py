@@ -5,10 +5,11 @@ capturable {off, on} x implementation {for-loop, foreach, fused AdamW} x variant
 normuon, cautious weight decay, QK-clip} x parameter dtype {fp32, bf16} x fault {none, NaN
 in a Muon grad, inf in an AdamW grad, an invalid (float64) AdamW grad} x P {1 process, 2
 gloo ranks: ``Shard(0)`` DTensors, the fault on one rank only} x momentum kept in {the
-parameter's dtype, bf16, int8}, less capturable + foreach, which DMuon refuses on the CPU
-at construction: 960 combinations. The model: two 8x6
-attention projections and a 2x4x6 expert stack (Muon), a bias and a 9x6 embedding (AdamW),
-weight decay 0.1 on both parts at every step, the faulty one included.
+parameter's dtype, bf16, int8} x the AdamW moments kept in {the parameter's dtype, bf16,
+int8} (``adamw_state_dtype``: the embedding's; the bias keeps its dtype), less capturable +
+foreach, which DMuon refuses on the CPU at construction: 2,880 combinations. The model: two
+8x6 attention projections and a 2x4x6 expert stack (Muon), a bias and a 9x6 embedding
+(AdamW), weight decay 0.1 on both parts at every step, the faulty one included.
 
 The specification, for each combination:
 - a skipped step (NaN/inf with ``skip_nonfinite``) or a refused one (the invalid grad:
@@ -19,11 +20,12 @@ The specification, for each combination:
 - ``capturable=True`` equals ``capturable=False``, bit for bit where docs/optimizer.md
   ("Capturable") says so, and within its stated roundings for bf16 elsewhere.
 
-By default a sample runs: every capturable + fused combination with a fault and momentum in
-the parameter's dtype (where a skipped step once still decayed the AdamW part, fixed by
-commit e19a371), then, greedily, combinations until every pair of two switches' values
-appears at least once: 61 combinations,
-215 tests, about 20 s on 2 cores. The full matrix (848 tests, about 30 s):
+By default a sample runs: every capturable + fused combination with a fault and momentum and
+AdamW moments in the parameter's dtype (where a skipped step once still decayed the AdamW
+part, fixed by commit e19a371), then, greedily, combinations until every pair of two
+switches' values appears at least once: 61 combinations, 222 tests, about 20 s on 2 idle
+cores (55 s beside other work). The full matrix (7,632 tests, 7 minutes on 2 cores beside
+other work):
 
     DMUON_ALL_COMBINATIONS=1 .venv/bin/python -m pytest tests/test_switch_combinations.py -p no:cacheprovider
 """
@@ -40,8 +42,8 @@ from tests.multiprocess import run_on_ranks
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # bitwise comparisons: one reduction order
 
-SEAM = [c for c in scenarios.every_combination()
-        if c.capturable and c.implementation == "fused" and c.fault != "none" and c.momentum == "param"]
+SEAM = [c for c in scenarios.every_combination() if c.capturable and c.implementation == "fused"
+        and c.fault != "none" and c.momentum == "param" and c.adamw_state == "param"]
 COMBINATIONS = (scenarios.every_combination() if os.environ.get("DMUON_ALL_COMBINATIONS") == "1"
                 else scenarios.pairwise_sample(SEAM))
 
