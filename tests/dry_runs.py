@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dmuon.tools.dry_run.__main__ import make_config, parse_args, run_ranks
+from dmuon.tools.dry_run.__main__ import make_config, parse_args, run_configs, run_ranks
 
 needs_cuda_build = pytest.mark.skipif(torch.version.cuda is None,
                                       reason="the dry run needs a CUDA build of torch (CI's torch 2.15 leg)")
@@ -28,3 +28,11 @@ def dry_run(*argv: str):
     """The reports of the ranks ``argv`` names (CLI arguments)."""
     config, ranks = make_config(parse_args(list(argv)))
     return run_ranks(config, ranks, jobs=2)
+
+
+def dry_runs(*argvs: tuple[str, ...]):
+    """The reports of several command lines (CLI arguments each), every rank of every one in one
+    pool of two processes: per command line, the list of its ranks' reports."""
+    configs = [make_config(parse_args(list(argv))) for argv in argvs]
+    reports = iter(run_configs([(config, rank) for config, ranks in configs for rank in ranks], jobs=2))
+    return [[next(reports) for _ in ranks] for _, ranks in configs]

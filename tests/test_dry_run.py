@@ -16,10 +16,10 @@ import textwrap
 import pytest
 import torch
 
-from dmuon.tools.dry_run.__main__ import main
+from dmuon.tools.dry_run.__main__ import main, make_config, parse_args
 from dmuon.tools.dry_run.fake_cuda import DryRunError, check_cuda_build
 from dmuon.tools.dry_run.layouts import parse_layout
-from tests.dry_runs import dry_run, dry_run_sweep, needs_cuda_build, sweep
+from tests.dry_runs import dry_run, dry_run_sweep, dry_runs, needs_cuda_build, sweep
 
 pytestmark = pytest.mark.unit
 
@@ -190,3 +190,39 @@ def test_int8_momentum_captured_peaks_no_higher_than_fp32_momentum_at_llama3_8b_
     assert_clean([fp32, int8])
     assert int8.peak_step_bytes <= fp32.peak_step_bytes
     assert (int8.graph_pool_bytes, fp32.graph_pool_bytes) == (int8.peak_step_bytes, 0)  # reported with --capturable
+
+
+@needs_cuda_build
+@pytest.mark.parametrize("state_dtype, bytes_per_element", [sweep("int8", 2.1, first_of_rule=True),
+                                                            sweep("bfloat16", 4.1)])
+def test_adamw_state_kept_narrow_adds_no_host_sync_and_holds_less_adamw_state(state_dtype, bytes_per_element):
+    # The AdamW part's moments of its matrices (embedding, output) in int8 with scales or bf16; the
+    # norms' stay fp32 (8 bytes an element), so the part holds a little over 2.06 or 4.
+    argv = ("--model", "debug", "--world-size", "4", "--ranks", "0,3", "--capturable", "--momentum-dtype", "int8")
+    fp32, narrow = dry_runs(argv, (*argv, "--adamw-state-dtype", state_dtype))
+    assert_clean(fp32 + narrow)
+    assert [r.same_scalars for r in narrow] == [True, True]
+    for before, after in zip(fp32, narrow):
+        assert after.host_syncs_per_step == after.host_syncs_first_step == 0
+        assert 0 < after.adamw_state_bytes < before.adamw_state_bytes
+        assert before.adamw_state_bytes_per_element == pytest.approx(8.0, abs=1e-3)
+        assert 2.0 < after.adamw_state_bytes_per_element <= bytes_per_element
+        assert after.state_bytes_per_param < before.state_bytes_per_param
+        # the whole state is Muon's and AdamW's, over the same parameters
+        assert after.model_params == before.model_params > after.model_adamw_params > 0
+        assert after.state_bytes_per_param == pytest.approx(
+            after.adamw_state_bytes_per_param + (after.model_state_bytes - after.model_adamw_state_bytes)
+            / after.model_params)
+
+
+@needs_cuda_build
+def test_int8_adamw_state_peaks_no_higher_than_fp32_adamw_state_at_llama3_8b_scale():
+    # llama3 8B at P = 64 (docs/dry_run.md, "AdamW state dtype"): the AdamW part's working copies
+    # (both moments of a read chunk in fp32) stay under the owner exchange's peak, eager and captured.
+    argv = ("--model", "llama3-8b", "--world-size", "64", "--ranks", "0", "--momentum-dtype", "int8")
+    reports = dry_runs(*[(*argv, *capturable, *state) for capturable in ((), ("--capturable",))
+                         for state in ((), ("--adamw-state-dtype", "int8"))])
+    assert_clean([r for (r,) in reports])
+    for (fp32,), (int8,) in (reports[:2], reports[2:]):
+        assert int8.peak_step_bytes <= fp32.peak_step_bytes
+        assert int8.state_bytes_per_param <= 1.2 < fp32.state_bytes_per_param

@@ -268,13 +268,11 @@ def read_momenta(values: Sequence[torch.Tensor], scales: Sequence[torch.Tensor |
     for (int8, _, dtype, _), members in kinds.items():
         numels = [values[k].numel() for k in members]
         # One concatenation in the kept dtype, then one exact widening (a list copy across
-        # dtypes would take one kernel a tensor on CUDA); int8's widening is its product by
-        # the scales (int8 times fp32 is computed in fp32: each value exact, then one rounding).
-        flat = torch.cat([values[k].view(-1) for k in members])
+        # dtypes would take one kernel a tensor on CUDA).
+        flat = torch.cat([values[k].view(-1) for k in members]).to(torch.float32 if int8 else dtype)
         if int8:
-            block_scales = torch.cat([scales[k].view(-1) for k in members]).unsqueeze(1)
-            flat = torch.mul(flat.view(-1, INT8_BLOCK), block_scales).view(-1)
-        flat = flat.to(dtype)
+            flat.view(-1, INT8_BLOCK).mul_(torch.cat([scales[k].view(-1) for k in members]).unsqueeze(1))
+            flat = flat.to(dtype)
         for k, view in zip(members, flat.split(numels)):
             copies.working[k] = view.view(values[k].shape)
         copies.batches.append((members, flat))

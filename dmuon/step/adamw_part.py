@@ -128,8 +128,13 @@ def _group_step(group: dict[str, Any], state: State, status: StatusMasks, mask_o
 
 
 def _copies(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Copies of ``tensors`` in one list op per dtype (a product by exactly 1 keeps every bit;
-    int8 values are copied: a product would not keep their dtype)."""
-    floats = [t for t in tensors if t.is_floating_point() or t.is_complex()]
-    by_one = iter(torch._foreach_mul(floats, 1.0) if floats else [])
-    return [next(by_one) if t.is_floating_point() or t.is_complex() else t.clone() for t in tensors]
+    """Copies of ``tensors``, one list op per dtype (torch's multi-tensor kernel takes one dtype;
+    a product by exactly 1 keeps every bit; int8 values are cloned: a product would widen them)."""
+    copies: list[torch.Tensor | None] = [None] * len(tensors)
+    for dtype in dict.fromkeys(t.dtype for t in tensors):
+        members = [i for i, t in enumerate(tensors) if t.dtype == dtype]
+        same = [tensors[i] for i in members]
+        made = torch._foreach_mul(same, 1.0) if dtype.is_floating_point or dtype.is_complex else [t.clone() for t in same]
+        for i, copy in zip(members, made):
+            copies[i] = copy
+    return copies  # type: ignore[return-value]

@@ -32,6 +32,8 @@ from dmuon.tools.dry_run.models import PRESETS
 from dmuon.tools.dry_run.run import PARAM_DTYPES, DryRunConfig, RankReport, run_rank, sample_ranks
 
 MiB = 1 << 20
+# ``--adamw-state-dtype``: "param" is ``DMuon(adamw_state_dtype=None)``, the parameters' dtype.
+ADAMW_STATE_DTYPES = ("param", "bfloat16", "int8")
 # Parallel rank processes by default: each is one thread (fake tensors do no math).
 DEFAULT_JOBS = min(2, os.cpu_count() or 1)
 
@@ -49,6 +51,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--skip-nonfinite", action="store_true", help="DMuon(skip_nonfinite=True)")
     parser.add_argument("--momentum-dtype", default=None, choices=("bfloat16", "int8"),
                         help="DMuon(momentum_dtype=...) (default: the parameters' dtype)")
+    parser.add_argument("--adamw-state-dtype", default="param", choices=ADAMW_STATE_DTYPES,
+                        help="DMuon(adamw_state_dtype=...): the AdamW part's moments of parameters of 2+ dims "
+                             "(default %(default)s: the parameters' dtype)")
     parser.add_argument("--capturable", action="store_true",
                         help="DMuon(capturable=True): steps 2-4 must launch the same host values (same scalars)")
     parser.add_argument("--qk-clip", type=float, default=None, metavar="TAU",
@@ -80,7 +85,9 @@ def make_config(args: argparse.Namespace) -> tuple[DryRunConfig, list[int]]:
         ("normuon", args.normuon or None), ("cautious_weight_decay", args.cautious_weight_decay or None),
         ("skip_nonfinite", args.skip_nonfinite or None), ("capturable", args.capturable or None),
         ("qk_clip_threshold", args.qk_clip), ("max_batch_numel", args.max_batch_numel),
-        ("momentum_dtype", args.momentum_dtype)) if value is not None}
+        ("momentum_dtype", args.momentum_dtype),
+        ("adamw_state_dtype", None if args.adamw_state_dtype == "param" else args.adamw_state_dtype))
+        if value is not None}
     return (DryRunConfig(args.model, PRESETS[args.model], layout, args.world_size, options, args.nccl_alone,
                          args.param_dtype, args.cpu_offload), _ranks(args))
 
@@ -103,13 +110,19 @@ def run_ranks(config: DryRunConfig, ranks: list[int], jobs: int) -> list[RankRep
     """Each rank in a fresh process (a process is one rank of one fake world), forked from a
     server that imported torch and dmuon once (``forkserver``, where the platform has it):
     a spawned rank imported them again, 2.7 s of a debug model's 6.5 s on the 2-core VM."""
+    return run_configs([(config, rank) for rank in ranks], jobs)
+
+
+def run_configs(runs: list[tuple[DryRunConfig, int]], jobs: int) -> list[RankReport]:
+    """:func:`run_ranks` of several configurations at once: each (config, rank) in a fresh
+    process, ``jobs`` at a time, the reports in order."""
     if "forkserver" in multiprocessing.get_all_start_methods():
         context = multiprocessing.get_context("forkserver")
         context.set_forkserver_preload([run_rank.__module__])  # read when the server starts: once a process
     else:
         context = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(max_workers=max(1, jobs), mp_context=context, max_tasks_per_child=1) as pool:
-        return list(pool.map(run_rank, [config] * len(ranks), ranks))
+        return list(pool.map(run_rank, *zip(*runs))) if runs else []
 
 
 def summary(config: DryRunConfig, reports: list[RankReport]) -> dict:
@@ -138,11 +151,20 @@ def format_table(config: DryRunConfig, reports: list[RankReport]) -> str:
                      f"{r.state_bytes / MiB:>10.1f} {r.peak_step_bytes / MiB:>9.1f} {r.peak_bound_bytes / MiB:>10.1f} "
                      f"{collectives:<40} {r.seconds:>5.1f}")
     lines.append(f"{'rank':>5} {'host collectives':>16} {'groups made':>11} {'plan heap MiB':>13} {'same program':>12} "
-                 f"{'same scalars':>12} {'Muon state B/elem':>17}")
+                 f"{'same scalars':>12} {'Muon state B/elem':>17} {'AdamW state B/elem':>18} "
+                 f"{'state B/param':>13} {'AdamW B/param':>13}")
     for r in reports:
         lines.append(f"{r.rank:>5} {r.host_collectives_per_step:>16} {r.process_groups_made:>11} "
                      f"{r.plan_host_bytes / MiB:>13.2f} {str(r.same_program):>12} {str(r.same_scalars):>12} "
-                     f"{r.muon_state_bytes_per_element:>17.3f}")
+                     f"{r.muon_state_bytes_per_element:>17.3f} {r.adamw_state_bytes_per_element:>18.3f} "
+                     f"{r.state_bytes_per_param:>13.3f} {r.adamw_state_bytes_per_param:>13.3f}")
+    if reports:
+        r = reports[0]
+        lines.append(f"the model's optimizer state (global, from the state tensors' global shapes): "
+                     f"{r.model_state_bytes / MiB:.1f} MiB for {r.model_params:,} parameters, "
+                     f"{r.state_bytes_per_param:.3f} bytes a parameter, of which AdamW's "
+                     f"{r.adamw_state_bytes_per_param:.3f} ({r.model_adamw_params:,} AdamW parameters, "
+                     f"{r.adamw_state_bytes_per_element:.3f} bytes each)")
     if changed := next((r for r in reports if r.scalar_changes), None):
         lines.append(f"rank {changed.rank}: the program changes with the learning rate and weight decay (a CUDA "
                      f"graph would replay step 2's values), e.g. {changed.scalar_changes[0]}")

@@ -22,8 +22,15 @@ next, so the bound is the largest of three terms (``e``: the parameter's element
 - *AdamW*: torch's foreach AdamW makes a few lists as large as its parameters (the
   root of the second moment, the step): ``ADAMW_TEMPORARIES`` times their local bytes;
   under a mask only the device knows, a group that is not fused (or decays cautiously)
-  is copied before its step, parameters and both moments (``ADAMW_MASK_COPIES`` times
-  its local bytes more: ``dmuon.step.adamw_part``);
+  is copied before its step, parameters and both moments as they are kept (fp32 moments:
+  ``ADAMW_MASK_COPIES`` times its local bytes; ``dmuon.step.adamw_part``). A group whose
+  moments are kept in another dtype (``adamw_state_dtype``: bf16, or int8 values and scales)
+  steps a read chunk at a time (``dmuon.state.kept_state.read_chunks``: ``READ_CHUNK_NUMEL``
+  elements, or the largest shard where larger, never more than the group): the chunk's two
+  moments as working copies in the parameters' dtype, and beside them the largest of what
+  reading one makes (``ADAMW_READ_BYTES_PER_ELEMENT``), torch's lists over the chunk, and what
+  rounding one back makes (its new values in the kept form and the quantization's
+  temporaries of one rounding chunk) (:func:`adamw_reads`);
 - plus, through every phase, the masks' small tensors (``MASK_SCALAR_BYTES`` per parameter);
 - *masked momentum*: the EMAs computed out of place before they are selected
   (``dmuon.numerics.masked_updates``): a chunk of ``MASKED_CHUNK_NUMEL`` elements, or the
@@ -45,7 +52,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from dmuon.exchange.packing import stages_casts
-from dmuon.state.kept_state import READ_CHUNK_NUMEL, kept_momentum
+from dmuon.state.kept_state import ADAMW_MOMENTS, READ_CHUNK_NUMEL, kept_momentum
 from dmuon.numerics.momentum_storage import ROUNDING_CHUNK_NUMEL, read_together
 from dmuon.numerics.update_rules import MASKED_CHUNK_NUMEL
 from dmuon.numerics.newton_schulz import matrix_shape, resolve_ns_dtype
@@ -60,13 +67,19 @@ ADAMW_TEMPORARIES = 2
 # The step's masks, decay factors and status, small tensors alive through a phase: at most
 # one caching-allocator block (512 bytes) per parameter.
 MASK_SCALAR_BYTES = 512
-# Copies of an AdamW group's local tensors (parameters, exp_avg, exp_avg_sq) a masked step keeps.
-ADAMW_MASK_COPIES = 3
 # NorMuon's normalization holds an fp32 copy of the matrix and its square.
 NORMUON_FP32_COPIES = 2
 # Cautious decay's mask: the signs of update and weight, their product and the factor.
 CAUTIOUS_TEMPORARIES = 4
 FP32_BYTES = 4
+# Copies of an AdamW group's local tensors (parameters, exp_avg, exp_avg_sq) a masked step keeps,
+# where the moments are held in the parameters' dtype (else: the parameters and the kept forms).
+ADAMW_MASK_COPIES = 3
+# Reading a kept AdamW moment into the parameters' dtype (``dmuon.numerics.momentum_storage.
+# read_momenta``), per element, beside the moments' working copies: the concatenation in the kept
+# form (bf16's 2 bytes, or int8's 1 and its scales'), and int8's fp32 product with the scales
+# before its cast to a parameter dtype narrower than fp32 (a byte to spare).
+ADAMW_READ_BYTES_PER_ELEMENT = 2 + FP32_BYTES + 1
 # int8 quantization's and dequantization's temporaries of one tensor (``dmuon.numerics.
 # momentum_storage``), per element: its padded fp32 blocks, their absolute values, the
 # quotient and the select (fp32 each), and the int8 values before and after trimming.
@@ -96,7 +109,7 @@ def peak_bound_bytes(optimizer: DMuon, plan_rank: int) -> int:
     read, rounding = _momentum_reads(optimizer)
     muon = [p for p, g in groups.items() if g["use_muon"]]
     phases = max(_exchange(optimizer, groups, plan_rank, ns_bytes) + read, _whole(optimizer, groups, ns_bytes) + read,
-                 _adamw(optimizer), _masked_momentum(muon) + read + rounding)
+                 adamw_term(optimizer), _masked_momentum(muon) + read + rounding)
     return phases + MASK_SCALAR_BYTES * len(groups)
 
 
@@ -138,13 +151,50 @@ def _masked_momentum(muon: list[torch.Tensor]) -> int:
     return min(sum(sizes), max(max(sizes), chunk))
 
 
-def _adamw(optimizer: DMuon) -> int:
+def adamw_term(optimizer: DMuon) -> int:
     """The AdamW part's temporaries, with the copies of the groups a device mask copies."""
     total = 0
     for group in (g for g in optimizer.param_groups if not g["use_muon"]):
         copied = not group.get("fused", optimizer.fused) or group["cautious_weight_decay"]
-        total += (ADAMW_TEMPORARIES + (ADAMW_MASK_COPIES if copied else 0)) * sum(map(_local_bytes, group["params"]))
+        param_bytes = sum(map(_local_bytes, group["params"]))
+        kept = [t for p in group["params"] for keys in ADAMW_MOMENTS
+                for t in kept_momentum(optimizer.state.get(p), keys) or () if t is not None]
+        reads = adamw_reads(optimizer, group)
+        copies = (param_bytes + sum(map(_local_bytes, kept)) if reads else ADAMW_MASK_COPIES * param_bytes) \
+            if copied else 0
+        total += copies + (reads or ADAMW_TEMPORARIES * param_bytes)
     return total
+
+
+def adamw_reads(optimizer: DMuon, group: dict) -> int:
+    """What an AdamW group whose moments are kept in another dtype than their parameters' holds
+    while it steps a read chunk at a time (module docstring; ``dmuon.step.adamw_part``); 0 where
+    every moment is its own working tensor (torch's AdamW runs on the whole group)."""
+    read = []  # per moment read: (local elements, kept bytes an element, int8, read together)
+    largest = total = widest = 0
+    for param in group["params"]:
+        local = local_of(param)
+        numel = local.numel()
+        largest, total, widest = max(largest, numel), total + numel, max(widest, local.element_size())
+        for keys in ADAMW_MOMENTS:
+            moment = kept_momentum(optimizer.state.get(param), keys)
+            if moment is None or (moment[1] is None and moment[0].dtype == local.dtype):
+                continue  # no state yet, or its own working tensor
+            kept = sum(_local_bytes(t) for t in moment if t is not None) / max(numel, 1)
+            int8 = moment[1] is not None
+            read.append((numel, kept, int8, int8 and read_together(*map(local_of, moment))))
+    if not read:
+        return 0
+    chunk = min(total, max(READ_CHUNK_NUMEL, largest))  # elements of the parameters stepped at once
+    working = 2 * widest * chunk  # both moments of the chunk, in the parameters' dtype
+    reading = ADAMW_READ_BYTES_PER_ELEMENT * chunk
+    torch_lists = ADAMW_TEMPORARIES * widest * chunk
+    # Rounding one moment back: its new values in the kept form, and int8's quantization
+    # temporaries (a rounding chunk of those read together, or the largest read alone).
+    batched = min(chunk, ROUNDING_CHUNK_NUMEL) if any(together for *_, together in read) else 0
+    alone = max((numel for numel, _, int8, together in read if int8 and not together), default=0)
+    rounding = math.ceil(max(kept for _, kept, _, _ in read)) * chunk + QUANTIZE_BYTES_PER_ELEMENT * max(batched, alone)
+    return working + max(reading, torch_lists, rounding)
 
 
 def _exchange(optimizer: DMuon, groups: dict, rank: int, ns_bytes: int) -> int:

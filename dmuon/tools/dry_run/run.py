@@ -121,6 +121,20 @@ class RankReport:
     """The Muon parameters' state on this rank (momentum, its int8 scales, NorMuon's rows)."""
     muon_elements: int = 0
     """The Muon parameters' local elements on this rank."""
+    adamw_state_bytes: int = 0
+    """The AdamW part's state on this rank (both moments, int8's scales, the step counters)."""
+    adamw_elements: int = 0
+    """The AdamW parameters' local elements on this rank."""
+    model_state_bytes: int = 0
+    """The whole optimizer state of the model (Muon's and AdamW's), each state tensor at its
+    global size (a DTensor's global shape: one copy of the state per copy of the model, the sum of
+    the ranks' local shards under FSDP), from the live state tensors (:func:`model_state_bytes`)."""
+    model_adamw_state_bytes: int = 0
+    """The AdamW part's share of :attr:`model_state_bytes`."""
+    model_params: int = 0
+    """The model's parameters (every parameter's global elements)."""
+    model_adamw_params: int = 0
+    """The AdamW parameters' global elements."""
     offload_waits: dict = field(default_factory=dict)
     """Under ``cpu_offload``: the steady step's waits by kind, and the documented ones."""
     documented_offload_waits: dict = field(default_factory=dict)
@@ -135,6 +149,22 @@ class RankReport:
     def muon_state_bytes_per_element(self) -> float:
         """The Muon state's bytes per local Muon element (4 for fp32 momentum, 2 bf16, 1.03 int8)."""
         return self.muon_state_bytes / self.muon_elements if self.muon_elements else 0.0
+
+    @property
+    def state_bytes_per_param(self) -> float:
+        """The whole optimizer state (Muon + AdamW) in bytes per parameter of the model (global)."""
+        return self.model_state_bytes / self.model_params if self.model_params else 0.0
+
+    @property
+    def adamw_state_bytes_per_param(self) -> float:
+        """The AdamW part's state in bytes per parameter of the model (global): its share of
+        :attr:`state_bytes_per_param`."""
+        return self.model_adamw_state_bytes / self.model_params if self.model_params else 0.0
+
+    @property
+    def adamw_state_bytes_per_element(self) -> float:
+        """The AdamW part's state in bytes per AdamW parameter element (global): 8 for fp32 moments."""
+        return self.model_adamw_state_bytes / self.model_adamw_params if self.model_adamw_params else 0.0
 
     @property
     def graph_pool_bytes(self) -> int:
@@ -183,6 +213,9 @@ class RankReport:
 
     def as_dict(self) -> dict:
         return {**asdict(self), "muon_state_bytes_per_element": round(self.muon_state_bytes_per_element, 4),
+                "state_bytes_per_param": round(self.state_bytes_per_param, 4),
+                "adamw_state_bytes_per_param": round(self.adamw_state_bytes_per_param, 4),
+                "adamw_state_bytes_per_element": round(self.adamw_state_bytes_per_element, 4),
                 "graph_pool_bytes": self.graph_pool_bytes}
 
 
@@ -273,6 +306,9 @@ def _report(rank: int, optimizer: DMuon, record: StepRecord, seconds: float) -> 
                         if isinstance(t, torch.Tensor) and t.device.type != "cpu"),
         muon_state_bytes=muon_state.muon_bytes,
         muon_elements=muon_state.muon_elements,
+        adamw_state_bytes=muon_state.adamw_bytes,
+        adamw_elements=muon_state.adamw_elements,
+        **model_state_bytes(optimizer),
         peak_step_bytes=record.peak_bytes,
         peak_bound_bytes=peak_bound_bytes(optimizer, _plan_rank(optimizer)),
         mixed_device_ops=record.mixed_device_ops,
@@ -282,6 +318,25 @@ def _report(rank: int, optimizer: DMuon, record: StepRecord, seconds: float) -> 
         adamw_params=sum(len(g["params"]) for g in groups if not g["use_muon"]),
         seconds=round(seconds, 2),
     )
+
+
+def model_state_bytes(optimizer: DMuon) -> dict[str, int]:
+    """The model's whole optimizer state and parameters, global (:class:`RankReport`'s ``model_*``
+    fields): every state tensor (momentum, int8 values and scales, NorMuon's rows, AdamW's moments
+    and step counters) at its global size, a DTensor's by its global shape (the sum of its shards
+    under FSDP, one replica under HSDP or a replicated placement), a plain tensor's as it is; and
+    every parameter's global elements. From the live tensors' shapes and dtypes: no collective."""
+    totals = {"model_state_bytes": 0, "model_adamw_state_bytes": 0, "model_params": 0, "model_adamw_params": 0}
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            state = sum(math.prod(t.shape) * t.dtype.itemsize for t in optimizer.state.get(param, {}).values()
+                        if isinstance(t, torch.Tensor))
+            totals["model_state_bytes"] += state
+            totals["model_params"] += math.prod(param.shape)
+            if not group["use_muon"]:
+                totals["model_adamw_state_bytes"] += state
+                totals["model_adamw_params"] += math.prod(param.shape)
+    return totals
 
 
 def state_layout_problems(optimizer: DMuon) -> list[str]:
