@@ -13,7 +13,9 @@ counters; Muon's momentum for the Muon matrix beside them) gathered whole.
   that parameter's moments in bf16, so its oracle is single-process DMuon with bf16 moments;
 - DCP: a checkpoint written on one world size (or mesh), resumed on another;
 - masks: a NaN in one rank's grad of one AdamW parameter under ``skip_nonfinite`` changes no
-  bit anywhere, and the next step is the oracle's that never saw that step.
+  bit anywhere, and the next step is the oracle's that never saw that step;
+- the CPU's row pieces (``dmuon.state.kept_state.step_pieces``) small: cut at other rows on
+  each rank than in the oracle.
 
 Every run uses cautious weight decay with a weight decay above 0, several steps.
 """
@@ -30,6 +32,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from benchmarks.layouts import as_dtensor
 from dmuon import DMuon
+from dmuon.state import kept_state
 from tests.distributed_scenarios import _device, device_type
 from tests.momentum_scenarios import MESH_MOMENTUM_CASES, OFF_BLOCKS
 
@@ -155,9 +158,15 @@ def _off_blocks(state_dtype: str) -> tuple[str, ...]:
     return OFF_BLOCKS if state_dtype == "int8" else ()
 
 
+# Pieces of 400 elements (dmuon.state.kept_state.CPU_PIECE_NUMEL): 1 to 133 rows, so every rank
+# and the oracle cut their rows into pieces at other places (the library's are far larger).
+PIECE_NUMEL = 400
+
+
 def _oracle(shapes: dict[str, tuple[int, ...]], state_dtype: str, steps, off_blocks: tuple[str, ...] = (),
             **options: Any) -> tuple[dict[str, nn.Parameter], DMuon]:
     """Single-process DMuon on the whole tensors, the steps ``steps`` (a count, or which)."""
+    kept_state.CPU_PIECE_NUMEL = PIECE_NUMEL
     oracle = {n: nn.Parameter(t) for n, t in _tensors(0, shapes).items()}
     reference = DMuon(_groups(oracle, state_dtype, off_blocks), adamw_state_dtype=state_dtype, **OPTIONS, **options)
     _run(oracle, reference, shapes, range(steps) if isinstance(steps, int) else steps)
@@ -169,6 +178,7 @@ def _on_ranks(shapes: dict[str, tuple[int, ...]], placements: Any, mesh_shape: t
     """The cases as DTensors of ``placements`` (one for all, or by name) on a ``mesh_shape``
     mesh (zeros: for a checkpoint to fill), their DMuon (``options`` beside :data:`OPTIONS`),
     and how a grad is placed."""
+    kept_state.CPU_PIECE_NUMEL = PIECE_NUMEL
     mesh = init_device_mesh(device_type(), mesh_shape)
 
     def place(name: str, t: torch.Tensor) -> torch.Tensor:

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from dmuon import DMuon
+from dmuon.state import kept_state
 from dmuon.numerics.momentum_storage import dequantize_int8, quantize_int8
 
 pytestmark = pytest.mark.unit
@@ -123,6 +124,50 @@ def test_the_for_loop_list_and_capturable_forms_step_to_the_same_bits(state_dtyp
         assert torch.equal(param, base[name]), name
         mine, theirs = optimizer.state[param], base_optimizer.state[base[name]]
         assert all(torch.equal(mine[k], theirs[k]) for k in theirs if k != "step"), name
+
+
+PIECE_SHAPES = {"tok_embeddings.weight": (24, 300), "output.weight": (6, 256), "many_rows.weight": (200, 40),
+                "experts.weight": (3, 5, 128), "norm.weight": (300,)}
+
+
+def _stepped_in_pieces(state_dtype, piece_numel: int, monkeypatch, **flags):
+    monkeypatch.setattr(kept_state, "CPU_PIECE_NUMEL", piece_numel)
+    generator = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(shape, generator=generator)) for shape in PIECE_SHAPES.values()]
+    optimizer = DMuon([{"params": params, "use_muon": False}], lr=LR, weight_decay=WD, adamw_betas=BETAS,
+                      adamw_state_dtype=state_dtype, **flags)
+    for step in range(3):
+        for param in params:
+            param.grad = torch.randn(param.shape, generator=generator)
+        optimizer.step()
+    return params, optimizer
+
+
+@pytest.mark.parametrize("state_dtype", ["bfloat16", "int8"])
+@pytest.mark.parametrize("flags", [dict(foreach=False), dict(foreach=True), dict(fused=True), dict(capturable=True),
+                                   dict(cautious_weight_decay=True)])
+def test_a_step_in_row_pieces_gives_the_bits_of_the_step_on_whole_tensors(state_dtype, flags, monkeypatch):
+    # one row a piece; fused: 64 rows (its CPU kernel computes a piece's tail otherwise)
+    whole, whole_optimizer = _stepped_in_pieces(state_dtype, 1 << 30, monkeypatch, **flags)
+    cut, optimizer = _stepped_in_pieces(state_dtype, 64 * 40 if flags.get("fused") else 1, monkeypatch, **flags)
+    for name, mine, theirs in zip(PIECE_SHAPES, cut, whole):
+        assert torch.equal(mine, theirs), name
+        state, expected = optimizer.state[mine], whole_optimizer.state[theirs]
+        assert state.keys() == expected.keys() and all(torch.equal(state[k], expected[k]) for k in state), name
+
+
+def test_a_parameter_is_cut_into_pieces_of_whole_rows_with_its_moments_rows():
+    state = {"exp_avg_int8": torch.zeros(200, 40, dtype=torch.int8), "exp_avg_scales": torch.zeros(200, 1),
+             "exp_avg_sq": torch.zeros(200, 40, dtype=torch.bfloat16)}
+    pieces = kept_state.step_pieces([state, {}], [torch.zeros(200, 40), torch.zeros(7)], kept_state.ADAMW_MOMENTS,
+                                    [True, True])
+    per_piece = (kept_state.CPU_PIECE_NUMEL // 40) // 64 * 64
+    assert pieces[0] == kept_state.Piece([1])  # held in its own dtype: stepped whole, as a list
+    assert [p.rows for p in pieces[1:]] == [slice(r, min(r + per_piece, 200)) for r in range(0, 200, per_piece)]
+    rows = kept_state.state_rows(state, slice(3, 5), kept_state.ADAMW_MOMENTS)
+    assert {k: t.shape for k, t in rows.items()} == {"exp_avg_int8": (2, 40), "exp_avg_scales": (2, 1),
+                                                     "exp_avg_sq": (2, 40)}
+    assert rows["exp_avg_int8"].data_ptr() == state["exp_avg_int8"][3].data_ptr()  # views: stores write through
 
 
 @pytest.mark.parametrize("state_dtype", ["bfloat16", "int8"])

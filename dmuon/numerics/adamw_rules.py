@@ -24,12 +24,18 @@ def _local_lists(params: list[torch.Tensor], grads: list[torch.Tensor],
     may be DTensors like their parameters or their local tensors (a working copy of a kept
     state: ``dmuon.state.kept_state``). Otherwise (a ``Partial`` grad, say, which DTensor
     redistributes inside the op) DTensors throughout: a foreach op cannot mix the two kinds."""
-    if all(not isinstance(p, DTensor) or (isinstance(g, DTensor) and g.device_mesh == p.device_mesh
-                                          and g.placements == p.placements) for p, g in zip(params, grads)):
+    if all(steps_as_local(p, g) for p, g in zip(params, grads)):
         return [[local_of(t) for t in tensors] for tensors in (params, grads, *moments)]
     return [params, grads, *([m if isinstance(m, DTensor) or not isinstance(p, DTensor) else
                               dtensor_where_it_is(m, p.device_mesh, p.placements, p.shape)
                               for m, p in zip(ms, params)] for ms in moments)]
+
+
+def steps_as_local(param: torch.Tensor, grad: torch.Tensor) -> bool:
+    """Whether ``param`` steps as its local tensor with ``grad``'s (:func:`_local_lists`): a plain
+    tensor, or a DTensor whose grad has its mesh and placements."""
+    return not isinstance(param, DTensor) or (isinstance(grad, DTensor) and grad.device_mesh == param.device_mesh
+                                              and grad.placements == param.placements)
 
 
 def adamw_direction_sign(exp_avg: torch.Tensor, grad: torch.Tensor, beta1: float) -> torch.Tensor:

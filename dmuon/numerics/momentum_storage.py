@@ -181,16 +181,21 @@ def _quantize_blocks_(blocks: torch.Tensor, values: torch.Tensor, scales: torch.
 
     On the CPU the same bits come from the forms its kernels run fast: bf16 and fp16 widened
     first (a mixed-dtype ``addcdiv`` takes about 8 times as long as the widening and an fp32
-    one together) and the maxima as ``abs().amax()`` (torch's CPU inf-norm does not vectorize
-    along a row: about 8 times slower), measured on a 2-core AVX-512 VM with torch 2.13."""
+    one together), the maxima as ``abs().amax()`` (torch's CPU inf-norm does not vectorize
+    along a row: about 8 times slower), and step 2 as a division, then the magic's addition
+    (the bits of ``addcdiv`` with ``value`` 1; the CPU's ``addcdiv`` takes the 0-dim magic
+    through a strided loop, about 6 times slower than the two), measured on 2-core AVX-512
+    VMs with torch 2.13."""
     int8_max, magic = constants
-    if blocks.device.type == "cpu":
+    on_cpu = blocks.device.type == "cpu"
+    if on_cpu:
         blocks = blocks.float()
         maxima = blocks.abs().amax(dim=-1, keepdim=True)
     else:
         maxima = torch.linalg.vector_norm(blocks, ord=math.inf, dim=-1, keepdim=True).float()
     torch.div(maxima, int8_max, out=scales)
-    sums = torch.addcdiv(magic, blocks, torch.where(scales > 0, scales, int8_max))
+    divisor = torch.where(scales > 0, scales, int8_max)
+    sums = torch.div(blocks, divisor).add_(_ROUNDING_MAGIC) if on_cpu else torch.addcdiv(magic, blocks, divisor)
     sums.clamp_(_ROUNDING_MAGIC - INT8_MAX, _ROUNDING_MAGIC + INT8_MAX)
     values.copy_(sums.view(torch.int32))
 
@@ -269,14 +274,19 @@ def read_momenta(values: Sequence[torch.Tensor], scales: Sequence[torch.Tensor |
         numels = [values[k].numel() for k in members]
         # One concatenation in the kept dtype, then one exact widening (a list copy across
         # dtypes would take one kernel a tensor on CUDA).
-        flat = torch.cat([values[k].view(-1) for k in members]).to(torch.float32 if int8 else dtype)
+        flat = _joined([values[k] for k in members]).to(torch.float32 if int8 else dtype)
         if int8:
-            flat.view(-1, INT8_BLOCK).mul_(torch.cat([scales[k].view(-1) for k in members]).unsqueeze(1))
+            flat.view(-1, INT8_BLOCK).mul_(_joined([scales[k] for k in members]).unsqueeze(1))
             flat = flat.to(dtype)
         for k, view in zip(members, flat.split(numels)):
             copies.working[k] = view.view(values[k].shape)
         copies.batches.append((members, flat))
     return copies
+
+
+def _joined(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``tensors`` (contiguous) flat and end to end: a view of one alone, else a new tensor."""
+    return tensors[0].view(-1) if len(tensors) == 1 else torch.cat([t.view(-1) for t in tensors])
 
 
 def store_momenta_(values: Sequence[torch.Tensor], scales: Sequence[torch.Tensor | None], copies: MomentumCopies,
@@ -301,6 +311,13 @@ def store_momenta_(values: Sequence[torch.Tensor], scales: Sequence[torch.Tensor
         work = copies.working[k]
         put(k, *(quantize_int8(work) if scales[k] is not None else (work.to(values[k].dtype), None)))
     for members, flat in copies.batches:
+        if oks is None and len(members) == 1:  # rounded straight into its store: no new tensor, no copy
+            (k,) = members
+            if scales[k] is None:
+                values[k].view(-1).copy_(flat)
+            else:
+                _quantize_flat(flat, values[k].view(-1), scales[k].view(-1))
+            continue
         numels = [values[k].numel() for k in members]
         if scales[members[0]] is None:
             new_values, new_scales = flat.to(values[members[0]].dtype), None
@@ -320,12 +337,15 @@ def store_momenta_(values: Sequence[torch.Tensor], scales: Sequence[torch.Tensor
     select_(targets, masks, news, foreach)
 
 
-def _quantize_flat(flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _quantize_flat(flat: torch.Tensor, values: torch.Tensor | None = None,
+                   scales: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`quantize_int8` of a flat run of whole blocks, chunk by chunk
-    (:data:`ROUNDING_CHUNK_NUMEL`): int8 values and fp32 scales, flat, each chunk written in
-    place by :func:`_quantize_blocks_` (four passes over it)."""
-    values = torch.empty(flat.numel(), dtype=torch.int8, device=flat.device)
-    scales = torch.empty(flat.numel() // INT8_BLOCK, dtype=torch.float32, device=flat.device)
+    (:data:`ROUNDING_CHUNK_NUMEL`): int8 values and fp32 scales, flat (into ``values`` and
+    ``scales`` where given), each chunk written in place by :func:`_quantize_blocks_` (four
+    passes over it)."""
+    if values is None or scales is None:
+        values = torch.empty(flat.numel(), dtype=torch.int8, device=flat.device)
+        scales = torch.empty(flat.numel() // INT8_BLOCK, dtype=torch.float32, device=flat.device)
     constants = _int8_constants(flat.device)
     for start in range(0, flat.numel(), ROUNDING_CHUNK_NUMEL):
         end = min(start + ROUNDING_CHUNK_NUMEL, flat.numel())

@@ -159,6 +159,70 @@ def read_chunks(states: Sequence[Mapping[str, Any] | None], likes: Sequence[torc
     return bounded_chunks([like.numel() for like in likes], READ_CHUNK_NUMEL)
 
 
+CPU_PIECE_NUMEL = 1 << 19
+"""Elements of one parameter kept in another form that the AdamW part steps at once on the CPU
+(:func:`step_pieces`): its reads, torch's AdamW and the stores then make copies of 2 MiB that stay
+in the cache and are reused by the allocator, where copies of a whole embedding (above glibc's 32
+MiB mmap limit) were faulted in afresh each step and went through main memory about ten times:
+int8 moments took 3.4x the fp32 moments' step time whole, 1.2x in pieces (``benchmarks/
+adamw_state_time.py``, docs/optimizer.md). Smaller pieces pay more in per-op overhead than they
+save. Not elsewhere: a GPU kernel wants the whole tensor."""
+
+
+@dataclass(frozen=True)
+class Piece:
+    """What a step reads, updates and stores together: parameters ``index`` whole (``rows``
+    None), or the rows ``rows`` of the one parameter ``index[0]`` (:func:`rows_of`)."""
+
+    index: list[int]
+    rows: slice | None = None
+
+
+def step_pieces(states: Sequence[Mapping[str, Any] | None], likes: Sequence[torch.Tensor],
+                all_keys: Sequence[StateKeys], cuttable: Sequence[bool]) -> list[Piece]:
+    """:func:`read_chunks` as :class:`Piece` s, where each parameter on the CPU that keeps a state
+    in another form and is ``cuttable`` (its local tensors contiguous, not empty) is cut into
+    rows of at most :data:`CPU_PIECE_NUMEL` elements (one row where a row is longer). Rows, not
+    elements: an int8 block and its scale never straddle two pieces."""
+    pieces = []
+    for chunk in read_chunks(states, likes, all_keys):
+        cut = [i for i in chunk if cuttable[i] and likes[i].device.type == "cpu" and likes[i].numel()
+               and any(m is not None and (m[1] is not None or m[0].dtype != likes[i].dtype)
+                       for m in (kept_momentum(states[i], keys) for keys in all_keys))]
+        if whole := [i for i in chunk if i not in cut]:
+            pieces.append(Piece(whole))
+        for i in cut:
+            width = row_length(likes[i].shape)
+            per_piece = max(1, CPU_PIECE_NUMEL // width)
+            # whole vectors of torch's fused CPU kernel in each piece but the last (its tail
+            # elements compute otherwise): 64 rows hold a multiple of 64 elements
+            per_piece -= per_piece % 64 if per_piece >= 64 else 0
+            rows = likes[i].numel() // width
+            pieces += [Piece([i], slice(r, min(r + per_piece, rows))) for r in range(0, rows, per_piece)]
+    return pieces
+
+
+def rows_of(tensor: torch.Tensor, rows: slice, width: int | None = None) -> torch.Tensor:
+    """The rows ``rows`` of a contiguous ``tensor``, as the blocks of int8 run along them
+    (``dmuon.numerics.momentum_storage.row_length``; ``width``: elements a row, for int8 scales),
+    a view."""
+    return tensor.view(-1, width or row_length(tensor.shape))[rows]
+
+
+def state_rows(state: Mapping[str, Any], rows: slice, all_keys: Sequence[StateKeys]) -> dict[str, torch.Tensor]:
+    """The rows ``rows`` of each state at ``all_keys`` (local views: values, and int8's scales),
+    as a state a step reads and stores through."""
+    piece = {}
+    for keys in all_keys:
+        if (kept := kept_momentum(state, keys)) is None:
+            continue
+        values, scales = (None if t is None else local_of(t) for t in kept)
+        piece[keys.buffer if scales is None else keys.int8] = rows_of(values, rows)
+        if scales is not None:
+            piece[keys.scales] = rows_of(scales, rows, scales.shape[-1])
+    return piece
+
+
 class MomentumReads:
     """One step's momenta of some parameters, read as tensors of the parameters' dtypes to run
     the rule on (:meth:`read`), then rounded back into their stores (:meth:`store`)."""

@@ -10,7 +10,8 @@ mask is False, without reading the mask on the host:
   or int8 are stored back only where the step stands);
 - otherwise: this rank's AdamW tensors (parameters and kept moments) are copied before the step and
   selected back after it (``dmuon.numerics.masked_updates.select_``: a few list ops on CUDA), one
-  group at a time (the copy's memory: one group's local shards, three times); torch's host step
+  piece at a time (``dmuon.state.kept_state.step_pieces``: the copy's memory is a piece's local
+  shards, three times); torch's host step
   counters are incremented as usual and recorded, so the next step takes them back if the mask was
   False (``dmuon.state.rollback``). Prefer ``fused=True`` where torch has it: it costs nothing."""
 
@@ -24,10 +25,10 @@ import torch
 from dmuon.exchange.grad_status import usable_grad
 from dmuon.exchange.status_masks import StatusMasks, StepMask
 from dmuon.exchange.host_staging import ADAMW_MASK, HostStaging
-from dmuon.numerics.adamw_rules import adamw_step_, adamw_step_counter, adamw_steps
+from dmuon.numerics.adamw_rules import adamw_step_, adamw_step_counter, adamw_steps, steps_as_local
 from dmuon.numerics.masked_updates import select_
-from dmuon.state.kept_state import (ADAMW_MOMENTS, MomentumReads, adamw_wanted, kept_momentum, make_momentum,
-                                    read_chunks)
+from dmuon.state.kept_state import (ADAMW_MOMENTS, MomentumReads, Piece, adamw_wanted, kept_momentum,
+                                    make_momentum, rows_of, state_rows, step_pieces)
 from dmuon.state.rollback import StateRollback
 from dmuon.step.telemetry import Telemetry
 from dmuon.torch_compat import capturable_devices, local_of
@@ -72,9 +73,9 @@ class _MaskOn:
 def _group_step(group: dict[str, Any], state: State, status: StatusMasks, mask_on: _MaskOn, telemetry: Telemetry,
                 foreach: bool | None, fused: bool | None, rollback: StateRollback,
                 summed: Mapping[torch.Tensor, torch.Tensor], name_of: Callable[[torch.Tensor], str]) -> None:
-    """One group's parameters with a grad (state made at their first step, recorded), their
-    moments read a chunk at a time where the group keeps them in another dtype
-    (``dmuon.state.kept_state``)."""
+    """One group's parameters with a grad (state made at their first step, recorded), stepped a
+    piece at a time (``dmuon.state.kept_state.step_pieces``: all at once where every moment is
+    held in its parameter's dtype; rows of a parameter whose moments are kept in another)."""
     params = [p for p in group["params"] if p.grad is not None]
     if not params:
         return
@@ -82,12 +83,7 @@ def _group_step(group: dict[str, Any], state: State, status: StatusMasks, mask_o
     foreach = group.get("foreach", foreach)
     # torch's fused and capturable kernels read the step counters on the device
     device_step = fused or (group.get("capturable") and local_of(params[0]).device.type in capturable_devices())
-    for param in params:
-        if not state.get(param):
-            made = make_momentum(param, adamw_wanted(param, group.get("state_dtype")), state[param],
-                                 name_of(param), ADAMW_MOMENTS)
-            state[param]["step"] = adamw_step_counter(param, device_step)
-            rollback.made(state, param, [*made, "step"])
+    _make_state(group, params, state, device_step, rollback, name_of)
     states = [state[p] for p in params]
     counters = adamw_steps(states, params, device_step)
     grads = [usable_grad(p, summed) for p in params]
@@ -95,36 +91,78 @@ def _group_step(group: dict[str, Any], state: State, status: StatusMasks, mask_o
                     cautious_weight_decay=group["cautious_weight_decay"], foreach=foreach, fused=fused,
                     capturable=bool(group.get("capturable")))
     local_params = [local_of(p) for p in params]
-
-    def step_chunks(oks: list[torch.Tensor] | None = None, **skip: Any) -> None:
-        for chunk in read_chunks(states, local_params, ADAMW_MOMENTS):
-            reads = MomentumReads()
-            moments = [reads.read([states[i] for i in chunk], [local_params[i] for i in chunk],
-                                  None if oks is None else [oks[i] for i in chunk], keys) for keys in ADAMW_MOMENTS]
-            adamw_step_([params[i] for i in chunk], [grads[i] for i in chunk], *moments,
-                        [counters[i] for i in chunk], **settings, **skip)
-            reads.store(foreach is not False)
-
+    cuttable = [steps_as_local(p, g) and local_of(p).is_contiguous() and local_of(g).is_contiguous()
+                for p, g in zip(params, grads)]
+    skip: dict[str, torch.Tensor] = {}
+    ok = masked = None
+    if status.mask is not StepMask.STANDS and fused and not group["cautious_weight_decay"]:
+        ok = mask_on(local_params[0].device)
+        # torch's skip leaves the working moments as read: their stores are selected by ``ok``
+        skip = dict(found_inf=(~ok).to(torch.float32))
+    elif status.mask is not StepMask.STANDS:
+        # This rank's tensors are copied before each piece and the masked bits selected back after it.
+        # Counters on an accelerator are selected like them; torch's host counters are taken back
+        # by the next step if it was masked (exact: they count by 1).
+        masked = {device: ~mask_on(device) for device in {t.device for t in local_params}}
+        on_device = [c for c in counters if c.device.type != "cpu"]
+        counters_before = _copies(on_device)
+    firsts: dict[int, torch.Tensor] = {}  # a cut parameter's counter as it was: each of its pieces counts from it
     with telemetry.updates(False, local_params):
-        if status.mask is StepMask.STANDS:
-            step_chunks()
-        elif fused and not group["cautious_weight_decay"]:
-            ok = mask_on(local_params[0].device)
-            # torch's skip leaves the working moments as read; their stores are selected too
-            step_chunks([ok] * len(params), found_inf=(~ok).to(torch.float32))
-        else:
-            # Counters on an accelerator are selected like the tensors; torch's host counters
-            # are taken back by the next step if it was masked (exact: they count by 1).
-            host = [c for c in counters if c.device.type == "cpu"]
-            kept = [local_of(t) for s in states for keys in ADAMW_MOMENTS for t in kept_momentum(s, keys) if t is not None]
-            selected = local_params + kept + [c for c in counters if c.device.type != "cpu"]
-            # Copies in one list op (a product by exactly 1 keeps every bit), not one per tensor.
-            befores = [t.clone() for t in selected] if foreach is False else _copies(selected)
-            step_chunks()
-            masked = {device: ~mask_on(device) for device in {t.device for t in selected}}
-            # masked: the bits from before
-            select_(selected, [masked[t.device] for t in selected], befores, foreach is not False)
-            rollback.counted(host)
+        for piece in step_pieces(states, local_params, ADAMW_MOMENTS, cuttable):
+            tensors = _piece_tensors(piece, params, grads, states, counters, firsts)
+            _piece_step(*tensors, settings, skip, None if ok is None else [ok] * len(tensors[0]), masked)
+            if piece.rows is not None:
+                counters[piece.index[0]].copy_(tensors[3][0])
+        if masked is not None:
+            select_(on_device, [masked[c.device] for c in on_device], counters_before, foreach is not False)
+            rollback.counted([c for c in counters if c.device.type == "cpu"])
+
+
+def _make_state(group: dict[str, Any], params: list[torch.Tensor], state: State, device_step: bool,
+                rollback: StateRollback, name_of: Callable[[torch.Tensor], str]) -> None:
+    """The moments and step counter of each of ``params`` without state yet (its first grad), in
+    the form its group asks for, recorded for a step that raises."""
+    for param in params:
+        if not state.get(param):
+            made = make_momentum(param, adamw_wanted(param, group.get("state_dtype")), state[param],
+                                 name_of(param), ADAMW_MOMENTS)
+            state[param]["step"] = adamw_step_counter(param, device_step)
+            rollback.made(state, param, [*made, "step"])
+
+
+def _piece_tensors(piece: Piece, params: list[torch.Tensor], grads: list[torch.Tensor], states: list[dict[str, Any]],
+                   counters: list[torch.Tensor], firsts: dict[int, torch.Tensor]) -> tuple[list[torch.Tensor], ...]:
+    """A piece's parameters, grads, states, step counters and local tensors: the group's own, or
+    views of one parameter's rows with a copy of its counter as it was before the step (``firsts``)."""
+    if piece.rows is None:
+        chosen = [params[i] for i in piece.index]
+        return (chosen, [grads[i] for i in piece.index], [states[i] for i in piece.index],
+                [counters[i] for i in piece.index], [local_of(p) for p in chosen])
+    (i,) = piece.index
+    rows = [rows_of(local_of(params[i]), piece.rows)]
+    return (rows, [rows_of(local_of(grads[i]), piece.rows)], [state_rows(states[i], piece.rows, ADAMW_MOMENTS)],
+            [firsts.setdefault(i, counters[i].clone()).clone()], rows)
+
+
+def _piece_step(params: list[torch.Tensor], grads: list[torch.Tensor], states: list[dict[str, Any]],
+                counters: list[torch.Tensor], likes: list[torch.Tensor], settings: dict[str, Any],
+                skip: dict[str, torch.Tensor], oks: list[torch.Tensor] | None,
+                masked: dict[torch.device, torch.Tensor] | None) -> None:
+    """torch's AdamW on one piece: its moments read (``dmuon.state.kept_state.MomentumReads``),
+    stepped and stored (where ``oks`` hold); with ``masked``, its parameters and kept moments
+    copied first and selected back where their device's mask holds."""
+    foreach = settings["foreach"] is not False
+    if masked is not None:
+        selected = likes + [local_of(t) for s in states for keys in ADAMW_MOMENTS for t in kept_momentum(s, keys)
+                            if t is not None]
+        # Copies in one list op per dtype (a product by exactly 1 keeps every bit), not one per tensor.
+        befores = [t.clone() for t in selected] if not foreach else _copies(selected)
+    reads = MomentumReads()
+    moments = [reads.read(states, likes, oks, keys) for keys in ADAMW_MOMENTS]
+    adamw_step_(params, grads, *moments, counters, **settings, **skip)
+    reads.store(foreach)
+    if masked is not None:
+        select_(selected, [masked[t.device] for t in selected], befores, foreach)  # masked: the bits from before
 
 
 def _copies(tensors: list[torch.Tensor]) -> list[torch.Tensor]:

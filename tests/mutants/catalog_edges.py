@@ -203,8 +203,17 @@ EDGES = [
         guarantee="A step masked on the device keeps every bit of the AdamW part's kept moments (values and "
                   "scales), not only the weights.",
         path="dmuon/step/adamw_part.py",
-        old="selected = local_params + kept + [c",
-        new="selected = local_params + [c",
+        old="selected = likes + [local_of(t) for s in states",
+        new="selected = likes + [local_of(t) for s in []",
         tests=("tests/test_adamw_state_dtype.py", "-k", "skipped_for_a_nonfinite_grad"),
+    ),
+    Mutant(
+        name="adamw-row-pieces-count-the-step-again",
+        guarantee="A parameter the AdamW part steps in row pieces (the CPU's kept moments) counts its step once: "
+                  "each piece's bias correction is the step's, the bits of the step on the whole tensor.",
+        path="dmuon/step/adamw_part.py",
+        old="[firsts.setdefault(i, counters[i].clone()).clone()]",
+        new="[counters[i].clone()]",
+        tests=("tests/test_adamw_state_dtype.py", "-k", "row_pieces"),
     ),
 ]

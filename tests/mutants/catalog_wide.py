@@ -288,8 +288,8 @@ WIDE = [
         guarantee="An int8 momentum block is rounded in units of its scale (absmax / 127), so what the next step "
                   "reads is within half a step of the EMA (issue 51).",
         path="dmuon/numerics/momentum_storage.py",
-        old="sums = torch.addcdiv(magic, blocks, torch.where(scales > 0, scales, int8_max))",
-        new="sums = torch.add(magic, blocks)",
+        old="divisor = torch.where(scales > 0, scales, int8_max)",
+        new="divisor = torch.ones_like(scales)",
         tests=("tests/test_momentum_storage.py::test_dequantized_values_are_within_half_a_step_of_the_input",),
     ),
     Mutant(
