@@ -33,6 +33,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from benchmarks.layouts import as_dtensor
 from dmuon import DMuon
 from dmuon.state import kept_state
+from tests.checkpoints import load_checkpoint, save_checkpoint
 from tests.distributed_scenarios import _device, device_type
 from tests.momentum_scenarios import MESH_MOMENTUM_CASES, OFF_BLOCKS
 
@@ -216,33 +217,6 @@ def mesh_exactness(state_dtype: str) -> dict[str, dict[str, Any]]:
 # ------------------------------------------------------------------------------ DCP
 
 
-def _as_module(params: dict[str, nn.Parameter]) -> nn.Module:
-    return nn.ParameterDict({n.replace(".", "_"): p for n, p in params.items()})
-
-
-def _save(checkpoint_dir: str, params: dict[str, nn.Parameter], optimizer: DMuon) -> None:
-    """A DCP checkpoint of the weights and the optimizer (moments' values and scales included)."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-
-    module = _as_module(params)
-    dcp.save({"model": module.state_dict(), "optim": get_optimizer_state_dict(module, optimizer)},
-             checkpoint_id=checkpoint_dir)
-
-
-def _load(checkpoint_dir: str, params: dict[str, nn.Parameter], optimizer: DMuon) -> None:
-    """That checkpoint loaded through DCP into ``params`` and ``optimizer`` (torch's
-    ``get_optimizer_state_dict`` makes a fresh optimizer's state first, for DCP to load into)."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
-
-    module = _as_module(params)
-    target = {"optim": get_optimizer_state_dict(module, optimizer), "model": module.state_dict()}
-    dcp.load(target, checkpoint_id=checkpoint_dir)
-    module.load_state_dict(target["model"])
-    set_optimizer_state_dict(module, optimizer, target["optim"])
-
-
 def _layout(kind: str, state_dtype: str, zeros: bool = False, **options: Any):
     """``"fsdp"``: Shard(0) over every rank; ``"mesh"``: the mesh layouts on a 2 x 2 mesh (4
     ranks) or a 1 x 1 one (1 rank), in the oracle's groups. The cases and ``(params,
@@ -258,7 +232,7 @@ def checkpoint_save(checkpoint_dir: str, kind: str, state_dtype: str, steps: int
     """``steps`` steps of ``kind`` (:func:`_layout`), then a DCP checkpoint."""
     shapes, (params, optimizer, place) = _layout(kind, state_dtype)
     _run(params, optimizer, shapes, range(steps), place)
-    _save(checkpoint_dir, params, optimizer)
+    save_checkpoint(checkpoint_dir, params, optimizer)
 
 
 def checkpoint_resume(checkpoint_dir: str, kind: str, state_dtype: str, done: int, total: int
@@ -266,7 +240,7 @@ def checkpoint_resume(checkpoint_dir: str, kind: str, state_dtype: str, done: in
     """That checkpoint loaded on this world size (fresh weights and optimizer), steps
     ``done..total`` run, against single-process DMuon run ``total`` steps uninterrupted."""
     shapes, (params, optimizer, place) = _layout(kind, state_dtype, zeros=True)
-    _load(checkpoint_dir, params, optimizer)
+    load_checkpoint(checkpoint_dir, params, optimizer)
     _run(params, optimizer, shapes, range(done, total), place)
     off_blocks = _off_blocks(state_dtype) if kind == "mesh" else ()
     return agreement(params, optimizer, *_oracle(shapes, state_dtype, total, off_blocks))

@@ -809,15 +809,10 @@ def normuon_states_agree(states: dict[str, dict[str, Any]], oracle_states: dict[
     return agree
 
 
-def _as_module(params: dict[str, nn.Parameter]) -> nn.Module:
-    return nn.ParameterDict({n.replace(".", "_"): p for n, p in params.items()})
-
-
 def variants_checkpoint_save(checkpoint_dir: str, steps: int) -> None:
     """``steps`` steps with the variant groups on Shard(0) over every rank, then a DCP
     checkpoint of the parameters and the optimizer (NorMuon state included)."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+    from tests.checkpoints import save_checkpoint
 
     mesh = init_device_mesh(device_type(), (dist.get_world_size(),))
 
@@ -827,17 +822,14 @@ def variants_checkpoint_save(checkpoint_dir: str, steps: int) -> None:
     params = {n: nn.Parameter(shard(t)) for n, t in _case_tensors(0).items()}
     optimizer = DMuon(_variant_groups(params), weight_decay=0.01, ns_dtype="float32")
     _variant_steps(optimizer, params, range(steps), shard)
-    module = _as_module(params)
-    dcp.save({"model": module.state_dict(), "optim": get_optimizer_state_dict(module, optimizer)},
-             checkpoint_id=checkpoint_dir)
+    save_checkpoint(checkpoint_dir, params, optimizer)
 
 
 def variants_checkpoint_resume(checkpoint_dir: str, done: int, total: int) -> dict[str, bool]:
     """Load that checkpoint on this world size (fresh parameters and optimizer), run
     steps ``done..total``, and compare with single-process DMuon run ``total`` steps
     uninterrupted: per case, bitwise equal."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+    from tests.checkpoints import load_checkpoint
 
     oracle = {n: nn.Parameter(t) for n, t in _case_tensors(0).items()}
     _variant_steps(DMuon(_variant_groups(oracle), weight_decay=0.01, ns_dtype="float32"), oracle, range(total))
@@ -848,11 +840,7 @@ def variants_checkpoint_resume(checkpoint_dir: str, done: int, total: int) -> di
 
     params = {n: nn.Parameter(shard(torch.zeros_like(t))) for n, t in _case_tensors(0).items()}
     optimizer = DMuon(_variant_groups(params), weight_decay=0.01, ns_dtype="float32")
-    module = _as_module(params)
-    target = {"model": module.state_dict(), "optim": get_optimizer_state_dict(module, optimizer)}
-    dcp.load(target, checkpoint_id=checkpoint_dir)
-    module.load_state_dict(target["model"])
-    set_optimizer_state_dict(module, optimizer, target["optim"])
+    load_checkpoint(checkpoint_dir, params, optimizer)
     _variant_steps(optimizer, params, range(done, total), shard)
     return {n: torch.equal(params[n].full_tensor(), oracle[n].detach()) for n in oracle}
 
