@@ -18,6 +18,12 @@ its transpose; fp32, as FSDP2 keeps them) and steps DMuon three times on seeded 
 With ``--shapes``, each matrix is measured alone the same way (one ``Shard(0)`` fp32 DTensor):
 the state and the step's peak per local element by ``momentum_dtype``, how the int8 state's
 cost follows the row width (docs/optimizer.md, "Momentum dtype").
+
+With ``--vocab V``, the whole optimizer (issue 69): the stack gets an embedding and an output
+head of ``V x dim`` and a norm per layer and one more in the AdamW part, and each combination of
+``momentum_dtype`` and ``adamw_state_dtype`` that docs/optimizer.md tabulates is measured: the
+state's bytes per local parameter of each part and of the whole model, and the third step's
+peak (docs/optimizer.md, "The whole optimizer's memory").
 """
 
 from __future__ import annotations
@@ -37,13 +43,15 @@ def shapes(dim: int, layers: int) -> list[tuple[int, int]]:
             [(dim, dim)] * 4 + [(hidden, dim), (dim, hidden), (hidden, dim)]]
 
 
-def measure(matrices: list[tuple[int, int]], momentum_dtype: str | None) -> dict[str, float]:
-    """On each rank (one thread each), ``matrices`` as ``Shard(0)`` DTensors stepped three
-    times: bytes per local Muon element at rest (all, the state's) and at the third step's
-    peak, and the rank's Muon elements."""
+def measure(matrices: list[tuple[int, int]], momentum_dtype: str | None, adamw_shapes: list[tuple[int, ...]] = (),
+            adamw_state_dtype: str | None = None) -> dict[str, float]:
+    """On each rank (one thread each), ``matrices`` (and the AdamW part's ``adamw_shapes``) as
+    ``Shard(0)`` DTensors stepped three times: bytes per local Muon element at rest (all, the
+    state's) and at the third step's peak, and the rank's Muon elements; the state's bytes per
+    local element of each part and of both (``state_per_param``)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
     from benchmarks.live_tensors import PeakBytes, live_storages, state_storages
     from dmuon import DMuon
@@ -51,8 +59,11 @@ def measure(matrices: list[tuple[int, int]], momentum_dtype: str | None) -> dict
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     generator = torch.Generator().manual_seed(0)
     fulls = [torch.randn(shape, generator=generator) for shape in matrices]
+    fulls += [torch.randn(shape, generator=generator) for shape in adamw_shapes]
     params = [torch.nn.Parameter(distribute_tensor(t, mesh, [Shard(0)])) for t in fulls]
-    optimizer = DMuon([{"params": params, "use_muon": True}], lr=0.02, momentum_dtype=momentum_dtype)
+    muon, adamw = params[: len(matrices)], params[len(matrices):]
+    optimizer = DMuon([{"params": muon, "use_muon": True}] + ([{"params": adamw, "use_muon": False}] if adamw else []),
+                      lr=0.02, momentum_dtype=momentum_dtype, adamw_state_dtype=adamw_state_dtype)
     gc.collect()
     before = live_storages()
     peak = PeakBytes()
@@ -69,9 +80,17 @@ def measure(matrices: list[tuple[int, int]], momentum_dtype: str | None) -> dict
     after = live_storages()
     new = {ptr: size for ptr, (size, _) in after.items() if ptr not in before}
     state = state_storages(optimizer)
-    elements = sum(p.to_local().numel() for p in params)
-    return {"at_rest": sum(new.values()) / elements, "state": sum(s for p, s in new.items() if p in state) / elements,
-            "peak": peak.bytes / elements, "elements": elements}
+    elements = sum(p.to_local().numel() for p in muon)
+    figures = {"at_rest": sum(new.values()) / elements, "state": sum(s for p, s in new.items() if p in state) / elements,
+               "peak": peak.bytes / elements, "elements": elements}
+    if adamw:
+        for name, part in (("muon", muon), ("adamw", adamw), ("param", params)):
+            locals_ = [t.to_local() if isinstance(t, DTensor) else t for p in part for t in optimizer.state[p].values()
+                       if isinstance(t, torch.Tensor)]
+            held = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in locals_}
+            figures[f"state_per_{name}"] = sum(held.values()) / max(1, sum(p.to_local().numel() for p in part))
+        figures["peak_per_param"] = peak.bytes / sum(p.to_local().numel() for p in params)
+    return figures
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -86,7 +105,12 @@ def main(argv: list[str] | None = None) -> None:
                         help="with --shapes: measure each this many times, the least peak kept (a buffer gloo's "
                              "thread lets go of a moment late only adds to a peak)")
     parser.add_argument("--json", help="write the figures here too")
+    parser.add_argument("--vocab", type=int, default=0,
+                        help="the whole optimizer: an embedding and an output head of VOCAB x dim and the norms in the "
+                             "AdamW part, every combination of momentum_dtype and adamw_state_dtype")
     args = parser.parse_args(argv)
+    if args.vocab:
+        return whole_optimizer(args.world_size, args.dim, args.layers, args.vocab, args.json)
     if args.shapes:
         return per_shape([tuple(int(n) for n in shape.split("x")) for shape in args.shapes.split(",")],
                          args.world_size, args.json, args.repeat)
@@ -102,6 +126,34 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{name:>14} {row['at_rest']:8.3f} {row['state']:8.3f} {row['peak']:10.3f}")
     if args.json:
         with open(args.json, "w") as out:
+            json.dump(rows, out, indent=2)
+
+
+# The combinations docs/optimizer.md tabulates: (momentum_dtype, adamw_state_dtype).
+WHOLE_ROWS = ((None, None), ("int8", None), ("int8", "bfloat16"), ("int8", "int8"), ("bfloat16", "bfloat16"))
+
+
+def whole_optimizer(world_size: int, dim: int, layers: int, vocab: int, json_path: str | None) -> None:
+    """``--vocab``: the whole optimizer's state per local parameter, each part's, and the step's peak."""
+    from benchmarks.spawned_ranks import run_on_ranks
+
+    adamw_shapes = [(vocab, dim), (vocab, dim)] + [(dim,)] * (2 * layers + 1)
+    muon = shapes(dim, layers)
+    share = sum(v * d for v, d in adamw_shapes[:2]) + dim * (2 * layers + 1)
+    share /= share + sum(r * c for r, c in muon)
+    rows = {}
+    for momentum_dtype, state_dtype in WHOLE_ROWS:
+        ranks = run_on_ranks(measure, world_size, muon, momentum_dtype, adamw_shapes, state_dtype, timeout=600)
+        rows[f"{momentum_dtype} {state_dtype}"] = {key: max(r[key] for r in ranks) for key in ranks[0]}
+    print(f"whole optimizer memory: {world_size} ranks, Shard(0), {layers} llama-like layers of dim {dim} and an "
+          f"embedding and output of {vocab} x {dim} (the AdamW part: {share:.1%} of the parameters; fp32), torch "
+          f"{torch.__version__}; bytes per local parameter of each part, the largest rank's")
+    print(f"{'momentum_dtype':>14} {'adamw_state':>11} {'Muon part':>9} {'AdamW part':>10} {'whole':>7} {'step peak':>9}")
+    for (momentum_dtype, state_dtype), row in zip(WHOLE_ROWS, rows.values()):
+        print(f"{str(momentum_dtype):>14} {str(state_dtype):>11} {row['state_per_muon']:9.3f} "
+              f"{row['state_per_adamw']:10.3f} {row['state_per_param']:7.3f} {row['peak_per_param']:9.3f}")
+    if json_path:
+        with open(json_path, "w") as out:
             json.dump(rows, out, indent=2)
 
 

@@ -491,6 +491,21 @@ def expected_resume(case: Case) -> str:
     return "refused" if option.on_resume is OnResume.REFUSED else "applied"
 
 
+def _logged_load(optimizer: DMuon, state: dict[str, Any]) -> tuple[str | None, str]:
+    """``optimizer.load_state_dict(state)``: its refusal (None: it loaded) and dmuon's log lines."""
+    logs = io.StringIO()
+    handler = logging.StreamHandler(logs)
+    logging.getLogger("dmuon").addHandler(handler)
+    logging.getLogger("dmuon").setLevel(logging.INFO)
+    try:
+        optimizer.load_state_dict(state)
+        return None, logs.getvalue()
+    except (ValueError, KeyError, TypeError) as error:
+        return str(error), logs.getvalue()
+    finally:
+        logging.getLogger("dmuon").removeHandler(handler)
+
+
 def check_resume(case: Case, value: Any) -> list[str]:
     if case.front == "resume_changed":
         value = CHANGED.get(case.option, value)
@@ -507,17 +522,7 @@ def check_resume(case: Case, value: Any) -> list[str]:
     configured.load_state_dict(copy.deepcopy(state))
     before = config_of(loaded)
     want = expected_resume(case)
-    logs = io.StringIO()
-    handler = logging.StreamHandler(logs)
-    logging.getLogger("dmuon").addHandler(handler)
-    logging.getLogger("dmuon").setLevel(logging.INFO)
-    try:
-        loaded.load_state_dict(edited)
-        got = None
-    except (ValueError, KeyError, TypeError) as error:
-        got = str(error)
-    finally:
-        logging.getLogger("dmuon").removeHandler(handler)
+    got, logged = _logged_load(loaded, edited)
     key = _saved_key(case)
     if want == "refused":
         if got is None:
@@ -528,8 +533,8 @@ def check_resume(case: Case, value: Any) -> list[str]:
     failures = []
     if config_of(loaded) != before:
         failures.append(f"the load changed the configuration: {before} -> {config_of(loaded)}")
-    if f"changed on resume: {key} " not in logs.getvalue():
-        failures.append(f"the change of {key} was not logged: {logs.getvalue()!r}")
+    if f"changed on resume: {key} " not in logged:
+        failures.append(f"the change of {key} was not logged: {logged!r}")
     run(loaded, loaded_net, range(2, 3), case.seed)
     run(configured, configured_net, range(2, 3), case.seed)
     if not same_bits(loaded_net, configured_net):
@@ -652,16 +657,9 @@ def _converted_from(case: Case, value: Any, target: str | None, held_form: str |
     loaded_net, configured_net = copy.deepcopy(saved_net), copy.deepcopy(saved_net)
     loaded = DMuon(list(loaded_net.named_parameters()), **{case.option: value})
     configured = DMuon(list(configured_net.named_parameters()), **{case.option: value})
-    logs = io.StringIO()
-    handler = logging.StreamHandler(logs)
-    logging.getLogger("dmuon").addHandler(handler)
-    logging.getLogger("dmuon").setLevel(logging.INFO)
-    try:
-        loaded.load_state_dict(copy.deepcopy(saved))
-    except (ValueError, KeyError, TypeError) as error:
-        return [f"the row says a resume converts the state, it was refused: {error}"]
-    finally:
-        logging.getLogger("dmuon").removeHandler(handler)
+    refused, text = _logged_load(loaded, copy.deepcopy(saved))
+    if refused is not None:
+        return [f"the row says a resume converts the state, it was refused: {refused}"]
     configured.load_state_dict(copy.deepcopy(fresh))
     failures = []
     by_name = {n: p for n, p in loaded_net.named_parameters()}
@@ -673,7 +671,6 @@ def _converted_from(case: Case, value: Any, target: str | None, held_form: str |
             forms = {k: f"{str(got[k].dtype)[6:]}{list(got[k].shape)}" for k in got if isinstance(got[k], torch.Tensor)}
             failures.append(f"{name}: state {wrong} not the fresh conversion's from {held_form} to {target} "
                             f"(held {forms})")
-    text = logs.getvalue()
     if held_form != target and f"changed on resume: {option.key} " not in text:
         failures.append(f"the change of {option.key} was not logged: {text!r}")
     if converted and "converted on resume from" not in text:

@@ -51,6 +51,16 @@ RESUME_LAYOUT = {
 BLOCK = 128  # int8 momentum's block (elements of one row): widths on and off it
 COLUMNS = (6, 7, 10, 64, 128, 129, 200, 256, 300)
 MAX_NUMEL = 3000  # per tensor: a case runs in well under a second
+# The row pieces the AdamW part steps kept moments in on the CPU (``dmuon.state.kept_state.
+# CPU_PIECE_NUMEL``), by the case's seed (:func:`piece_numel`): the library's (a matrix here is
+# one piece), one row a piece, or 200 elements (a few rows, cut at other rows on each rank
+# than in the oracle).
+PIECE_NUMELS = (None, 1, 200)
+
+
+def piece_numel(case: "Case") -> int | None:
+    """The AdamW part's row pieces for ``case`` (:data:`PIECE_NUMELS`; None: the library's)."""
+    return PIECE_NUMELS[case.seed % len(PIECE_NUMELS)]
 
 
 def layouts_for(world: int) -> tuple[str, ...]:

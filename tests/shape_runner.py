@@ -60,9 +60,11 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from benchmarks.layouts import as_dtensor
 from benchmarks.live_tensors import live_storages, state_storages, storage_key
 from dmuon import DMuon
+from dmuon.state import kept_state
+from tests.checkpoints import load_checkpoint, save_checkpoint
 from tests.fault_runner import LaunchStop, _bits_equal, _watchdog
-from tests.momentum_scenarios import _load, _save
-from tests.shape_cases import BLOCK, Case, Param, cuts_rows, params_of, parse, placements_of, row_length, rows_of
+from tests.shape_cases import (BLOCK, Case, Param, cuts_rows, params_of, parse, piece_numel, placements_of,
+                               row_length, rows_of)
 
 STEPS = 2  # before the checkpoint; one more after it
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -70,6 +72,7 @@ MOMENTUM = {"param": None, "bf16": "bfloat16", "int8": "int8"}  # momentum_dtype
 MOMENTUM_KEYS = ("momentum_buffer", "momentum_int8", "momentum_scales")
 ADAMW_KEYS = ("exp_avg", "exp_avg_int8", "exp_avg_scales", "exp_avg_sq", "exp_avg_sq_root_int8",
               "exp_avg_sq_root_scales")
+LIBRARY_PIECE_NUMEL = kept_state.CPU_PIECE_NUMEL  # a case's pieces: tests.shape_cases.piece_numel
 SCALAR_BYTES = 8  # a storage this small is a 0-dim scalar (reported apart: check c's allowance)
 # Tensors that may outlive a step by design, by their holder's type (check c allows them up to
 # tests.shape_sweep.STATUS_ALLOWANCE): the step's status sums (int32, one per DTensor parameter
@@ -197,6 +200,7 @@ class Model:
                 mesh, placements = layout_of(case, param, layout)
                 self.params[param.name] = nn.Parameter(as_dtensor(full, mesh, placements))
         named = list(self.params.items())
+        kept_state.CPU_PIECE_NUMEL = piece_numel(case) or LIBRARY_PIECE_NUMEL  # the oracle's and the ranks' alike
         kwargs = dict(options(case), momentum_dtype=MOMENTUM[case.mdtype],
                       adamw_state_dtype=MOMENTUM[case.adtype])
         self.optimizer = DMuon(_groups(named, case, set(oracle_bf16)) if layout is None else named, **kwargs)
@@ -455,13 +459,13 @@ def run_case(case: Case, out_dir: str, meet) -> dict[str, Any]:
                                 for p in model.specs if p.kind == "embed"}
 
         folder = os.path.join(out_dir, "ckpt", case.id)
-        phase("save", lambda: _save(folder, model.params, model.optimizer))
+        phase("save", lambda: save_checkpoint(folder, model.params, model.optimizer))
         oracle.step(STEPS)  # the uninterrupted run's next step
         obs["resume"] = {"layout": case.resume_layout, "form_changes": sorted(bf16_here ^ bf16_there)}
 
         def resume() -> Model:
             fresh = Model(case, case.resume_layout, zeros=True)
-            _load(folder, fresh.params, fresh.optimizer)
+            load_checkpoint(folder, fresh.params, fresh.optimizer)
             return fresh
 
         fresh = phase("load", resume)

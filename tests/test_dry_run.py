@@ -216,6 +216,7 @@ def test_adamw_state_kept_narrow_adds_no_host_sync_and_holds_less_adamw_state(st
 
 
 @needs_cuda_build
+@dry_run_sweep  # the kept AdamW state's rule, at llama3 8B's size: once, on the newest torch
 def test_int8_adamw_state_peaks_no_higher_than_fp32_adamw_state_at_llama3_8b_scale():
     # llama3 8B at P = 64 (docs/dry_run.md, "AdamW state dtype"): the AdamW part's working copies
     # (both moments of a read chunk in fp32) stay under the owner exchange's peak, eager and captured.
