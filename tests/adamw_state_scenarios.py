@@ -33,7 +33,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from benchmarks.layouts import as_dtensor
 from dmuon import DMuon
 from dmuon.state import kept_state
-from tests.checkpoints import load_checkpoint, save_checkpoint
+from tests.named_checkpoints import load_named, save_named
 from tests.distributed_scenarios import _device, device_type
 from tests.momentum_scenarios import MESH_MOMENTUM_CASES, OFF_BLOCKS
 
@@ -232,7 +232,7 @@ def checkpoint_save(checkpoint_dir: str, kind: str, state_dtype: str, steps: int
     """``steps`` steps of ``kind`` (:func:`_layout`), then a DCP checkpoint."""
     shapes, (params, optimizer, place) = _layout(kind, state_dtype)
     _run(params, optimizer, shapes, range(steps), place)
-    save_checkpoint(checkpoint_dir, params, optimizer)
+    save_named(checkpoint_dir, params, optimizer)
 
 
 def checkpoint_resume(checkpoint_dir: str, kind: str, state_dtype: str, done: int, total: int
@@ -240,7 +240,7 @@ def checkpoint_resume(checkpoint_dir: str, kind: str, state_dtype: str, done: in
     """That checkpoint loaded on this world size (fresh weights and optimizer), steps
     ``done..total`` run, against single-process DMuon run ``total`` steps uninterrupted."""
     shapes, (params, optimizer, place) = _layout(kind, state_dtype, zeros=True)
-    load_checkpoint(checkpoint_dir, params, optimizer)
+    load_named(checkpoint_dir, params, optimizer)
     _run(params, optimizer, shapes, range(done, total), place)
     off_blocks = _off_blocks(state_dtype) if kind == "mesh" else ()
     return agreement(params, optimizer, *_oracle(shapes, state_dtype, total, off_blocks))

@@ -1,37 +1,68 @@
-"""DCP checkpoints of named parameters and their optimizer, for the multi-rank scenarios that
-save on one world size (or mesh) and resume on another: the parameters as one module
-(``nn.ParameterDict``, dots in names made underscores), saved and loaded through torch's
-``get_optimizer_state_dict`` / ``set_optimizer_state_dict`` as TorchTitan does."""
+"""The DCP checkpoints TorchTitan jobs write (``<dump folder>/checkpoint/step-N``), read
+offline and compared bit for bit.
+
+A checkpoint is loaded whole, as full tensors, without a process group
+(``dcp_to_torch_save``), whatever the ranks and layout that wrote it. TorchTitan keeps
+the model's weights at its top level under their parameter names, and the optimizer's
+state under ``"optimizer"`` with flat keys (``state.<param>.<name>``,
+``param_groups.<param>.<option>``); both lines (0.2.x and 0.3.x) write that layout.
+"""
 
 from __future__ import annotations
 
-import torch.distributed.checkpoint as dcp
-from torch import nn
-from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
-from torch.optim import Optimizer
+from pathlib import Path
+
+import torch
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+__all__ = ["assert_same_checkpoints", "assert_same_tensors", "checkpoint_dir", "load_checkpoint"]
+
+# What a TorchTitan checkpoint holds beside the model's weights.
+NON_MODEL_STATES = ("optimizer", "lr_scheduler", "dataloader", "train_state")
 
 
-def as_module(params: dict[str, nn.Parameter]) -> nn.Module:
-    """``params`` as one module whose state dict DCP saves."""
-    return nn.ParameterDict({n.replace(".", "_"): p for n, p in params.items()})
+def checkpoint_dir(run: Path, step: int) -> Path:
+    """Where a run with dump folder ``run`` keeps its checkpoint of ``step``."""
+    return run / "checkpoint" / f"step-{step}"
 
 
-def save_checkpoint(checkpoint_dir: str, params: dict[str, nn.Parameter], optimizer: Optimizer) -> None:
-    """A DCP checkpoint of the weights and the optimizer (every state key, int8 values and scales included)."""
-    module = as_module(params)
-    dcp.save({"model": module.state_dict(), "optim": get_optimizer_state_dict(module, optimizer)},
-             checkpoint_id=checkpoint_dir)
+def load_checkpoint(folder: Path, scratch: Path) -> dict:
+    """A DCP checkpoint as full tensors, read offline (no process group needed);
+    ``scratch`` is a folder for the converted copy."""
+    scratch.mkdir(parents=True, exist_ok=True)
+    converted = scratch / f"{folder.name}.pt"
+    dcp_to_torch_save(folder, converted)
+    return torch.load(converted, weights_only=False)
 
 
-def load_checkpoint(checkpoint_dir: str, params: dict[str, nn.Parameter], optimizer: Optimizer,
-                    weights: bool = True) -> None:
-    """That checkpoint loaded through DCP into ``optimizer``, and into ``params`` with ``weights``
-    (torch's ``get_optimizer_state_dict`` makes a fresh optimizer's state first, for DCP to load into)."""
-    module = as_module(params)
-    target = {"optim": get_optimizer_state_dict(module, optimizer)}
-    if weights:
-        target["model"] = module.state_dict()
-    dcp.load(target, checkpoint_id=checkpoint_dir)
-    if weights:
-        module.load_state_dict(target["model"])
-    set_optimizer_state_dict(module, optimizer, target["optim"])
+def assert_same_tensors(actual: dict, expected: dict) -> None:
+    """``actual`` and ``expected`` (nested dicts) hold tensors under the same keys, bitwise equal."""
+    actual_tensors, expected_tensors = _tensors(actual), _tensors(expected)
+    assert actual_tensors.keys() == expected_tensors.keys()
+    assert expected_tensors, "no tensors to compare"
+    differing = [k for k, t in expected_tensors.items()
+                 if t.dtype != actual_tensors[k].dtype or not torch.equal(t, actual_tensors[k])]
+    assert not differing, f"{len(differing)} of {len(expected_tensors)} tensors differ: {differing[:5]}"
+
+
+def assert_same_checkpoints(actual: Path, expected: Path, scratch: Path) -> None:
+    """The checkpoint folders ``actual`` and ``expected`` hold the same tensors, bitwise:
+    every weight of the model and every tensor of the optimizer's state (momentum
+    buffers, AdamW moments and steps)."""
+    loaded = {name: load_checkpoint(folder, scratch / name) for name, folder in
+              (("actual", actual), ("expected", expected))}
+    model = {k: v for k, v in loaded["expected"].items() if k not in NON_MODEL_STATES}
+    assert _tensors(model), f"{expected} holds no model weights"
+    assert any(k.endswith("momentum_buffer") for k in _tensors(loaded["expected"].get("optimizer", {}))), (
+        f"{expected} holds no optimizer state (a model-only checkpoint?)")
+    assert_same_tensors(loaded["actual"], loaded["expected"])
+
+
+def _tensors(tree: dict, prefix: str = "") -> dict[str, torch.Tensor]:
+    found: dict[str, torch.Tensor] = {}
+    for key, value in tree.items():
+        if isinstance(value, torch.Tensor):
+            found[prefix + str(key)] = value
+        elif isinstance(value, dict):
+            found.update(_tensors(value, f"{prefix}{key}/"))
+    return found

@@ -812,7 +812,7 @@ def normuon_states_agree(states: dict[str, dict[str, Any]], oracle_states: dict[
 def variants_checkpoint_save(checkpoint_dir: str, steps: int) -> None:
     """``steps`` steps with the variant groups on Shard(0) over every rank, then a DCP
     checkpoint of the parameters and the optimizer (NorMuon state included)."""
-    from tests.checkpoints import save_checkpoint
+    from tests.named_checkpoints import save_named
 
     mesh = init_device_mesh(device_type(), (dist.get_world_size(),))
 
@@ -822,14 +822,14 @@ def variants_checkpoint_save(checkpoint_dir: str, steps: int) -> None:
     params = {n: nn.Parameter(shard(t)) for n, t in _case_tensors(0).items()}
     optimizer = DMuon(_variant_groups(params), weight_decay=0.01, ns_dtype="float32")
     _variant_steps(optimizer, params, range(steps), shard)
-    save_checkpoint(checkpoint_dir, params, optimizer)
+    save_named(checkpoint_dir, params, optimizer)
 
 
 def variants_checkpoint_resume(checkpoint_dir: str, done: int, total: int) -> dict[str, bool]:
     """Load that checkpoint on this world size (fresh parameters and optimizer), run
     steps ``done..total``, and compare with single-process DMuon run ``total`` steps
     uninterrupted: per case, bitwise equal."""
-    from tests.checkpoints import load_checkpoint
+    from tests.named_checkpoints import load_named
 
     oracle = {n: nn.Parameter(t) for n, t in _case_tensors(0).items()}
     _variant_steps(DMuon(_variant_groups(oracle), weight_decay=0.01, ns_dtype="float32"), oracle, range(total))
@@ -840,7 +840,7 @@ def variants_checkpoint_resume(checkpoint_dir: str, done: int, total: int) -> di
 
     params = {n: nn.Parameter(shard(torch.zeros_like(t))) for n, t in _case_tensors(0).items()}
     optimizer = DMuon(_variant_groups(params), weight_decay=0.01, ns_dtype="float32")
-    load_checkpoint(checkpoint_dir, params, optimizer)
+    load_named(checkpoint_dir, params, optimizer)
     _variant_steps(optimizer, params, range(done, total), shard)
     return {n: torch.equal(params[n].full_tensor(), oracle[n].detach()) for n in oracle}
 

@@ -25,7 +25,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from benchmarks.layouts import as_dtensor
 from dmuon import DMuon
-from tests.checkpoints import load_checkpoint, save_checkpoint
+from tests.named_checkpoints import load_named, save_named
 from tests.distributed_scenarios import _device, device_type
 from tests.mesh_scenarios import MESH_CASES
 
@@ -158,14 +158,14 @@ def checkpoint_save(checkpoint_dir: str, momentum_dtype: str, steps: int) -> Non
     """``steps`` steps on ``Shard(0)`` over every rank, then a DCP checkpoint."""
     params, optimizer, place = _fsdp(momentum_dtype)
     _run(params, optimizer, FSDP_CASES, range(steps), place)
-    save_checkpoint(checkpoint_dir, params, optimizer)
+    save_named(checkpoint_dir, params, optimizer)
 
 
 def checkpoint_resume(checkpoint_dir: str, momentum_dtype: str, done: int, total: int) -> dict[str, dict[str, bool]]:
     """That checkpoint loaded on this world size (fresh weights and optimizer), steps
     ``done..total`` run, against single-process DMuon run ``total`` steps uninterrupted."""
     params, optimizer, place = _fsdp(momentum_dtype, zeros=True)
-    load_checkpoint(checkpoint_dir, params, optimizer)
+    load_named(checkpoint_dir, params, optimizer)
     _run(params, optimizer, FSDP_CASES, range(done, total), place)
     return agreement(params, optimizer, *_oracle(FSDP_CASES, momentum_dtype, total))
 
@@ -180,7 +180,7 @@ def mesh_checkpoint_save(checkpoint_dir: str, momentum_dtype: str, steps: int) -
     """``steps`` steps of every mesh layout on a 2 x 2 mesh, then a DCP checkpoint."""
     params, optimizer, place = _mesh_layouts((2, 2), momentum_dtype)
     _run(params, optimizer, MESH_SHAPES, range(steps), place)
-    save_checkpoint(checkpoint_dir, params, optimizer)
+    save_named(checkpoint_dir, params, optimizer)
 
 
 def mesh_checkpoint_resume(checkpoint_dir: str, momentum_dtype: str, done: int, total: int
@@ -188,7 +188,7 @@ def mesh_checkpoint_resume(checkpoint_dir: str, momentum_dtype: str, done: int, 
     """That checkpoint resumed on one rank (a 1 x 1 mesh: every tensor whole), steps
     ``done..total`` run, against single-process DMuon run ``total`` steps uninterrupted."""
     params, optimizer, place = _mesh_layouts((1, 1), momentum_dtype, zeros=True)
-    load_checkpoint(checkpoint_dir, params, optimizer)
+    load_named(checkpoint_dir, params, optimizer)
     _run(params, optimizer, MESH_SHAPES, range(done, total), place)
     return agreement(params, optimizer,
                      *_oracle(MESH_SHAPES, momentum_dtype, total, _off_blocks(momentum_dtype)))
@@ -205,7 +205,7 @@ def checkpoint_load_as(checkpoint_dir: str, saved_dtype: str | None, momentum_dt
     oracle, reference = _oracle(FSDP_CASES, saved_dtype, 2)
     params, optimizer, _ = _fsdp(momentum_dtype, zeros=True)
     try:
-        load_checkpoint(checkpoint_dir, params, optimizer, weights=False)
+        load_named(checkpoint_dir, params, optimizer, weights=False)
     except CheckpointException as error:  # a BaseException: DCP's, from every rank's planner
         return {"error": f"{type(error).__name__}: {error}", "momentum": {}}
     loaded = {n: _whole(optimizer.state[p]["momentum_buffer"]) for n, p in params.items()}

@@ -61,7 +61,7 @@ from benchmarks.layouts import as_dtensor
 from benchmarks.live_tensors import live_storages, state_storages, storage_key
 from dmuon import DMuon
 from dmuon.state import kept_state
-from tests.checkpoints import load_checkpoint, save_checkpoint
+from tests.named_checkpoints import load_named, save_named
 from tests.fault_runner import LaunchStop, _bits_equal, _watchdog
 from tests.shape_cases import (BLOCK, Case, Param, cuts_rows, params_of, parse, piece_numel, placements_of,
                                row_length, rows_of)
@@ -459,13 +459,13 @@ def run_case(case: Case, out_dir: str, meet) -> dict[str, Any]:
                                 for p in model.specs if p.kind == "embed"}
 
         folder = os.path.join(out_dir, "ckpt", case.id)
-        phase("save", lambda: save_checkpoint(folder, model.params, model.optimizer))
+        phase("save", lambda: save_named(folder, model.params, model.optimizer))
         oracle.step(STEPS)  # the uninterrupted run's next step
         obs["resume"] = {"layout": case.resume_layout, "form_changes": sorted(bf16_here ^ bf16_there)}
 
         def resume() -> Model:
             fresh = Model(case, case.resume_layout, zeros=True)
-            load_checkpoint(folder, fresh.params, fresh.optimizer)
+            load_named(folder, fresh.params, fresh.optimizer)
             return fresh
 
         fresh = phase("load", resume)

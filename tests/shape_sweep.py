@@ -107,7 +107,7 @@ def _refused_across_the_fallback(text: str, obs: dict) -> bool:
     """Whether a DCP load failed as docs/optimizer.md says it must ("Resume on another layout
     with int8"): the new layout changes which parameters keep int8 momentum (or int8 AdamW
     moments) in bf16, and DCP misses, naming it, a key of one of them (the other form's; a
-    name's dots are underscores in the checkpoint: ``tests.checkpoints.as_module``)."""
+    name's dots are underscores in the checkpoint: ``tests.named_checkpoints.as_module``)."""
     changed = (obs.get("resume") or {}).get("form_changes") or []
     return "Missing key" in text and any(f".{name.replace('.', '_')}.{key}" in text for name in changed
                                          for key in ("momentum_", "exp_avg"))

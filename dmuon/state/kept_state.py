@@ -26,8 +26,9 @@ tensors themselves, and converts any form to any (:func:`convert_loaded`).
 A step reads each kept state as a tensor of the parameter's dtype (:class:`MomentumReads`), runs
 its rule on it, and rounds the result into the store under the step's masks, a chunk of
 parameters at a time (:func:`read_chunks`; the fast path: a few blocks at a time, as the owner
-exchange packs them, ``dmuon.step.fast_path``), so a low-precision state does not raise the
-step's peak. Nothing of a read outlives its step."""
+exchange packs them, ``dmuon.step.fast_path``; the AdamW part on the CPU: rows of one parameter,
+:func:`step_pieces`), so a low-precision state does not raise the step's peak. Nothing of a read
+outlives its step."""
 
 from __future__ import annotations
 

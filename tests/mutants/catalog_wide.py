@@ -365,8 +365,8 @@ WIDE = [
         guarantee="An int8 block whose scale is 0 (zeros, or subnormals whose max / 127 underflows) stores "
                   "zeros, as the formula's 0 where the scale is 0 says (issue 59, item 5).",
         path="dmuon/numerics/momentum_storage.py",
-        old="torch.where(scales > 0, scales, int8_max)",
-        new="scales",
+        old="divisor = torch.where(scales > 0, scales, int8_max)",
+        new="divisor = scales",
         tests=("tests/test_momentum_storage.py::test_a_block_whose_scale_underflows_to_zero_reads_back_zeros",),
     ),
     Mutant(
