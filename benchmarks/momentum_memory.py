@@ -51,9 +51,9 @@ def measure(matrices: list[tuple[int, int]], momentum_dtype: str | None, adamw_s
     local element of each part and of both (``state_per_param``)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+    from torch.distributed.tensor import Shard, distribute_tensor
 
-    from benchmarks.live_tensors import PeakBytes, live_storages, state_storages
+    from benchmarks.live_tensors import PeakBytes, live_storages, state_storages, storage_key
     from dmuon import DMuon
 
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
@@ -85,9 +85,8 @@ def measure(matrices: list[tuple[int, int]], momentum_dtype: str | None, adamw_s
                "peak": peak.bytes / elements, "elements": elements}
     if adamw:
         for name, part in (("muon", muon), ("adamw", adamw), ("param", params)):
-            locals_ = [t.to_local() if isinstance(t, DTensor) else t for p in part for t in optimizer.state[p].values()
-                       if isinstance(t, torch.Tensor)]
-            held = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in locals_}
+            held = dict(key for p in part for t in optimizer.state[p].values()
+                        if isinstance(t, torch.Tensor) and (key := storage_key(t)) is not None)
             figures[f"state_per_{name}"] = sum(held.values()) / max(1, sum(p.to_local().numel() for p in part))
         figures["peak_per_param"] = peak.bytes / sum(p.to_local().numel() for p in params)
     return figures

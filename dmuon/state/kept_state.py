@@ -154,10 +154,15 @@ def read_chunks(states: Sequence[Mapping[str, Any] | None], likes: Sequence[torc
     working tensor (nothing is read: the rules run as one list op per group), else chunks of at
     most :data:`READ_CHUNK_NUMEL` elements (a larger tensor alone), so a low-precision momentum
     never has parameter-dtype copies of more than one chunk alive."""
-    if all(m is None or (m[1] is None and m[0].dtype == like.dtype)  # None, or read as itself: held in ``like``'s dtype
-           for state, like in zip(states, likes) for m in (kept_momentum(state, keys) for keys in all_keys)):
+    if all(read_as_itself(kept_momentum(state, keys), like) for state, like in zip(states, likes) for keys in all_keys):
         return [list(range(len(likes)))] if likes else []
     return bounded_chunks([like.numel() for like in likes], READ_CHUNK_NUMEL)
+
+
+def read_as_itself(momentum: tuple[torch.Tensor, torch.Tensor | None] | None, like: torch.Tensor) -> bool:
+    """Whether a kept state (:func:`kept_momentum`'s, of the parameter whose local tensor is
+    ``like``) needs no read: none yet, or held in ``like``'s dtype (the rule updates it in place)."""
+    return momentum is None or (momentum[1] is None and momentum[0].dtype == like.dtype)
 
 
 CPU_PIECE_NUMEL = 1 << 19
@@ -188,8 +193,7 @@ def step_pieces(states: Sequence[Mapping[str, Any] | None], likes: Sequence[torc
     pieces = []
     for chunk in read_chunks(states, likes, all_keys):
         cut = [i for i in chunk if cuttable[i] and likes[i].device.type == "cpu" and likes[i].numel()
-               and any(m is not None and (m[1] is not None or m[0].dtype != likes[i].dtype)
-                       for m in (kept_momentum(states[i], keys) for keys in all_keys))]
+               and not all(read_as_itself(kept_momentum(states[i], keys), likes[i]) for keys in all_keys)]
         if whole := [i for i in chunk if i not in cut]:
             pieces.append(Piece(whole))
         for i in cut:

@@ -109,10 +109,12 @@ def _group_step(group: dict[str, Any], state: State, status: StatusMasks, mask_o
     firsts: dict[int, torch.Tensor] = {}  # a cut parameter's counter as it was: each of its pieces counts from it
     with telemetry.updates(False, local_params):
         for piece in step_pieces(states, local_params, ADAMW_MOMENTS, cuttable):
-            tensors = _piece_tensors(piece, params, grads, states, counters, firsts)
-            _piece_step(*tensors, settings, skip, None if ok is None else [ok] * len(tensors[0]), masked)
-            if piece.rows is not None:
-                counters[piece.index[0]].copy_(tensors[3][0])
+            piece_params, piece_grads, piece_states, piece_counters, likes = _piece_tensors(
+                piece, params, grads, states, counters, firsts)
+            _piece_step(piece_params, piece_grads, piece_states, piece_counters, likes, settings, skip,
+                        None if ok is None else [ok] * len(likes), masked)
+            if piece.rows is not None:  # the parameter's counter: where its pieces' copies counted to
+                counters[piece.index[0]].copy_(piece_counters[0])
         if masked is not None:
             select_(on_device, [masked[c.device] for c in on_device], counters_before, foreach is not False)
             rollback.counted([c for c in counters if c.device.type == "cpu"])

@@ -344,8 +344,8 @@ WIDE = [
         guarantee="Off the fast path a low-precision momentum is read, updated and stored a chunk at a time, "
                   "so its parameter-dtype copies never hold more than one chunk (issue 59, item 2).",
         path="dmuon/state/kept_state.py",
-        old="    if all(m is None or (m[1] is None and m[0].dtype == like.dtype)",
-        new="    if True or all(m is None or (m[1] is None and m[0].dtype == like.dtype)",
+        old="    if all(read_as_itself(kept_momentum(state, keys), like)",
+        new="    if True or all(read_as_itself(kept_momentum(state, keys), like)",
         tests=("tests/test_momentum_working_copies.py::"
                "test_plain_tensors_momenta_are_read_a_chunk_at_a_time_and_none_is_kept",),
     ),

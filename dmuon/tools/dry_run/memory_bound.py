@@ -52,7 +52,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from dmuon.exchange.packing import stages_casts
-from dmuon.state.kept_state import ADAMW_MOMENTS, READ_CHUNK_NUMEL, kept_momentum
+from dmuon.state.kept_state import ADAMW_MOMENTS, READ_CHUNK_NUMEL, kept_momentum, read_as_itself
 from dmuon.numerics.momentum_storage import ROUNDING_CHUNK_NUMEL, read_together
 from dmuon.numerics.update_rules import MASKED_CHUNK_NUMEL
 from dmuon.numerics.newton_schulz import matrix_shape, resolve_ns_dtype
@@ -122,7 +122,7 @@ def _momentum_reads(optimizer: DMuon) -> tuple[int, int]:
     for group in (g for g in optimizer.param_groups if g["use_muon"]):
         for param in group["params"]:
             momentum = kept_momentum(optimizer.state.get(param))
-            if momentum is None or momentum[0].dtype == param.dtype:
+            if read_as_itself(momentum, param):
                 continue
             local = local_of(param)
             numel = local.numel()
@@ -178,7 +178,7 @@ def adamw_reads(optimizer: DMuon, group: dict) -> int:
         largest, total, widest = max(largest, numel), total + numel, max(widest, local.element_size())
         for keys in ADAMW_MOMENTS:
             moment = kept_momentum(optimizer.state.get(param), keys)
-            if moment is None or (moment[1] is None and moment[0].dtype == local.dtype):
+            if read_as_itself(moment, local):
                 continue  # no state yet, or its own working tensor
             kept = sum(_local_bytes(t) for t in moment if t is not None) / max(numel, 1)
             int8 = moment[1] is not None
